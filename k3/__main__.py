@@ -1,0 +1,3 @@
+from k3.cli.main import main
+
+raise SystemExit(main())

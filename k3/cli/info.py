@@ -1,0 +1,63 @@
+"""``k3 info --preset NAME [--context N] [--json]``: layer schedule, parameters, FLOPs and cache bytes.
+
+Counts come from the module tree built on the meta device (no weights are allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from k3.audit.accounting import report
+from k3.config import PRESETS, get_preset
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("info", help="layer schedule and parameter / FLOP / cache accounting of a preset")
+    p.add_argument("--preset", default="small", help=f"one of: {', '.join(PRESETS)}")
+    p.add_argument("--context", type=int, default=4096, help="context length for attention FLOPs and cache bytes")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _human(n: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}"
+
+
+def _bytes(n: float) -> str:
+    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n:.0f} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.context <= 0:
+        raise ValueError(f"--context={args.context} must be positive")
+    r = report(get_preset(args.preset), context=args.context)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    print(f"preset {r['preset']}: {len(r['layers'])} layers")
+    print("layer  mixer  ffn    attn_res_block")
+    for layer in r["layers"]:
+        block = "-" if layer["attn_res_block"] is None else layer["attn_res_block"]
+        print(f"{layer['index']:5d}  {layer['mixer']:5s}  {layer['ffn']:5s}  {block}")
+    print(f"\nparameters: total {_human(r['params_total'])}, activated per token {_human(r['params_activated'])} "
+          f"(input embedding excluded; {_human(r['params_activated_with_embedding'])} with it)")
+    for path, n in r["params_by_path"].items():
+        note = " (vision tower not built yet)" if path == "vision" else ""
+        print(f"  {path:15s} {_human(n):>10s}   activated {_human(r['params_activated_by_path'][path]):>10s}{note}")
+    print(f"routed experts {_human(r['params_routed_experts'])}, shared {_human(r['params_shared_experts'])}, "
+          f"dense path {_human(r['params_dense_path'])}, vision {_human(r['params_vision'])}")
+    f = r["flops_per_token_breakdown"]
+    print(f"\nforward FLOPs per token at context {r['context']}: {_human(r['flops_per_token_forward'], 'FLOP')} "
+          f"(matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, KDA state {_human(f['kda_state'])})")
+    print(f"weight bytes read per token (batch 1, bf16): {_bytes(r['weight_bytes_per_token'])}")
+    c = r["cache_per_sequence"]
+    print(f"cache per sequence at {c['context']} tokens: {_bytes(c['total_bytes'])} (KDA state {_bytes(c['kda_state_bytes'])} "
+          f"fp32, conv {_bytes(c['conv_state_bytes'])}, MLA latents {_bytes(c['mla_cache_bytes'])} bf16)")
+    return 0

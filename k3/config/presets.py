@@ -1,0 +1,88 @@
+"""Presets as functions. ``tiny`` hits every branch, ``small`` trains on a CPU, the rest are published models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig, VisionConfig
+
+
+def tiny() -> K3Config:
+    """5 layers [KDA+dense, KDA+MoE, KDA+MoE, MLA+MoE, MLA+MoE]; AttnRes blocks [0,1] [2,3] [4] (partial)."""
+    return K3Config(
+        name="tiny", vocab_size=512, hidden_size=64, num_hidden_layers=5, mla_layers=(3, 4),
+        first_k_dense_replace=1, intermediate_size=128, max_position_embeddings=4096,
+        kda=KDAConfig(num_heads=2, head_dim=16, v_head_dim=16, forget_gate_rank=16, output_gate_rank=16,
+                      chunk_size=16),
+        mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16),
+        moe=MoEConfig(num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+                      latent_size=32),
+        attn_res=AttnResConfig(mode="snapshot", block_size=2),
+    )
+
+
+def small() -> K3Config:
+    """~35M total / ~11M activated parameters in K3's layout: 2 x [KDA, KDA, KDA, MLA] + a final MLA."""
+    return K3Config(
+        name="small", vocab_size=8192, hidden_size=256, num_hidden_layers=9, mla_layers=(3, 7, 8),
+        first_k_dense_replace=1, intermediate_size=768, max_position_embeddings=65536,
+        kda=KDAConfig(num_heads=4, head_dim=64, v_head_dim=64, forget_gate_rank=64, output_gate_rank=64),
+        mla=MLAConfig(num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                      v_head_dim=64),
+        moe=MoEConfig(num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=256,
+                      latent_size=128),
+        attn_res=AttnResConfig(mode="snapshot", block_size=4),
+    )
+
+
+def kimi_linear_48b() -> K3Config:
+    """Kimi-Linear-48B-A3B (spec §2): softplus gate, low-rank output gate, no q_lora, plain MoE, SwiGLU, no AttnRes."""
+    return K3Config(
+        name="kimi-linear-48b", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
+        mla_layers=(3, 7, 11, 15, 19, 23, 26), first_k_dense_replace=1, intermediate_size=9216, hidden_act="silu",
+        rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+        kda=KDAConfig(num_heads=32, head_dim=128, v_head_dim=128, gate_lower_bound=None,
+                      full_rank_output_gate=False, forget_gate_rank=128, output_gate_rank=128),
+        mla=MLAConfig(num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, output_gate=False),
+        moe=MoEConfig(num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
+                      latent_size=None, latent_norm=False, routed_scaling_factor=2.446),
+        attn_res=AttnResConfig(mode="none", block_size=1),
+    )
+
+
+def k2() -> K3Config:
+    """Kimi K2 (spec §2): 61 MLA layers with RoPE, 384 experts top-8, 1 shared, SwiGLU; 1.04T / 32.6B."""
+    return K3Config(
+        name="k2", vocab_size=163840, hidden_size=7168, num_hidden_layers=61, mla_layers=tuple(range(61)),
+        first_k_dense_replace=1, intermediate_size=18432, hidden_act="silu", rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        mla=MLAConfig(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, output_gate=False, rope_theta=50000.0),
+        moe=MoEConfig(num_experts=384, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=2048,
+                      latent_size=None, latent_norm=False, routed_scaling_factor=2.827),
+        attn_res=AttnResConfig(mode="none", block_size=1),
+    )
+
+
+def k3() -> K3Config:
+    """Kimi K3 as released (spec §2): 93 layers, 69 KDA + 24 gated NoPE MLA, Stable LatentMoE 896/16 + 2 shared."""
+    return K3Config(name="k3", vision=VisionConfig())
+
+
+PRESETS: dict[str, Callable[[], K3Config]] = {
+    "tiny": tiny,
+    "small": small,
+    "kimi-linear-48b": kimi_linear_48b,
+    "k2": k2,
+    "k3": k3,
+}
+
+
+def get_preset(name: str) -> K3Config:
+    """Build a preset by name; unknown names raise one ValueError listing the choices."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

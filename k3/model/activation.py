@@ -1,0 +1,56 @@
+"""SiTU, SiTU-GLU and SwiGLU (spec §8), and the gated FFN that uses them.
+
+SiTU_b(x) = b * tanh(x / b) * sigmoid(x): SiLU with its linear factor soft-capped at b.
+SiTU-GLU(g, u) = SiTU_4(g) * 25 * tanh(u / 25): bounded by 100, equal to SwiGLU to first order near 0.
+Nonlinearities run in fp32 and the result is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from k3.ops.dtypes import upcast
+
+GLU = Callable[[Tensor, Tensor], Tensor]
+
+
+def situ(x: Tensor, beta: float = 4.0) -> Tensor:
+    x32 = upcast(x)
+    return (beta * torch.tanh(x32 / beta) * torch.sigmoid(x32)).to(x.dtype)
+
+
+def situ_glu(g: Tensor, u: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
+    g32, u32 = upcast(g), upcast(u)
+    y = beta * torch.tanh(g32 / beta) * torch.sigmoid(g32) * (linear_beta * torch.tanh(u32 / linear_beta))
+    return y.to(g.dtype)
+
+
+def swiglu(g: Tensor, u: Tensor) -> Tensor:
+    return (F.silu(upcast(g)) * upcast(u)).to(g.dtype)
+
+
+def make_glu(hidden_act: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> GLU:
+    """The gated activation named by ``hidden_act`` ('situ' or 'silu')."""
+    if hidden_act == "situ":
+        return partial(situ_glu, beta=situ_beta, linear_beta=situ_linear_beta)
+    if hidden_act == "silu":
+        return swiglu
+    raise ValueError(f"hidden_act={hidden_act!r} must be 'situ' or 'silu'")
+
+
+class GatedFFN(nn.Module):
+    """down_proj(act(gate_proj(x), up_proj(x))): the dense FFN and the shared experts. x [..., d] -> [..., d]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, glu: GLU):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.glu = glu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,180 @@
+"""The K3 decoder: embedding -> layers (KDA or MLA mixer, dense FFN or MoE) with Attention Residuals -> norm -> lm_head.
+
+One decoder layer:   h = AttnRes_in(layer, 'attn');  out = mixer(input_layernorm(h));  record(out)
+                     h = AttnRes_in(layer, 'mlp');   out = ffn(post_attention_layernorm(h));  record(out)
+With ``attn_res.mode == 'none'`` this is the usual pre-norm residual block (Kimi Linear, K2).
+
+Inputs are packed: ``input_ids`` [B, T] is flattened to B*T tokens and ``cu_seqlens`` (FlashAttention
+convention, over the flattened tokens) marks sequence boundaries; without it every row is one sequence.
+KDA state, conv state and attention never cross a boundary. With a ``cache`` of S sequences, segment s of
+the call extends sequence s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.activation import GatedFFN, make_glu
+from k3.model.attn_res import ResidualStream, make_mix_params
+from k3.model.balance import RouterStats
+from k3.model.cache import K3Cache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import MultiheadLatentAttention
+from k3.model.moe import MoE, RoutedExperts, Router
+from k3.model.norm import RMSNorm
+from k3.ops.segments import segment_lengths
+
+# Parameters and buffers that stay fp32 whatever dtype the rest of the model is cast to.
+FP32_NAMES = ("e_score_correction_bias", "gate.weight", "A_log", "dt_bias")
+
+
+@dataclass
+class K3Output:
+    logits: Tensor  # [B, T, V]
+    router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
+    cache: K3Cache | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.mixer = config.mixer(layer_idx)
+        self.self_attn = KimiDeltaAttention(config) if self.mixer == "kda" else MultiheadLatentAttention(config)
+        self.input_layernorm = RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps)
+        if config.ffn(layer_idx) == "dense":
+            glu = make_glu(config.hidden_act, config.situ_beta, config.situ_linear_beta)
+            self.mlp = GatedFFN(d, config.intermediate_size, glu)
+        else:
+            self.block_sparse_moe = MoE(config, layer_idx)
+        if config.attn_res.mode != "none":
+            make_mix_params(self, "self_attention_res", d, eps)
+            make_mix_params(self, "mlp_res", d, eps)
+
+    def forward(self, stream: ResidualStream, cu_seqlens: Tensor, state=None, seq_ids=None) -> RouterStats | None:
+        h = stream.input(self.layer_idx, "attn", getattr(self, "self_attention_res_norm", None),
+                         getattr(self, "self_attention_res_proj", None))
+        stream.add(self.self_attn(self.input_layernorm(h), cu_seqlens, state, seq_ids))
+        h = stream.input(self.layer_idx, "mlp", getattr(self, "mlp_res_norm", None), getattr(self, "mlp_res_proj", None))
+        h = self.post_attention_layernorm(h)
+        if hasattr(self, "mlp"):
+            stream.add(self.mlp(h))
+            return None
+        out, stats = self.block_sparse_moe(h)
+        stream.add(out)
+        return stats
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.attn_res.mode != "none":
+            make_mix_params(self, "output_attn_res", config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, tokens: Tensor, cu_seqlens: Tensor, cache: K3Cache | None = None,
+                seq_ids: Tensor | None = None) -> tuple[Tensor, list]:
+        """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats)."""
+        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, self.embed_tokens(tokens))
+        stats = []
+        for i, layer in enumerate(self.layers):
+            s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids)
+            if s is not None:
+                stats.append(s)
+        h = stream.output(getattr(self, "output_attn_res_norm", None), getattr(self, "output_attn_res_proj", None))
+        return self.norm(h), stats
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> None:
+    """Raise one ValueError if cu_seqlens is not a valid packing of a [batch, seqlen] input."""
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    bounds = set(cu_seqlens.tolist()) if segment_lengths(cu_seqlens, batch * seqlen) else set()
+    missing = sorted(set(range(seqlen, batch * seqlen, seqlen)) - bounds)
+    if missing:
+        raise ValueError(f"cu_seqlens must contain every row boundary of the [B, T] input; missing {missing}")
+
+
+class K3ForCausalLM(nn.Module):
+    """The text model. ``model(input_ids [B, T], cu_seqlens=None, cache=None, seq_ids=None) -> K3Output``."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, initializer_range) for matrices and experts; ones for norms; zeros for AttnRes queries."""
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not name.endswith("_res_proj"):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, (RoutedExperts, Router)):
+                for p in module.parameters(recurse=False):
+                    nn.init.normal_(p, 0.0, std)
+            elif isinstance(module, nn.Conv1d):
+                nn.init.normal_(module.weight, 0.0, 1.0 / math.sqrt(module.weight.shape[-1]))
+            elif isinstance(module, KimiDeltaAttention):
+                module.reset_gate_parameters()
+
+    def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
+        """Cast to ``dtype`` but keep the router, its bias, A_log and dt_bias in fp32."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(torch.float32 if name.endswith(FP32_NAMES) else dtype)
+        return self
+
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: K3Cache | None = None,
+                seq_ids: list[int] | Tensor | None = None) -> K3Output:
+        """Logits for every input token.
+
+        input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence);
+        cache: a :class:`K3Cache`; seq_ids: which S cached sequences the segments extend (default 0..S-1, and
+        then the cache must hold exactly S sequences). Returns logits [B, T, V] and per-MoE-layer router stats.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64)
+        else:
+            check_cu_seqlens(cu_seqlens, b, t)
+        segments = cu_seqlens.numel() - 1
+        if cache is not None:
+            seq_ids = self._check_seq_ids(cache, segments, seq_ids, input_ids.device)
+        elif seq_ids is not None:
+            raise ValueError("seq_ids needs a cache")
+        hidden, stats = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids)
+        if cache is not None:
+            cache.advance(seq_ids.tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+        return K3Output(logits=self.lm_head(hidden).view(b, t, -1), router_stats=stats, cache=cache)
+
+    @staticmethod
+    def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:
+        if seq_ids is None:
+            if cache.batch_size != segments:
+                raise ValueError(f"the input has {segments} sequences but the cache holds {cache.batch_size}; "
+                                 "pass seq_ids to extend a subset")
+            return torch.arange(segments, device=device)
+        ids = torch.as_tensor(seq_ids, dtype=torch.int64, device=device).reshape(-1)
+        listed = ids.tolist()
+        if len(listed) != segments or len(set(listed)) != segments or not all(0 <= i < cache.batch_size for i in listed):
+            raise ValueError(f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})")
+        return ids
+
+    def new_cache(self, batch_size: int, state_dtype: torch.dtype = torch.float32) -> K3Cache:
+        p = self.lm_head.weight
+        return K3Cache(self.config, batch_size, device=p.device, dtype=p.dtype, state_dtype=state_dtype)

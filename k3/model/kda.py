@@ -1,0 +1,118 @@
+"""Kimi Delta Attention layer (spec §3).
+
+For each token x (width d), H heads of key width K and value width V:
+  q, k, v = SiLU(causal depthwise conv_W(W_{q,k,v} x))            three separate short convs
+  q, k    = L2Norm(q), L2Norm(k) per head (eps 1e-6)               q is scaled by K^-1/2 inside the op
+  beta    = sigmoid(W_b x)                                          one scalar per head
+  g       = -exp(A_log) softplus(f + dt_bias)          (Kimi Linear)     with f = W_fb W_fa x
+          = lb * sigmoid(exp(A_log) (f + dt_bias))      (K3, lb = -5)
+  S_t     = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+  y       = W_o [ sigmoid(W_g x) * RMSNorm_head(o) ]      W_g full rank (K3) or g_b(g_a(x)) (Kimi Linear)
+
+Weight names follow the K3 / Kimi-Linear checkpoints (q_proj, q_conv1d, f_a_proj, A_log, dt_bias, b_proj,
+g_proj or g_a_proj/g_b_proj, o_norm, o_proj).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.cache import KDAState
+from k3.model.norm import GatedRMSNorm
+from k3.ops.conv import causal_conv1d
+from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from k3.ops.dtypes import upcast
+
+
+def l2norm(x: Tensor, eps: float) -> Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (fla's convention)."""
+    x32 = upcast(x)
+    return x32 / torch.sqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        c = config.kda
+        d = config.hidden_size
+        self.num_heads, self.head_dim, self.v_head_dim = c.num_heads, c.head_dim, c.v_head_dim
+        self.lower_bound = c.gate_lower_bound
+        self.chunk_size = c.chunk_size
+        self.l2norm_eps = c.l2norm_eps
+        self.mode = "auto"  # "auto" | "chunk" | "recurrent"
+        key_dim, value_dim = c.num_heads * c.head_dim, c.num_heads * c.v_head_dim
+        self.q_proj = nn.Linear(d, key_dim, bias=False)
+        self.k_proj = nn.Linear(d, key_dim, bias=False)
+        self.v_proj = nn.Linear(d, value_dim, bias=False)
+        self.q_conv1d = nn.Conv1d(key_dim, key_dim, c.conv_kernel_size, groups=key_dim, bias=False)
+        self.k_conv1d = nn.Conv1d(key_dim, key_dim, c.conv_kernel_size, groups=key_dim, bias=False)
+        self.v_conv1d = nn.Conv1d(value_dim, value_dim, c.conv_kernel_size, groups=value_dim, bias=False)
+        self.f_a_proj = nn.Linear(d, c.forget_gate_rank, bias=False)
+        self.f_b_proj = nn.Linear(c.forget_gate_rank, key_dim, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(c.num_heads))
+        self.dt_bias = nn.Parameter(torch.zeros(key_dim))
+        self.b_proj = nn.Linear(d, c.num_heads, bias=False)
+        if c.full_rank_output_gate:
+            self.g_proj = nn.Linear(d, value_dim, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, c.output_gate_rank, bias=False)
+            self.g_b_proj = nn.Linear(c.output_gate_rank, value_dim, bias=False)
+        self.o_norm = GatedRMSNorm(c.v_head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(value_dim, d, bias=False)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """A_log = log U(1, 16) (softplus gate) or 0 (K3 bounded gate); dt_bias = softplus^-1(U_log(1e-3, 0.1))."""
+        if self.lower_bound is None:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        else:
+            self.A_log.zero_()
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)).exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, state: KDAState | None = None,
+                seq_ids: Tensor | None = None) -> Tensor:
+        """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
+
+        With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its rows are updated).
+        """
+        n = x.shape[0]
+        h, dk, dv = self.num_heads, self.head_dim, self.v_head_dim
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        qkv = []
+        for i, (conv, y) in enumerate(zip(convs, projected)):
+            y, conv_state = causal_conv1d(y.unsqueeze(0), conv.weight[:, 0], cu_seqlens=cu_seqlens,
+                                          initial_state=None if state is None else state.conv[i][seq_ids],
+                                          output_final_state=state is not None, activation="silu")
+            if state is not None:
+                state.conv[i] = state.conv[i].index_copy(0, seq_ids, conv_state.to(state.conv[i].dtype))
+            qkv.append(y)
+        q = l2norm(qkv[0].view(1, n, h, dk), self.l2norm_eps)
+        k = l2norm(qkv[1].view(1, n, h, dk), self.l2norm_eps)
+        v = qkv[2].view(1, n, h, dv)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, n, h, dk), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(upcast(self.b_proj(x))).view(1, n, h)
+
+        segments = cu_seqlens.numel() - 1
+        mode = self.mode
+        if mode == "auto":
+            mode = "recurrent" if n == segments else "chunk"  # one new token per sequence: decode
+        kwargs = dict(initial_state=None if state is None else state.recurrent[seq_ids],
+                      output_final_state=state is not None, cu_seqlens=cu_seqlens)
+        if mode == "chunk":
+            o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, **kwargs)
+        elif mode == "recurrent":
+            o, final = recurrent_kda(q, k, v, g, beta, **kwargs)
+        else:
+            raise ValueError(f"KDA mode={mode!r} must be 'auto', 'chunk' or 'recurrent'")
+        if state is not None:
+            state.recurrent = state.recurrent.index_copy(0, seq_ids, final.to(state.recurrent.dtype))
+
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o[0], gate.view(n, h, dv))
+        return self.o_proj(o.reshape(n, h * dv).to(x.dtype))

@@ -1,0 +1,112 @@
+"""Gated multi-head latent attention, NoPE by default (spec §4).
+
+  q            = W_qb RMSNorm(W_qa x)   (or W_q x without q_lora)        -> per head [q_nope (dn), q_pe (dr)]
+  c_kv, k_pe   = split(W_kva x);  c_kv = RMSNorm(c_kv)                     latent (r) + one shared k_pe (dr)
+  k_nope, v    = split per head of W_kvb c_kv                              (dn) and (dv)
+  o_h          = softmax([q_nope, q_pe] . [k_nope, k_pe] * (dn+dr)^-1/2, causal) v
+  y            = W_o [ o * sigmoid(W_g x) ]                               gate only when mla.output_gate
+The rope slice is never rotated unless ``mla.rope_theta`` is set (K2).
+
+Two equal forms: ``naive`` expands k/v per head from the latents; ``absorbed`` folds W_kvb into the query
+and the output, so attention runs over the cached latents directly (one shared key/value head of width
+r + dr / r). Decode uses the absorbed form by default; the cache only ever holds (c_kv, k_pe).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.cache import MLAState
+from k3.model.norm import RMSNorm
+from k3.ops.mla import attention
+from k3.ops.dtypes import upcast
+
+
+def rotate_half_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary embedding on the last dim (two halves), x [N, ..., dr], positions [N] -> same shape/dtype."""
+    dr = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dr, 2, device=x.device, dtype=torch.float32) / dr))
+    angles = upcast(positions)[:, None] * inv_freq[None, :]  # [N, dr/2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dr // 2,)
+    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
+    x1, x2 = upcast(x).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MultiheadLatentAttention(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        c = config.mla
+        d = config.hidden_size
+        self.num_heads, self.dn, self.dr, self.dv, self.r = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                                             c.v_head_dim, c.kv_lora_rank)
+        self.scale = c.qk_head_dim ** -0.5
+        self.rope_theta = c.rope_theta
+        self.absorb: bool | None = None  # None: absorbed when every segment brings one token with a cache
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, c.num_heads * c.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=c.norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=c.norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        if c.output_gate:
+            self.g_proj = nn.Linear(d, c.num_heads * c.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, d, bias=False)
+
+    def forward(self, x: Tensor, cu_seqlens: Tensor, state: MLAState | None = None, seq_ids: Tensor | None = None,
+                absorb: bool | None = None) -> Tensor:
+        """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
+
+        With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its latents are appended).
+        """
+        n, h = x.shape[0], self.num_heads
+        bounds = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, h, self.dn + self.dr)
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+
+        ids = [] if state is None else seq_ids.tolist()
+        past = [0] * len(lengths) if state is None else [state.c_kv[i].shape[0] for i in ids]
+        if self.rope_theta is not None:
+            positions = torch.cat([torch.arange(p, p + length, device=x.device) for p, length in zip(past, lengths)])
+            q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
+            k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
+
+        if state is None:
+            c_all, pe_all, cu_k = c_kv, k_pe, cu_seqlens
+        else:
+            for i, a, b in zip(ids, bounds[:-1], bounds[1:]):
+                state.c_kv[i] = torch.cat([state.c_kv[i], c_kv[a:b].to(state.c_kv[i].dtype)])
+                state.k_pe[i] = torch.cat([state.k_pe[i], k_pe[a:b].to(state.k_pe[i].dtype)])
+            c_all = torch.cat([state.c_kv[i] for i in ids]).to(x.dtype)
+            pe_all = torch.cat([state.k_pe[i] for i in ids]).to(x.dtype)
+            key_lens = torch.tensor([0] + [state.c_kv[i].shape[0] for i in ids], device=x.device)
+            cu_k = key_lens.cumsum(0).to(cu_seqlens.dtype)
+
+        if absorb is None:
+            absorb = self.absorb if self.absorb is not None else (state is not None and n == len(lengths))
+        w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
+        if absorb:
+            q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn])
+            keys = torch.cat([c_all, pe_all], dim=-1).unsqueeze(1)  # [M, 1, r+dr]
+            o_lat = attention(torch.cat([q_lat, q_pe], dim=-1), keys, c_all.unsqueeze(1), scale=self.scale,
+                              cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k)  # [N, H, r]
+            o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
+        else:
+            kv = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv)
+            k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+            k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
+            o = attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale=self.scale, cu_seqlens_q=cu_seqlens,
+                          cu_seqlens_k=cu_k)
+        o = o.reshape(n, h * self.dv)
+        if hasattr(self, "g_proj"):
+            o = (upcast(o) * torch.sigmoid(upcast(self.g_proj(x)))).to(x.dtype)
+        return self.o_proj(o)

@@ -1,0 +1,88 @@
+"""Sigmoid-routed MoE with shared experts; Stable LatentMoE when ``moe.latent_size`` is set (spec §6).
+
+  s       = sigmoid(W_r x)  in fp32 on the full-width x                       [N, E]
+  chosen  = top-k of (s + b), b = e_score_correction_bias (selection only, no gradient)
+  p_j     = s_j / sum_chosen s  (if renormalize)  * routed_scaling_factor
+  latent:  z = W_down x;  y = RMSNorm(sum_j p_j E_j(z));  routed = W_up y      experts live in width l
+  plain:   routed = sum_j p_j E_j(x)                                            experts live in width d
+  out     = routed + shared_experts(x)                                          shared experts full width
+E_j(z) = w2_j act(w1_j z, w3_j z) with act = SiTU-GLU (K3) or SwiGLU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3.config import K3Config
+from k3.model.activation import GatedFFN, make_glu
+from k3.model.balance import RouterStats
+from k3.model.norm import RMSNorm
+from k3.ops.moe import moe_experts
+from k3.ops.dtypes import upcast
+
+
+class Router(nn.Module):
+    """Checkpoint name ``gate``: weight [E, d] and the fp32 buffer ``e_score_correction_bias`` [E]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, scaling: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64, topk_weight [N, k] fp32."""
+        scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
+        bias = upcast(self.e_score_correction_bias)
+        topk_idx = torch.topk(scores.detach() + bias, self.top_k, dim=-1).indices
+        weight = scores.gather(1, topk_idx)
+        if self.renormalize:
+            weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
+        return scores, topk_idx, weight * self.scaling
+
+
+class RoutedExperts(nn.Module):
+    """Stacked expert weights: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I]."""
+
+    def __init__(self, num_experts: int, dim: int, intermediate: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate))
+        self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, dim))
+
+
+class MoE(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        c = config.moe
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.glu = make_glu(config.hidden_act, config.situ_beta, config.situ_linear_beta)
+        self.gate = Router(d, c.num_experts, c.num_experts_per_token, c.renormalize, c.routed_scaling_factor)
+        width = c.latent_size if c.latent_size is not None else d
+        self.experts = RoutedExperts(c.num_experts, width, c.moe_intermediate_size)
+        if c.latent_size is not None:
+            self.routed_expert_down_proj = nn.Linear(d, c.latent_size, bias=False)
+            if c.latent_norm:
+                self.routed_expert_norm = RMSNorm(c.latent_size, eps=config.rms_norm_eps)
+            self.routed_expert_up_proj = nn.Linear(c.latent_size, d, bias=False)
+        if c.num_shared_experts > 0:
+            self.shared_experts = GatedFFN(d, c.moe_intermediate_size * c.num_shared_experts, self.glu)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
+        """x [N, d] -> (out [N, d], router statistics of this layer)."""
+        scores, topk_idx, topk_weight = self.gate(x)
+        latent = hasattr(self, "routed_expert_down_proj")
+        z = self.routed_expert_down_proj(x) if latent else x
+        y = moe_experts(z, topk_idx, topk_weight, self.experts.w1, self.experts.w2, self.experts.w3, self.glu)
+        if latent:
+            if hasattr(self, "routed_expert_norm"):
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        stats = RouterStats(scores=scores, topk_idx=topk_idx, bias=self.gate.e_score_correction_bias.detach().clone(),
+                            layer=self.layer_idx)
+        return y, stats

@@ -1,0 +1,68 @@
+"""Backend selection for ops: ``reference`` (pure PyTorch, any device) or ``fast`` (GPU paths, when present).
+
+``auto`` picks ``fast`` where a fast path is registered and supports the device, else ``reference``. Asking
+for ``fast`` where none can run raises; nothing falls back silently, and each op logs the backend it runs the
+first time it runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("k3.ops")
+BACKENDS = ("auto", "reference", "fast")
+
+
+@dataclass
+class _Op:
+    name: str
+    impls: dict[str, Callable] = field(default_factory=dict)
+    supports: dict[str, Callable[[torch.device], bool]] = field(default_factory=dict)
+    logged: set = field(default_factory=set)
+
+
+_OPS: dict[str, _Op] = {}
+_choice: str = os.environ.get("K3_BACKEND", "auto")
+
+
+def register(op: str, backend: str, fn: Callable, supports: Callable[[torch.device], bool] = lambda d: True) -> None:
+    """Register an implementation of ``op`` under ``backend`` ('reference' or 'fast')."""
+    if backend not in ("reference", "fast"):
+        raise ValueError(f"backend {backend!r} must be 'reference' or 'fast'")
+    entry = _OPS.setdefault(op, _Op(op))
+    entry.impls[backend] = fn
+    entry.supports[backend] = supports
+
+
+def set_backend(choice: str) -> None:
+    """Choose 'auto', 'reference' or 'fast' for every op (also from the K3_BACKEND environment variable)."""
+    global _choice
+    if choice not in BACKENDS:
+        raise ValueError(f"backend={choice!r} must be one of {', '.join(BACKENDS)}")
+    _choice = choice
+
+
+def get_backend() -> str:
+    return _choice
+
+
+def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
+    """The (backend name, function) that runs ``op`` on ``device`` under the current choice."""
+    entry = _OPS[op]
+    fast_ok = "fast" in entry.impls and entry.supports["fast"](device)
+    if _choice == "fast" and not fast_ok:
+        raise RuntimeError(f"backend 'fast' was requested but op {op!r} has no fast path for device {device}")
+    name = "fast" if (_choice == "fast" or (_choice == "auto" and fast_ok)) else "reference"
+    if (name, device.type) not in entry.logged:
+        entry.logged.add((name, device.type))
+        log.info("op %s runs backend %s on %s", op, name, device.type)
+    return name, entry.impls[name]
+
+
+def dispatch(op: str, device: torch.device, *args, **kwargs):
+    return resolve(op, device)[1](*args, **kwargs)

@@ -1,0 +1,12 @@
+"""Causal depthwise short convolution with state. ``causal_conv1d(x [B,T,C], weight [C,W], ...) -> (y, state)``."""
+
+from k3.ops import backend
+from k3.ops.conv.reference import causal_conv1d as causal_conv1d_reference
+
+backend.register("causal_conv1d", "reference", causal_conv1d_reference)
+
+
+def causal_conv1d(x, weight, *, initial_state=None, output_final_state=False, cu_seqlens=None, activation="silu"):
+    """See :func:`k3.ops.conv.reference.causal_conv1d`."""
+    return backend.dispatch("causal_conv1d", x.device, x, weight, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, activation=activation)

@@ -1,0 +1,29 @@
+"""Kimi Delta Attention ops, fla-compatible signatures (time-major [B, T, H, K]; cu_seqlens needs B == 1).
+
+``chunk_kda`` (training / prefill) and ``recurrent_kda`` (decode) return ``(o, final_state)``;
+``kda_gate`` turns the raw forget projection into the log-space decay g.
+"""
+
+from k3.ops import backend
+from k3.ops.kda.reference import chunk_kda as chunk_kda_reference
+from k3.ops.kda.reference import kda_gate
+from k3.ops.kda.reference import recurrent_kda as recurrent_kda_reference
+
+backend.register("chunk_kda", "reference", chunk_kda_reference)
+backend.register("recurrent_kda", "reference", recurrent_kda_reference)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              chunk_size=64):
+    """See :func:`k3.ops.kda.reference.chunk_kda`."""
+    return backend.dispatch("chunk_kda", q.device, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """See :func:`k3.ops.kda.reference.recurrent_kda`."""
+    return backend.dispatch("recurrent_kda", q.device, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+__all__ = ["chunk_kda", "recurrent_kda", "kda_gate"]

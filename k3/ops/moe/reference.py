@@ -1,0 +1,37 @@
+"""Routed experts as a per-expert loop: the reference every grouped-GEMM path is tested against."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from k3.ops.dtypes import upcast
+
+
+def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
+                glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """y_t = sum_j p_tj * E_j(x_t) with E_j(x) = w2_j glu(w1_j x, w3_j x).
+
+    x [N, D] (D = latent width for LatentMoE, hidden width otherwise); topk_idx [N, k] int64;
+    topk_weight [N, k] (fp32 routing weights); w1, w3 [E, I, D]; w2 [E, D, I]. Returns [N, D] in x.dtype.
+    """
+    num_experts = w1.shape[0]
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    flat_idx = topk_idx.reshape(-1)
+    flat_token = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_idx.shape[1])
+    flat_weight = topk_weight.reshape(-1)
+    counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
+    order = torch.argsort(flat_idx, stable=True)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start:start + n]
+        start += n
+        tokens = flat_token[sel]
+        xe = x[tokens]
+        h = glu(xe @ w1[e].t(), xe @ w3[e].t())
+        out = upcast(h @ w2[e].t()) * upcast(flat_weight[sel]).unsqueeze(-1)
+        y = y.index_add(0, tokens, out)
+    return y.to(x.dtype)

@@ -1,0 +1,59 @@
+"""Variable-length segments (cu_seqlens) <-> right-padded batches, shared by the reference ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def segment_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """Validate ``cu_seqlens`` ([N+1], 0 = c_0 < ... < c_N = T) and return the N lengths."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError("cu_seqlens must be a 1-D integer tensor with at least 2 entries")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} .. {cu[-1]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if min(lengths) <= 0:
+        raise ValueError("cu_seqlens must be strictly increasing")
+    return lengths
+
+
+def pack_segments(x: torch.Tensor, cu_seqlens: torch.Tensor | None, multiple: int = 1) -> torch.Tensor:
+    """Gather sequences into a right-padded batch.
+
+    Args:
+        x: [B, T, ...] time-major tensor.
+        cu_seqlens: None (each batch row is a sequence) or [N+1] offsets into T (needs B == 1).
+        multiple: the padded length is rounded up to a multiple of this.
+
+    Returns:
+        [N, Tpad, ...] with zeros at padded positions (zeros in q, k, v, g, beta are identity
+        steps of the KDA recurrence: no decay, no write).
+    """
+    B, T = x.shape[:2]
+    if cu_seqlens is None:
+        Tpad = -(-T // multiple) * multiple
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, Tpad - T))
+    if B != 1:
+        raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
+    lengths = segment_lengths(cu_seqlens, T)
+    Tpad = -(-max(lengths) // multiple) * multiple
+    starts = cu_seqlens[:-1].to(device=x.device, dtype=torch.long)
+    lens = torch.tensor(lengths, device=x.device)
+    pos = torch.arange(Tpad, device=x.device)
+    valid = pos[None, :] < lens[:, None]  # [N, Tpad]
+    index = torch.where(valid, starts[:, None] + pos[None, :], 0)
+    gathered = x[0][index]  # [N, Tpad, ...]
+    valid = valid.view(valid.shape + (1,) * (x.dim() - 2))
+    return torch.where(valid, gathered, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def unpack_segments(y: torch.Tensor, cu_seqlens: torch.Tensor | None, T: int) -> torch.Tensor:
+    """Inverse of :func:`pack_segments`: [N, Tpad, ...] -> [B, T, ...], dropping padded positions."""
+    if cu_seqlens is None:
+        return y[:, :T]
+    lengths = segment_lengths(cu_seqlens, T)
+    pos = torch.arange(y.shape[1], device=y.device)
+    valid = pos[None, :] < torch.tensor(lengths, device=y.device)[:, None]
+    return y[valid].unsqueeze(0)  # row-major boolean indexing keeps segment order

@@ -1,0 +1,104 @@
+"""Config validation (one-line ValueErrors naming the field), presets, serialisation."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from k3.config import PRESETS, K3Config, get_preset
+
+non_positive = st.integers(max_value=0)
+BAD_FIELDS = {
+    "vocab_size": non_positive,
+    "hidden_size": non_positive,
+    "num_hidden_layers": non_positive,
+    "intermediate_size": non_positive,
+    "hidden_act": st.sampled_from(["gelu", "relu", "", "SiTU"]),
+    "rms_norm_eps": st.floats(max_value=0.0, allow_nan=False) | st.just(float("nan")),
+    "situ_beta": st.floats(max_value=0.0, allow_nan=False),
+    "tie_word_embeddings": st.just(True),
+    "first_k_dense_replace": st.integers(min_value=6) | st.integers(max_value=-1),
+    "mla_layers": st.lists(st.integers(min_value=5, max_value=10**6), min_size=1, max_size=3).map(tuple)
+    | st.integers(min_value=0, max_value=4).map(lambda i: (i, i)),
+    "bos_token_id": st.integers(min_value=512) | st.integers(max_value=-1),
+    "kda.num_heads": non_positive,
+    "kda.head_dim": non_positive,
+    "kda.conv_kernel_size": non_positive,
+    "kda.gate_lower_bound": st.floats(min_value=0.0, allow_nan=False, allow_infinity=False),
+    "kda.chunk_size": st.sampled_from([24, 40, 100]) | non_positive,
+    "mla.num_heads": non_positive,
+    "mla.q_lora_rank": non_positive,
+    "mla.kv_lora_rank": non_positive,
+    "mla.qk_rope_head_dim": st.integers(max_value=-1),
+    "mla.rope_theta": st.floats(max_value=0.0, allow_nan=False),
+    "moe.num_experts": non_positive,
+    "moe.num_experts_per_token": st.integers(min_value=9, max_value=10**4) | non_positive,
+    "moe.num_shared_experts": st.integers(max_value=-1),
+    "moe.latent_size": st.integers(min_value=65, max_value=10**6) | non_positive,
+    "moe.routed_scaling_factor": st.floats(max_value=0.0, allow_nan=False),
+    "attn_res.mode": st.text(max_size=8).filter(lambda s: s not in ("snapshot", "block_sum", "full", "none")),
+    "attn_res.block_size": non_positive,
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_bad_field_raises_one_line_naming_it(data):
+    field = data.draw(st.sampled_from(sorted(BAD_FIELDS)))
+    value = data.draw(BAD_FIELDS[field])
+    with pytest.raises(ValueError) as err:
+        get_preset("tiny").replace(**{field: value})
+    msg = str(err.value)
+    assert "\n" not in msg
+    leaf = field.split(".")[-1]
+    assert leaf in msg, f"{field}={value!r} gave {msg!r}"
+
+
+def test_vision_fields_are_validated():
+    with pytest.raises(ValueError, match=r"vision\.num_heads=0"):
+        get_preset("k3").replace(**{"vision.num_heads": 0})
+    with pytest.raises(ValueError, match=r"vision\.head_dim=6"):
+        get_preset("k3").replace(**{"vision.head_dim": 6})
+
+
+def test_unknown_fields_and_presets():
+    with pytest.raises(ValueError, match="unknown config field"):
+        get_preset("tiny").replace(**{"kda.heads": 4})
+    with pytest.raises(ValueError, match="unknown K3Config field"):
+        K3Config.from_dict({"hidden": 4})
+    with pytest.raises(ValueError, match="unknown preset 'k4'"):
+        get_preset("k4")
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_round_trip(name):
+    cfg = get_preset(name)
+    assert K3Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_k3_preset_is_the_released_config():
+    c = get_preset("k3")
+    assert (c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size) == (163840, 7168, 93, 33792)
+    assert c.mla_layers == tuple(range(3, 92, 4)) + (92,) and len(c.kda_layers) == 69
+    assert [i + 1 for i in c.mla_layers][-3:] == [88, 92, 93]  # 1-indexed 4, 8, ..., 92, 93
+    assert c.first_k_dense_replace == 1 and c.hidden_act == "situ"
+    assert (c.situ_beta, c.situ_linear_beta, c.rms_norm_eps) == (4.0, 25.0, 1e-5)
+    assert (c.kda.num_heads, c.kda.head_dim, c.kda.v_head_dim, c.kda.conv_kernel_size) == (96, 128, 128, 4)
+    assert c.kda.gate_lower_bound == -5.0 and c.kda.full_rank_output_gate
+    m = c.mla
+    assert (m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (
+        96, 1536, 512, 128, 64, 128)
+    assert m.output_gate and m.rope_theta is None
+    e = c.moe
+    assert (e.num_experts, e.num_experts_per_token, e.num_shared_experts, e.moe_intermediate_size, e.latent_size) == (
+        896, 16, 2, 3072, 3584)
+    assert e.latent_norm and e.routed_scaling_factor == 1.0 and e.renormalize
+    assert (c.attn_res.mode, c.attn_res.block_size) == ("snapshot", 12)
+    assert c.max_position_embeddings == 1048576 and not c.tie_word_embeddings
+    assert c.vision is not None and c.vision.num_layers == 27
+
+
+def test_schedule_helpers():
+    c = get_preset("tiny")
+    assert [c.mixer(i) for i in range(5)] == ["kda", "kda", "kda", "mla", "mla"]
+    assert [c.ffn(i) for i in range(5)] == ["dense", "moe", "moe", "moe", "moe"]
+    assert [c.attn_res_block(i) for i in range(5)] == [0, 0, 1, 1, 2]

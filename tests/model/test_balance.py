@@ -1,0 +1,410 @@
+"""Tests for k3.model.balance: Quantile Balancing (exact and histogram), baselines, metrics, Balancer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from k3.model.balance import (
+    Balancer,
+    QBHistogram,
+    RouterStats,
+    balance_metrics,
+    dead_experts,
+    drop_fraction,
+    expert_loads,
+    max_vio,
+    qb_required_bias,
+    qb_target_bias,
+    qb_update,
+    router_entropy,
+    seq_aux_loss,
+    sign_update,
+    switch_aux_loss,
+)
+from k3.model.balance import _quantile_linear_dim0
+
+E, K, N = 64, 8, 4096
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _offsets(seed: int = 0, scale: float = 1.5, e: int = E) -> torch.Tensor:
+    return torch.randn(e, generator=_gen(seed)) * scale
+
+
+def _batch(offsets: torch.Tensor, seed: int, n: int = N) -> torch.Tensor:
+    """Skewed router scores: sigmoid(per-expert offset + per-token noise), fp32 [n, E]."""
+    return torch.sigmoid(offsets + torch.randn(n, offsets.numel(), generator=_gen(seed)))
+
+
+def _route(scores: torch.Tensor, bias: torch.Tensor, k: int = K) -> torch.Tensor:
+    return torch.topk(scores + bias, k, dim=-1).indices
+
+
+def _stats(scores, bias, layer, k=K):
+    return RouterStats(scores=scores, topk_idx=_route(scores, bias, k), bias=bias.detach().clone(), layer=layer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantile Balancing, exact
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_qb_acceptance_new_batch():
+    off = _offsets(0)
+    a, b = _batch(off, 1), _batch(off, 2)
+    zero = torch.zeros(E)
+    mv0 = max_vio(expert_loads(_route(b, zero), E)).item()
+    new_bias = qb_update(a, zero, K)
+    mv1 = max_vio(expert_loads(_route(b, new_bias), E)).item()
+    print(f"\nQB acceptance (E={E}, k={K}, N={N}): MaxVio_0 = {mv0:.4f}, MaxVio_1 = {mv1:.4f}")
+    assert mv1 < 0.25 * mv0, f"MaxVio_0={mv0:.4f} MaxVio_1={mv1:.4f}"
+    assert abs(new_bias.mean().item()) < 1e-6
+    assert new_bias.dtype == torch.float32 and new_bias.shape == (E,)
+
+
+def test_qb_same_batch_threshold_counts_and_reroute():
+    off = _offsets(3)
+    a = _batch(off, 4)
+    bias = 0.1 * torch.randn(E, generator=_gen(5))
+    q = N * K // E
+    r = qb_required_bias(a, bias, K)
+    b_hat = qb_target_bias(a, bias, K)
+    below = (r < b_hat).sum(0)
+    at_or_below = (r <= b_hat).sum(0)
+    # b^ is a (k/E)-quantile of each column: under the OLD cutoffs at most q tokens clear it strictly and at
+    # least q weakly. Exactly q unless the quantile falls on the atom r_tj = b_j (tokens whose (k+1)-th pick is
+    # j itself all have r_tj = b_j up to rounding), a tie no threshold can split.
+    assert (below <= q).all() and (at_or_below >= q).all()
+    atom = (r - bias).abs() < 1e-6
+    exact = (below == q) | ((r <= b_hat) & atom).any(0)
+    assert exact.all()
+    # Re-routing the same batch with the centred bias: cutoffs move, so balance is approximate; repeating the
+    # step on the same batch converges.
+    mv0 = max_vio(expert_loads(_route(a, bias), E)).item()
+    new = qb_update(a, bias, K)
+    mv1 = max_vio(expert_loads(_route(a, new), E)).item()
+    for _ in range(4):
+        new = qb_update(a, new, K)
+    mv5 = max_vio(expert_loads(_route(a, new), E)).item()
+    print(f"\nQB same batch: MaxVio before {mv0:.4f}, after 1 step {mv1:.4f}, after 5 steps {mv5:.4f}")
+    msg = f"MaxVio on the same batch: before {mv0:.4f}, after 1 QB step {mv1:.4f}, after 5 steps {mv5:.4f}"
+    assert mv1 < 0.6 and mv1 < 0.1 * mv0, msg
+    assert mv5 < 0.06, msg
+
+
+def test_quantile_convention_matches_torch_quantile():
+    x = torch.randn(1001, 9, generator=_gen(6))
+    for p in (0.0, 8 / 64, 16 / 896, 0.5, 1.0):
+        ref = torch.quantile(x, p, dim=0, interpolation="linear")
+        torch.testing.assert_close(_quantile_linear_dim0(x, p), ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), shift=st.floats(-2.0, 2.0), e=st.sampled_from([8, 16, 32]),
+       k=st.sampled_from([1, 2, 4]), n=st.integers(16, 300))
+def test_qb_update_shift_invariant_and_centred(seed, shift, e, k, n):
+    off = _offsets(seed, 1.0, e)
+    s = _batch(off, seed + 1, n)
+    bias = 0.2 * torch.randn(e, generator=_gen(seed + 2))
+    out = qb_update(s, bias, k)
+    assert abs(out.mean().item()) < 1e-5
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(qb_update(s, bias + shift, k), out, atol=5e-6, rtol=0)
+
+
+def test_qb_rejects_bad_k():
+    s = torch.rand(10, 4, generator=_gen(7)) + 0.1
+    with pytest.raises(ValueError):
+        qb_update(s, torch.zeros(4), 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantile Balancing, histogram
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_histogram_quantile_within_one_bin():
+    off = _offsets(8)
+    a, b = _batch(off, 9), _batch(off, 10)
+    bias = qb_update(a, torch.zeros(E), K)  # a realistic non-zero bias
+    h = QBHistogram(E, K, bins=1000)
+    h.accumulate(b, bias)
+    exact = qb_target_bias(b, bias, K)
+    approx = h.quantiles()
+    width = h.bin_width
+    torch.testing.assert_close(width, (bias.max() - bias.min() + 2) / 1000)
+    diff_bins = ((approx - exact).abs() / width).max().item()
+    print(f"\nhistogram vs exact QB quantile: max |diff| = {diff_bins:.3f} bin widths")
+    assert diff_bins <= 1.0, f"{diff_bins:.3f} bins"
+    torch.testing.assert_close(h.compute(), approx - approx.mean())
+
+
+def test_histogram_microbatches_equal_concatenation():
+    off = _offsets(11)
+    bias = 0.3 * torch.randn(E, generator=_gen(12))
+    parts = [_batch(off, 20 + i, 512 + 37 * i) for i in range(4)]
+    h4 = QBHistogram(E, K)
+    for p in parts:
+        h4.accumulate(p, bias)
+    h1 = QBHistogram(E, K)
+    h1.accumulate(torch.cat(parts), bias)
+    assert h4.num_tokens == h1.num_tokens == sum(p.shape[0] for p in parts)
+    assert torch.equal(h4.counts, h1.counts)
+    assert torch.equal(h4.quantiles(), h1.quantiles())
+    h4.reset()
+    assert h4.num_tokens == 0 and h4.counts.sum().item() == 0 and h4.lo is None
+
+
+def test_histogram_range_fixed_and_clamping():
+    bias = 0.2 * torch.randn(E, generator=_gen(13))
+    h = QBHistogram(E, K, bins=50)
+    s = _batch(_offsets(14), 15, 256)
+    h.accumulate(s, bias)
+    lo, hi = h.lo.clone(), h.hi.clone()
+    torch.testing.assert_close(lo, bias.min() - 1)
+    torch.testing.assert_close(hi, bias.max() + 1)
+    # A different bias later in the step must not move the range; out-of-range r clamps into edge bins.
+    wild = 3.0 * torch.randn(256, E, generator=_gen(16))  # not sigmoid: r far outside the range
+    h.accumulate(wild, 5 * bias)
+    assert torch.equal(h.lo, lo) and torch.equal(h.hi, hi)
+    assert (h.counts.sum(1) == 512).all()
+    assert h.counts[:, 0].sum() > 0 and h.counts[:, -1].sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_sign_update_direction():
+    loads = torch.tensor([30, 10, 20, 20])  # mean 20
+    bias = torch.tensor([0.3, -0.2, 0.1, 0.05])
+    new = sign_update(loads, bias, gamma=1e-3)
+    torch.testing.assert_close(new - bias, torch.tensor([-1e-3, 1e-3, 0.0, 0.0]))
+    # Feeding it the loads it produces reduces an imbalance over steps.
+    off = _offsets(17)
+    s = _batch(off, 18, 1024)
+    b = torch.zeros(E)
+    mv0 = max_vio(expert_loads(_route(s, b), E))
+    for _ in range(100):
+        b = sign_update(expert_loads(_route(s, b), E), b, gamma=2e-2)
+    assert max_vio(expert_loads(_route(s, b), E)) < 0.5 * mv0
+
+
+def test_switch_aux_loss_uniform_minimum_and_growth():
+    e, k, n = 16, 4, 512
+    c = 0.2 + 0.6 * torch.rand((), generator=_gen(19))
+    uniform = torch.full((n, e), c.item())
+    t = torch.arange(n).unsqueeze(1)
+    cyclic = (t * k + torch.arange(k)) % e  # every expert gets exactly n k / e slots
+    assert (expert_loads(cyclic, e) == n * k // e).all()
+    torch.testing.assert_close(switch_aux_loss(uniform, cyclic, alpha=1e-2), torch.tensor(1e-2))
+    losses = []
+    for scale in (0.0, 0.5, 1.0, 2.0):
+        s = _batch(_offsets(20, scale, e), 21, n)
+        losses.append(switch_aux_loss(s, _route(s, 0.0, k), alpha=1e-2).item())
+    assert losses[0] == pytest.approx(1e-2, rel=0.05)
+    assert all(x < y for x, y in zip(losses, losses[1:])), losses
+
+
+def test_switch_aux_loss_gradient():
+    s = _batch(_offsets(22, 1.0, 16), 23, 128).requires_grad_(True)
+    loss = switch_aux_loss(s, _route(s.detach(), 0.0, 4))
+    loss.backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0 and torch.isfinite(s.grad).all()
+
+
+def test_seq_aux_loss_by_hand():
+    s = torch.tensor([[0.9, 0.2, 0.6, 0.3],
+                      [0.1, 0.8, 0.7, 0.4],
+                      [0.5, 0.5, 0.2, 0.9],
+                      [0.3, 0.6, 0.8, 0.2],
+                      [0.7, 0.4, 0.1, 0.6]])
+    idx = torch.tensor([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3]])
+    t, e, k, alpha = 5, 4, 2, 1e-4
+    count = [0] * e
+    for row in idx.tolist():
+        for j in row:
+            count[j] += 1
+    p = [0.0] * e
+    for row in s.tolist():
+        tot = sum(row)
+        for j in range(e):
+            p[j] += row[j] / tot / t
+    expected = alpha * sum(e / (k * t) * count[j] * p[j] for j in range(e))
+    got = seq_aux_loss(s, idx, torch.tensor([0, 5]), alpha=alpha)
+    assert got.item() == pytest.approx(expected, rel=1e-6)
+    assert seq_aux_loss(s, idx, None, alpha=alpha).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_seq_aux_loss_segments_padding_and_grad():
+    e, k = 16, 4
+    lens = [7, 0, 33, 12, 1]
+    n_real = sum(lens)
+    s = _batch(_offsets(24, 1.0, e), 25, n_real + 5).requires_grad_(True)  # 5 padding tokens at the end
+    idx = _route(s.detach(), 0.0, k)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    got = seq_aux_loss(s, idx, cu, alpha=1e-4)
+    per = [seq_aux_loss(s[a:b], idx[a:b], None, alpha=1e-4) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+           if b > a]
+    torch.testing.assert_close(got, torch.stack(per).mean())
+    got.backward()
+    assert s.grad[:n_real].abs().sum() > 0
+    assert s.grad[n_real:].abs().sum() == 0  # padding does not contribute
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_metrics_hand_made():
+    loads = torch.tensor([10, 20, 30, 0, 40])  # E=5, N=50, k=2: N k = 100, mean 20
+    assert max_vio(loads).item() == pytest.approx(1.0)
+    assert int(dead_experts(loads)) == 1
+    assert drop_fraction(loads, 2, 50, 1.0).item() == pytest.approx(0.30)  # C = 20: 10 + 20 over
+    assert drop_fraction(loads, 2, 50, 1.25).item() == pytest.approx(0.20)  # C = 25: 5 + 15 over
+    balanced = torch.tensor([7, 7, 7, 7])
+    assert max_vio(balanced).item() == 0.0 and int(dead_experts(balanced)) == 0
+    assert drop_fraction(balanced, 1, 28, 1.0).item() == 0.0
+    # C = ceil(1.1 * 10 * 1 / 4) = ceil(2.75) = 3 -> one slot over on the first expert
+    assert drop_fraction(torch.tensor([4, 3, 2, 1]), 1, 10, 1.1).item() == pytest.approx(0.1)
+
+
+def test_router_entropy():
+    c = 0.3 + 0.4 * torch.rand((), generator=_gen(26)).item()
+    assert router_entropy(torch.full((9, 12), c)).item() == pytest.approx(math.log(12), rel=1e-6)
+    two = torch.tensor([[0.2, 0.6], [0.6, 0.2]])
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert router_entropy(two).item() == pytest.approx(h, rel=1e-6)
+
+
+def test_router_stats_loads_and_balance_metrics():
+    off = _offsets(27)
+    zero = torch.zeros(E)
+    st0 = _stats(_batch(off, 28, 1024), zero, layer=1)
+    st3 = _stats(_batch(off, 29, 1024), qb_update(_batch(off, 30, 1024), zero, K), layer=3)
+    assert torch.equal(st0.loads, torch.bincount(st0.topk_idx.reshape(-1), minlength=E))
+    assert st0.loads.sum().item() == 1024 * K
+    m = balance_metrics([st0, st3])
+    for lay, st in ((1, st0), (3, st3)):
+        assert m[f"maxvio/layer{lay}"] == pytest.approx(max_vio(st.loads).item())
+        assert m[f"drop_cf1.0/layer{lay}"] == pytest.approx(drop_fraction(st.loads, K, 1024, 1.0).item())
+        assert m[f"drop_cf1.25/layer{lay}"] == pytest.approx(drop_fraction(st.loads, K, 1024, 1.25).item())
+        assert m[f"dead/layer{lay}"] == int(dead_experts(st.loads))
+        assert m[f"entropy/layer{lay}"] == pytest.approx(router_entropy(st.scores).item(), rel=1e-5)
+    assert m["maxvio/mean"] == pytest.approx((m["maxvio/layer1"] + m["maxvio/layer3"]) / 2)
+    assert m["maxvio/max"] == max(m["maxvio/layer1"], m["maxvio/layer3"])
+    assert m["maxvio/layer3"] < m["maxvio/layer1"]
+    # two micro-batches of one layer merge into global-batch figures
+    st0b = _stats(_batch(off, 31, 1024), zero, layer=1)
+    merged = balance_metrics([st0, st0b])
+    assert merged["maxvio/layer1"] == pytest.approx(max_vio(st0.loads + st0b.loads).item())
+    assert balance_metrics([]) == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Balancer
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_balancer_qb_updates_only_at_step_in_place():
+    off = _offsets(32)
+    buffers = {0: torch.zeros(E), 2: 0.05 * torch.randn(E, generator=_gen(33))}
+    before = {lay: b.clone() for lay, b in buffers.items()}
+    ptrs = {lay: b.data_ptr() for lay, b in buffers.items()}
+    bal = Balancer("qb", E, K)
+    micro = [[_stats(_batch(off, 40 + 2 * i + lay, 512), buffers[lay], lay) for lay in (0, 2)] for i in range(2)]
+    for stats in micro:
+        loss = bal.observe(stats)
+        assert loss.item() == 0.0
+        for lay in buffers:
+            assert torch.equal(buffers[lay], before[lay])
+    bal.step(buffers)
+    for lay in buffers:
+        assert buffers[lay].data_ptr() == ptrs[lay]
+        assert not torch.equal(buffers[lay], before[lay])
+        h = QBHistogram(E, K)
+        h.accumulate(torch.cat([m[lay // 2].scores for m in micro]), before[lay])
+        torch.testing.assert_close(buffers[lay], h.compute())
+    after = {lay: b.clone() for lay, b in buffers.items()}
+    bal.step(buffers)  # state was reset: nothing observed, nothing changes
+    for lay in buffers:
+        assert torch.equal(buffers[lay], after[lay])
+
+
+def test_balancer_qb_exact_sign_and_reduce_fn():
+    off = _offsets(34)
+    b0 = 0.05 * torch.randn(E, generator=_gen(35))
+    parts = [_batch(off, 50 + i, 300) for i in range(3)]
+    # qb_exact == qb_update on the concatenated tokens
+    buf = {5: b0.clone()}
+    bal = Balancer("qb_exact", E, K)
+    for p in parts:
+        bal.observe([_stats(p, b0, 5)])
+    bal.step(buf)
+    torch.testing.assert_close(buf[5], qb_update(torch.cat(parts), b0, K))
+    # sign: one reduce call on the stacked loads; scaling the loads (as a sum over equal ranks would) keeps signs
+    calls = []
+
+    def reduce_fn(t):
+        calls.append(t.shape)
+        t.mul_(2)
+
+    buf = {5: b0.clone()}
+    bal = Balancer("sign", E, K, gamma=1e-3)
+    stats = [_stats(p, b0, 5) for p in parts]
+    for st_ in stats:
+        bal.observe([st_])
+    bal.step(buf, reduce_fn=reduce_fn)
+    total = sum(st_.loads for st_ in stats)
+    torch.testing.assert_close(buf[5], sign_update(total, b0, 1e-3))
+    assert calls == [torch.Size([1, E])]
+    # qb with reduce_fn: one call on [layers, E, bins]; doubling all counts leaves the quantiles unchanged
+    calls.clear()
+    buf = {5: b0.clone(), 6: b0.clone()}
+    bal = Balancer("qb", E, K, bins=200)
+    bal.observe([_stats(parts[0], b0, 5), _stats(parts[1], b0, 6)])
+    bal.step(buf, reduce_fn=reduce_fn)
+    assert calls == [torch.Size([2, E, 200])]
+    h = QBHistogram(E, K, bins=200)
+    h.accumulate(parts[0], b0)
+    torch.testing.assert_close(buf[5], h.compute())
+    # a missing buffer is a clear error
+    bal.observe([_stats(parts[0], b0, 9)])
+    with pytest.raises(KeyError, match="layer 9"):
+        bal.step(buf)
+
+
+def test_balancer_aux_seqaux_and_none():
+    off = _offsets(36)
+    b0 = torch.zeros(E)
+    s = _batch(off, 37, 256).requires_grad_(True)
+    st_ = _stats(s, b0, 1)
+    cu = torch.tensor([0, 100, 256])
+    aux = Balancer("aux", E, K).observe([st_, st_])
+    torch.testing.assert_close(aux, 2 * switch_aux_loss(s, st_.topk_idx, 1e-2))
+    seq = Balancer("seqaux", E, K)
+    loss = seq.observe([st_], cu_seqlens=cu)
+    torch.testing.assert_close(loss, seq_aux_loss(s, st_.topk_idx, cu, 1e-4))
+    loss.backward()
+    assert s.grad.abs().sum() > 0
+    buf = {1: b0.clone()}
+    seq.step(buf)
+    torch.testing.assert_close(buf[1], sign_update(st_.loads, b0, 1e-3))
+    # aux and none never touch the bias
+    for method in ("aux", "none"):
+        buf = {1: b0.clone() + 0.01}
+        bal = Balancer(method, E, K)
+        out = bal.observe([_stats(_batch(off, 38, 256), buf[1], 1)])
+        if method == "none":
+            assert out.item() == 0.0
+        bal.step(buf)
+        assert torch.equal(buf[1], b0 + 0.01)
+
+
+def test_balancer_bad_method():
+    with pytest.raises(ValueError, match="unknown balancing method"):
+        Balancer("quantile", E, K)

@@ -1,0 +1,137 @@
+"""Tests for k3.ops.conv.reference.causal_conv1d against a plain per-token loop."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops.conv.reference import causal_conv1d
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def check(name, a, b, tol):
+    err = rel(a, b)
+    print(f"{name}: rel err {err:.3e} (tol {tol:.0e})")
+    assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.0e}"
+
+
+def truth_conv(x, weight, initial_state=None, activation="silu"):
+    """fp64 loop over tokens: y_t = act(sum_i w[:, i] * x_{t-(W-1)+i}); returns (y, last W-1 inputs)."""
+    x, weight = x.detach().double(), weight.detach().double()
+    B, T, C = x.shape
+    W = weight.shape[1]
+    y = torch.zeros(B, T, C, dtype=torch.float64)
+    finals = []
+    for b in range(B):
+        past = torch.zeros(W - 1, C, dtype=torch.float64)
+        if initial_state is not None:
+            past = initial_state[b].detach().double().T  # [W-1, C], oldest first
+        seq = torch.cat([past, x[b]])  # token t at row W-1+t
+        for t in range(T):
+            acc = torch.zeros(C, dtype=torch.float64)
+            for i in range(W):
+                acc = acc + weight[:, i] * seq[t + i]
+            y[b, t] = F.silu(acc) if activation == "silu" else acc
+        finals.append(seq[len(seq) - (W - 1) :].T)
+    return y, torch.stack(finals)
+
+
+def make(B, T, C, W=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=gen)
+    weight = torch.randn(C, W, generator=gen) / W**0.5
+    s0 = torch.randn(B, C, W - 1, generator=gen)
+    return x, weight, s0
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_against_loop(activation, with_state):
+    x, weight, s0 = make(2, 23, 6)
+    s0 = s0 if with_state else None
+    y_ref, f_ref = truth_conv(x, weight, s0, activation)
+    y, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True, activation=activation)
+    assert y.dtype == x.dtype and f.shape == (2, 6, 3)
+    check(f"conv y [{activation}, state={with_state}]", y, y_ref, 1e-6)
+    check(f"conv final state [{activation}, state={with_state}]", f, f_ref, 1e-7)
+    assert causal_conv1d(x, weight)[1] is None
+
+
+@pytest.mark.parametrize("W", [2, 4, 5])
+def test_kernel_widths(W):
+    x, weight, s0 = make(1, 9, 3, W=W, seed=1)
+    y_ref, f_ref = truth_conv(x, weight, s0)
+    y, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+    check(f"conv y [W={W}]", y, y_ref, 1e-6)
+    check(f"conv final state [W={W}]", f, f_ref, 1e-7)
+
+
+@pytest.mark.parametrize("t1", [1, 2, 3, 10, 19])
+def test_state_continuation(t1):
+    x, weight, s0 = make(2, 20, 5, seed=2)
+    y_full, f_full = causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+    y1, f1 = causal_conv1d(x[:, :t1], weight, initial_state=s0, output_final_state=True)
+    y2, f2 = causal_conv1d(x[:, t1:], weight, initial_state=f1, output_final_state=True)
+    check(f"continuation y [t1={t1}]", torch.cat([y1, y2], 1), y_full, 1e-7)
+    check(f"continuation state [t1={t1}]", f2, f_full, 0.0)
+
+
+def test_short_sequence_keeps_old_state():
+    x, weight, s0 = make(1, 2, 4, seed=3)  # T = 2 < W - 1 = 3
+    _, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+    expected = torch.cat([s0[:, :, 2:], x.transpose(1, 2)], dim=-1)
+    assert torch.equal(f, expected)
+
+
+def test_cu_seqlens_equals_separate_runs():
+    lengths = [7, 1, 2, 12, 4]
+    x, weight, _ = make(1, sum(lengths), 5, seed=4)
+    s0 = torch.randn(len(lengths), 5, 3, generator=torch.Generator().manual_seed(5))
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    y, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    assert y.shape == x.shape and f.shape == (len(lengths), 5, 3)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        y_n, f_n = causal_conv1d(x[:, a:b], weight, initial_state=s0[n : n + 1], output_final_state=True)
+        check(f"varlen y [seg {n}]", y[:, a:b], y_n, 1e-7)
+        check(f"varlen state [seg {n}]", f[n : n + 1], f_n, 0.0)
+        y_t, f_t = truth_conv(x[:, a:b], weight, s0[n : n + 1])
+        check(f"varlen y vs loop [seg {n}]", y[:, a:b], y_t, 1e-6)
+
+
+def test_dtypes():
+    x, weight, s0 = make(1, 8, 4, seed=6)
+    y, f = causal_conv1d(x.bfloat16(), weight, initial_state=s0, output_final_state=True)
+    assert y.dtype == torch.bfloat16 and f.dtype == torch.float32
+
+
+def test_gradcheck():
+    x, weight, s0 = (t.double().requires_grad_() for t in make(2, 6, 3, seed=7))
+
+    def f(x, weight, s0):
+        return causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+
+    assert torch.autograd.gradcheck(f, (x, weight, s0))
+
+    x1 = torch.randn(1, 7, 3, dtype=torch.float64, requires_grad=True)
+    s1 = torch.randn(3, 3, 3, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 2, 3, 7])
+
+    def g(x, weight, s0):
+        return causal_conv1d(x, weight, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+
+    assert torch.autograd.gradcheck(g, (x1, weight, s1))
+
+
+def test_invalid_arguments():
+    x, weight, s0 = make(2, 10, 4, seed=8)
+    with pytest.raises(ValueError):
+        causal_conv1d(x, weight, cu_seqlens=torch.tensor([0, 4, 10]))  # B > 1
+    with pytest.raises(ValueError):
+        causal_conv1d(x, weight, initial_state=s0[:1])  # N != B
+    with pytest.raises(ValueError):
+        causal_conv1d(x[:1], weight, initial_state=s0, cu_seqlens=torch.tensor([0, 3, 6, 10]))  # N != segments
+    with pytest.raises(ValueError):
+        causal_conv1d(x, weight, activation="relu")
