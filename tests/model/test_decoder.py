@@ -74,8 +74,19 @@ def test_rows_with_documents_match_flat_packing(tiny_model):
     assert rel(two_rows, one_row) <= 1e-6
 
 
-def test_chunked_prefill_and_decode_reproduce_full_logits(tiny_model):
+KIMI_LINEAR_STYLE = {"kda.gate_lower_bound": None, "kda.full_rank_output_gate": False, "mla.q_lora_rank": None,
+                     "mla.output_gate": False, "moe.latent_size": None, "moe.routed_scaling_factor": 2.446,
+                     "hidden_act": "silu", "attn_res.mode": "none"}
+VARIANTS = {"k3": {}, "kimi_linear": KIMI_LINEAR_STYLE, "block_sum": {"attn_res.mode": "block_sum"},
+            "full_rope": {"attn_res.mode": "full", "mla.rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunked_prefill_and_decode_reproduce_full_logits(tiny_model, variant):
     """Sequences of different lengths: prefill in chunks of 7 (sequences join and drop out), then decode."""
+    if variant != "k3":
+        torch.manual_seed(0)
+        tiny_model = K3ForCausalLM(get_preset("tiny").replace(**VARIANTS[variant])).eval()
     torch.manual_seed(3)
     total = [37, 20, 45]
     prompt = [25, 9, 33]
