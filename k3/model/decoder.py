@@ -175,6 +175,12 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})")
         return ids
 
+    def save_pretrained(self, directory, fmt: str = "k3", max_shard_bytes: int | None = None):
+        """Atomically write config.json + safetensors to ``directory`` (see k3.convert.checkpoint)."""
+        from k3.convert.checkpoint import DEFAULT_SHARD_BYTES, save_pretrained
+
+        return save_pretrained(self, directory, fmt, max_shard_bytes or DEFAULT_SHARD_BYTES)
+
     def new_cache(self, batch_size: int, state_dtype: torch.dtype = torch.float32) -> K3Cache:
         p = self.lm_head.weight
         return K3Cache(self.config, batch_size, device=p.device, dtype=p.dtype, state_dtype=state_dtype)

@@ -1,0 +1,247 @@
+"""``config.json`` <-> ``K3Config``.
+
+Two formats, both ``model_type: kimi_linear`` (K3's text model is a Kimi-Linear model with extra keys):
+- ``k3``: the released K3 text-config keys (spec §2): 1-indexed ``linear_attn_config.kda_layers`` /
+  ``full_attn_layers``, ``gate_lower_bound``, ``use_full_rank_gate``, ``mla_use_output_gate``,
+  ``routed_expert_hidden_size``, ``latent_moe_use_norm``, ``attn_res_block_size``, ``activation_situ_*``,
+  plus a ``k3`` sub-dict for what the release does not spell out (AttnRes mode, gate ranks, chunk size, ...).
+- ``kimi_linear``: the Kimi-Linear keys only, loadable by transformers' ``KimiLinearForCausalLM``; only
+  Kimi-Linear-shaped configs can be written this way.
+Reading accepts both, transformers' native spellings (``layer_types``, ``mlp_layer_types``, ``linear_num_heads``,
+``num_local_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``norm_topk_prob``, ``model_max_length``)
+and the multimodal ``kimi_k3`` wrapper (its ``text_config``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig
+
+FORMATS = ("k3", "kimi_linear")
+
+
+def _first(d: dict, *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+def kimi_linear_incompatibilities(cfg: K3Config) -> list[str]:
+    """Why ``cfg`` cannot be written as a plain Kimi-Linear config (empty list: it can)."""
+    why = []
+    if cfg.attn_res.mode != "none":
+        why.append(f"attn_res.mode={cfg.attn_res.mode!r} (Kimi-Linear has no AttnRes)")
+    if cfg.moe.latent_size is not None:
+        why.append("moe.latent_size is set (Kimi-Linear has no latent MoE)")
+    if cfg.kda.gate_lower_bound is not None:
+        why.append("kda.gate_lower_bound is set (Kimi-Linear uses the softplus gate)")
+    if cfg.kda.full_rank_output_gate:
+        why.append("kda.full_rank_output_gate=True (Kimi-Linear has a low-rank output gate)")
+    if cfg.mla.output_gate:
+        why.append("mla.output_gate=True (Kimi-Linear MLA has no output gate)")
+    if cfg.mla.rope_theta is not None:
+        why.append("mla.rope_theta is set (Kimi-Linear MLA is NoPE)")
+    if cfg.hidden_act != "silu":
+        why.append(f"hidden_act={cfg.hidden_act!r} (Kimi-Linear uses silu)")
+    k = cfg.kda
+    if not (k.v_head_dim == k.head_dim == k.forget_gate_rank == k.output_gate_rank):
+        why.append("kda.v_head_dim, forget_gate_rank and output_gate_rank must all equal kda.head_dim")
+    if cfg.mla.norm_eps != 1e-6:
+        why.append("mla.norm_eps must be 1e-6")
+    return why
+
+
+def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
+    """The ``config.json`` dict of ``cfg`` in format ``k3`` or ``kimi_linear``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
+    if fmt == "kimi_linear":
+        why = kimi_linear_incompatibilities(cfg)
+        if why:
+            raise ValueError("cannot write a kimi_linear config: " + "; ".join(why))
+    kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
+    d: dict[str, Any] = {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "intermediate_size": cfg.intermediate_size,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "moe_layer_freq": 1,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "initializer_range": cfg.initializer_range,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+        "num_attention_heads": mla.num_heads,
+        "num_key_value_heads": mla.num_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "mla_use_nope": mla.rope_theta is None,
+        "num_experts": moe.num_experts,
+        "num_experts_per_token": moe.num_experts_per_token,
+        "num_shared_experts": moe.num_shared_experts,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": moe.renormalize,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "linear_attn_config": {
+            "num_heads": kda.num_heads,
+            "head_dim": kda.head_dim,
+            "short_conv_kernel_size": kda.conv_kernel_size,
+            "kda_layers": [i + 1 for i in cfg.kda_layers],
+            "full_attn_layers": [i + 1 for i in sorted(cfg.mla_layers)],
+        },
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    if fmt == "k3":
+        d["head_dim"] = kda.head_dim
+        d["linear_attn_config"]["gate_lower_bound"] = kda.gate_lower_bound
+        d["linear_attn_config"]["use_full_rank_gate"] = kda.full_rank_output_gate
+        d["mla_use_output_gate"] = mla.output_gate
+        if mla.rope_theta is not None:
+            d["rope_theta"] = mla.rope_theta
+        d["routed_expert_hidden_size"] = moe.latent_size
+        d["latent_moe_use_norm"] = moe.latent_norm
+        d["attn_res_block_size"] = cfg.attn_res.block_size if cfg.attn_res.mode != "none" else None
+        if cfg.hidden_act == "situ":
+            d["activation_situ_beta"] = cfg.situ_beta
+            d["activation_situ_linear_beta"] = cfg.situ_linear_beta
+        d["k3"] = {
+            "name": cfg.name,
+            "attn_res_mode": cfg.attn_res.mode,
+            "kda_v_head_dim": kda.v_head_dim,
+            "kda_forget_gate_rank": kda.forget_gate_rank,
+            "kda_output_gate_rank": kda.output_gate_rank,
+            "kda_chunk_size": kda.chunk_size,
+            "kda_l2norm_eps": kda.l2norm_eps,
+            "mla_norm_eps": mla.norm_eps,
+        }
+    return d
+
+
+def _mla_layers(d: dict, n: int) -> tuple[int, ...]:
+    lac = d.get("linear_attn_config") or {}
+    if "full_attn_layers" in lac:
+        mla = [int(i) - 1 for i in lac["full_attn_layers"]]
+        if "kda_layers" in lac:
+            kda = sorted(int(i) - 1 for i in lac["kda_layers"])
+            if sorted(set(range(n)) - set(mla)) != kda:
+                raise ValueError("config.json: linear_attn_config.kda_layers and full_attn_layers must partition "
+                                 f"layers 1..{n}")
+        return tuple(sorted(mla))
+    if d.get("layer_types"):
+        types = d["layer_types"]
+        if len(types) != n or not set(types) <= {"full_attention", "linear_attention"}:
+            raise ValueError(f"config.json: layer_types must list {n} entries of full_attention / linear_attention")
+        return tuple(i for i, t in enumerate(types) if t == "full_attention")
+    raise ValueError("config.json must give linear_attn_config.full_attn_layers (1-indexed) or layer_types")
+
+
+def _first_dense(d: dict, n: int) -> int:
+    if d.get("mlp_layer_types"):
+        types = d["mlp_layer_types"]
+        k = 0
+        while k < len(types) and types[k] == "dense":
+            k += 1
+        if len(types) != n or any(t != "sparse" for t in types[k:]):
+            raise ValueError("config.json: mlp_layer_types must be dense layers followed by sparse layers")
+        return k
+    return int(d.get("first_k_dense_replace", 1))
+
+
+def from_hf_config(d: dict[str, Any]) -> K3Config:
+    """Parse a ``config.json`` dict (any format above); unsupported features raise one clear ValueError."""
+    if d.get("model_type") == "kimi_k3":
+        if "text_config" not in d:
+            raise ValueError("config.json: model_type kimi_k3 without text_config")
+        d = d["text_config"]
+    if d.get("model_type") not in ("kimi_linear", None):
+        raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not kimi_linear / kimi_k3")
+    n = int(d["num_hidden_layers"])
+    heads = d.get("num_attention_heads")
+    if d.get("num_key_value_heads") not in (None, heads):
+        raise ValueError(f"config.json: num_key_value_heads={d['num_key_value_heads']} != num_attention_heads={heads} "
+                         "(MLA here has one K/V per query head)")
+    if int(d.get("moe_layer_freq", 1)) != 1:
+        raise ValueError(f"config.json: moe_layer_freq={d['moe_layer_freq']} is not supported (only 1)")
+    if int(_first(d, "num_nextn_predict_layers", default=0)) != 0:
+        raise ValueError("config.json: MTP layers (num_nextn_predict_layers > 0) are not supported")
+    groups, topk_groups = int(_first(d, "num_expert_group", "n_group", default=1)), d.get("topk_group")
+    if groups > 1 and topk_groups not in (None, groups):
+        raise ValueError(f"config.json: grouped routing (num_expert_group={groups}, topk_group={topk_groups}) "
+                         "is not supported")
+    if d.get("tie_word_embeddings"):
+        raise ValueError("config.json: tie_word_embeddings=true is not supported")
+    act = d.get("moe_router_activation_func", "sigmoid")
+    if act != "sigmoid":
+        raise ValueError(f"config.json: moe_router_activation_func={act!r} is not supported (sigmoid only)")
+    lac = d.get("linear_attn_config") or {}
+    ext = d.get("k3") or {}
+    kda_head = int(_first(lac, "head_dim", default=_first(d, "linear_head_dim", default=128)))
+    kda = KDAConfig(
+        num_heads=int(_first(lac, "num_heads", default=_first(d, "linear_num_heads", default=32))),
+        head_dim=kda_head,
+        v_head_dim=int(ext.get("kda_v_head_dim", kda_head)),
+        conv_kernel_size=int(_first(lac, "short_conv_kernel_size", default=_first(d, "linear_conv_kernel_dim",
+                                                                                   default=4))),
+        gate_lower_bound=lac.get("gate_lower_bound"),
+        full_rank_output_gate=bool(lac.get("use_full_rank_gate", False)),
+        forget_gate_rank=int(ext.get("kda_forget_gate_rank", kda_head)),
+        output_gate_rank=int(ext.get("kda_output_gate_rank", kda_head)),
+        chunk_size=int(ext.get("kda_chunk_size", 64)),
+        l2norm_eps=float(ext.get("kda_l2norm_eps", 1e-6)),
+    )
+    use_nope = d.get("mla_use_nope", True)
+    mla = MLAConfig(
+        num_heads=int(heads), q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]), output_gate=bool(d.get("mla_use_output_gate", False)),
+        rope_theta=None if use_nope else float(d.get("rope_theta", 10000.0)),
+        norm_eps=float(ext.get("mla_norm_eps", 1e-6)),
+    )
+    latent = d.get("routed_expert_hidden_size")
+    moe = MoEConfig(
+        num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts")),
+        num_experts_per_token=int(_first(d, "num_experts_per_token", "num_experts_per_tok")),
+        num_shared_experts=int(_first(d, "num_shared_experts", "n_shared_experts", default=0)),
+        moe_intermediate_size=int(d["moe_intermediate_size"]),
+        latent_size=None if latent is None else int(latent),
+        latent_norm=bool(d.get("latent_moe_use_norm", latent is not None)),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
+    )
+    block = d.get("attn_res_block_size")
+    attn_res = AttnResConfig(mode=ext.get("attn_res_mode", "snapshot") if block else "none",
+                             block_size=int(block) if block else 1)
+    vocab = int(d["vocab_size"])
+
+    def token(key: str) -> int | None:
+        v = d.get(key)
+        return v if isinstance(v, int) and 0 <= v < vocab else None
+
+    return K3Config(
+        name=str(ext.get("name", "custom")), vocab_size=vocab, hidden_size=int(d["hidden_size"]),
+        num_hidden_layers=n, mla_layers=_mla_layers(d, n), first_k_dense_replace=_first_dense(d, n),
+        intermediate_size=int(d["intermediate_size"]), hidden_act=str(d.get("hidden_act", "silu")),
+        situ_beta=float(d.get("activation_situ_beta", 4.0)),
+        situ_linear_beta=float(d.get("activation_situ_linear_beta", 25.0)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=int(_first(d, "max_position_embeddings", "model_max_length", default=1048576)),
+        initializer_range=float(d.get("initializer_range", 0.02)),
+        bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), pad_token_id=token("pad_token_id"),
+        kda=kda, mla=mla, moe=moe, attn_res=attn_res,
+    )

@@ -1,0 +1,71 @@
+"""Atomic directory writes: build in a temp dir beside the target, fsync, then swap it in.
+
+A crash or exception before the swap leaves the previous target untouched (and at most a stray
+``.NAME.tmp-*`` directory, removed on exceptions). On Linux the swap is one ``renameat2(RENAME_EXCHANGE)``,
+so the target name never points at a half-written or missing directory; elsewhere it is two renames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under root, then every directory (children before parents)."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for f in filenames:
+            fsync_file(Path(dirpath) / f)
+        fsync_file(Path(dirpath))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """``with atomic_directory(dir) as tmp:`` write files into tmp; on success they replace ``dir`` atomically."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        fsync_tree(tmp)
+        if not target.exists():
+            os.rename(tmp, target)
+        elif _exchange(tmp, target):
+            shutil.rmtree(tmp)  # tmp now holds the previous contents
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rename(target, old / "prev")
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+        fsync_file(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

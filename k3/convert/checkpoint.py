@@ -1,0 +1,171 @@
+"""HF-layout checkpoints: ``config.json`` + safetensors (sharded with ``model.safetensors.index.json``).
+
+Saving is atomic (``atomic_directory``) and records a SHA-256 per weight file in ``k3_checksums.json``.
+Loading refuses, with one clear message, a missing or malformed config, missing shards, a truncated or
+corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), non-float
+tensors, missing / unexpected tensors and shape mismatches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from k3.config import K3Config
+from k3.config.hf import from_hf_config, to_hf_config
+from k3.convert.atomic import atomic_directory
+from k3.convert.names import from_files, to_files
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CHECKSUMS = "k3_checksums.json"
+DEFAULT_SHARD_BYTES = 5 * 10**9
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.float64: "float64"}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3",
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write config.json and the weights into an existing directory (not atomic; see ``save_pretrained``)."""
+    directory = Path(directory)
+    config = to_hf_config(model.config, fmt)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()} - {torch.float32}
+    config["torch_dtype"] = _DTYPE_NAMES.get(next(iter(dtypes)), "float32") if len(dtypes) == 1 else "float32"
+    tensors = to_files(state, model.config)
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))]
+    for fname, shard in zip(names, shards):
+        save_file(shard, directory / fname, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: fname for fname, shard in zip(names, shards) for k in shard}}
+        (directory / INDEX).write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    (directory / CHECKSUMS).write_text(json.dumps({"sha256": {f: _sha256(directory / f) for f in names}}, indent=2))
+    return names
+
+
+def save_pretrained(model, directory: str | os.PathLike, fmt: str = "k3",
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Atomically (re)write ``directory`` with the model's config.json and safetensors weights."""
+    with atomic_directory(directory) as tmp:
+        write_pretrained(model, tmp, fmt, max_shard_bytes)
+    return Path(directory)
+
+
+def read_config(directory: str | os.PathLike) -> K3Config:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return from_hf_config(raw)
+
+
+def _weight_files(directory: Path) -> dict[str, str | None]:
+    """file name -> None, or tensor name -> file name when sharded."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is malformed: {e}") from None
+        for fname in sorted(set(weight_map.values())):
+            if not (directory / fname).is_file():
+                raise FileNotFoundError(f"{directory / fname} (listed in {INDEX}) is missing")
+        return weight_map
+    if not (directory / SINGLE).is_file():
+        raise FileNotFoundError(f"{directory} has neither {SINGLE} nor {INDEX}")
+    return {}
+
+
+def read_tensors(directory: str | os.PathLike, verify: bool = True) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint directory, with integrity checks."""
+    directory = Path(directory)
+    weight_map = _weight_files(directory)
+    files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+    sums = directory / CHECKSUMS
+    if verify and sums.is_file():
+        expected = json.loads(sums.read_text()).get("sha256", {})
+        for fname in files:
+            if fname in expected and _sha256(directory / fname) != expected[fname]:
+                raise ValueError(f"{directory / fname} is corrupted: its SHA-256 differs from {CHECKSUMS}")
+    tensors: dict[str, Tensor] = {}
+    for fname in files:
+        try:
+            with safe_open(directory / fname, framework="pt") as f:
+                for key in f.keys():
+                    if weight_map and weight_map.get(key) != fname:
+                        raise ValueError(f"{directory / fname} holds {key!r}, which {INDEX} does not map to it")
+                    tensors[key] = f.get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{directory / fname} is not a valid safetensors file (truncated or corrupted): {e}") \
+                from None
+    missing = sorted(set(weight_map) - set(tensors))
+    if missing:
+        raise ValueError(f"tensors listed in {INDEX} are absent from their files: {missing[:8]}")
+    return tensors
+
+
+def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    """Compare a loaded state dict with a model's (names, shapes, floating dtypes); one ValueError with all problems."""
+    problems = []
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {missing[:8]}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensor(s): {unexpected[:8]}")
+    bad_shape = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+                 for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if bad_shape:
+        problems.append("shape mismatch: " + "; ".join(bad_shape[:8]))
+    bad_dtype = [f"{k}: {t.dtype}" for k, t in state.items() if k in expected and not t.is_floating_point()]
+    if bad_dtype:
+        problems.append("non-floating tensors: " + "; ".join(bad_dtype[:8]))
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+
+
+def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu", verify: bool = True):
+    """Load a checkpoint directory (ours, the K3 release layout, or transformers' Kimi-Linear) as K3ForCausalLM."""
+    from k3.model.decoder import K3ForCausalLM
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    config = read_config(directory)
+    state = from_files(read_tensors(directory, verify), config)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    check_state(state, model.state_dict())
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.cast(dtype).to(device)

@@ -1,0 +1,210 @@
+"""Checkpoint save/load: round trips, formats, integrity errors, atomicity."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import k3
+import k3.convert.checkpoint as ckpt
+from k3.cli.main import main
+from k3.config import get_preset
+from k3.model.decoder import K3ForCausalLM
+
+KIMI_LINEAR_STYLE = {"kda.gate_lower_bound": None, "kda.full_rank_output_gate": False, "mla.q_lora_rank": None,
+                     "mla.output_gate": False, "moe.latent_size": None, "moe.latent_norm": False,
+                     "moe.routed_scaling_factor": 2.446, "hidden_act": "silu", "attn_res.mode": "none",
+                     "kda.forget_gate_rank": 16, "kda.output_gate_rank": 16}
+
+
+def random_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("_res_proj.weight", "e_score_correction_bias")):
+                t.normal_(0, 0.1)
+    return model
+
+
+def assert_same(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_round_trip_is_bit_exact(tmp_path, preset):
+    model = random_model(get_preset(preset))
+    model.save_pretrained(tmp_path / "ck", max_shard_bytes=2**20)
+    assert (tmp_path / "ck" / ckpt.INDEX).is_file()  # sharded
+    loaded = k3.from_pretrained(tmp_path / "ck")
+    assert loaded.config == model.config
+    assert_same(model, loaded)
+
+
+def test_bf16_round_trip_keeps_fp32_router(tmp_path):
+    model = random_model(get_preset("tiny")).cast(torch.bfloat16)
+    model.save_pretrained(tmp_path / "ck")
+    loaded = k3.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16)
+    assert_same(model, loaded)
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_k3_config_json_uses_the_released_keys(tmp_path):
+    random_model(get_preset("tiny")).save_pretrained(tmp_path / "ck")
+    d = json.loads((tmp_path / "ck" / "config.json").read_text())
+    lac = d["linear_attn_config"]
+    assert lac["full_attn_layers"] == [4, 5] and lac["kda_layers"] == [1, 2, 3]  # 1-indexed
+    assert lac["gate_lower_bound"] == -5.0 and lac["use_full_rank_gate"] is True
+    assert d["attn_res_block_size"] == 2 and d["routed_expert_hidden_size"] == 32 and d["latent_moe_use_norm"]
+    assert d["hidden_act"] == "situ" and d["activation_situ_beta"] == 4.0 and d["activation_situ_linear_beta"] == 25.0
+    assert d["mla_use_nope"] is True and d["mla_use_output_gate"] is True and d["model_type"] == "kimi_linear"
+
+
+def test_convert_k3_kimi_linear_k3_is_exact(tmp_path):
+    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE))
+    model.save_pretrained(tmp_path / "a")
+    assert main(["convert", "--from", str(tmp_path / "a"), "--to", str(tmp_path / "b"), "--format", "kimi_linear"]) == 0
+    assert main(["convert", "--from", str(tmp_path / "b"), "--to", str(tmp_path / "c"), "--format", "k3"]) == 0
+    back = k3.from_pretrained(tmp_path / "c")
+    assert_same(model, back)
+    mid = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert "k3" not in mid and "attn_res_block_size" not in mid
+
+
+def test_kimi_linear_export_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE)).eval()
+    model.save_pretrained(tmp_path / "kl", fmt="kimi_linear")
+    ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "kl").eval()
+    ids = torch.randint(0, 512, (2, 70))
+    with torch.no_grad():
+        err = (ref(input_ids=ids).logits - model(ids).logits).abs().max().item()
+    assert err <= 1e-4
+
+
+def test_kimi_linear_format_refuses_k3_features(tmp_path):
+    with pytest.raises(ValueError, match="cannot write a kimi_linear config: attn_res.mode"):
+        random_model(get_preset("tiny")).save_pretrained(tmp_path / "x", fmt="kimi_linear")
+    assert not (tmp_path / "x").exists()
+
+
+def test_transformers_runtime_names_load(tmp_path):
+    """Fused conv1d, forget_gate.*, mlp.experts.gate_up_proj / down_proj, A_log [1,1,H,1]."""
+    transformers = pytest.importorskip("transformers")
+    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE)).eval()
+    model.save_pretrained(tmp_path / "kl", fmt="kimi_linear")
+    ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "kl")
+    runtime = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert any(k.endswith("conv1d.weight") and ".q_conv1d" not in k for k in runtime)
+    assert any(k.endswith("experts.gate_up_proj") for k in runtime)
+    os.remove(tmp_path / "kl" / "model.safetensors")
+    os.remove(tmp_path / "kl" / ckpt.CHECKSUMS)
+    save_file(runtime, tmp_path / "kl" / "model.safetensors")
+    assert_same(model, k3.from_pretrained(tmp_path / "kl"))
+
+
+def test_release_variants_zero_padded_A_log_and_prefix(tmp_path):
+    model = random_model(get_preset("tiny"))
+    model.save_pretrained(tmp_path / "ck")
+    tensors = ckpt.read_tensors(tmp_path / "ck")
+    varied = {"language_model." + k: (torch.cat([v.reshape(-1), torch.zeros(6)]) if k.endswith("A_log") else v)
+              for k, v in tensors.items()}
+    os.remove(tmp_path / "ck" / ckpt.CHECKSUMS)
+    save_file(varied, tmp_path / "ck" / "model.safetensors")
+    assert_same(model, k3.from_pretrained(tmp_path / "ck"))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = random_model(get_preset("tiny"))
+    model.save_pretrained(tmp_path / "ck")
+    return model, tmp_path / "ck"
+
+
+def test_truncated_file(saved):
+    _, path = saved
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match="corrupted"):
+        k3.from_pretrained(path)
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        k3.from_pretrained(path, verify=False)
+
+
+def test_corrupted_data_and_header(saved):
+    _, path = saved
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="SHA-256"):
+        k3.from_pretrained(path)
+    data[10:20] = b"\x00garbage!!"
+    f.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        k3.from_pretrained(path, verify=False)
+
+
+def test_wrong_shape_missing_and_unexpected(saved):
+    _, path = saved
+    tensors = ckpt.read_tensors(path)
+    os.remove(path / ckpt.CHECKSUMS)
+    bad = dict(tensors)
+    bad["model.layers.0.self_attn.q_proj.weight"] = torch.randn(7, 64)
+    save_file(bad, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"shape mismatch: model.layers.0.self_attn.q_proj.weight: checkpoint \(7, 64\)"):
+        k3.from_pretrained(path)
+    bad = dict(tensors)
+    del bad["model.norm.weight"]
+    bad["model.extra.weight"] = torch.zeros(3)
+    save_file(bad, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): \['model.norm.weight'\].*unexpected 1"):
+        k3.from_pretrained(path)
+    bad = dict(tensors)
+    bad["model.norm.weight"] = torch.ones(64, dtype=torch.int32)
+    save_file(bad, path / "model.safetensors")
+    with pytest.raises(ValueError, match="non-floating"):
+        k3.from_pretrained(path)
+
+
+def test_bad_config_and_missing_files(saved, tmp_path):
+    _, path = saved
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        k3.from_pretrained(tmp_path / "nope")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        k3.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        k3.from_pretrained(path)
+    os.remove(path / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        k3.from_pretrained(path)
+
+
+def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch):
+    old, path = saved
+    new = random_model(get_preset("tiny"), seed=1)
+    calls = {"n": 0}
+    real = ckpt.save_file
+
+    def failing_save(*args, **kwargs):
+        calls["n"] += 1
+        real(*args, **kwargs)
+        if calls["n"] == 2:
+            raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(ckpt, "save_file", failing_save)
+    with pytest.raises(OSError, match="simulated"):
+        new.save_pretrained(path, max_shard_bytes=2**16)
+    assert_same(old, k3.from_pretrained(path))
+    assert sorted(os.listdir(path.parent)) == ["ck"]  # no half-written directory left behind
+    monkeypatch.setattr(ckpt, "save_file", real)
+    new.save_pretrained(path)  # overwriting an existing checkpoint swaps it in whole
+    assert_same(new, k3.from_pretrained(path))
+    assert sorted(os.listdir(path.parent)) == ["ck"]
