@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from k3.model.norm import RMSNorm
 from k3.ops.attn_res import depth_mix
+from k3.ops.attn_res.reference import depth_weights
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -41,8 +42,10 @@ def mix(sources: list[Tensor], norm: nn.Module, proj: nn.Linear) -> Tensor:
 class ResidualStream:
     """The residual bookkeeping of one forward pass. Call ``input`` before each sub-layer, ``add`` after it."""
 
-    def __init__(self, mode: str, block_size: int, embedding: Tensor):
+    def __init__(self, mode: str, block_size: int, embedding: Tensor, record: bool = False):
         self.mode, self.block_size = mode, block_size
+        # when recording: (layer, sub-layer, depth weights averaged over tokens [S]) for every mix
+        self.records: list[tuple[int, str, Tensor]] | None = [] if record else None
         self.r = embedding  # running residual (none / snapshot)
         self.bank: list[Tensor] = []  # snapshot: r at block starts; block_sum: embedding + completed block sums
         self.partial: Tensor | None = None  # block_sum: current block's sum of outputs
@@ -69,7 +72,15 @@ class ResidualStream:
                 self.partial = None
         if self.mode == "none":
             return self.r
-        return mix(self.sources(), norm, proj)
+        return self._mix(layer, sublayer, norm, proj)
+
+    def _mix(self, layer: int, sublayer: str, norm: nn.Module, proj: nn.Linear) -> Tensor:
+        sources = self.sources()
+        if self.records is not None:
+            with torch.no_grad():
+                w = depth_weights(torch.stack(sources), norm.weight * proj.weight[0], norm.eps)
+            self.records.append((layer, sublayer, w.mean(1).cpu()))
+        return mix(sources, norm, proj)
 
     def add(self, out: Tensor) -> None:
         """Record a sub-layer output [N, d]."""
@@ -84,4 +95,4 @@ class ResidualStream:
         """The final hidden state before the final norm."""
         if self.mode == "none":
             return self.r
-        return mix(self.sources(), norm, proj)
+        return self._mix(-1, "output", norm, proj)

@@ -38,6 +38,7 @@ class K3Output:
     logits: Tensor  # [B, T, V]
     router_stats: list[RouterStats] = field(default_factory=list)  # one per MoE layer
     cache: K3Cache | None = None
+    attn_res_weights: list | None = None  # (layer, sub-layer, mean depth weights [S]) when recorded
 
 
 class DecoderLayer(nn.Module):
@@ -83,16 +84,17 @@ class K3Model(nn.Module):
             make_mix_params(self, "output_attn_res", config.hidden_size, config.rms_norm_eps)
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor, cache: K3Cache | None = None,
-                seq_ids: Tensor | None = None) -> tuple[Tensor, list]:
-        """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats)."""
-        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, self.embed_tokens(tokens))
+                seq_ids: Tensor | None = None, record_attn_res: bool = False) -> tuple[Tensor, list, list | None]:
+        """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats, AttnRes records)."""
+        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, self.embed_tokens(tokens),
+                                record=record_attn_res)
         stats = []
         for i, layer in enumerate(self.layers):
             s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids)
             if s is not None:
                 stats.append(s)
         h = stream.output(getattr(self, "output_attn_res_norm", None), getattr(self, "output_attn_res_proj", None))
-        return self.norm(h), stats
+        return self.norm(h), stats, stream.records
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> None:
@@ -138,12 +140,13 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: K3Cache | None = None,
-                seq_ids: list[int] | Tensor | None = None) -> K3Output:
+                seq_ids: list[int] | Tensor | None = None, record_attn_res: bool = False) -> K3Output:
         """Logits for every input token.
 
         input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence);
         cache: a :class:`K3Cache`; seq_ids: which S cached sequences the segments extend (default 0..S-1, and
-        then the cache must hold exactly S sequences). Returns logits [B, T, V] and per-MoE-layer router stats.
+        then the cache must hold exactly S sequences); record_attn_res: also return the AttnRes depth weights.
+        Returns logits [B, T, V] and per-MoE-layer router stats.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -157,10 +160,11 @@ class K3ForCausalLM(nn.Module):
             seq_ids = self._check_seq_ids(cache, segments, seq_ids, input_ids.device)
         elif seq_ids is not None:
             raise ValueError("seq_ids needs a cache")
-        hidden, stats = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids)
+        hidden, stats, records = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res)
         if cache is not None:
             cache.advance(seq_ids.tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-        return K3Output(logits=self.lm_head(hidden).view(b, t, -1), router_stats=stats, cache=cache)
+        return K3Output(logits=self.lm_head(hidden).view(b, t, -1), router_stats=stats, cache=cache,
+                        attn_res_weights=records)
 
     @staticmethod
     def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda.reference import _intra_chunk_scores, chunk_kda, kda_gate, recurrent_kda
+from k3.ops.kda.reference import _factored_scores, _intra_chunk_scores, chunk_kda, kda_gate, recurrent_kda
 
 
 def rel(a, b):
@@ -189,8 +189,26 @@ def test_intra_chunk_scores_subblocks():
         A, Bqk = _intra_chunk_scores(q, k, G, sub)
         check(f"A (sub {sub})", A, A_ref, 1e-12)
         check(f"Bqk (sub {sub})", Bqk, B_ref, 1e-12)
+    A, Bqk = _factored_scores(q, k, G)  # spread <= 8 here: the factored form applies
+    check("A (factored)", A, A_ref, 1e-12)
+    check("Bqk (factored)", Bqk, B_ref, 1e-12)
     leaves = [t.clone().requires_grad_() for t in (q[:1], k[:1], G[:1])]
     assert torch.autograd.gradcheck(lambda a, b, c: _intra_chunk_scores(a, b, c, 2), leaves)
+    assert torch.autograd.gradcheck(lambda a, b, c: _factored_scores(a, b, c), leaves)
+
+
+def test_factored_form_at_its_spread_limit_in_fp32():
+    """Spread just under the limit (79 over a chunk): factored fp32 scores still equal the exact ones."""
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.randn(2, 4, 64, 16, generator=gen).unbind(0)
+    g = -torch.rand(4, 64, 16, generator=gen)
+    g = g / (g.sum(-2, keepdim=True) - g[:, :1]) * 79.0  # G_first - G_last = 79 in every channel
+    G = g.cumsum(-2)
+    assert float((G[:, 0] - G[:, -1]).max()) <= 79.0 + 1e-3
+    exact = _intra_chunk_scores(q.double(), k.double(), G.double(), 16)
+    for got, want, name in zip(_factored_scores(q, k, G), exact, ("A", "Bqk")):
+        assert torch.isfinite(got).all()
+        check(f"{name} factored fp32", got, want, 1e-5)
 
 
 @pytest.mark.parametrize("gate", ["k3", "very_strong_softplus"])

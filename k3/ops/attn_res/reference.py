@@ -7,6 +7,13 @@ from torch import Tensor
 from k3.ops.dtypes import upcast
 
 
+def depth_weights(sources: Tensor, query: Tensor, eps: float) -> Tensor:
+    """softmax_i(query . v_i / rms(v_i)) over the S sources: [S, N] in fp32 (or fp64 for fp64 inputs)."""
+    v = upcast(sources)
+    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    return (keys * upcast(query)).sum(-1).softmax(0)
+
+
 def depth_mix(sources: Tensor, query: Tensor, eps: float) -> Tensor:
     """h = sum_i softmax_i(query . RMSNorm(v_i)) v_i, per token.
 
@@ -14,8 +21,5 @@ def depth_mix(sources: Tensor, query: Tensor, eps: float) -> Tensor:
     ``*_res_norm.weight * *_res_proj.weight``). No 1/sqrt(d); logits, softmax and the mix in fp32.
     Returns [N, d] in sources.dtype.
     """
-    v = upcast(sources)
-    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    logits = (keys * upcast(query)).sum(-1)  # [S, N]
-    weights = logits.softmax(0)
-    return (weights.unsqueeze(-1) * v).sum(0).to(sources.dtype)
+    weights = depth_weights(sources, query, eps)
+    return (weights.unsqueeze(-1) * upcast(sources)).sum(0).to(sources.dtype)

@@ -1,0 +1,96 @@
+"""``k3 train``: train a K3 model (default: the ``small`` preset on the Python standard library), then sample.
+
+With no arguments this is the README's main job: about 10 minutes on a 2-core CPU, saved under runs/small.
+``--resume`` continues the run in ``--out`` from its latest checkpoint with its saved settings (``--steps``
+may extend it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from k3.model.balance import BALANCE_METHODS
+from k3.train.trainer import TrainConfig, Trainer, TrainingDiverged
+
+log = logging.getLogger("k3.train")
+
+
+def _override(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected FIELD=VALUE, e.g. moe.num_experts=16")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_parser(sub) -> None:
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train a model (default: small preset on the stdlib corpus), then sample")
+    p.add_argument("--preset", default=d.preset)
+    p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set moe.num_experts=16 (repeatable)")
+    p.add_argument("--data", default=None, help="text file, directory, .jsonl (field text) or .parquet")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) or a tiktoken BPE file")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary when training one")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on the tokenised training stream")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clip")
+    p.add_argument("--no-per-head-muon", dest="per_head_muon", action="store_false",
+                   help="whole-matrix Muon for the head-structured projections")
+    p.add_argument("--balance", choices=BALANCE_METHODS, default=d.balance, help="router balancing (K3: qb)")
+    p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip MLA logits at TAU (K2: 100)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-rows", type=int, default=d.eval_rows, help="validation rows per evaluation")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="also checkpoint every N steps (0: end)")
+    p.add_argument("--samples", type=int, default=d.samples, help="greedy continuations printed at the end")
+    p.add_argument("--out", default=None, help="run directory (default runs/PRESET)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    out = args.out or f"runs/{args.preset}"
+    saved = Path(out) / "train_config.json"
+    if args.resume and saved.is_file():
+        cfg = TrainConfig(**json.loads(saved.read_text()))
+        return dataclasses.replace(cfg, steps=args.steps or cfg.steps, device=args.device)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    values["overrides"] = dict(args.overrides)
+    values["out"] = out
+    return TrainConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    trainer = Trainer(cfg, resume=args.resume, progress=args.progress)
+    try:
+        result = trainer.run()
+    except TrainingDiverged as e:
+        print(f"k3 train: stopped: {e}")
+        return 3
+    history = result["history"]
+    init = [h for h in history if "val_loss_init" in h]
+    evals = [h for h in history if "val_loss" in h]
+    if init and evals:
+        print(f"validation loss {init[0]['val_loss_init']:.3f} at start -> {evals[-1]['val_loss']:.3f} after "
+              f"{evals[-1]['step'] + 1} steps ({init[0]['val_bpb_init']:.3f} -> {evals[-1]['val_bpb']:.3f} bits/byte)")
+    print(f"checkpoint: {result['checkpoint']}  metrics: {trainer.metrics_path}  plots: {trainer.run_dir}/*.png")
+    for prompt, continuation in trainer.sample():
+        print("-" * 72)
+        print(prompt + "\u2502" + continuation)
+    return 0

@@ -1,0 +1,455 @@
+"""Training data for ``k3 train``: documents, the built-in corpus, and packing into fixed-length rows.
+
+Documents
+    A :class:`Document` is a name and a text. :func:`stdlib_corpus` gives the default corpus (the Python
+    standard library's own ``.py`` files, so training works with no download); :func:`load_documents` reads
+    user data (a text file, a directory, ``.jsonl`` or ``.parquet``).
+
+Split
+    Train/validation is decided per document by a stable hash of its name (sha1, ~2% validation), so it never
+    depends on file order, the machine or the Python hash seed; a corpus of >= 2 documents always gets at least
+    one document in each split.
+
+Packing (:class:`PackedDataset`)
+    Documents are tokenised once, an EOS id is appended to each, and they are concatenated in a seeded shuffled
+    order into one token stream s. Row r is ``s[r*T : r*T + T + 1]`` (T = seq_len; consecutive rows share one
+    token), its inputs are ``row[:-1]`` and its labels ``row[1:]``, so every stream token is a label once.
+
+    Segments: in a row a new segment starts right *after* each EOS input, so an EOS is the last token of its
+    document's segment (the model learns to predict EOS at the end of a document). The label at an EOS input
+    position would be the next document's first token, predicted across a boundary: it is set to -100 (ignored).
+    A document continuing from the previous row starts a segment at position 0. ``cu_seqlens`` follow the
+    FlashAttention convention: int64 [S+1], 0 = c_0 < c_1 < ... < c_S = number of input positions.
+
+    Example, T = 8, stream ``a b c E x y E p q ...`` (E = EOS):
+        inputs      a    b    c    E     x    y    E     p
+        labels      b    c    E    -100  y    E    -100  q
+        cu_seqlens  [0, 4, 7, 8]
+
+Batches and resuming
+    Rows are visited in a seeded permutation per epoch (a new permutation each epoch). :meth:`batch` is a pure
+    function of (seed, step, batch size): row g = step*B + b of the global visit order is row ``perm_e[g % R]``
+    of epoch ``e = g // R``. :meth:`next_batch` walks the same order from :attr:`position`, a
+    :class:`DataPosition` of plain ints that ``state_dict()``/``load_state_dict()`` save and restore, so a
+    resumed run sees exactly the batches an uninterrupted run would.
+
+Bits per byte
+    ``bytes_per_token`` = UTF-8 bytes of the packed documents / their tokens without the EOS ids. The labels of a
+    document are its tokens after the first, plus its EOS: as many as its text tokens, so
+    ``bits_per_byte = mean_label_loss_in_nats / ln(2) / bytes_per_token``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+VALIDATION_FRACTION = 0.02
+SPLITS = ("train", "validation", "all")
+TEXT_SUFFIXES = (".txt", ".md", ".py")
+DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
+# Directories of the stdlib that are not the library itself (tests, the IDE, the retired 2to3, installed packages).
+STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
+                              "__pycache__"})
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Document:
+    """One training document. ``name`` is stable across machines (a relative path, plus ``:line`` for .jsonl
+    and ``:row`` for .parquet); the train/validation split is a function of it."""
+
+    name: str
+    text: str
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {SPLITS}")
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.sha1(name.encode("utf-8")).digest()[:8], "big")
+
+
+def split_documents(documents: Sequence[Document], split: str,
+                    fraction: float = VALIDATION_FRACTION) -> list[Document]:
+    """The documents of ``split`` ("train", "validation" or "all"), in their input order.
+
+    A document is in validation when sha1(name) / 2**64 < fraction. With >= 2 documents, if no document falls in
+    validation the one of smallest hash moves there; if all do, the one of largest hash moves to train.
+    """
+    _check_split(split)
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"validation fraction={fraction!r} must be in (0, 1)")
+    if split == "all":
+        return list(documents)
+    hashes = [_name_hash(d.name) for d in documents]
+    threshold = int(fraction * 2**64)
+    validation = {i for i, h in enumerate(hashes) if h < threshold}
+    if len(documents) >= 2:
+        if not validation:
+            validation = {min(range(len(hashes)), key=hashes.__getitem__)}
+        elif len(validation) == len(documents):
+            validation.discard(max(range(len(hashes)), key=hashes.__getitem__))
+    want = split == "validation"
+    return [d for i, d in enumerate(documents) if (i in validation) == want]
+
+
+def _check_max(value: int | None, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{what}={value!r} must be None or an int >= 1")
+
+
+def stdlib_root() -> Path:
+    """The directory of the running Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_corpus(split: str = "train", max_docs: int | None = None) -> list[Document]:
+    """The running Python's standard-library ``.py`` files as documents (the default training corpus).
+
+    Files under ``STDLIB_SKIP_DIRS``, empty files and files that are not valid UTF-8 are skipped. Names are
+    sorted relative paths (e.g. ``asyncio/events.py``); ``max_docs`` keeps the first that many of the split.
+    The corpus depends on the Python version (3.11's: ~600 files, ~11 MB).
+    """
+    _check_split(split)
+    _check_max(max_docs, "max_docs")
+    root = stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"no standard library directory at {root}")
+    docs = []
+    for rel in _walk(root, (".py",), skip=STDLIB_SKIP_DIRS):
+        try:
+            text = (root / rel).read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            docs.append(Document(rel, text))
+    if not docs:
+        raise ValueError(f"no .py files found in the standard library at {root}")
+    docs = split_documents(docs, split)
+    return docs if max_docs is None else docs[:max_docs]
+
+
+def _walk(root: Path, suffixes: Sequence[str], skip: frozenset[str] = frozenset()) -> list[str]:
+    """Sorted POSIX paths relative to ``root`` of the files ending in ``suffixes``; hidden entries (".x") and
+    directories named in ``skip`` are not entered."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        base = Path(dirpath).relative_to(root)
+        found += [(base / f).as_posix() for f in filenames if f.endswith(suffixes) and not f.startswith(".")]
+    return sorted(found)
+
+
+def load_documents(path: str | Path, split: str = "train") -> list[Document]:
+    """Read user data as documents, keeping those of ``split`` (see :func:`split_documents`).
+
+    ``path`` may be:
+      * a directory: every ``.txt``, ``.md``, ``.py``, ``.jsonl`` and ``.parquet`` file under it (recursively,
+        hidden entries skipped), in sorted relative-path order; names are relative to the directory;
+      * a ``.jsonl`` file: one document per non-blank line, from the string field ``text``;
+      * a ``.parquet`` file: one document per row of the string column ``text`` (needs pyarrow);
+      * any other file: one UTF-8 text document.
+    Empty texts (and null parquet values) are skipped.
+    """
+    _check_split(split)
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no data at {path}")
+    if path.is_dir():
+        files = [(path / rel, rel) for rel in _walk(path, DATA_SUFFIXES)]
+    else:
+        files = [(path, path.name)]
+    docs = [doc for file, name in files for doc in _read_file(file, name)]
+    if not docs:
+        raise ValueError(f"{path}: no documents (looked for non-empty {', '.join(DATA_SUFFIXES)} files)")
+    chosen = split_documents(docs, split)
+    if not chosen:
+        raise ValueError(f"{path}: the {split} split is empty ({len(docs)} document(s); a train/validation "
+                         "split needs at least 2)")
+    return chosen
+
+
+def load_corpus(source: str | Path | None, split: str = "train", max_docs: int | None = None) -> list[Document]:
+    """``source=None``: the stdlib corpus; otherwise :func:`load_documents` (first ``max_docs`` kept)."""
+    if source is None:
+        return stdlib_corpus(split, max_docs=max_docs)
+    _check_max(max_docs, "max_docs")
+    docs = load_documents(source, split)
+    return docs if max_docs is None else docs[:max_docs]
+
+
+def _read_file(file: Path, name: str) -> Iterator[Document]:
+    if file.suffix == ".jsonl":
+        yield from _read_jsonl(file, name)
+    elif file.suffix == ".parquet":
+        yield from _read_parquet(file, name)
+    else:
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{file}: not UTF-8 text (bad byte at offset {e.start})") from None
+        if text:
+            yield Document(name, text)
+
+
+def _read_jsonl(file: Path, name: str) -> Iterator[Document]:
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{file}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict) or "text" not in record:
+                raise ValueError(f"{where}: expected a JSON object with a 'text' field")
+            text = record["text"]
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: field 'text' must be a string, got {type(text).__name__}")
+            if text:
+                yield Document(f"{name}:{lineno}", text)
+
+
+def _read_parquet(file: Path, name: str) -> Iterator[Document]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{file}: reading .parquet needs pyarrow (pip install 'k3[data]')") from None
+    try:
+        pf = pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{file}: not a readable parquet file ({e})") from None
+    schema = pf.schema_arrow
+    if "text" not in schema.names:
+        raise ValueError(f"{file}: no 'text' column (columns: {', '.join(schema.names) or 'none'})")
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{file}: column 'text' must hold strings, got {kind}")
+    row = 0
+    for chunk in pf.iter_batches(columns=["text"]):
+        for text in chunk.column(0).to_pylist():
+            if text:
+                yield Document(f"{name}:{row}", text)
+            row += 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """A bijective 64-bit mixer (uint64 arithmetic wraps)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_permutation(n: int, seed: int, stream: str) -> np.ndarray:
+    """A permutation of range(n) fixed by (seed, stream) on every platform and library version: indices sorted
+    by a keyed bijective hash (distinct keys, so no ties)."""
+    key = int.from_bytes(hashlib.sha256(f"{seed}/{stream}".encode()).digest()[:8], "little")
+    return np.argsort(_splitmix64(np.arange(n, dtype=np.uint64) ^ np.uint64(key)), kind="stable")
+
+
+class TokenizerLike(Protocol):
+    """What packing needs: ``encode`` (``encode_batch`` is used when present) and the EOS id."""
+
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass
+class Batch:
+    """B rows of T tokens.
+
+    input_ids: [B, T] int64.
+    labels: [B, T] int64, the next token, -100 at EOS input positions (no prediction across documents).
+    cu_seqlens: [S+1] int64 segment offsets into the flattened B*T positions; every row boundary (b*T) and every
+        position right after an EOS input starts a segment.
+    """
+
+    input_ids: Tensor
+    labels: Tensor
+    cu_seqlens: Tensor
+
+
+@dataclass
+class DataPosition:
+    """Where :meth:`PackedDataset.next_batch` continues: row ``next_row`` of epoch ``epoch``'s visit order."""
+
+    epoch: int = 0
+    next_row: int = 0
+
+
+class PackedDataset:
+    """Documents tokenised once and packed into rows of ``seq_len + 1`` tokens (see the module docstring).
+
+    Args:
+        documents: the documents (their order does not matter beyond the seeded shuffle).
+        tokenizer: an object with ``encode(text) -> list[int]`` and ``eos_id``.
+        seq_len: T, the input positions per row.
+        seed: fixes the document order and the per-epoch row orders.
+        max_tokens: stop adding (whole) documents once the stream holds at least this many tokens.
+        shuffle: shuffle the document order (False: keep the given order).
+        encode_chunk: documents per ``encode_batch`` call.
+
+    Attributes: ``tokens`` (the stream, int32 [N]), ``num_rows`` R = (N - 1) // T, ``num_documents``,
+    ``num_bytes``, ``num_text_tokens`` (N minus the EOS ids), ``bytes_per_token``, ``position``.
+    """
+
+    def __init__(self, documents: Iterable[Document], tokenizer: TokenizerLike, seq_len: int, seed: int = 0,
+                 max_tokens: int | None = None, shuffle: bool = True, encode_chunk: int = 256):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len={seq_len!r} must be an int >= 1")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} must be an int")
+        _check_max(max_tokens, "max_tokens")
+        _check_max(encode_chunk, "encode_chunk")
+        eos = getattr(tokenizer, "eos_id", None)
+        if isinstance(eos, bool) or not isinstance(eos, int) or eos < 0:
+            raise ValueError(f"tokenizer eos_id={eos!r}: packing needs an EOS id to separate documents")
+        docs = list(documents)
+        if not docs:
+            raise ValueError("PackedDataset needs at least one document")
+        self.seq_len, self.seed, self.eos_id = seq_len, seed, eos
+        order = seeded_permutation(len(docs), seed, "documents") if shuffle else np.arange(len(docs))
+        encode_batch = getattr(tokenizer, "encode_batch", None)
+        pieces: list[np.ndarray] = []
+        total = num_bytes = num_docs = 0
+        for start in range(0, len(docs), encode_chunk):
+            chunk = [docs[i] for i in order[start:start + encode_chunk]]
+            texts = [d.text for d in chunk]
+            encoded = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
+            for doc, ids in zip(chunk, encoded):
+                arr = np.asarray(ids, dtype=np.int64)
+                if arr.size and (arr.min() < 0 or arr.max() >= 2**31):
+                    raise ValueError(f"document {doc.name!r}: token ids must be in [0, 2**31)")
+                if (arr == eos).any():
+                    raise ValueError(f"document {doc.name!r}: the tokenizer produced the EOS id {eos} inside the "
+                                     "text (encode special-token strings as plain text)")
+                pieces += [arr, np.array([eos], dtype=np.int64)]
+                total += arr.size + 1
+                num_bytes += len(doc.text.encode("utf-8"))
+                num_docs += 1
+                if max_tokens is not None and total >= max_tokens:
+                    break
+            if max_tokens is not None and total >= max_tokens:
+                break
+        self.tokens = torch.from_numpy(np.concatenate(pieces).astype(np.int32))
+        self.num_documents = num_docs
+        self.num_bytes = num_bytes
+        self.num_text_tokens = total - num_docs
+        self.bytes_per_token = num_bytes / max(self.num_text_tokens, 1)
+        self.num_rows = (total - 1) // seq_len
+        if self.num_rows < 1:
+            raise ValueError(f"{num_docs} document(s) give {total} tokens, fewer than one row of seq_len + 1 = "
+                             f"{seq_len + 1}")
+        self.position = DataPosition()
+        self._perms: dict[int, Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __repr__(self) -> str:
+        return (f"PackedDataset(documents={self.num_documents}, tokens={self.tokens.numel()}, rows={self.num_rows}"
+                f", seq_len={self.seq_len}, bytes_per_token={self.bytes_per_token:.3f})")
+
+    def row_tokens(self, row: int) -> Tensor:
+        """Row ``row`` (in stream order) as int64 [T + 1]."""
+        if not 0 <= row < self.num_rows:
+            raise ValueError(f"row={row} out of range [0, {self.num_rows})")
+        return self.tokens[row * self.seq_len: (row + 1) * self.seq_len + 1].long()
+
+    def rows_batch(self, rows: Tensor | Sequence[int]) -> Batch:
+        """A :class:`Batch` of the given stream-order rows (in that order)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.num_rows:
+            raise ValueError(f"rows must be a non-empty list of indices in [0, {self.num_rows})")
+        B, T = rows.numel(), self.seq_len
+        full = self.tokens[rows[:, None] * T + torch.arange(T + 1)].long()  # [B, T+1]
+        input_ids, labels = full[:, :-1].contiguous(), full[:, 1:].clone()
+        is_eos = input_ids == self.eos_id
+        labels[is_eos] = IGNORE_INDEX
+        starts = torch.zeros(B * T, dtype=torch.bool)
+        starts[::T] = True
+        starts[1:] |= is_eos.reshape(-1)[:-1]
+        cu_seqlens = torch.cat([starts.nonzero().reshape(-1), torch.tensor([B * T])])
+        return Batch(input_ids, labels, cu_seqlens)
+
+    def _epoch_order(self, epoch: int) -> Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = torch.from_numpy(seeded_permutation(self.num_rows, self.seed, f"rows/{epoch}"))
+        return self._perms[epoch]
+
+    def _visit(self, start: int, count: int) -> Tensor:
+        """Stream-order rows at global visit positions start .. start+count-1."""
+        g = torch.arange(start, start + count)
+        epochs, within = g // self.num_rows, g % self.num_rows
+        rows = torch.empty(count, dtype=torch.long)
+        for e in epochs.unique().tolist():
+            sel = epochs == e
+            rows[sel] = self._epoch_order(e)[within[sel]]
+        return rows
+
+    def batch(self, step_index: int, batch_size: int) -> Batch:
+        """Batch ``step_index`` of the seeded visit order: a pure function of (seed, step_index, batch_size)."""
+        for what, v, low in (("step_index", step_index, 0), ("batch_size", batch_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{what}={v!r} must be an int >= {low}")
+        return self.rows_batch(self._visit(step_index * batch_size, batch_size))
+
+    def next_batch(self, batch_size: int) -> Batch:
+        """The next ``batch_size`` rows of the visit order from :attr:`position`, which then moves past them."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        start = self.position.epoch * self.num_rows + self.position.next_row
+        out = self.rows_batch(self._visit(start, batch_size))
+        end = start + batch_size
+        self.position = DataPosition(epoch=end // self.num_rows, next_row=end % self.num_rows)
+        return out
+
+    def validation_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Every row once, in stream order, ``batch_size`` rows per batch (the last may be smaller)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        for start in range(0, self.num_rows, batch_size):
+            yield self.rows_batch(torch.arange(start, min(start + batch_size, self.num_rows)))
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position plus what identifies the packed stream (plain ints)."""
+        return {"epoch": self.position.epoch, "next_row": self.position.next_row, "seed": self.seed,
+                "seq_len": self.seq_len, "num_rows": self.num_rows, "num_tokens": int(self.tokens.numel())}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position saved by :meth:`state_dict`; the stream must be the same one (same documents,
+        tokenizer, seq_len, seed and max_tokens), else the resumed batches would differ: ValueError."""
+        mine = self.state_dict()
+        missing = [k for k in mine if k not in state]
+        if missing:
+            raise ValueError(f"data state lacks {', '.join(missing)}")
+        for k in ("seed", "seq_len", "num_rows", "num_tokens"):
+            if int(state[k]) != mine[k]:
+                raise ValueError(f"data state is for a different stream: {k}={state[k]} here {mine[k]}")
+        epoch, next_row = int(state["epoch"]), int(state["next_row"])
+        if epoch < 0 or not 0 <= next_row < self.num_rows:
+            raise ValueError(f"data state position epoch={epoch}, next_row={next_row} is out of range")
+        self.position = DataPosition(epoch=epoch, next_row=next_row)

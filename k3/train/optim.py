@@ -1,0 +1,420 @@
+"""Optimiser for K3 (spec §9): per-head Muon + AdamW in one ``torch.optim.Optimizer``, the cosine schedule,
+gradient clipping and QK-Clip for the MLA layers.
+
+Muon update of one matrix (or one block of it) with gradient G, momentum buffer B (EMA form, as in
+``torch.optim.Muon``), mu = 0.95, Nesterov:
+
+    B <- lerp(B, G, 1 - mu)                    U = lerp(G, B, mu)      (U = B without Nesterov)
+    O = NS5(U)                                 quintic Newton-Schulz, Frobenius-normalised, tall blocks transposed
+    W <- W * (1 - lr * wd)                     decoupled weight decay with the unadjusted lr
+    W <- W - lr * 0.2 * sqrt(max(A, B)) * O    Moonlight "match RMS of AdamW" scale, A x B = the block's shape
+
+The EMA form is (1 - mu) times the classical sum form; NS divides by the norm first, so the update is the same.
+
+Parameter-group kinds (key ``kind``):
+  ``muon_head``   2-D [H*d_h, in] viewed as H blocks [d_h, in]; one NS per block (batched); scale per block
+                  0.2*sqrt(max(d_h, in)). The per-block scale is OUR choice for the spec's open point (§13 /
+                  notes §1.5): it keeps every block's update RMS at ~0.2, like a whole-matrix Muon update.
+  ``muon_expert`` 3-D stacks [E, out, in]; one NS per expert matrix; scale 0.2*sqrt(max(out, in)).
+  ``muon``        the whole 2-D matrix; scale 0.2*sqrt(max(A, B)).
+  ``adamw``       AdamW (betas 0.9/0.95, eps 1e-8) with the same decoupled weight decay rule.
+One learning rate for every group (Moonlight scaling lets AdamW's lr carry over); a group may carry
+``lr_scale`` (default 1), which multiplies its lr for both the update and the weight decay.
+The Newton-Schulz dtype is the group key ``ns_dtype`` ("float32" default; the trainer passes "bfloat16" on
+GPU, which is what ``torch.optim.Muon`` always uses).
+
+State (per parameter): ``momentum_buffer`` for Muon kinds; ``exp_avg``, ``exp_avg_sq`` and an int ``step``
+for AdamW. Everything lives in the standard ``Optimizer.state_dict()`` so a resumed run is bitwise identical.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
+from k3.model.moe import RoutedExperts, Router
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+KINDS = ("muon_head", "muon_expert", "muon", "adamw")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str:
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, torch.dtype):
+        for name, d in _DTYPES.items():
+            if d == dtype:
+                return name
+        raise ValueError(f"ns_dtype={dtype} is not supported; choose one of {list(_DTYPES)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"ns_dtype={dtype!r} is not supported; choose one of {list(_DTYPES)}")
+    return dtype
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Newton-Schulz
+# --------------------------------------------------------------------------------------------------------------
+
+def newton_schulz(G: Tensor, steps: int = 5, coeffs: tuple[float, float, float] = NS_COEFFICIENTS,
+                  eps: float = 1e-7, dtype: torch.dtype | str | None = None) -> Tensor:
+    """Approximate orthogonalisation U S' V^T (S'_ii roughly in (0.5, 1.5)) of every matrix in G [..., A, B].
+
+    Each matrix is divided by max(||X||_F, eps) (the placement ``torch.optim.Muon`` uses), transposed when
+    A > B, and iterated ``steps`` times with X <- a X + (b XX^T + c (XX^T)^2) X. The whole computation runs in
+    ``dtype`` (None = fp32); the result has shape [..., A, B] and that dtype — the caller casts.
+    """
+    if G.dim() < 2:
+        raise ValueError(f"newton_schulz needs a [..., A, B] tensor, got shape {tuple(G.shape)}")
+    a, b, c = coeffs
+    X = G.to(_DTYPES[_dtype_name(dtype)])
+    rows, cols = X.shape[-2:]
+    lead = X.shape[:-2]
+    X = X.reshape(-1, rows, cols)
+    if rows > cols:
+        X = X.mT
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = X @ X.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, poly, X, beta=a)  # a X + poly X
+    if rows > cols:
+        X = X.mT
+    return X.reshape(*lead, rows, cols)
+
+
+def muon_scale(rows: int, cols: int, rule: str = "match_rms_adamw") -> float:
+    """The lr multiplier for one orthogonalised [rows, cols] block: Moonlight 0.2*sqrt(max) or Keller's original."""
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    raise ValueError(f"scale_rule={rule!r} must be 'match_rms_adamw' or 'original'")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The optimiser
+# --------------------------------------------------------------------------------------------------------------
+
+class K3Muon(torch.optim.Optimizer):
+    """Per-head Muon + AdamW. Every param group has a ``kind`` (see the module docstring).
+
+    Defaults (overridable per group): lr, weight_decay 0.1, kind "muon", lr_scale 1, head_dim None (required
+    for ``muon_head``), momentum 0.95, nesterov True, ns_coefficients, ns_steps 5, eps 1e-7 (NS), ns_dtype
+    "float32", scale_rule "match_rms_adamw", betas (0.9, 0.95), adam_eps 1e-8.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, kind: str = "muon",
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, eps: float = 1e-7,
+                 ns_dtype: torch.dtype | str | None = None, scale_rule: str = "match_rms_adamw",
+                 betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8, lr_scale: float = 1.0,
+                 head_dim: int | None = None):
+        if lr < 0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        defaults = dict(lr=lr, weight_decay=weight_decay, kind=kind, lr_scale=lr_scale, head_dim=head_dim,
+                        momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
+                        ns_steps=ns_steps, eps=eps, ns_dtype=_dtype_name(ns_dtype), scale_rule=scale_rule,
+                        betas=tuple(betas), adam_eps=adam_eps)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group["ns_dtype"] = _dtype_name(group["ns_dtype"])
+        kind = group["kind"]
+        if kind not in KINDS:
+            raise ValueError(f"param group kind={kind!r} must be one of {KINDS}")
+        muon_scale(2, 1, group["scale_rule"])  # validates the rule
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"momentum={group['momentum']} must be in [0, 1)")
+        if group["weight_decay"] < 0:
+            raise ValueError(f"weight_decay={group['weight_decay']} must be >= 0")
+        for p in group["params"]:
+            if kind == "muon" and p.dim() != 2:
+                raise ValueError(f"kind 'muon' needs 2-D parameters, got shape {tuple(p.shape)}")
+            if kind == "muon_expert" and p.dim() < 3:
+                raise ValueError(f"kind 'muon_expert' needs [E, out, in] stacks, got shape {tuple(p.shape)}")
+            if kind == "muon_head":
+                hd = group["head_dim"]
+                if not isinstance(hd, int) or hd <= 0:
+                    raise ValueError(f"kind 'muon_head' needs a positive int head_dim, got {hd!r}")
+                if p.dim() != 2 or p.shape[0] % hd:
+                    raise ValueError(f"kind 'muon_head' needs [H*{hd}, in] parameters, got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                self._adamw_group(group)
+            else:
+                self._muon_group(group)
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        lr = group["lr"] * group["lr_scale"]
+        wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if g.is_sparse or torch.is_complex(p):
+                raise RuntimeError("K3Muon supports dense real parameters only")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1 - mu)
+            update = g.lerp(buf, mu) if group["nesterov"] else buf
+            if kind == "muon_head":
+                hd = group["head_dim"]
+                update = update.reshape(p.shape[0] // hd, hd, p.shape[1])
+            rows, cols = update.shape[-2:]
+            ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                  group["ns_dtype"])
+            p.mul_(1 - lr * wd)
+            p.add_(ortho.reshape(p.shape), alpha=-lr * muon_scale(rows, cols, group["scale_rule"]))
+
+    def _adamw_group(self, group: dict) -> None:
+        lr = group["lr"] * group["lr_scale"]
+        wd, (beta1, beta2), eps = group["weight_decay"], group["betas"], group["adam_eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if g.is_sparse or torch.is_complex(p):
+                raise RuntimeError("K3Muon supports dense real parameters only")
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t = state["step"]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            step_size = lr / (1 - beta1 ** t)
+            denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+            p.addcdiv_(m, denom, value=-step_size)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parameter groups
+# --------------------------------------------------------------------------------------------------------------
+
+def _head_dims(config) -> dict[type, dict[str, int]]:
+    """Rows per head of every per-head projection, keyed by attention class and projection name."""
+    k, m = config.kda, config.mla
+    return {
+        KimiDeltaAttention: {"q_proj": k.head_dim, "k_proj": k.head_dim, "v_proj": k.v_head_dim,
+                             "g_proj": k.v_head_dim},
+        MultiheadLatentAttention: {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim,
+                                   "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim, "g_proj": m.v_head_dim},
+    }
+
+
+def classify_parameters(model: nn.Module, per_head: bool = True, router: str = "muon",
+                        config=None) -> list[tuple[str, Tensor, str, int | None, bool]]:
+    """(name, param, kind, head_dim, decay) for every trainable parameter, in ``named_parameters`` order.
+
+    Rules, first match wins:
+      embeddings, lm_head                                  -> adamw, decay
+      convs (q/k/v_conv1d, any *conv* weight)              -> adamw, no decay
+      AttnRes *_res_proj / *_res_norm                      -> adamw, no decay
+      1-D (norms, biases, A_log, dt_bias)                  -> adamw, no decay
+      routed expert stacks (experts.w1/w2/w3)              -> muon_expert
+      MoE router gate.weight                               -> ``router`` ("muon" default, or "adamw" with decay)
+      KDA q/k_proj (head_dim), v/g_proj (v_head_dim);
+      MLA q_proj | q_b_proj (qk_nope+qk_rope), kv_b_proj (qk_nope+v), g_proj (v)   -> muon_head (muon if not per_head)
+      any other 2-D matrix                                 -> muon
+      anything else (e.g. a >2-D non-expert weight)        -> adamw, no decay
+    """
+    if router not in ("muon", "adamw"):
+        raise ValueError(f"router={router!r} must be 'muon' or 'adamw'")
+    config = config if config is not None else getattr(model, "config", None)
+    if config is None:
+        raise ValueError("param_groups_for needs model.config (a K3Config) or config=")
+    heads = _head_dims(config)
+    modules = dict(model.named_modules())
+    lm_head = getattr(model, "lm_head", None)
+    out, seen = [], set()
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            parent_name, _, leaf = mod_name.rpartition(".")
+            parent = modules.get(parent_name)
+            if isinstance(mod, nn.Embedding) or (lm_head is not None and mod is lm_head):
+                out.append((name, p, "adamw", None, True))
+            elif isinstance(mod, nn.modules.conv._ConvNd) or "conv" in pname:
+                out.append((name, p, "adamw", None, False))
+            elif leaf.endswith(("_res_proj", "_res_norm")):
+                out.append((name, p, "adamw", None, False))
+            elif p.dim() < 2:
+                out.append((name, p, "adamw", None, False))
+            elif isinstance(mod, RoutedExperts):
+                out.append((name, p, "muon_expert", None, True))
+            elif isinstance(mod, Router):
+                out.append((name, p, router, None, True))
+            elif p.dim() == 2:
+                hd = heads.get(type(parent), {}).get(leaf) if isinstance(mod, nn.Linear) else None
+                if hd is not None and per_head:
+                    if p.shape[0] % hd:
+                        raise ValueError(f"{name} has {p.shape[0]} rows, not a multiple of its head size {hd}")
+                    out.append((name, p, "muon_head", hd, True))
+                else:
+                    out.append((name, p, "muon", None, True))
+            else:
+                out.append((name, p, "adamw", None, False))
+    return out
+
+
+def param_groups_for(model: nn.Module, lr: float, weight_decay: float = 0.1, per_head: bool = True,
+                     router: str = "muon", config=None) -> list[dict]:
+    """Param groups for :class:`K3Muon`: one group per (kind, head_dim, decay), in first-seen order.
+
+    Each group: ``params``, ``param_names``, ``kind``, ``lr``, ``weight_decay`` (``weight_decay`` or 0 for
+    the no-decay AdamW group) and ``head_dim`` (muon_head only). See :func:`classify_parameters`.
+    """
+    groups: dict[tuple, dict] = {}
+    for name, p, kind, hd, decay in classify_parameters(model, per_head, router, config):
+        key = (kind, hd, decay)
+        if key not in groups:
+            groups[key] = {"params": [], "param_names": [], "kind": kind, "lr": lr,
+                           "weight_decay": weight_decay if decay else 0.0}
+            if hd is not None:
+                groups[key]["head_dim"] = hd
+        groups[key]["params"].append(p)
+        groups[key]["param_names"].append(name)
+    return list(groups.values())
+
+
+def describe_groups(groups: Iterable[dict]) -> str:
+    """A small table (one line per group) of kind, head_dim, weight decay, tensor and element counts."""
+    lines = [f"{'kind':<12} {'head_dim':>8} {'wd':>6} {'tensors':>8} {'elements':>14}"]
+    totals: dict[str, int] = {}
+    for g in groups:
+        n = sum(p.numel() for p in g["params"])
+        totals[g["kind"]] = totals.get(g["kind"], 0) + n
+        hd = g.get("head_dim")
+        lines.append(f"{g['kind']:<12} {'-' if hd is None else hd:>8} {g['weight_decay']:>6g} "
+                     f"{len(g['params']):>8} {n:>14,}")
+    total = sum(totals.values()) or 1
+    lines.append("share: " + ", ".join(f"{k} {v / total:.1%}" for k, v in totals.items()))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Schedule and clipping
+# --------------------------------------------------------------------------------------------------------------
+
+def cosine_schedule(step: int, total_steps: int, warmup_frac: float = 0.01, min_ratio: float = 0.1) -> float:
+    """lr multiplier for 0-based optimiser step ``step``.
+
+    Linear warmup over W = max(1, round(warmup_frac * total_steps)) steps: (step + 1) / W, so step 0 uses 1/W
+    and step W - 1 uses 1. Then cosine from 1 at step W - 1 down to ``min_ratio`` at the last step
+    total_steps - 1; later steps stay at ``min_ratio``.
+    """
+    if total_steps <= 0:
+        raise ValueError(f"total_steps={total_steps} must be positive")
+    warmup = max(1, round(warmup_frac * total_steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    span = total_steps - warmup  # steps W-1 .. total-1
+    progress = min(1.0, (step - warmup + 1) / span) if span > 0 else 1.0
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_scheduler(opt: torch.optim.Optimizer, total_steps: int, warmup_frac: float = 0.01,
+                   min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR with :func:`cosine_schedule`; call ``scheduler.step()`` after every ``opt.step()``."""
+    fn = partial(cosine_schedule, total_steps=total_steps, warmup_frac=warmup_frac, min_ratio=min_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(opt, fn)
+
+
+def clip_grad_norm(model_or_params, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip the global gradient norm (``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping."""
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# QK-Clip (Kimi K2 MuonClip) for MLA
+# --------------------------------------------------------------------------------------------------------------
+
+def _q_weight(mla: MultiheadLatentAttention) -> Tensor:
+    return mla.q_proj.weight if hasattr(mla, "q_proj") else mla.q_b_proj.weight
+
+
+@torch.no_grad()
+def mla_max_logits(mla: MultiheadLatentAttention, x_normed: Tensor, cu_seqlens: Tensor,
+                   query_chunk: int = 1024) -> Tensor:
+    """Per-head max pre-softmax logit (scale included, causal, within each segment) -> [H] fp32.
+
+    x_normed [N, d] is the layer's MLA input (after ``input_layernorm``), packed by cu_seqlens [S+1]. Recomputes
+    q and k like the naive forward (rope applied when the module has ``rope_theta``); queries in chunks of
+    ``query_chunk`` to bound memory.
+    """
+    n, h, dn, dr = x_normed.shape[0], mla.num_heads, mla.dn, mla.dr
+    q = mla.q_proj(x_normed) if hasattr(mla, "q_proj") else mla.q_b_proj(mla.q_a_layernorm(mla.q_a_proj(x_normed)))
+    q = q.view(n, h, dn + dr)
+    c_kv, k_pe = mla.kv_a_proj_with_mqa(x_normed).split([mla.r, dr], dim=-1)
+    k_nope = mla.kv_b_proj(mla.kv_a_layernorm(c_kv)).view(n, h, dn + mla.dv)[..., :dn]
+    q_nope, q_pe = q.split([dn, dr], dim=-1)
+    bounds = cu_seqlens.tolist()
+    if mla.rope_theta is not None:
+        positions = torch.cat([torch.arange(b - a, device=x_normed.device) for a, b in zip(bounds[:-1], bounds[1:])])
+        q_pe = rotate_half_rope(q_pe, positions, mla.rope_theta)
+        k_pe = rotate_half_rope(k_pe, positions, mla.rope_theta)
+    q = torch.cat([q_nope, q_pe], dim=-1).float()
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, h, -1)], dim=-1).float()
+    best = torch.full((h,), float("-inf"), device=x_normed.device)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        ks = k[a:b].transpose(0, 1)  # [H, L, D]
+        for i0 in range(a, b, query_chunk):
+            i1 = min(b, i0 + query_chunk)
+            scores = torch.matmul(q[i0:i1].transpose(0, 1), ks[:, : i1 - a].transpose(1, 2)) * mla.scale
+            pos_q = torch.arange(i0 - a, i1 - a, device=x_normed.device)[:, None]
+            pos_k = torch.arange(i1 - a, device=x_normed.device)[None, :]
+            scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+            best = torch.maximum(best, scores.amax(dim=(1, 2)))
+    return best
+
+
+@torch.no_grad()
+def qk_clip_(mla: MultiheadLatentAttention, max_logits_per_head: Tensor, tau: float = 100.0) -> Tensor:
+    """K2 QK-Clip (alpha 0.5) for MLA, in place. Returns gamma [H] (1 for heads left alone).
+
+    For every head with S_max > tau, gamma = tau / S_max: its q_nope rows (q_b_proj or q_proj) and k_nope rows
+    (kv_b_proj) are scaled by sqrt(gamma), its q_pe rows by gamma; the shared k_pe (kv_a_proj_with_mqa) and the
+    v rows are untouched. Every logit of that head is thereby scaled by gamma, so its max becomes tau.
+    """
+    h, dn, dr, dv = mla.num_heads, mla.dn, mla.dr, mla.dv
+    s = max_logits_per_head.detach().float().reshape(-1)
+    if s.numel() != h:
+        raise ValueError(f"max_logits_per_head has {s.numel()} values for {h} heads")
+    gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
+    if not bool((gamma < 1).any()):
+        return gamma
+    wq = _q_weight(mla).view(h, dn + dr, -1)
+    wkv = mla.kv_b_proj.weight.view(h, dn + dv, -1)
+    g = gamma.to(device=wq.device)
+    wq[:, :dn].mul_(g.sqrt().to(wq.dtype)[:, None, None])
+    wq[:, dn:].mul_(g.to(wq.dtype)[:, None, None])
+    wkv[:, :dn].mul_(g.sqrt().to(wkv.dtype)[:, None, None])
+    return gamma

@@ -1,0 +1,349 @@
+"""The training loop behind ``k3 train``.
+
+One step: ``grad_accum`` micro-batches of packed rows (documents never cross ``cu_seqlens`` boundaries) ->
+cross-entropy summed over valid labels and divided by the step's valid-label count (so accumulation equals
+one big batch) + the balancer's auxiliary loss -> skip the step if the loss is not finite -> clip -> K3Muon
+(per-head Muon + AdamW) at lr * cosine(step) -> router-bias update from the whole step's statistics (QB by
+default), applied from the next step -> optional QK-Clip of the MLA layers -> metrics.jsonl.
+
+The run directory holds ``train_config.json``, ``metrics.jsonl``, ``tokenizer.json``, the plots and
+``checkpoints/`` (see :mod:`k3.train.checkpoint`). ``resume`` continues bitwise-identically: weights, router
+biases, optimizer state, RNG states and the data position are restored, and the schedule is a function of
+the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from k3.config import get_preset
+from k3.convert.checkpoint import from_pretrained
+from k3.infer.generate import greedy_generate
+from k3.model.balance import BALANCE_METHODS, Balancer, balance_metrics
+from k3.model.decoder import K3ForCausalLM
+from k3.model.mla import MultiheadLatentAttention
+from k3.train import plots
+from k3.train.checkpoint import STATE_FILE, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from k3.train.data import IGNORE_INDEX, PackedDataset, load_corpus
+from k3.train.optim import K3Muon, clip_grad_norm, cosine_schedule, describe_groups, mla_max_logits, \
+    param_groups_for, qk_clip_
+from k3.train.tokenizer import Tokenizer, train_bpe
+
+log = logging.getLogger("k3.train")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite losses in a row."""
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "small"
+    overrides: dict = field(default_factory=dict)  # dotted K3Config fields, e.g. {"moe.num_experts": 16}
+    data: str | None = None  # None: the Python standard library's own sources
+    tokenizer: str | None = None  # tokenizer.json / directory, or a tiktoken .model file; None: train a BPE
+    vocab_size: int = 8192
+    tokenizer_train_bytes: int = 4_000_000  # BPE training text budget (from the training split)
+    max_tokens: int | None = 3_000_000  # cap on the tokenised training stream
+    steps: int = 120
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_frac: float = 0.01
+    min_lr_ratio: float = 0.1
+    clip: float = 1.0
+    per_head_muon: bool = True
+    balance: str = "qb"
+    qk_clip: float | None = None  # tau for QK-Clip on MLA layers (K2 used 100); None = off
+    eval_every: int = 20
+    eval_rows: int = 32  # validation rows per evaluation (all if fewer)
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3
+    samples: int = 3  # greedy continuations printed at the end
+    max_bad_steps: int = 3
+    out: str = "runs/small"
+    seed: int = 0
+    device: str = "auto"
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "vocab_size", "eval_every", "eval_rows",
+                     "max_bad_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        if self.balance not in BALANCE_METHODS:
+            raise ValueError(f"--balance={self.balance!r} must be one of {', '.join(BALANCE_METHODS)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device={name} but no CUDA device is available")
+    return torch.device(name)
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    p = Path(path)
+    if p.is_dir() or p.suffix == ".json":
+        return Tokenizer.load(p)
+    return Tokenizer.from_tiktoken(p)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, resume: bool = False, progress: bool = True):
+        cfg.validate()
+        self.cfg, self.progress = cfg, progress
+        self.run_dir = Path(cfg.out)
+        self.device = _device(cfg.device)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        ckpt = latest_checkpoint(self.run_dir) if resume else None
+        if resume and ckpt is None:
+            raise FileNotFoundError(f"--resume: {self.run_dir} has no checkpoint to resume from")
+        if not resume and self.metrics_path.exists():
+            raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or another --out")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+
+        train_docs = load_corpus(cfg.data, "train")
+        val_docs = load_corpus(cfg.data, "validation")
+        if ckpt is not None:
+            self.tokenizer = Tokenizer.load(ckpt)
+        elif cfg.tokenizer:
+            self.tokenizer = _load_tokenizer(cfg.tokenizer)
+        else:
+            t0 = time.perf_counter()
+            self.tokenizer = train_bpe(_text_budget(train_docs, cfg.tokenizer_train_bytes), cfg.vocab_size)
+            log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs", self.tokenizer.vocab_size,
+                     time.perf_counter() - t0)
+        self.tokenizer.save(self.run_dir)
+        t0 = time.perf_counter()
+        self.train_data = PackedDataset(train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed,
+                                        max_tokens=cfg.max_tokens)
+        self.val_data = PackedDataset(val_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, shuffle=False,
+                                      max_tokens=cfg.eval_rows * cfg.seq_len + 1)
+        self.val_docs = val_docs
+        log.info("data: train %r, validation %r (%.1fs)", self.train_data, self.val_data, time.perf_counter() - t0)
+
+        if ckpt is not None:
+            self.model = from_pretrained(ckpt, device=self.device)
+        else:
+            model_cfg = get_preset(cfg.preset).replace(
+                vocab_size=self.tokenizer.vocab_size, eos_token_id=self.tokenizer.eos_id,
+                bos_token_id=self.tokenizer.bos_id, **cfg.overrides)
+            self.model = K3ForCausalLM(model_cfg).to(self.device)
+        self.model_cfg = self.model.config
+        groups = param_groups_for(self.model, cfg.lr, cfg.weight_decay, per_head=cfg.per_head_muon)
+        ns_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.optimizer = K3Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
+        log.info("optimizer groups:\n%s", describe_groups(self.optimizer.param_groups))
+        moe = self.model_cfg.moe
+        self.balancer = Balancer(cfg.balance, moe.num_experts, moe.num_experts_per_token)
+        self.bias_buffers = {i: layer.block_sparse_moe.gate.e_score_correction_bias
+                             for i, layer in enumerate(self.model.model.layers) if hasattr(layer, "block_sparse_moe")}
+        self.step = 0
+        self.bad_steps = 0
+        self.history: list[dict] = []
+        self.recent_loads: dict[int, torch.Tensor] = {}
+        if ckpt is not None:
+            state = torch.load(ckpt / STATE_FILE, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.train_data.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.step = state["step"]
+            self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+            self.history = [h for h in self.history if h["step"] < self.step]
+            self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+            log.info("resumed %s at step %d", ckpt, self.step)
+        else:
+            (self.run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        n = sum(p.numel() for p in self.model.parameters())
+        log.info("model %s: %.2fM parameters on %s, autocast %s", self.model_cfg.name, n / 1e6, self.device.type,
+                 "bf16" if self.device.type == "cuda" else "off (fp32)")
+
+    # ------------------------------------------------------------------ one step
+    def _forward_loss(self, batch, record: bool = False):
+        ids = batch.input_ids.to(self.device)
+        labels = batch.labels.to(self.device)
+        cu = batch.cu_seqlens.to(self.device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            out = self.model(ids, cu_seqlens=cu, record_attn_res=record)
+        loss_sum = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        return loss_sum, int((labels != IGNORE_INDEX).sum()), out
+
+    def _mla_inputs_hook(self, captured: dict):
+        hooks = []
+        for i, layer in enumerate(self.model.model.layers):
+            if isinstance(layer.self_attn, MultiheadLatentAttention):
+                def hook(mod, args, i=i):
+                    with torch.no_grad():
+                        m = mla_max_logits(mod, args[0].detach(), args[1])
+                    captured[i] = torch.maximum(captured[i], m) if i in captured else m
+                hooks.append(layer.self_attn.register_forward_pre_hook(hook))
+        return hooks
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = cfg.lr * cosine_schedule(self.step, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        batches = [self.train_data.next_batch(cfg.batch_size) for _ in range(cfg.grad_accum)]
+        valid = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+        max_logits: dict[int, torch.Tensor] = {}
+        hooks = self._mla_inputs_hook(max_logits) if cfg.qk_clip else []
+        total, aux_total, stats_all = 0.0, 0.0, []
+        try:
+            for b in batches:
+                loss_sum, _, out = self._forward_loss(b)
+                aux = self.balancer.observe(out.router_stats, b.cu_seqlens.to(self.device)) / cfg.grad_accum
+                (loss_sum / valid + aux).backward()
+                total += loss_sum.item()
+                aux_total += float(aux)
+                stats_all += [dataclasses.replace(s, scores=s.scores.detach()) for s in out.router_stats]
+        finally:
+            for h in hooks:
+                h.remove()
+        loss = total / valid
+        record = {"step": self.step, "loss": loss, "lr": lr, "tokens": (self.step + 1) * cfg.batch_size *
+                  cfg.grad_accum * cfg.seq_len}
+        if not math.isfinite(loss) or not math.isfinite(aux_total):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.balancer.reset()
+            self.bad_steps += 1
+            record.update(skipped=True, loss=str(loss))
+            log.warning("step %d: non-finite loss %s, step skipped (%d in a row)", self.step, loss, self.bad_steps)
+        else:
+            self.bad_steps = 0
+            grad_norm = float(clip_grad_norm(self.model, cfg.clip))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.balancer.step(self.bias_buffers)
+            if cfg.qk_clip:
+                for i, m in max_logits.items():
+                    qk_clip_(self.model.model.layers[i].self_attn, m, cfg.qk_clip)
+                record["mla_max_logit"] = max(float(m.max()) for m in max_logits.values()) if max_logits else None
+            metrics = balance_metrics(stats_all)
+            for s in stats_all:
+                self.recent_loads[s.layer] = self.recent_loads.get(s.layer, 0) + s.loads.cpu()
+            record.update(grad_norm=grad_norm, aux_loss=aux_total, maxvio=metrics.get("maxvio/mean"),
+                          maxvio_max=metrics.get("maxvio/max"), dead_experts=metrics.get("dead/total"))
+        dt = time.perf_counter() - t0
+        record.update(step_time=dt, tokens_per_s=cfg.batch_size * cfg.grad_accum * cfg.seq_len / dt)
+        return record
+
+    # ------------------------------------------------------------------ evaluation, saving, plots
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        total, count = 0.0, 0
+        rows, bs = min(self.cfg.eval_rows, self.val_data.num_rows), self.cfg.batch_size
+        for start in range(0, rows, bs):
+            loss_sum, n, _ = self._forward_loss(self.val_data.rows_batch(list(range(start, min(start + bs, rows)))))
+            total, count = total + loss_sum.item(), count + n
+        self.model.train()
+        loss = total / max(count, 1)
+        return {"val_loss": loss, "val_bpb": loss / math.log(2) / self.val_data.bytes_per_token}
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "data": self.train_data.state_dict(),
+                "rng": rng_state(), "scheduler": {"kind": "cosine", "total_steps": self.cfg.steps,
+                                                  "warmup_frac": self.cfg.warmup_frac,
+                                                  "min_ratio": self.cfg.min_lr_ratio},
+                "train_config": dataclasses.asdict(self.cfg)}
+
+    def save(self) -> Path:
+        path = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.trainer_state(),
+                               keep=self.cfg.keep_checkpoints)
+        log.info("saved %s", path)
+        return path
+
+    def write_plots(self) -> None:
+        plots.loss_curves(self.history, self.run_dir / "loss.png")
+        if self.recent_loads:
+            plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
+        if self.model_cfg.attn_res.mode != "none":
+            b = self.val_data.rows_batch([0])
+            self.model.eval()
+            with torch.no_grad():
+                _, _, out = self._forward_loss(b, record=True)
+            self.model.train()
+            plots.attn_res_weights(out.attn_res_weights, self.run_dir / "attn_res.png")
+        self.recent_loads = {}
+
+    def sample(self) -> list[tuple[str, str]]:
+        """Greedy continuations of the openings (24 tokens) of the first validation documents."""
+        eos = self.tokenizer.eos_id
+        out = []
+        self.model.eval()
+        for doc in self.val_docs[: self.cfg.samples]:
+            prompt = self.tokenizer.encode(doc.text[:2000])[:24]
+            if not prompt:
+                continue
+            ids = greedy_generate(self.model, torch.tensor([prompt], device=self.device), 48, eos_token_id=eos)
+            out.append((self.tokenizer.decode(prompt), self.tokenizer.decode(ids[0, len(prompt):].tolist())))
+        self.model.train()
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, stop_at: int | None = None) -> dict:
+        """Train to ``cfg.steps`` (or stop after step ``stop_at`` without the final save, as an interruption
+        would), then save, plot and return {"checkpoint", "history"}."""
+        cfg = self.cfg
+        self.model.train()
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, desc="train", unit="step")
+        with open(self.metrics_path, "a") as metrics_file:
+            while self.step < cfg.steps:
+                if stop_at is not None and self.step >= stop_at:
+                    bar.close()
+                    return {"checkpoint": None, "history": self.history}
+                start = {f"{k}_init": v for k, v in self.evaluate().items()} if self.step == 0 else {}
+                record = self.train_step()
+                record.update(start)
+                if (self.step + 1) % cfg.eval_every == 0 or self.step + 1 == cfg.steps:
+                    record.update(self.evaluate())
+                self.history.append(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}" if not record.get("skipped") else "nan",
+                                tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}",
+                                maxvio=f"{record['maxvio']:.2f}" if record.get("maxvio") is not None else "-")
+                self.step += 1
+                if self.bad_steps >= cfg.max_bad_steps:
+                    path = self.save()
+                    raise TrainingDiverged(f"{self.bad_steps} non-finite losses in a row at step {self.step - 1}; "
+                                           f"stopped. The weights are those of the last good step: {path}")
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.save()
+                    self.write_plots()
+        bar.close()
+        path = self.save()
+        self.write_plots()
+        return {"checkpoint": str(path), "history": self.history}
+
+
+def _text_budget(docs, budget: int):
+    used = 0
+    for d in docs:
+        if used >= budget:
+            break
+        used += len(d.text)
+        yield d.text

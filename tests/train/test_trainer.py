@@ -1,0 +1,145 @@
+"""The training loop: exact resume, atomic checkpoints, packing == per-document, QB vs none, NaN handling."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import k3
+import k3.train.checkpoint as run_ckpt
+from k3.cli.main import main
+from k3.config import get_preset
+from k3.model.decoder import K3ForCausalLM
+from k3.train.checkpoint import latest_checkpoint, resolve_checkpoint
+from k3.train.trainer import TrainConfig, Trainer, TrainingDiverged
+
+
+def tiny_cfg(out, **kw):
+    base = dict(preset="tiny", steps=6, batch_size=2, seq_len=48, vocab_size=400, tokenizer_train_bytes=200_000,
+                max_tokens=30_000, eval_every=3, eval_rows=4, save_every=3, samples=1, out=str(out), seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def losses(history):
+    return [h["loss"] for h in history]
+
+
+def test_resume_is_bitwise_identical(tmp_path):
+    full = Trainer(tiny_cfg(tmp_path / "full"), progress=False).run()
+    first = Trainer(tiny_cfg(tmp_path / "split"), progress=False)
+    first.run(stop_at=3)  # "killed" after the step-3 checkpoint
+    assert latest_checkpoint(tmp_path / "split").name == "step-000003"
+    resumed = Trainer(tiny_cfg(tmp_path / "split"), resume=True, progress=False).run()
+    assert losses(resumed["history"]) == losses(full["history"])  # bitwise, every step
+    a = k3.from_pretrained(full["checkpoint"]).state_dict()
+    b = k3.from_pretrained(resumed["checkpoint"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(6))
+
+
+def test_failed_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
+    trainer = Trainer(tiny_cfg(tmp_path / "run", steps=4, save_every=2), progress=False)
+    trainer.run(stop_at=2)
+    good = latest_checkpoint(tmp_path / "run")
+    before = k3.from_pretrained(good).state_dict()
+    trainer.run(stop_at=3)
+
+    def broken_save(obj, path, *a, **k):
+        raise OSError("disk full (simulated) while writing " + str(path))
+
+    monkeypatch.setattr(run_ckpt.torch, "save", broken_save)
+    with pytest.raises(OSError, match="simulated"):
+        trainer.save()
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path / "run") == good
+    after = k3.from_pretrained(good).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["latest", "step-000002"]
+    assert resolve_checkpoint(tmp_path / "run") == good
+    Trainer(tiny_cfg(tmp_path / "run", steps=4, save_every=2), resume=True, progress=False).run()
+
+
+def test_packed_step_equals_per_document_step():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5)
+    docs = [torch.randint(0, 512, (n,)) for n in (17, 40, 9)]
+
+    def grads_of(loss):
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, 17, 57, 66])
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])
+    packed = F.cross_entropy(model(ids, cu_seqlens=cu).logits[0], labels, ignore_index=-100, reduction="sum") / 63
+    g_packed = grads_of(packed)
+    separate = sum(F.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs) / 63
+    g_sep = grads_of(separate)
+    assert abs(packed.item() - separate.item()) <= 1e-6 * abs(separate.item())
+    assert g_packed.keys() == g_sep.keys()
+    for n in g_sep:
+        err = ((g_packed[n] - g_sep[n]).norm() / g_sep[n].norm().clamp_min(1e-30)).item()
+        assert err <= 1e-5, (n, err)
+
+
+def test_qb_balances_better_than_none(tmp_path, capsys):
+    kw = dict(steps=50, save_every=0, eval_every=50, batch_size=4, seq_len=64, max_tokens=60_000, lr=1e-2,
+              overrides={"moe.num_experts": 16, "moe.num_experts_per_token": 2})
+    runs = {m: Trainer(tiny_cfg(tmp_path / m, balance=m, **kw), progress=False).run()["history"]
+            for m in ("qb", "none")}
+    late = {m: sum(h["maxvio"] for h in hist[-10:]) / 10 for m, hist in runs.items()}
+    with capsys.disabled():
+        print(f"\nglobal-batch MaxVio, mean of steps 40-49: qb {late['qb']:.3f}, none {late['none']:.3f}")
+    assert late["qb"] < 0.5 * late["none"], late
+
+
+def test_nan_steps_are_skipped_then_stop(tmp_path, monkeypatch):
+    trainer = Trainer(tiny_cfg(tmp_path / "run", steps=10, save_every=0), progress=False)
+    real = trainer._forward_loss
+    bad_steps = {1, 3, 4, 5}
+
+    def flaky(batch, record=False):
+        loss_sum, n, out = real(batch, record)
+        return (loss_sum * float("nan") if trainer.step in bad_steps else loss_sum), n, out
+
+    monkeypatch.setattr(trainer, "_forward_loss", flaky)
+    weights_after_step_2 = {}
+
+    def snapshot():
+        weights_after_step_2.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    trainer.run(stop_at=3)
+    snapshot()
+    with pytest.raises(TrainingDiverged, match="3 non-finite losses in a row"):
+        trainer.run()
+    hist = trainer.history
+    assert hist[1]["skipped"] and not hist[2].get("skipped") and all(hist[i]["skipped"] for i in (3, 4, 5))
+    saved = k3.from_pretrained(latest_checkpoint(tmp_path / "run")).state_dict()
+    assert all(torch.equal(saved[k], weights_after_step_2[k]) for k in saved)  # the last good weights
+
+
+def test_cli_train_end_to_end(tmp_path, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+            "--max-tokens", "20000", "--eval-every", "2", "--eval-rows", "2", "--samples", "1", "--out", str(out),
+            "--no-progress", "--set", "moe.num_experts=4"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "validation loss" in text and "at start" in text and "checkpoint:" in text
+    for f in ("metrics.jsonl", "loss.png", "expert_load.png", "attn_res.png", "tokenizer.json", "train_config.json"):
+        assert (out / f).is_file(), f
+    rec = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all({"step", "loss", "lr"} <= set(r) for r in rec) and len(rec) == 4
+    assert k3.from_pretrained(out / "checkpoints" / "step-000004").config.moe.num_experts == 4
+    assert main(args) == 2  # the run exists: refuse to overwrite without --resume
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(args[:4] + ["6"] + args[5:] + ["--resume"]) == 0  # extend to 6 steps
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
