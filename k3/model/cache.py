@@ -3,8 +3,9 @@
 What each layer keeps per sequence:
 - KDA layer: the recurrent state S [H, K, V] (fp32 by default) and three conv states [C, W-1] (the last
   W-1 projected q, k, v inputs): constant in context length.
-- MLA layer: the latent c_kv [L, kv_lora_rank] (after kv_a_layernorm) and the shared k_pe [L, rope] for
-  every token seen: linear in context length (the absorbed decode never expands them per head).
+- MLA layer: one latent row per token seen, [c_kv (kv_lora_rank, after kv_a_layernorm), k_pe (rope)], kept in
+  a preallocated [S, capacity, r + dr] tensor that doubles when full: linear in context length (the absorbed
+  decode attends over these rows directly and never expands them per head).
 - Attention Residuals: nothing. Its sources are the same token's own sub-layer outputs, so no state crosses
   tokens; the depth mix is recomputed for every new token.
 """
@@ -27,8 +28,26 @@ class KDAState:
 
 @dataclass
 class MLAState:
-    c_kv: list[Tensor]  # per sequence [L_s, kv_lora_rank]
-    k_pe: list[Tensor]  # per sequence [L_s, qk_rope_head_dim]
+    kv: Tensor  # [S, capacity, r + dr] latent rows; row t of slot s is valid for t < lengths[s]
+    lengths: list[int]
+
+    def rows(self, slot: int) -> Tensor:
+        """The valid latent rows of ``slot``, [L, r + dr] (a view)."""
+        return self.kv[slot, : self.lengths[slot]]
+
+    def append(self, slot: int, rows: Tensor) -> None:
+        """Write ``rows`` [n, r + dr] after the slot's last row, doubling the capacity when needed."""
+        end = self.lengths[slot] + rows.shape[0]
+        if end > self.kv.shape[1]:
+            grown = self.kv.new_zeros(self.kv.shape[0], max(end, 2 * self.kv.shape[1]), self.kv.shape[2])
+            grown[:, : self.kv.shape[1]] = self.kv
+            self.kv = grown
+        self.kv[slot, self.lengths[slot]:end] = rows.to(self.kv.dtype)
+        self.lengths[slot] = end
+
+    def set(self, slot: int, rows: Tensor) -> None:
+        self.lengths[slot] = 0
+        self.append(slot, rows)
 
 
 class K3Cache:
@@ -36,7 +55,7 @@ class K3Cache:
     by default segment s extends sequence s and every sequence takes part)."""
 
     def __init__(self, config: K3Config, batch_size: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32, capacity: int = 256):
         self.config = config
         self.batch_size = batch_size
         self.seq_lens = [0] * batch_size
@@ -51,24 +70,53 @@ class K3Cache:
                     conv=[torch.zeros(batch_size, kda.num_heads * d, w, dtype=dtype, device=device)
                           for d in (kda.head_dim, kda.head_dim, kda.v_head_dim)]))
             else:
-                self.layers.append(MLAState(
-                    c_kv=[torch.zeros(0, mla.kv_lora_rank, dtype=dtype, device=device) for _ in range(batch_size)],
-                    k_pe=[torch.zeros(0, mla.qk_rope_head_dim, dtype=dtype, device=device) for _ in range(batch_size)]))
+                width = mla.kv_lora_rank + mla.qk_rope_head_dim
+                self.layers.append(MLAState(torch.zeros(batch_size, capacity, width, dtype=dtype, device=device),
+                                            [0] * batch_size))
 
     def advance(self, seq_ids: list[int], lengths: list[int]) -> None:
         """Record that sequence seq_ids[i] received lengths[i] more tokens (called by the model)."""
         for i, n in zip(seq_ids, lengths):
             self.seq_lens[i] += n
 
-    def nbytes(self) -> int:
-        """Bytes held right now by all layers of all sequences."""
+    def reset(self, slot: int) -> None:
+        """Empty sequence ``slot`` (zero KDA and conv state, no MLA latents) for a new request."""
+        for layer in self.layers:
+            if isinstance(layer, KDAState):
+                layer.recurrent[slot].zero_()
+                for c in layer.conv:
+                    c[slot].zero_()
+            else:
+                layer.lengths[slot] = 0
+        self.seq_lens[slot] = 0
+
+    def kda_snapshot(self, slot: int) -> list[tuple[Tensor, list[Tensor]]]:
+        """Copies of every KDA layer's (recurrent state, conv states) of ``slot``."""
+        return [(layer.recurrent[slot].clone(), [c[slot].clone() for c in layer.conv])
+                for layer in self.layers if isinstance(layer, KDAState)]
+
+    def restore(self, slot: int, kda: list[tuple[Tensor, list[Tensor]]], latents: list[Tensor], length: int) -> None:
+        """Set ``slot`` to a state of ``length`` tokens: KDA states from a snapshot, latent rows per MLA layer."""
+        kda_layers = [layer for layer in self.layers if isinstance(layer, KDAState)]
+        mla_layers = [layer for layer in self.layers if isinstance(layer, MLAState)]
+        for layer, (rec, conv) in zip(kda_layers, kda, strict=True):
+            layer.recurrent[slot].copy_(rec)
+            for dst, src in zip(layer.conv, conv, strict=True):
+                dst[slot].copy_(src)
+        for layer, rows in zip(mla_layers, latents, strict=True):
+            layer.set(slot, rows)
+        self.seq_lens[slot] = length
+
+    def nbytes(self, allocated: bool = False) -> int:
+        """Bytes of state the sequences hold now (``allocated``: bytes reserved, MLA capacity included)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, KDAState):
                 total += layer.recurrent.numel() * layer.recurrent.element_size()
                 total += sum(c.numel() * c.element_size() for c in layer.conv)
             else:
-                total += sum(t.numel() * t.element_size() for t in layer.c_kv + layer.k_pe)
+                rows = layer.kv.shape[0] * layer.kv.shape[1] if allocated else sum(layer.lengths)
+                total += rows * layer.kv.shape[2] * layer.kv.element_size()
         return total
 
 

@@ -140,13 +140,15 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: K3Cache | None = None,
-                seq_ids: list[int] | Tensor | None = None, record_attn_res: bool = False) -> K3Output:
+                seq_ids: list[int] | Tensor | None = None, record_attn_res: bool = False,
+                last_only: bool = False) -> K3Output:
         """Logits for every input token.
 
         input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence);
         cache: a :class:`K3Cache`; seq_ids: which S cached sequences the segments extend (default 0..S-1, and
-        then the cache must hold exactly S sequences); record_attn_res: also return the AttnRes depth weights.
-        Returns logits [B, T, V] and per-MoE-layer router stats.
+        then the cache must hold exactly S sequences); record_attn_res: also return the AttnRes depth weights;
+        last_only: logits only at the last token of each of the S sequences ([S, V], what decoding needs).
+        Returns logits [B, T, V] (or [S, V]) and per-MoE-layer router stats.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -163,8 +165,8 @@ class K3ForCausalLM(nn.Module):
         hidden, stats, records = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res)
         if cache is not None:
             cache.advance(seq_ids.tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-        return K3Output(logits=self.lm_head(hidden).view(b, t, -1), router_stats=stats, cache=cache,
-                        attn_res_weights=records)
+        logits = self.lm_head(hidden[cu_seqlens[1:] - 1]) if last_only else self.lm_head(hidden).view(b, t, -1)
+        return K3Output(logits=logits, router_stats=stats, cache=cache, attn_res_weights=records)
 
     @staticmethod
     def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:

@@ -8,8 +8,8 @@
 The rope slice is never rotated unless ``mla.rope_theta`` is set (K2).
 
 Two equal forms: ``naive`` expands k/v per head from the latents; ``absorbed`` folds W_kvb into the query
-and the output, so attention runs over the cached latents directly (one shared key/value head of width
-r + dr / r). Decode uses the absorbed form by default; the cache only ever holds (c_kv, k_pe).
+and the output, so attention runs over the cached latent rows [c_kv, k_pe] directly (one shared key/value
+head of width r + dr / r). Decode uses the absorbed form by default; the cache only ever holds latent rows.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
-from k3.ops.mla import attention
+from k3.ops.mla import attention, latent_attention
 from k3.ops.dtypes import upcast
 
 
@@ -74,33 +74,39 @@ class MultiheadLatentAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
 
         ids = [] if state is None else seq_ids.tolist()
-        past = [0] * len(lengths) if state is None else [state.c_kv[i].shape[0] for i in ids]
+        past = [0] * len(lengths) if state is None else [state.lengths[i] for i in ids]
         if self.rope_theta is not None:
             positions = torch.cat([torch.arange(p, p + length, device=x.device) for p, length in zip(past, lengths)])
             q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
             k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
 
-        if state is None:
-            c_all, pe_all, cu_k = c_kv, k_pe, cu_seqlens
-        else:
-            for i, a, b in zip(ids, bounds[:-1], bounds[1:]):
-                state.c_kv[i] = torch.cat([state.c_kv[i], c_kv[a:b].to(state.c_kv[i].dtype)])
-                state.k_pe[i] = torch.cat([state.k_pe[i], k_pe[a:b].to(state.k_pe[i].dtype)])
-            c_all = torch.cat([state.c_kv[i] for i in ids]).to(x.dtype)
-            pe_all = torch.cat([state.k_pe[i] for i in ids]).to(x.dtype)
-            key_lens = torch.tensor([0] + [state.c_kv[i].shape[0] for i in ids], device=x.device)
-            cu_k = key_lens.cumsum(0).to(cu_seqlens.dtype)
-
         if absorb is None:
             absorb = self.absorb if self.absorb is not None else (state is not None and n == len(lengths))
         w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
+        if state is not None:
+            rows = torch.cat([c_kv, k_pe], dim=-1)  # [N, r + dr]: what the cache keeps per token
+            for i, a, b in zip(ids, bounds[:-1], bounds[1:]):
+                state.append(i, rows[a:b])
         if absorb:
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn])
-            keys = torch.cat([c_all, pe_all], dim=-1).unsqueeze(1)  # [M, 1, r+dr]
-            o_lat = attention(torch.cat([q_lat, q_pe], dim=-1), keys, c_all.unsqueeze(1), scale=self.scale,
-                              cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k)  # [N, H, r]
+            q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [N, H, r + dr]
+            if state is None:
+                keys = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)  # [N, 1, r + dr]
+                o_lat = attention(q_abs, keys, keys[..., :self.r], scale=self.scale, cu_seqlens_q=cu_seqlens,
+                                  cu_seqlens_k=cu_seqlens)
+            else:
+                key_lens = torch.tensor([state.lengths[i] for i in ids], device=x.device)
+                o_lat = latent_attention(q_abs, state.kv.to(x.dtype), seq_ids=seq_ids, lengths=key_lens,
+                                         cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r)
             o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
         else:
+            if state is None:
+                c_all, pe_all, cu_k = c_kv, k_pe, cu_seqlens
+            else:
+                rows = torch.cat([state.rows(i) for i in ids]).to(x.dtype)
+                c_all, pe_all = rows.split([self.r, self.dr], dim=-1)
+                key_lens = torch.tensor([0] + [state.lengths[i] for i in ids], device=x.device)
+                cu_k = key_lens.cumsum(0).to(cu_seqlens.dtype)
             kv = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv)
             k_nope, v = kv.split([self.dn, self.dv], dim=-1)
             k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)

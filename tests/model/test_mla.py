@@ -68,7 +68,7 @@ def test_absorbed_decode_with_latent_cache_equals_naive_prefill():
     x = torch.randn(sum(lengths), 64)
     cu = torch.tensor([0, 11, 16])
     full = m(x, cu, absorb=False)
-    state = MLAState(c_kv=[torch.zeros(0, m.r), torch.zeros(0, m.r)], k_pe=[torch.zeros(0, m.dr)] * 2)
+    state = MLAState(torch.zeros(2, 4, m.r + m.dr), [0, 0])  # capacity 4: appends must grow it
     ids = torch.tensor([0, 1])
     # prefill 3 + 2 tokens, then decode one token at a time (absorbed by default)
     pre = m(torch.cat([x[0:3], x[11:13]]), torch.tensor([0, 3, 5]), state, ids)
@@ -81,6 +81,6 @@ def test_absorbed_decode_with_latent_cache_equals_naive_prefill():
         for j, i in enumerate(ids_now):
             outs[i].append(o[j:j + 1])
             pos[i] += 1
-    assert state.c_kv[0].shape == (11, m.r) and state.c_kv[1].shape == (5, m.r)
+    assert state.lengths == [11, 5] and state.rows(0).shape == (11, m.r + m.dr)
     assert rel(torch.cat(outs[0]), full[:11]) <= 1e-5
     assert rel(torch.cat(outs[1]), full[11:]) <= 1e-5

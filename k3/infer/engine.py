@@ -1,0 +1,248 @@
+"""The inference engine: continuous batching with chunked prefill over the hybrid cache, and prefix caching.
+
+Every :meth:`Engine.step` packs one forward pass: each running sequence contributes either its next prefill
+chunk or (once its prompt is in) its one newest token; segments are delimited by ``cu_seqlens`` and point at
+their cache slot through ``seq_ids``, so sequences of any length join and leave between steps. The model
+returns logits only at each segment's last token; a sequence whose prompt is fully in samples its next token
+from them. KDA runs its chunked form while any prefill is in the pass and the recurrent form for pure decode
+steps; MLA runs absorbed over the latent cache for decode steps.
+
+Admission: a request needs a free slot and, under ``memory_budget``, the cache bytes of its whole context
+(prompt + max_tokens, :func:`k3.model.cache.cache_bytes_per_sequence`); otherwise it waits in FIFO order. A
+request that could never fit (too long for ``max_context`` or for the whole budget) is refused at ``add``.
+With a ``prefix_cache_bytes`` budget, prompts resume from their longest cached prefix (see prefix_cache.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.infer.prefix_cache import PrefixCache
+from k3.infer.sampling import SamplingParams, sample_next
+from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
+
+log = logging.getLogger("k3.infer")
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request (deltas; ``finished`` once)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    need_bytes: int
+    generator: torch.Generator | None = None
+    slot: int = -1
+    fed: int = 0  # tokens already run through the model
+    output: list[int] = field(default_factory=list)
+    emitted: str = ""  # text already returned
+    cached_tokens: int = 0
+    remembered: int = 0  # tokens already stored in the prefix cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, max_batch: int = 16, max_context: int | None = None,
+                 prefill_chunk: int = 256, memory_budget: int | None = None, prefix_cache_bytes: int = 0,
+                 block_size: int = 64, state_dtype: torch.dtype = torch.float32):
+        cfg = model.config
+        if prefill_chunk < 1 or max_batch < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} and max_batch={max_batch} must be positive")
+        if prefix_cache_bytes and prefill_chunk % block_size:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be a multiple of block_size={block_size} "
+                             "when prefix caching is on")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_context = max_context or min(cfg.max_position_embeddings, 8192)
+        self.memory_budget = memory_budget
+        self.device = next(model.parameters()).device
+        self.cache = K3Cache(cfg, max_batch, device=self.device, dtype=next(model.parameters()).dtype,
+                             state_dtype=state_dtype)
+        self.state_bytes = torch.empty((), dtype=state_dtype).element_size()
+        self.kv_bytes = next(model.parameters()).element_size()
+        self.prefix = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes else None
+        self.free_slots = list(range(max_batch))
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.reserved = 0
+        self._ids = itertools.count()
+        self.eos_id = getattr(tokenizer, "eos_id", None)
+
+    # ------------------------------------------------------------------ requests
+    def context_bytes(self, tokens: int) -> int:
+        return cache_bytes_per_sequence(self.model.config, tokens, self.state_bytes, self.kv_bytes)["total_bytes"]
+
+    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; one ValueError if it can never run (bad params, empty or too long)."""
+        params.validate()
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context limit of {self.max_context} tokens")
+        need = self.context_bytes(len(prompt) + params.max_tokens)
+        if self.memory_budget is not None and need > self.memory_budget:
+            raise ValueError(f"the request needs {need} cache bytes, more than the whole budget {self.memory_budget}")
+        rid = request_id or f"req-{next(self._ids)}"
+        self.waiting.append(_Sequence(rid, list(prompt), params, need, params.generator(self.device)))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Drop a waiting or running request (its slot is freed)."""
+        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        for seq in [s for s in self.running if s.request_id == request_id]:
+            self._release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            seq = self.waiting[0]
+            if self.memory_budget is not None and self.reserved + seq.need_bytes > self.memory_budget:
+                break
+            self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            self.reserved += seq.need_bytes
+            self.cache.reset(seq.slot)
+            if self.prefix is not None:
+                hit = self.prefix.lookup(seq.prompt, len(seq.prompt) - 1)
+                if hit is not None:
+                    self.cache.restore(seq.slot, hit.kda, hit.latents, hit.length)
+                    seq.fed = seq.cached_tokens = seq.remembered = hit.length
+            self.running.append(seq)
+
+    def _release(self, seq: _Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.reset(seq.slot)
+        self.free_slots.append(seq.slot)
+        self.reserved -= seq.need_bytes
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        self._admit()
+        if not self.running:
+            return []
+        pieces, batch, budget = [], [], self.prefill_chunk
+        for seq in self.running:
+            if seq.fed < len(seq.prompt):  # prefill, chunk ends on block boundaries for the prefix cache
+                if budget <= 0:
+                    continue
+                take = min(len(seq.prompt) - seq.fed, budget)
+                if self.prefix is not None and seq.fed + take < len(seq.prompt):
+                    take -= (seq.fed + take) % self.prefix.block_size
+                if take <= 0:
+                    continue
+                budget -= take
+                pieces.append(seq.prompt[seq.fed:seq.fed + take])
+            else:
+                pieces.append([seq.output[-1]])
+            batch.append(seq)
+        lengths = [len(p) for p in pieces]
+        ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
+        cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
+        logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=[s.slot for s in batch],
+                            last_only=True).logits
+        outputs = []
+        for seq, n, row in zip(batch, lengths, logits):
+            seq.fed += n
+            if self.prefix is not None:
+                self._remember(seq)
+            if seq.fed < len(seq.prompt):
+                continue
+            seen = torch.tensor(seq.tokens, device=self.device) if seq.params.repetition_penalty != 1.0 else None
+            token = sample_next(row, seq.params, seq.generator, seen)
+            seq.output.append(token)
+            outputs.append(self._emit(seq, token))
+        return outputs
+
+    def _remember(self, seq: _Sequence) -> None:
+        """Store the blocks this pass completed; the block ending exactly here also gets the KDA state."""
+        bs = self.prefix.block_size
+        if seq.fed % bs or seq.fed <= seq.remembered:
+            return
+        keys = self.prefix.keys(seq.tokens[:seq.fed])
+        mla_layers = [layer for layer in self.cache.layers if isinstance(layer, MLAState)]
+        for i in range(seq.remembered // bs, len(keys)):
+            lo, hi = i * bs, (i + 1) * bs
+            # a model without KDA layers can resume at any block; with them, only where the pass stopped
+            at_end = i == len(keys) - 1 or not any(m.mixer == "kda" for m in self.model.model.layers)
+            state = self.cache.kda_snapshot(seq.slot) if at_end else None
+            self.prefix.insert(keys[i], keys[i - 1] if i else None, [m.kv[seq.slot, lo:hi] for m in mla_layers],
+                               state)
+        seq.remembered = seq.fed
+
+    def _emit(self, seq: _Sequence, token: int) -> StepOutput:
+        p = seq.params
+        reason = None
+        stop_ids = set(p.stop_token_ids) | ({self.eos_id} if self.eos_id is not None and not p.ignore_eos else set())
+        text = self.tokenizer.decode(seq.output)
+        if token in stop_ids:
+            reason = "stop"
+            text = self.tokenizer.decode(seq.output[:-1])
+        cut = min((text.find(s) for s in p.stop if s in text), default=-1)
+        if cut >= 0:
+            reason, text = "stop", text[:cut]
+        if reason is None and (len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_context):
+            reason = "length"
+        if reason is None:
+            hold = max((len(s) - 1 for s in p.stop), default=0)
+            safe = text[:len(text) - hold] if hold else text
+            while safe.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+                safe = safe[:-1]
+        else:
+            safe = text
+        delta = safe[len(seq.emitted):] if safe.startswith(seq.emitted) else ""
+        seq.emitted += delta
+        out = StepOutput(seq.request_id, [token], delta, reason is not None, reason, len(seq.prompt), len(seq.output),
+                         seq.cached_tokens)
+        if reason is not None:
+            self._release(seq)
+        return out
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Run requests to completion; returns per prompt {token_ids, text, finish_reason, cached_tokens}."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, dict] = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
+        while self.has_work():
+            for out in self.step():
+                d = done[out.request_id]
+                d["token_ids"] += out.token_ids
+                d["text"] += out.text
+                if out.finished:
+                    d.update(finish_reason=out.finish_reason, cached_tokens=out.cached_tokens)
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        s = {"running": len(self.running), "waiting": len(self.waiting), "reserved_bytes": self.reserved,
+             "memory_budget": self.memory_budget, "slots": self.max_batch}
+        if self.prefix is not None:
+            s["prefix_cache"] = self.prefix.stats()
+        return s

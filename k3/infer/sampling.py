@@ -1,0 +1,87 @@
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, repetition penalty, seed)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SamplingParams:
+    """What one request asks for. ``temperature == 0`` is greedy decoding."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (HF rule)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """One ValueError naming the field for any out-of-range value."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or \
+                not 0 <= self.temperature <= 100:
+            bad("temperature", "must be in [0, 100]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", "must be in (0, 10]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", "must be an integer or None")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
+            bad("stop", "must be a list of at most 16 non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A generator of its own per request, so a seeded request samples the same tokens in any batch."""
+        if self.temperature == 0:
+            return None
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """HF's rule: for every token id in ``seen``, positive logits / penalty, negative logits * penalty."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    ids = seen.unique()
+    picked = logits[ids]
+    logits = logits.clone()
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+                seen: Tensor | None = None) -> int:
+    """Pick the next token from logits [V] (fp32)."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,181 @@
+"""Engine: continuous batching == full forward, prefix cache hit == miss, budgets, sampling."""
+
+import pytest
+import torch
+
+import k3.infer.engine as engine_mod
+from k3.config import get_preset
+from k3.infer.engine import Engine
+from k3.infer.prefix_cache import PrefixCache
+from k3.infer.sampling import SamplingParams, apply_repetition_penalty, sample_next
+from k3.model.decoder import K3ForCausalLM
+
+
+class IdTokenizer:
+    """Decodes ids to space-separated numbers; EOS configurable."""
+
+    def __init__(self, eos_id=None):
+        self.eos_id = eos_id
+
+    def decode(self, ids):
+        return "".join(f" {i}" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = K3ForCausalLM(get_preset("tiny")).eval()
+    with torch.no_grad():  # every branch does real work: AttnRes queries and router biases non-zero
+        for n, p in m.named_parameters():
+            if n.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5)
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    return m
+
+
+def record_logits(monkeypatch):
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = engine_mod.sample_next
+
+    def spy(logits, params, generator, history=None):
+        seen.setdefault(params._tag, []).append(logits.clone())
+        return real(logits, params, generator, history)
+
+    monkeypatch.setattr(engine_mod, "sample_next", spy)
+    return seen
+
+
+def tagged(tag, **kw):
+    p = SamplingParams(temperature=0, **kw)
+    p._tag = tag
+    return p
+
+
+def full_forward_logits(model, prompt, generated):
+    """Logits for every generated position from a full forward of the whole sequence (no cache)."""
+    seq = torch.tensor(prompt + generated[:-1])[None]
+    with torch.no_grad():
+        return model(seq).logits[0, len(prompt) - 1:]
+
+
+def test_continuous_batching_equals_full_forward(model, monkeypatch):
+    """Different lengths, chunked prefill (chunk 16), sequences joining late (3 slots for 5 requests)."""
+    seen = record_logits(monkeypatch)
+    torch.manual_seed(1)
+    lengths = [5, 37, 70, 1, 20]
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in lengths]
+    eng = Engine(model, IdTokenizer(), max_batch=3, prefill_chunk=16, max_context=256)
+    results = eng.generate(prompts, [tagged(i, max_tokens=12) for i in range(5)])
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        assert len(r["token_ids"]) == 12 and r["finish_reason"] == "length"
+        got = torch.stack(seen[i])
+        want = full_forward_logits(model, p, r["token_ids"])
+        err = ((got - want).norm() / want.norm()).item()
+        assert err <= 1e-4, (i, err)
+        assert r["token_ids"] == want.argmax(-1).tolist()
+    assert eng.reserved == 0 and sorted(eng.free_slots) == [0, 1, 2]
+
+
+def test_prefix_cache_hit_equals_miss(model, monkeypatch):
+    seen = record_logits(monkeypatch)
+    torch.manual_seed(2)
+    shared = torch.randint(0, 512, (100,)).tolist()
+    first, second = shared + [1, 2, 3], shared + [7, 8, 9, 10, 11]
+    cached = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=32, block_size=16, prefix_cache_bytes=10**8)
+    cached.generate([first], tagged("first", max_tokens=4))
+    hit = cached.generate([second], tagged("hit", max_tokens=6))[0]
+    assert hit["cached_tokens"] == 96  # blocks of 16 up to the last chunk end inside the shared prefix
+    plain = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=32)
+    miss = plain.generate([second], tagged("miss", max_tokens=6))[0]
+    assert hit["token_ids"] == miss["token_ids"]
+    a, b = torch.stack(seen["hit"]), torch.stack(seen["miss"])
+    assert ((a - b).norm() / b.norm()).item() <= 1e-5
+    assert cached.prefix.hits == 1
+
+
+def test_prefix_cache_resumes_after_generated_text(model):
+    """Blocks completed during decode are cached too: a follow-up turn resumes past the first answer."""
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 512, (40,)).tolist()
+    eng = Engine(model, IdTokenizer(), max_batch=1, prefill_chunk=16, block_size=16, prefix_cache_bytes=10**8)
+    out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=30))[0]
+    follow = prompt + out["token_ids"] + [5, 6, 7]
+    again = eng.generate([follow], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert again["cached_tokens"] == 64  # 70 tokens fed before; blocks end at 16, 32, 48 (prefill) and 64 (decode)
+
+
+def test_eviction_holds_the_budget(model):
+    torch.manual_seed(4)
+    probe = PrefixCache(16, 10**9)
+    eng = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=16, block_size=16, prefix_cache_bytes=60_000)
+    for _ in range(8):
+        eng.generate([torch.randint(0, 512, (50,)).tolist()], SamplingParams(temperature=0, max_tokens=2))
+        assert eng.prefix.nbytes <= 60_000
+    assert eng.prefix.evictions > 0
+    for key, entry in eng.prefix.entries.items():  # chains erode from the tip: every parent is still there
+        assert entry.parent is None or entry.parent in eng.prefix.entries
+    assert probe.keys([1] * 40) == probe.keys([1] * 47)  # only full blocks are keyed
+
+
+def test_memory_budget_admits_or_queues(model):
+    eng = Engine(model, IdTokenizer(), max_batch=8, prefill_chunk=64, max_context=512)
+    per_request = eng.context_bytes(10 + 8)
+    eng.memory_budget = 2 * per_request
+    for _ in range(4):
+        eng.add(list(range(10)), SamplingParams(temperature=0, max_tokens=8))
+    eng.step()
+    assert len(eng.running) == 2 and len(eng.waiting) == 2 and eng.reserved <= eng.memory_budget
+    while eng.has_work():
+        eng.step()
+        assert eng.reserved <= eng.memory_budget
+    assert eng.reserved == 0
+    with pytest.raises(ValueError, match="more than the whole budget"):
+        eng.add(list(range(200)), SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="exceeds the context limit"):
+        eng.add(list(range(500)), SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add([1, 2], SamplingParams(temperature=-1))
+
+
+def test_seeded_sampling_is_batch_independent(model):
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (9, 30, 17)]
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=s, max_tokens=10) for s in (1, 2, 3)]
+    together = Engine(model, IdTokenizer(), max_batch=3).generate(prompts, params)
+    alone = [Engine(model, IdTokenizer(), max_batch=1).generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [r["token_ids"] for r in together] == [r["token_ids"] for r in alone]
+
+
+def test_stops_eos_and_abort(model):
+    torch.manual_seed(6)
+    prompt = torch.randint(0, 512, (12,)).tolist()
+    greedy = Engine(model, IdTokenizer(), max_batch=2).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    third = greedy["token_ids"][2]
+    eos = Engine(model, IdTokenizer(eos_id=third), max_batch=2)
+    r = eos.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert r["finish_reason"] == "stop" and r["token_ids"] == greedy["token_ids"][:3]
+    assert r["text"] == "".join(f" {t}" for t in greedy["token_ids"][:2])  # the EOS itself is not text
+    stop_text = f" {greedy['token_ids'][4]}"
+    s = Engine(model, IdTokenizer(), max_batch=2).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=8, stop=[stop_text]))[0]
+    assert s["finish_reason"] == "stop" and stop_text not in s["text"]
+    eng = Engine(model, IdTokenizer(), max_batch=1)
+    rid = eng.add(prompt, SamplingParams(temperature=0, max_tokens=50))
+    eng.step()
+    eng.abort(rid)
+    assert not eng.has_work() and eng.free_slots == [0] and eng.reserved == 0
+
+
+def test_sampling_rules():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    assert torch.equal(apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0]))
+    g = torch.Generator().manual_seed(0)
+    assert sample_next(logits, SamplingParams(temperature=1.0, top_k=1), g) == 3
+    assert sample_next(logits, SamplingParams(temperature=1.0, top_p=0.01), g) == 3
+    draws = {sample_next(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(50)}
+    assert draws == {0, 3}
+    for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_k=-1), dict(stop=[""]), dict(repetition_penalty=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad).validate()
