@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 
 from k3.model.balance import BALANCE_METHODS
+from k3.quant.mx import MODES as MX_MODES
+from k3.quant.qat import RECIPES as QAT_RECIPES
 from k3.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 log = logging.getLogger("k3.train")
@@ -50,6 +52,10 @@ def add_parser(sub) -> None:
                    help="whole-matrix Muon for the head-structured projections")
     p.add_argument("--balance", choices=BALANCE_METHODS, default=d.balance, help="router balancing (K3: qb)")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip MLA logits at TAU (K2: 100)")
+    p.add_argument("--qat", choices=sorted(QAT_RECIPES), default=None,
+                   help="quantisation-aware training of the routed experts: mxfp4 = MXFP4 weights + MXFP8 "
+                        "activations (K3), mxfp4-weights = weights only")
+    p.add_argument("--qat-scale-mode", choices=MX_MODES, default=d.qat_scale_mode, help="MX scale rule for --qat")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-rows", type=int, default=d.eval_rows, help="validation rows per evaluation")
     p.add_argument("--save-every", type=int, default=d.save_every, help="also checkpoint every N steps (0: end)")

@@ -1,6 +1,8 @@
 """HF-layout checkpoints: ``config.json`` + safetensors (sharded with ``model.safetensors.index.json``).
 
 Saving is atomic (``atomic_directory``) and records a SHA-256 per weight file in ``k3_checksums.json``.
+``quantize="mxfp4"`` packs the routed experts (compressed-tensors ``mxfp4-pack-quantized``, k3.quant.packed);
+loading dequantises them (``packed="dequantize"``) or keeps them packed for inference (``packed="keep"``).
 Loading refuses, with one clear message, a missing or malformed config, missing shards, a truncated or
 corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), non-float
 tensors, missing / unexpected tensors and shape mismatches.
@@ -22,6 +24,9 @@ from k3.config import K3Config
 from k3.config.hf import from_hf_config, to_hf_config
 from k3.convert.atomic import atomic_directory
 from k3.convert.names import from_files, to_files
+from k3.quant.packed import pack_expert_tensors, quantization_config, read_quantization, unpack_expert_tensors, \
+    use_packed_experts
+from k3.quant.qat import qat_settings
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -39,15 +44,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3",
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     quantize: str | None = None, scale_mode: str | None = None) -> list[str]:
     """Write config.json and the weights into an existing directory (not atomic; see ``save_pretrained``)."""
+    if quantize not in (None, "mxfp4"):
+        raise ValueError(f"quantize={quantize!r} must be None or 'mxfp4'")
     directory = Path(directory)
     config = to_hf_config(model.config, fmt)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()} - {torch.float32}
     config["torch_dtype"] = _DTYPE_NAMES.get(next(iter(dtypes)), "float32") if len(dtypes) == 1 else "float32"
     tensors = to_files(state, model.config)
+    if quantize == "mxfp4":
+        qat = qat_settings(model)
+        mode = scale_mode or (qat.mode if qat is not None else "floor")
+        tensors = pack_expert_tensors(tensors, mode)
+    if quantize == "mxfp4" or any(k.endswith(".weight_packed") for k in tensors):  # also: a model kept packed
+        config["quantization_config"] = quantization_config()
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -70,11 +83,14 @@ def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3",
     return names
 
 
-def save_pretrained(model, directory: str | os.PathLike, fmt: str = "k3",
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Atomically (re)write ``directory`` with the model's config.json and safetensors weights."""
+def save_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    quantize: str | None = None, scale_mode: str | None = None) -> Path:
+    """Atomically (re)write ``directory`` with the model's config.json and safetensors weights.
+
+    quantize="mxfp4": routed experts written packed (MXFP4, ``scale_mode`` "floor" or "rceil"; default: the
+    model's QAT scale mode when QAT is on, else "floor"), plus ``quantization_config`` in config.json."""
     with atomic_directory(directory) as tmp:
-        write_pretrained(model, tmp, fmt, max_shard_bytes)
+        write_pretrained(model, tmp, fmt, max_shard_bytes, quantize, scale_mode)
     return Path(directory)
 
 
@@ -147,25 +163,45 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
                  for k, v in expected.items() if k in state and state[k].shape != v.shape]
     if bad_shape:
         problems.append("shape mismatch: " + "; ".join(bad_shape[:8]))
-    bad_dtype = [f"{k}: {t.dtype}" for k, t in state.items() if k in expected and not t.is_floating_point()]
+    bad_dtype = [f"{k}: {t.dtype}" for k, t in state.items() if k in expected and not t.is_floating_point()
+                 and expected[k].is_floating_point()]
     if bad_dtype:
         problems.append("non-floating tensors: " + "; ".join(bad_dtype[:8]))
+    bad_int = [f"{k}: checkpoint {t.dtype} vs model {expected[k].dtype}" for k, t in state.items()
+               if k in expected and not expected[k].is_floating_point() and t.dtype != expected[k].dtype]
+    if bad_int:
+        problems.append("dtype mismatch: " + "; ".join(bad_int[:8]))
     if problems:
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
 
 
 def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", verify: bool = True):
-    """Load a checkpoint directory (ours, the K3 release layout, or transformers' Kimi-Linear) as K3ForCausalLM."""
+                    device: str | torch.device = "cpu", verify: bool = True, packed: str = "dequantize"):
+    """Load a checkpoint directory (ours, the K3 release layout, or transformers' Kimi-Linear) as K3ForCausalLM.
+
+    Packed MXFP4 experts (``quantization_config.format`` mxfp4-pack-quantized): ``packed="dequantize"`` turns
+    them into high-precision weights (``dtype``; for training and inference), ``packed="keep"`` keeps the
+    bytes in memory (k3.quant.packed.PackedExperts, dequantised on the fly; inference only)."""
     from k3.model.decoder import K3ForCausalLM
 
+    if packed not in ("dequantize", "keep"):
+        raise ValueError(f"packed={packed!r} must be 'dequantize' or 'keep'")
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     config = read_config(directory)
-    state = from_files(read_tensors(directory, verify), config)
+    quantized = read_quantization(json.loads((directory / "config.json").read_text()))
+    if packed == "keep" and quantized is None:
+        raise ValueError(f"packed='keep': {directory} has no packed experts (no quantization_config); write one "
+                         "with save_pretrained(..., quantize='mxfp4') or k3 convert --quantize mxfp4")
+    tensors = read_tensors(directory, verify)
+    if quantized is not None and packed == "dequantize":
+        tensors = unpack_expert_tensors(tensors)
+    state = from_files(tensors, config)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
+        if quantized is not None and packed == "keep":
+            use_packed_experts(model)
     check_state(state, model.state_dict())
     model.load_state_dict(state, assign=True, strict=True)
     return model.cast(dtype).to(device)

@@ -2,7 +2,8 @@
 
 Our module names are the K3 / original Kimi-Linear checkpoint names, with two storage differences:
 - routed experts are stacked ``block_sparse_moe.experts.w{1,2,3}`` [E, out, in] (files: one tensor per
-  expert, ``block_sparse_moe.experts.{j}.w{1,2,3}.weight``);
+  expert, ``block_sparse_moe.experts.{j}.w{1,2,3}.weight``); packed MXFP4 experts (k3.quant.packed) likewise
+  stack ``experts.w{1,2,3}_packed`` / ``_scale`` <-> ``experts.{j}.w{1,2,3}.weight_packed`` / ``weight_scale``;
 - KDA ``A_log`` is [H] (files: [1, 1, H, 1], as Kimi-Linear stores it).
 Writing always uses the file names above (the K3 release and transformers' ``save_pretrained`` both do).
 Reading also accepts transformers' runtime names (``self_attn.forget_gate.*``, one fused ``self_attn.conv1d``,
@@ -19,7 +20,9 @@ from torch import Tensor
 
 from k3.config import K3Config
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight"
+                     r"(_packed|_scale)?$")
+_STACKED = re.compile(r"\.block_sparse_moe\.experts\.(w[123])(_packed|_scale)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
@@ -27,10 +30,11 @@ def to_files(state: dict[str, Tensor], config: K3Config) -> dict[str, Tensor]:
     """Our state dict -> checkpoint tensors (per-expert matrices, A_log as [1, 1, H, 1]); contiguous copies."""
     out: dict[str, Tensor] = {}
     for name, t in state.items():
-        if re.search(r"\.block_sparse_moe\.experts\.w[123]$", name):
-            prefix, w = name.rsplit(".", 1)
+        m = _STACKED.search(name)
+        if m:
+            prefix, suffix = name[: m.start()] + ".block_sparse_moe.experts", m.group(2) or ""
             for j in range(t.shape[0]):
-                out[f"{prefix}.{j}.{w}.weight"] = t[j].contiguous()
+                out[f"{prefix}.{j}.{m.group(1)}.weight{suffix}"] = t[j].contiguous()
         elif name.endswith(".self_attn.A_log"):
             out[name] = t.reshape(1, 1, -1, 1).contiguous()
         else:
@@ -66,7 +70,7 @@ def from_files(tensors: dict[str, Tensor], config: K3Config) -> dict[str, Tensor
         name = _canonical_name(raw, config)
         m = _EXPERT.match(name)
         if m:
-            slot = experts.setdefault((m.group(1), m.group(3)), {})
+            slot = experts.setdefault((m.group(1), m.group(3) + (m.group(4) or "")), {})
             if int(m.group(2)) in slot:
                 raise ValueError(f"checkpoint has expert tensor {raw!r} twice")
             slot[int(m.group(2))] = t

@@ -7,6 +7,7 @@
   plain:   routed = sum_j p_j E_j(x)                                            experts live in width d
   out     = routed + shared_experts(x)                                          shared experts full width
 E_j(z) = w2_j act(w1_j z, w3_j z) with act = SiTU-GLU (K3) or SwiGLU.
+With ``qat`` set (k3.quant.qat.enable_qat) the routed experts see MXFP4 weights and MXFP8 inputs (fake-quantised).
 """
 
 from __future__ import annotations
@@ -70,13 +71,19 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(c.latent_size, d, bias=False)
         if c.num_shared_experts > 0:
             self.shared_experts = GatedFFN(d, c.moe_intermediate_size * c.num_shared_experts, self.glu)
+        self.qat = None  # k3.quant.qat.ExpertQAT while quantisation-aware training is on (enable_qat)
 
     def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
         """x [N, d] -> (out [N, d], router statistics of this layer)."""
         scores, topk_idx, topk_weight = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         z = self.routed_expert_down_proj(x) if latent else x
-        y = moe_experts(z, topk_idx, topk_weight, self.experts.w1, self.experts.w2, self.experts.w3, self.glu)
+        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
+        if self.qat is None:
+            y = moe_experts(z, topk_idx, topk_weight, w1, w2, w3, self.glu)
+        else:  # fake-quantised expert weights and matmul inputs, straight-through gradients
+            y = moe_experts(z, topk_idx, topk_weight, self.qat.weight(w1), self.qat.weight(w2), self.qat.weight(w3),
+                            self.glu, act_quant=self.qat.act_quant)
         if latent:
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)

@@ -4,7 +4,8 @@ One step: ``grad_accum`` micro-batches of packed rows (documents never cross ``c
 cross-entropy summed over valid labels and divided by the step's valid-label count (so accumulation equals
 one big batch) + the balancer's auxiliary loss -> skip the step if the loss is not finite -> clip -> K3Muon
 (per-head Muon + AdamW) at lr * cosine(step) -> router-bias update from the whole step's statistics (QB by
-default), applied from the next step -> optional QK-Clip of the MLA layers -> metrics.jsonl.
+default), applied from the next step -> optional QK-Clip of the MLA layers -> metrics.jsonl. With ``qat`` the
+routed experts are fake-quantised (k3.quant.qat) and the optimiser updates the high-precision masters.
 
 The run directory holds ``train_config.json``, ``metrics.jsonl``, ``tokenizer.json``, the plots and
 ``checkpoints/`` (see :mod:`k3.train.checkpoint`). ``resume`` continues bitwise-identically: weights, router
@@ -32,6 +33,8 @@ from k3.infer.generate import greedy_generate
 from k3.model.balance import BALANCE_METHODS, Balancer, balance_metrics
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
+from k3.quant.mx import MODES as MX_MODES
+from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train import plots
 from k3.train.checkpoint import STATE_FILE, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from k3.train.data import IGNORE_INDEX, PackedDataset, load_corpus
@@ -67,6 +70,8 @@ class TrainConfig:
     per_head_muon: bool = True
     balance: str = "qb"
     qk_clip: float | None = None  # tau for QK-Clip on MLA layers (K2 used 100); None = off
+    qat: str | None = None  # k3.quant.qat.RECIPES key: fake-quantised routed experts (MXFP4 / MXFP8); None = off
+    qat_scale_mode: str = "floor"  # MX scale rule for QAT: floor (OCP) or rceil
     eval_every: int = 20
     eval_rows: int = 32  # validation rows per evaluation (all if fewer)
     save_every: int = 0  # 0: only at the end
@@ -87,6 +92,10 @@ class TrainConfig:
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
         if self.balance not in BALANCE_METHODS:
             raise ValueError(f"--balance={self.balance!r} must be one of {', '.join(BALANCE_METHODS)}")
+        if self.qat is not None and self.qat not in QAT_RECIPES:
+            raise ValueError(f"--qat={self.qat!r} must be one of {', '.join(QAT_RECIPES)}")
+        if self.qat_scale_mode not in MX_MODES:
+            raise ValueError(f"--qat-scale-mode={self.qat_scale_mode!r} must be one of {', '.join(MX_MODES)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
 
@@ -149,6 +158,12 @@ class Trainer:
                 bos_token_id=self.tokenizer.bos_id, **cfg.overrides)
             self.model = K3ForCausalLM(model_cfg).to(self.device)
         self.model_cfg = self.model.config
+        if cfg.qat:
+            weights, acts = QAT_RECIPES[cfg.qat]
+            enable_qat(self.model, weights, acts, cfg.qat_scale_mode)
+            log.info("QAT %s: routed experts run on %s weights and %s inputs (%s scales); checkpoints hold the "
+                     "high-precision masters; export packed with k3 convert --quantize mxfp4 --scale-mode %s",
+                     cfg.qat, weights, acts or "high-precision", cfg.qat_scale_mode, cfg.qat_scale_mode)
         groups = param_groups_for(self.model, cfg.lr, cfg.weight_decay, per_head=cfg.per_head_muon)
         ns_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.optimizer = K3Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
