@@ -108,6 +108,8 @@ class Engine:
         if self.memory_budget is not None and need > self.memory_budget:
             raise ValueError(f"the request needs {need} cache bytes, more than the whole budget {self.memory_budget}")
         rid = request_id or f"req-{next(self._ids)}"
+        if any(s.request_id == rid for s in (*self.waiting, *self.running)):
+            raise ValueError(f"request_id={rid!r} is already in use")
         self.waiting.append(_Sequence(rid, list(prompt), params, need, params.generator(self.device)))
         return rid
 

@@ -30,17 +30,19 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or \
-                not 0 <= self.temperature <= 100:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not math.isfinite(self.temperature) or not 0 <= self.temperature <= 100:
             bad("temperature", "must be in [0, 100]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty <= 10:
+        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
+                not 0 < self.repetition_penalty <= 10:
             bad("repetition_penalty", "must be in (0, 10]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            bad("seed", "must be None or an integer in [-2**63, 2**64)")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
             bad("stop", "must be a list of at most 16 non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):

@@ -176,6 +176,7 @@ def test_sampling_rules():
     assert sample_next(logits, SamplingParams(temperature=1.0, top_p=0.01), g) == 3
     draws = {sample_next(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(50)}
     assert draws == {0, 3}
-    for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_k=-1), dict(stop=[""]), dict(repetition_penalty=0)):
+    for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_k=-1), dict(stop=[""]), dict(repetition_penalty=0),
+                dict(seed=2**64), dict(temperature=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad).validate()

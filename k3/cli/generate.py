@@ -1,0 +1,92 @@
+"""``k3 generate --ckpt DIR --prompt TEXT``: stream one continuation to stdout, a stats line to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from k3.infer.engine import Engine
+from k3.infer.load import DTYPES, load_for_inference
+from k3.infer.sampling import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory (latest)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as validated SamplingParams (one ValueError naming a bad flag)."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=list(args.stop))
+    params.validate()
+    return params
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
+    add_model_args(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    add_sampling_args(p, max_tokens=128)
+    p.set_defaults(func=run)
+
+
+def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None) -> dict:
+    """Run one request, writing text deltas to ``out`` as they come; returns its last StepOutput's counts.
+    Ctrl-C aborts the request (finish_reason "abort")."""
+    out = out or sys.stdout
+    rid = engine.add(prompt, params)
+    start, first, last = time.perf_counter(), None, None
+    try:
+        while engine.has_work():
+            for o in engine.step():
+                if o.request_id != rid:
+                    continue
+                first = first or time.perf_counter()
+                last = o
+                out.write(o.text)
+                out.flush()
+    except KeyboardInterrupt:
+        engine.abort(rid)
+        reason = "abort"
+    else:
+        reason = last.finish_reason
+    elapsed = time.perf_counter() - start
+    n = last.completion_tokens if last else 0
+    ttft = first - start if first else None
+    rate = (n - 1) / (elapsed - ttft) if ttft is not None and n > 1 and elapsed > ttft else None
+    return {"prompt_tokens": len(prompt), "completion_tokens": n, "finish_reason": reason, "seconds": elapsed,
+            "first_token_s": ttft, "tokens_per_s": rate}
+
+
+def stats_line(s: dict) -> str:
+    rate = f", {s['tokens_per_s']:.1f} tok/s after the first" if s["tokens_per_s"] else ""
+    ttft = f", first token {s['first_token_s'] * 1000:.0f} ms" if s["first_token_s"] is not None else ""
+    return (f"[{s['prompt_tokens']} prompt + {s['completion_tokens']} generated tokens in {s['seconds']:.2f} s"
+            f"{ttft}{rate}; finish: {s['finish_reason']}]")
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype)
+    engine = Engine(model, tokenizer, max_batch=1)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError("--prompt is empty")
+    s = stream(engine, prompt, params)
+    print()
+    print(stats_line(s), file=sys.stderr)
+    return 130 if s["finish_reason"] == "abort" else 0

@@ -1,0 +1,92 @@
+"""``k3 serve --ckpt DIR``: an OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health``) over the continuous-batching engine. SIGINT/SIGTERM shut it down gracefully:
+uvicorn stops accepting connections, requests in flight finish (up to ``--drain-timeout`` seconds), then the
+engine thread stops."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import threading
+
+from k3.infer.async_engine import AsyncEngine
+from k3.infer.engine import Engine
+from k3.infer.load import DTYPES, load_for_inference
+
+log = logging.getLogger("k3.serve")
+GIB = 2**30
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory (latest)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default="k3", help="the model id clients pass (default k3)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-context", type=int, default=None, help="prompt + output tokens per request "
+                   "(default min(max_position_embeddings, 8192))")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory for running requests")
+    p.add_argument("--prefix-cache-gb", type=float, default=0.0, help="memory for cached prompt prefixes (0: off)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
+    p.set_defaults(func=run)
+
+
+def build_engine(args: argparse.Namespace):
+    """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path)."""
+    for name in ("memory_budget_gb", "prefix_cache_gb"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 0")
+    if args.max_context is not None and args.max_context < 2:
+        raise ValueError(f"--max-context={args.max_context} must be >= 2")
+    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype)
+    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
+    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_context=args.max_context,
+                    prefill_chunk=args.prefill_chunk, memory_budget=budget,
+                    prefix_cache_bytes=int(args.prefix_cache_gb * GIB))
+    return engine, tokenizer, path
+
+
+def _server(config):
+    """A uvicorn server whose graceful shutdown on SIGINT/SIGTERM ends ``k3 serve`` with status 0 (uvicorn's own
+    re-raises the signal after shutting down); a second SIGINT forces the exit."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k3.infer.server import create_app
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port={args.port} must be in [0, 65535]")
+    engine, tokenizer, path = build_engine(args)
+    app = create_app(AsyncEngine(engine), tokenizer, args.model_name, engine.max_context, args.drain_timeout)
+    log.info("serving %s as %r on http://%s:%d (context %d, batch %d, device %s)", path, args.model_name, args.host,
+             args.port, engine.max_context, engine.max_batch, engine.device)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=args.drain_timeout)
+    _server(config).run()  # returns after a graceful shutdown; the app's lifespan stops the engine thread
+    log.info("k3 serve: stopped")
+    return 0

@@ -1,0 +1,323 @@
+"""An OpenAI-compatible HTTP server over :class:`AsyncEngine`: ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions`` (both with SSE streaming) and ``/health``.
+
+Every request body is validated by a pydantic model (strict types: ``"5"`` is not an integer); a bad field,
+bad JSON, an unsupported option (``n != 1``, ``echo``, ``logprobs``, ...) or a prompt that does not fit the
+context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
+model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
+serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer as HFTokenizer
+
+from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
+from k3.infer.chat import render_chat
+from k3.infer.sampling import SamplingParams
+from k3.train.tokenizer import Tokenizer
+
+log = logging.getLogger("k3.serve")
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored; known unsupported ones are refused."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # accepted only at their no-op values
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP or not all(stops):
+            raise ValueError(f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+        return stops
+
+    def refuse_unsupported(self) -> None:
+        """One 400 naming the first option set to a value this server does not implement."""
+        for name, (noop, allowed) in _NOOP.items():
+            if name in type(self).model_fields and not noop(getattr(self, name)):
+                raise APIError(400, f"{name}={json.dumps(getattr(self, name))} is not supported (only {allowed})",
+                               name, "unsupported_parameter")
+
+
+_NOOP = {  # option -> (is it at a value we implement?, what we accept)
+    "n": (lambda v: v == 1, "1"),
+    "presence_penalty": (lambda v: v == 0, "0"),
+    "frequency_penalty": (lambda v: v == 0, "0"),
+    "logit_bias": (lambda v: not v, "null or {}"),
+    "echo": (lambda v: v is False, "false"),
+    "logprobs": (lambda v: v is None or v is False, "null or false"),
+    "top_logprobs": (lambda v: v in (None, 0), "null or 0"),
+    "best_of": (lambda v: v in (None, 1), "null or 1"),
+    "suffix": (lambda v: not v, "null or an empty string"),
+    "tools": (lambda v: not v, "null or []"),
+}
+
+
+class CompletionRequest(_Request):
+    prompt: Any
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str) and v:
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        raise ValueError("must be a non-empty string or a non-empty list of token ids "
+                         "(batched prompts are not supported)")
+
+
+class ChatRequest(_Request):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def _message_content(i: int, m: dict) -> dict:
+    """OpenAI messages -> {role, content}: text content parts are joined, 'developer' is a system message."""
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages.{i}.content")
+        content = "".join(p["text"] for p in content)
+    role = "system" if m.get("role") == "developer" else m.get("role")
+    return {"role": role, "content": content}
+
+
+def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
+    """The server encodes with its own copy, so the engine thread's decode never shares the Rust object."""
+    return Tokenizer(HFTokenizer.from_str(tokenizer.hf.to_str()), tokenizer.eos_token, tokenizer.bos_token)
+
+
+def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_context: int,
+               drain_timeout: float = 30.0) -> FastAPI:
+    """The FastAPI app. Its lifespan starts ``async_engine`` (unless started) and shuts it down gracefully
+    (requests in flight get up to ``drain_timeout`` seconds)."""
+    tok = _private_copy(tokenizer)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not async_engine.started:
+            async_engine.start()
+        yield
+        await asyncio.to_thread(async_engine.shutdown, drain_timeout)
+
+    app = FastAPI(title="k3", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {err.get('msg')}")
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        return error_response(400, f"{param}: {msg}" if param else msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
+                              else "invalid_request_error")
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.kind)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "k3",
+                "max_model_len": max_context}
+
+    @app.get("/health")
+    async def health():
+        stats = async_engine.stats()
+        if not async_engine.running:
+            return JSONResponse({"status": "unavailable", **stats}, 503)
+        return {"status": "ok", "model": model_name, "max_context": max_context, **stats}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found", "not_found_error")
+        return model_card()
+
+    def check(req: _Request) -> None:
+        if req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           "model", "model_not_found", "not_found_error")
+        req.refuse_unsupported()
+
+    def sampling(req: _Request, prompt_len: int, max_tokens: int | None, default_max: int, stop: list[str],
+                 stop_ids: list[int]) -> SamplingParams:
+        if prompt_len >= max_context:
+            raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {max_context} tokens",
+                           "prompt", "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default_max, max_context - prompt_len)
+        elif prompt_len + max_tokens > max_context:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                           f"context of {max_context} tokens", "max_tokens", "context_length_exceeded")
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              repetition_penalty=req.repetition_penalty, seed=req.seed,
+                              stop=list(req.stop or []) + stop, stop_token_ids=stop_ids)
+
+    async def start(prompt: list[int], params: SamplingParams, rid: str):
+        try:
+            return await async_engine.submit(prompt, params, rid)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except EngineClosed as e:
+            raise APIError(503, str(e), kind="server_error") from None
+        except EngineError as e:
+            raise APIError(500, str(e), kind="server_error") from None
+
+    def usage(out) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+    async def collect(stream) -> tuple[str, Any]:
+        text, last = [], None
+        try:
+            async for out in stream:
+                text.append(out.text)
+                last = out
+        except (EngineError, EngineClosed) as e:
+            raise APIError(500, str(e), kind="server_error") from None
+        return "".join(text), last
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def stream_events(stream, first: list[dict], chunk, include_usage: bool):
+        """SSE: ``first`` chunks, one chunk per text delta, a finish chunk, optional usage chunk, [DONE]."""
+        try:
+            for obj in first:
+                yield sse(obj)
+            async for out in stream:
+                if out.text or out.finished:
+                    yield sse(chunk(out.text, out.finish_reason))
+                if out.finished and include_usage:
+                    yield sse({**chunk(None, None), "choices": [], "usage": usage(out)})
+        except (EngineError, EngineClosed) as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        finally:
+            await stream.aclose()  # a client that went away aborts its request
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check(req)
+        prompt = req.prompt if isinstance(req.prompt, list) else tok.encode(req.prompt)
+        params = sampling(req, len(prompt), req.max_tokens, 16, [], [])
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = await start(prompt, params, rid)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+
+        def chunk(text, reason):
+            return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream_events(stream, [], chunk, include), media_type="text/event-stream")
+        text, last = await collect(stream)
+        return {**chunk(text, last.finish_reason), "usage": usage(last)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        check(req)
+        messages = [_message_content(i, m) for i, m in enumerate(req.messages)]
+        try:
+            rendered = render_chat(messages, tok)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling(req, len(rendered.token_ids), max_tokens, max_context, rendered.stop,
+                          rendered.stop_token_ids)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await start(rendered.token_ids, params, rid)
+        base = {"id": rid, "created": int(time.time()), "model": model_name}
+
+        def chunk(text, reason):
+            delta = {} if text is None or reason is not None and not text else {"content": text}
+            return {**base, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            first = {**base, "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}]}
+            return StreamingResponse(stream_events(stream, [first], chunk, include), media_type="text/event-stream")
+        text, last = await collect(stream)
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": last.finish_reason}], "usage": usage(last)}
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # any bug: 500 with a message; the server keeps serving
+        log.error("internal error on %s %s: %r", request.method, request.url.path, exc)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+    return app

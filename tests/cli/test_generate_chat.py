@@ -1,0 +1,102 @@
+"""``k3 generate`` and ``k3 chat`` on a tiny random checkpoint: the printed text is the engine's greedy output."""
+
+import io
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.cli.main import main
+from k3.config import get_preset
+from k3.infer.chat import render_chat
+from k3.infer.engine import Engine
+from k3.infer.load import load_for_inference
+from k3.infer.sampling import SamplingParams
+from k3.model.decoder import K3ForCausalLM
+from k3.train.tokenizer import train_bpe
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = "The assistant answers the user in a few words. Hello there, how are you today? " * 30
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tok = train_bpe([TEXT], vocab_size=400)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path)
+    tok.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy(ckpt):
+    model, tok, _ = load_for_inference(ckpt, "cpu", "float32")
+    engine = Engine(model, tok, max_batch=1)
+
+    def run(prompt_ids, max_tokens, **kw):
+        return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0, **kw))[0]["text"]
+
+    return tok, run
+
+
+def test_generate_prints_the_greedy_continuation(ckpt, greedy, capsys):
+    tok, run = greedy
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hello there", "--max-tokens", "8",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out == run(tok.encode("Hello there"), 8) + "\n"
+    assert "prompt +" in err and "generated tokens" in err and "finish:" in err
+
+
+def test_generate_from_a_run_directory(ckpt, tmp_path, capsys):
+    step = tmp_path / "run" / "checkpoints" / "step-000001"
+    shutil.copytree(ckpt, step)
+    (step.parent / "latest").write_text(step.name)
+    assert main(["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "Hi", "--max-tokens", "3",
+                 "--seed", "1", "--top-k", "5", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.endswith("\n")
+
+
+def test_generate_clear_errors(ckpt, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt, bare)
+    (bare / "tokenizer.json").unlink()
+    assert main(["generate", "--ckpt", str(bare), "--prompt", "Hi", "--device", "cpu"]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", "--ckpt", str(tmp_path / "missing"), "--prompt", "Hi"]) == 2
+    assert "neither a checkpoint directory" in capsys.readouterr().err
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hi", "--top-p", "0"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_chat_two_turns_reset_and_exit(ckpt, greedy, capsys, monkeypatch):
+    tok, run = greedy
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nHow are you?\n/reset\nHello\n/exit\nnever read\n"))
+    assert main(["chat", "--ckpt", str(ckpt), "--max-tokens", "6", "--temperature", "0", "--device", "cpu",
+                 "--system", "Be brief."]) == 0
+    out, err = capsys.readouterr()
+
+    def reply(history):
+        r = render_chat(history, tok)
+        return run(r.token_ids, 6, stop=r.stop, stop_token_ids=r.stop_token_ids)
+
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = reply(history)
+    history += [{"role": "assistant", "content": first.strip()}, {"role": "user", "content": "How are you?"}]
+    second = reply(history)
+    assert out == f"{first}\n{second}\n{first}\n"  # after /reset the first turn repeats; /exit stops reading
+    assert "[history cleared]" in err
+
+
+def test_chat_over_a_pipe(ckpt):
+    proc = subprocess.run([sys.executable, "-m", "k3", "chat", "--ckpt", str(ckpt), "--max-tokens", "4",
+                           "--temperature", "0", "--device", "cpu", "--stats"], cwd=REPO,
+                          input="Hello\nHow are you?\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("generated tokens") == 2  # two replies, then EOF ends the REPL
+    assert "you>" not in proc.stdout  # no prompts when stdin is not a terminal

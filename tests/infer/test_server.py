@@ -1,0 +1,431 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client against a real uvicorn server.
+
+One tiny random checkpoint (BPE vocab 400) per module; the server runs in a background thread. Greedy outputs of
+32 concurrent streams must equal the same requests run one at a time; every malformed request gets a 4xx with
+a message and the server keeps serving; ``k3 serve`` shuts down gracefully on SIGTERM.
+"""
+
+import argparse
+import asyncio
+import collections
+import email
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from k3.config import get_preset
+from k3.infer.async_engine import AsyncEngine
+from k3.infer.engine import Engine
+from k3.infer.load import load_for_inference
+from k3.infer.server import create_app
+from k3.model.decoder import K3ForCausalLM
+from k3.train.tokenizer import train_bpe
+
+MODEL, CONTEXT = "k3-test", 256
+REPO = Path(__file__).resolve().parents[2]
+
+
+def corpus() -> str:
+    """Some English and code-ish text: standard-library module docstrings."""
+    return "\n".join(m.__doc__ for m in (argparse, collections, email, inspect, json, textwrap))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    tok = train_bpe([corpus()], vocab_size=400)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path)
+    tok.save(path)
+    return path
+
+
+class LiveServer:
+    """uvicorn in a background thread on a pre-bound 127.0.0.1 socket (no port race)."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    model, tok, _ = load_for_inference(ckpt, "cpu", "float32")
+    engine = Engine(model, tok, max_batch=16, max_context=CONTEXT)
+    batches = []
+    real_step = engine.step
+
+    def step():  # record (sequences decoding, sequences prefilling) of each step, admissions included
+        decoding = sum(s.fed >= len(s.prompt) for s in engine.running)
+        batches.append((decoding, len(engine.running) - decoding + min(len(engine.waiting), len(engine.free_slots))))
+        return real_step()
+
+    engine.step = step
+    async_engine = AsyncEngine(engine)
+    live = LiveServer(create_app(async_engine, tok, MODEL, CONTEXT))
+    yield argparse.Namespace(url=live.url, engine=engine, async_engine=async_engine, tok=tok, batches=batches)
+    live.stop()
+    # graceful shutdown: the lifespan stopped the engine thread
+    assert not async_engine._thread.is_alive() and not async_engine.running
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_health_and_models(served, client):
+    r = httpx.get(served.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["max_context"] == CONTEXT
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_completion(served, client):
+    r = client.completions.create(model=MODEL, prompt="The json module", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
+    c = r.choices[0]
+    assert c.index == 0 and c.finish_reason in ("stop", "length") and isinstance(c.text, str)
+    n_prompt = len(served.tok.encode("The json module"))
+    assert r.usage.prompt_tokens == n_prompt and 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    # a prompt given as token ids is the same request
+    same = client.completions.create(model=MODEL, prompt=served.tok.encode("The json module"), max_tokens=8,
+                                     temperature=0)
+    assert same.choices[0].text == c.text
+    # seeded sampling repeats; extensions top_k / repetition_penalty are accepted
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0.9, top_p=0.9, seed=7,
+              extra_body={"top_k": 20, "repetition_penalty": 1.2})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_completion_stream_matches_non_stream(client):
+    kw = dict(model=MODEL, prompt="Return a string", max_tokens=10, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert reasons[-1] == full.choices[0].finish_reason and not any(reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_and_chat_stream(served, client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is JSON?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    m = r.choices[0].message
+    assert m.role == "assistant" and isinstance(m.content, str) and r.choices[0].finish_reason in ("stop", "length")
+    assert "<|im_end|>" not in m.content  # the template's stop token ends the reply and is not shown
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == m.content
+    finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # without include_usage no chunk carries usage; the raw stream ends with [DONE]
+    raw = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 3,
+                                                                "temperature": 0, "stream": True})
+    events = [e for e in raw.text.split("\n\n") if e]
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert all("usage" not in json.loads(e[6:]) or json.loads(e[6:])["usage"] is None for e in events[:-1])
+
+
+def test_32_concurrent_streams_equal_sequential(served, client):
+    prompts = [f"{w} " * (1 + i % 5) + f"item {i}:" for i, w in
+               enumerate(["json", "The", "parse", "class", "def", "import", "return", "email"] * 4)]
+
+    lengths = [6 + i % 8 for i in range(len(prompts))]  # requests finish at different steps: waiting ones join
+    sequential = []                                      # a batch that is mid-decode (prefill + decode mixed)
+    for p, n in zip(prompts, lengths):
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0)
+        sequential.append((r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens))
+    assert max(d + p for d, p in served.batches) == 1
+    served.batches.clear()
+
+    async def one(aclient, p, n):
+        text, reason, usage = [], None, None
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+        async for ch in stream:
+            if ch.choices:
+                text.append(ch.choices[0].text)
+                reason = ch.choices[0].finish_reason or reason
+            if ch.usage:
+                usage = ch.usage.completion_tokens
+        return "".join(text), reason, usage
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, lengths)),
+                                        return_exceptions=True)
+
+    concurrent = asyncio.run(all_at_once())
+    errors = [c for c in concurrent if isinstance(c, BaseException)]
+    assert not errors, errors[:3]
+    assert concurrent == sequential
+    assert max(d + p for d, p in served.batches) == 16, served.batches  # they really ran batched (max_batch)
+    assert any(d and p for d, p in served.batches), served.batches  # prompts joined batches mid-decode
+    assert len({t for t, _, _ in sequential}) > 8  # and the outputs differ between prompts
+
+
+def post(served, path, body=None, raw=None):
+    if raw is not None:
+        return httpx.post(served.url + path, content=raw, headers={"content-type": "application/json"})
+    return httpx.post(served.url + path, json=body)
+
+
+OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD = [  # (path, body or raw bytes, status, words the message must contain)
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "valid dictionary"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {**OK, "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**OK, "max_tokens": 10**9}, 400, "context"),
+    ("/v1/completions", {**OK, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
+    ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {**OK, "n": 2}, 400, "n=2 is not supported"),
+    ("/v1/completions", {**OK, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**OK, "logprobs": 1}, 400, "logprobs"),
+    ("/v1/completions", {**OK, "prompt": "word " * 400}, 400, "context"),
+    ("/v1/completions", {**OK, "prompt": [5] * 300}, 400, "context"),
+    ("/v1/completions", {**OK, "prompt": [10**6]}, 400, "token ids"),
+    ("/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**OK, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "batched"),
+    ("/v1/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**OK, "stop": 5}, 400, "stop"),
+    ("/v1/completions", {**OK, "stop": ["a"] * 5}, 400, "stop"),
+    ("/v1/completions", {**OK, "seed": 2**70}, 400, "seed"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 123}]}, 400, "content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi " * 400}]}, 400, "context"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "does not exist"),
+    ("/v1/chat/completions", {**CHAT, "n": 3}, 400, "n=3"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD, ids=[f"{i}-{b[1]!s:.40}" for i, b in enumerate(BAD)])
+def test_bad_request_gets_4xx_then_server_still_serves(served, path, body, status, words):
+    r = post(served, path, raw=body) if isinstance(body, bytes) else post(served, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words.lower() in err["message"].lower(), err
+    assert set(err) == {"message", "type", "param", "code"}
+    assert post(served, "/v1/completions", OK).status_code == 200
+
+
+def test_openai_client_raises_on_4xx(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+
+
+def test_internal_error_is_500_and_server_recovers(served, client):
+    real = served.engine.step
+
+    def broken():
+        served.engine.step = real
+        raise RuntimeError("simulated failure")
+
+    served.engine.step = broken
+    r = post(served, "/v1/completions", OK)
+    assert r.status_code == 500 and "simulated failure" in r.json()["error"]["message"]
+    assert client.completions.create(**OK).choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(served.url + "/health").json()["running"] == 0
+
+
+def test_client_disconnect_aborts_the_request(served):
+    aborted = []
+    real_abort = served.engine.abort
+    served.engine.abort = lambda rid: (aborted.append(rid), real_abort(rid))
+    try:
+        body = {**OK, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        rid = json.loads(first[6:])["id"]
+        deadline = time.monotonic() + 10
+        while rid not in aborted:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.02)
+    finally:
+        served.engine.abort = real_abort
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_k3_serve_cli_graceful_sigterm(ckpt):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--port", str(port),
+                             "--device", "cpu", "--max-context", "512"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={"model": "k3", "prompt": "Hello", "max_tokens": 40,
+                                                                 "temperature": 0, "stream": True,
+                                                                 "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    if not events:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream: the request still completes
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2]]
+        assert finishes[-1] in ("stop", "length") and last["usage"]["completion_tokens"] >= 1
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        assert "stopped" in out and "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------------- AsyncEngine with a fake engine
+class FakeEngine:
+    """One token per running request per step (its step count), finishing at max_tokens; counts calls."""
+
+    def __init__(self, delay=0.0):
+        self.running, self.delay, self.has_work_calls, self.aborted = {}, delay, 0, []
+
+    def add(self, prompt, params, request_id):
+        params.validate()
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.running[request_id] = [params.max_tokens, 0]
+        return request_id
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+        self.running.pop(rid, None)
+
+    def has_work(self):
+        self.has_work_calls += 1
+        return bool(self.running)
+
+    def step(self):
+        from k3.infer.engine import StepOutput
+        time.sleep(self.delay)
+        outs = []
+        for rid, st in list(self.running.items()):
+            st[1] += 1
+            done = st[1] >= st[0]
+            outs.append(StepOutput(rid, [st[1]], f"{st[1]} ", done, "length" if done else None, 1, st[1]))
+            if done:
+                del self.running[rid]
+        return outs
+
+    def stats(self):
+        return {"running": len(self.running), "waiting": 0}
+
+
+def test_async_engine_generate_errors_idle_and_shutdown():
+    from k3.infer.async_engine import EngineClosed
+    from k3.infer.sampling import SamplingParams
+
+    fake = FakeEngine(delay=0.01)
+    ae = AsyncEngine(fake).start()
+
+    async def collect(n):
+        return "".join([o.text async for o in ae.generate([1], SamplingParams(max_tokens=n))])
+
+    async def scenario():
+        assert await asyncio.gather(collect(3), collect(5)) == ["1 2 3 ", "1 2 3 4 5 "]
+        with pytest.raises(ValueError, match="max_tokens"):
+            await ae.submit([1], SamplingParams(max_tokens=0))
+        with pytest.raises(ValueError, match="empty"):
+            await ae.submit([], SamplingParams())
+        # leaving the iteration early aborts the request in the engine
+        gen = ae.generate([1], SamplingParams(max_tokens=1000), request_id="early")
+        await gen.__anext__()
+        await gen.aclose()
+        # a cancelled consumer aborts too
+        task = asyncio.ensure_future(collect(1000))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not fake.running:
+                break
+            await asyncio.sleep(0.01)
+        assert "early" in fake.aborted and not fake.running
+
+    asyncio.run(scenario())
+    calls = fake.has_work_calls
+    time.sleep(0.3)  # idle: the thread sleeps on its condition variable
+    assert fake.has_work_calls - calls <= 2
+
+    async def shutdown_with_one_in_flight():
+        stream = await ae.submit([1], SamplingParams(max_tokens=10**6))
+        await asyncio.to_thread(ae.shutdown, 0.1)  # drain 0.1 s, then abort what is left
+        with pytest.raises(EngineClosed):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineClosed):
+            await ae.submit([1], SamplingParams())
+
+    asyncio.run(shutdown_with_one_in_flight())
+    assert not ae._thread.is_alive() and not ae.running
+    ae.shutdown()  # idempotent
