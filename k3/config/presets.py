@@ -36,6 +36,20 @@ def small() -> K3Config:
     )
 
 
+def small_1b() -> K3Config:
+    """~1.0B total / ~0.22B activated in K3's layout, for end-to-end GPU numbers: 3 x [KDA, KDA, KDA, MLA]."""
+    return K3Config(
+        name="small-1b", vocab_size=32768, hidden_size=1024, num_hidden_layers=12, mla_layers=(3, 7, 11),
+        first_k_dense_replace=1, intermediate_size=2816, max_position_embeddings=1048576,
+        kda=KDAConfig(num_heads=8, head_dim=128, v_head_dim=128, forget_gate_rank=128, output_gate_rank=128),
+        mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128),
+        moe=MoEConfig(num_experts=64, num_experts_per_token=6, num_shared_experts=1, moe_intermediate_size=768,
+                      latent_size=512),
+        attn_res=AttnResConfig(mode="snapshot", block_size=4),
+    )
+
+
 def kimi_linear_48b() -> K3Config:
     """Kimi-Linear-48B-A3B (spec §2): softplus gate, low-rank output gate, no q_lora, plain MoE, SwiGLU, no AttnRes."""
     return K3Config(
@@ -74,6 +88,7 @@ def k3() -> K3Config:
 PRESETS: dict[str, Callable[[], K3Config]] = {
     "tiny": tiny,
     "small": small,
+    "small-1b": small_1b,
     "kimi-linear-48b": kimi_linear_48b,
     "k2": k2,
     "k3": k3,

@@ -96,7 +96,7 @@ class MultiheadLatentAttention(nn.Module):
                                   cu_seqlens_k=cu_seqlens)
             else:
                 key_lens = torch.tensor([state.lengths[i] for i in ids], device=x.device)
-                o_lat = latent_attention(q_abs, state.kv.to(x.dtype), seq_ids=seq_ids, lengths=key_lens,
+                o_lat = latent_attention(q_abs, state.kv, seq_ids=seq_ids, lengths=key_lens,
                                          cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r)
             o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
         else:

@@ -1,8 +1,9 @@
 """Backend selection for ops: ``reference`` (pure PyTorch, any device) or ``fast`` (GPU paths, when present).
 
-``auto`` picks ``fast`` where a fast path is registered and supports the device, else ``reference``. Asking
-for ``fast`` where none can run raises; nothing falls back silently, and each op logs the backend it runs the
-first time it runs it.
+``auto`` picks ``fast`` where a fast path is registered and supports the device, else ``reference``.
+``fast`` insists: an op whose fast path cannot run on the device raises (ops that have no fast path at all,
+like the short conv and the AttnRes mix today, run their reference). Nothing falls back silently: each op
+logs the backend it runs the first time it runs it.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def get_backend() -> str:
 def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     """The (backend name, function) that runs ``op`` on ``device`` under the current choice."""
     entry = _OPS[op]
-    fast_ok = "fast" in entry.impls and entry.supports["fast"](device)
-    if _choice == "fast" and not fast_ok:
-        raise RuntimeError(f"backend 'fast' was requested but op {op!r} has no fast path for device {device}")
-    name = "fast" if (_choice == "fast" or (_choice == "auto" and fast_ok)) else "reference"
+    has_fast = "fast" in entry.impls
+    fast_ok = has_fast and entry.supports["fast"](device)
+    if _choice == "fast" and has_fast and not fast_ok:
+        raise RuntimeError(f"backend 'fast' was requested but op {op!r}'s fast path cannot run on {device}")
+    name = "fast" if (_choice in ("fast", "auto") and fast_ok) else "reference"
     if (name, device.type) not in entry.logged:
         entry.logged.add((name, device.type))
         log.info("op %s runs backend %s on %s", op, name, device.type)

@@ -9,8 +9,12 @@ from k3.ops.kda.reference import chunk_kda as chunk_kda_reference
 from k3.ops.kda.reference import kda_gate
 from k3.ops.kda.reference import recurrent_kda as recurrent_kda_reference
 
+from k3.ops.kda import fla as _fla
+
 backend.register("chunk_kda", "reference", chunk_kda_reference)
 backend.register("recurrent_kda", "reference", recurrent_kda_reference)
+backend.register("chunk_kda", "fast", _fla.chunk_kda, _fla.available)
+backend.register("recurrent_kda", "fast", _fla.recurrent_kda, _fla.available)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,

@@ -5,8 +5,17 @@ from k3.ops import backend
 from k3.ops.mla.reference import attention as attention_reference
 from k3.ops.mla.reference import latent_attention as latent_attention_reference
 
+from k3.ops.mla import fast as _fast
+
+
+def _cuda(device):
+    return device.type == "cuda"
+
+
 backend.register("mla_attention", "reference", attention_reference)
 backend.register("mla_latent_attention", "reference", latent_attention_reference)
+backend.register("mla_attention", "fast", _fast.attention, _cuda)
+backend.register("mla_latent_attention", "fast", _fast.latent_attention, _cuda)
 
 
 def attention(q, k, v, *, scale, cu_seqlens_q, cu_seqlens_k):

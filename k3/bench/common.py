@@ -1,0 +1,72 @@
+"""Shared benchmark helpers: CUDA-event timing, measured ceilings, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def cuda_time(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
+    """Mean seconds per call of ``fn`` (CUDA events, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), 4 GiB buffers."""
+    a = torch.empty(2**30, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    t = cuda_time(lambda: b.copy_(a), warmup=2, iters=5)
+    del a, b
+    return 2 * 4 * 2**30 / t
+
+
+def matmul_flops() -> float:
+    """bf16 8192^3 matrix-product rate in FLOP/s on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = cuda_time(lambda: a @ b, warmup=3, iters=10)
+    return 2 * 8192**3 / t
+
+
+def environment() -> dict:
+    p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "device": p.name if p else "cpu", "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: list[dict], columns: list[str], meta: dict, notes: str = "",
+                  out_dir: str | None = None) -> Path:
+    """benchmarks/results/NAME.json and NAME.md (or $K3_BENCH_OUT / out_dir)."""
+    out = Path(out_dir or os.environ.get("K3_BENCH_OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "notes": notes}, indent=1))
+    md = f"# {name}\n\n{markdown_table(rows, columns)}\n\n{notes}\n\n`{json.dumps(meta)}`\n"
+    (out / f"{name}.md").write_text(md)
+    print(md, flush=True)
+    return out

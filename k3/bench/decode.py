@@ -1,0 +1,171 @@
+"""Decode throughput of the hybrid cache vs the physical limit, vs transformers' generate, vs a full-MLA twin.
+
+Model: a Kimi-Linear-shaped 1.3B model (the shapes of ../shared/peers/hf_kimi_linear_peer.py), random bf16
+weights. Each case fills the cache of B sequences to the context with random latents and states (decode speed
+does not depend on their values), then times greedy decode steps (one token per sequence per step, absorbed
+MLA over the latent cache, fla's fused recurrent KDA, grouped-GEMM experts).
+Limit per step = bytes that must move / measured copy bandwidth: dense weights + the experts hit (expected
+distinct experts E (1 - (1 - k/E)^B) per layer) + lm_head and embedding rows + KDA state read and write +
+conv state + every cached latent row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from k3.audit.accounting import classify
+from k3.bench.common import copy_bandwidth, cuda_time, environment, write_results
+from k3.config import K3Config, KDAConfig, MLAConfig, MoEConfig
+from k3.config.config import AttnResConfig
+from k3.model.decoder import K3ForCausalLM
+from k3.ops import backend
+
+
+def peer_config(full_mla: bool = False) -> K3Config:
+    layers = 12
+    return K3Config(
+        name="kimi-linear-1.3b" + ("-full-mla" if full_mla else ""), vocab_size=32768, hidden_size=1024,
+        num_hidden_layers=layers, mla_layers=tuple(range(layers)) if full_mla else (3, 7, 11),
+        first_k_dense_replace=1, intermediate_size=4096, hidden_act="silu", max_position_embeddings=1 << 20,
+        kda=KDAConfig(num_heads=16, head_dim=64, v_head_dim=64, gate_lower_bound=None, full_rank_output_gate=False,
+                      forget_gate_rank=64, output_gate_rank=64),
+        mla=MLAConfig(num_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, output_gate=False),
+        moe=MoEConfig(num_experts=64, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=512,
+                      latent_size=None, latent_norm=False, routed_scaling_factor=2.446),
+        attn_res=AttnResConfig(mode="none", block_size=1))
+
+
+def step_bytes(model: K3ForCausalLM, batch: int, context: int) -> float:
+    cfg = model.config
+    dense = routed = 0
+    for name, p in model.named_parameters():
+        path = classify(name, cfg)
+        if path == "routed_experts":
+            routed += p.numel() * p.element_size()
+        elif path != "embedding":
+            dense += p.numel() * p.element_size()
+    e, k = cfg.moe.num_experts, cfg.moe.num_experts_per_token
+    hit = e * (1 - (1 - k / e) ** batch)
+    experts = routed * hit / e
+    emb = batch * cfg.hidden_size * 2
+    kda = cfg.kda
+    n_kda = len(cfg.kda_layers)
+    state = n_kda * batch * kda.num_heads * kda.head_dim * kda.v_head_dim * 4 * 2
+    conv = n_kda * batch * kda.num_heads * (2 * kda.head_dim + kda.v_head_dim) * (kda.conv_kernel_size - 1) * 2 * 2
+    latents = len(cfg.mla_layers) * batch * context * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 2
+    return dense + experts + emb + state + conv + latents
+
+
+def fill_cache(model: K3ForCausalLM, batch: int, context: int, steps: int):
+    cache = model.new_cache(batch, dtype=torch.bfloat16, capacity=context + steps + 8)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for layer in cache.layers:
+        if hasattr(layer, "kv"):
+            layer.kv[:, :context].normal_(generator=g)
+            layer.lengths = [context] * batch
+        else:
+            layer.recurrent.normal_(generator=g).mul_(0.05)
+            for c in layer.conv:
+                c.normal_(generator=g)
+    cache.seq_lens = [context] * batch
+    return cache
+
+
+@torch.no_grad()
+def ours(model: K3ForCausalLM, batch: int, context: int, steps: int = 16) -> float:
+    """Seconds per decode step."""
+    cache = fill_cache(model, batch, context, steps + 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, batch), device="cuda")
+    cu = torch.arange(batch + 1, device="cuda")
+    seq = torch.arange(batch, device="cuda")
+
+    def step():
+        nonlocal ids
+        logits = model(ids, cu_seqlens=cu, cache=cache, seq_ids=seq, last_only=True).logits
+        ids = logits.argmax(-1)[None]
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return cuda_time(step, warmup=2, iters=steps)
+
+
+@torch.no_grad()
+def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
+    """Seconds per decode step of transformers' KimiLinearForCausalLM.generate (prefill subtracted)."""
+    try:
+        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    except ImportError:
+        return None
+    c = peer_config()
+    hf = KimiLinearConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mla_use_nope=True, num_experts=64, num_experts_per_token=8, moe_intermediate_size=512, num_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.446, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+        linear_attn_config={"kda_layers": [i for i in range(1, 13) if i % 4], "full_attn_layers": [4, 8, 12],
+                            "num_heads": 16, "head_dim": 64, "short_conv_kernel_size": 4})
+    model = KimiLinearForCausalLM(hf).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(3, c.vocab_size, (batch, context), device="cuda")
+    model.generate(ids[:, :64], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up (kernels, autotune)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model(ids)
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return (total - prefill) / new
+
+
+def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 240.0) -> None:
+    backend.set_backend("fast")
+    started = time.perf_counter()
+    bw = copy_bandwidth()
+    columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
+               "x_transformers", "hybrid_speedup"]
+    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda, "
+                            "Triton MLA decode, grouped_mm experts)"}
+    torch.manual_seed(0)
+    cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
+    if quick:
+        cases = [(1, 4096), (64, 32768)]
+    rows = []
+    for full in (False, True):
+        model = K3ForCausalLM(peer_config(full)).cuda().to(torch.bfloat16).eval()
+        for batch, context in cases:
+            t = ours(model, batch, context)
+            limit = step_bytes(model, batch, context) / bw
+            rows.append({"model": "full-MLA twin" if full else "hybrid 3:1", "batch": batch, "context": context,
+                         "tokens_per_s": batch / t, "ms_per_step": t * 1e3, "limit_ms": limit * 1e3,
+                         "fraction_of_limit": limit / t})
+            print(rows[-1], flush=True)
+            write_results("decode", rows, columns, meta, out_dir=out_dir)
+        del model
+        torch.cuda.empty_cache()
+    peer = {}
+    for batch, context in [(1, 4096)] + ([] if quick else [(16, 4096)]):
+        if time.perf_counter() - started > peer_budget_s:
+            print(f"skipping the transformers peer at B={batch}: time budget spent", flush=True)
+            continue
+        t = transformers_peer(batch, context, new=8)
+        if t is not None:
+            peer[(batch, context)] = t
+            rows.append({"model": "transformers KimiLinear generate", "batch": batch, "context": context,
+                         "tokens_per_s": batch / t, "ms_per_step": t * 1e3})
+    for r in rows:
+        key = (r["batch"], r["context"])
+        if r["model"] == "hybrid 3:1" and key in peer:
+            r["x_transformers"] = peer[key] * 1e3 / r["ms_per_step"]
+    hybrid = {(r["batch"], r["context"]): r["ms_per_step"] for r in rows if r["model"] == "hybrid 3:1"}
+    for r in rows:
+        if r["model"] == "full-MLA twin":
+            r["hybrid_speedup"] = r["ms_per_step"] / hybrid[(r["batch"], r["context"])]
+    write_results("decode", rows, columns, meta, out_dir=out_dir)

@@ -1,0 +1,98 @@
+"""Layer benchmarks: (a) our KDA layer vs fla's KimiDeltaAttention layer vs causal SDPA; (b) the LatentMoE
+layer at E=896, k=16 with grouped GEMMs vs the per-expert loop, TFLOP/s against the measured matmul roof and
+the router + QB share."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3.bench.common import cuda_time, environment, matmul_flops, write_results
+from k3.config import get_preset
+from k3.model.balance import QBHistogram
+from k3.model.kda import KimiDeltaAttention
+from k3.model.moe import MoE
+from k3.ops import backend
+
+
+def _fwd_bwd(module_fn, x):
+    def fwd():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return module_fn(x)
+
+    def fwd_bwd():
+        out = fwd()
+        out.float().sum().backward()
+
+    return cuda_time(fwd, 1, 3), cuda_time(fwd_bwd, 1, 3)
+
+
+def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, head_dim=128) -> None:
+    cfg = get_preset("small").replace(hidden_size=hidden, **{"kda.num_heads": heads, "kda.head_dim": head_dim,
+                                                            "kda.v_head_dim": head_dim, "kda.forget_gate_rank": head_dim,
+                                                            "kda.output_gate_rank": head_dim, "moe.latent_size": 1024})
+    ours = KimiDeltaAttention(cfg).cuda()
+    try:
+        from fla.layers import KimiDeltaAttention as FlaKDA
+        theirs = FlaKDA(hidden_size=hidden, head_dim=head_dim, num_heads=heads, mode="chunk", safe_gate=True,
+                        lower_bound=-5.0).cuda()
+    except Exception as e:  # reported, not hidden
+        print(f"fla layer unavailable: {e!r}")
+        theirs = None
+    for t in lengths:
+        x = torch.randn(t, hidden, device="cuda", requires_grad=True)
+        cu = torch.tensor([0, t], device="cuda")
+        f_ours, fb_ours = _fwd_bwd(lambda z: ours(z, cu), x)
+        row = {"case": "KDA layer", "T": t, "ours_fwd_ms": f_ours * 1e3, "ours_fwdbwd_ms": fb_ours * 1e3}
+        if theirs is not None:
+            f_fla, fb_fla = _fwd_bwd(lambda z: theirs(z[None])[0], x)
+            row |= {"fla_fwd_ms": f_fla * 1e3, "fla_fwdbwd_ms": fb_fla * 1e3, "ratio_fwdbwd": fb_ours / fb_fla}
+        q = torch.randn(1, heads, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        f_sdpa, fb_sdpa = _fwd_bwd(lambda z: F.scaled_dot_product_attention(z, z, z, is_causal=True), q)
+        row |= {"sdpa_fwd_ms": f_sdpa * 1e3, "sdpa_fwdbwd_ms": fb_sdpa * 1e3}
+        rows.append(row)
+
+
+def moe_layer(rows: list, tokens=(4096, 16384, 65536), hidden=2048, latent=1024, width=768, roof=None) -> None:
+    cfg = get_preset("small").replace(hidden_size=hidden, **{"moe.num_experts": 896, "moe.num_experts_per_token": 16,
+                                                            "moe.latent_size": latent, "moe.moe_intermediate_size": width,
+                                                            "moe.num_shared_experts": 2})
+    moe = MoE(cfg, layer_idx=1).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.02)
+    flops_per_token = 16 * 3 * 2 * latent * width
+    for n in tokens:
+        x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            backend.set_backend("fast")
+            t_fast = cuda_time(lambda: moe(x), 1, 3)
+            scores, idx, w = moe.gate(x)
+            z = moe.routed_expert_down_proj(x)
+            from k3.ops.moe import grouped, reference
+            t_grouped = cuda_time(lambda: grouped.moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2,
+                                                              moe.experts.w3, moe.glu), 1, 3)
+            t_loop = cuda_time(lambda: reference.moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2,
+                                                             moe.experts.w3, moe.glu), 1, 2) if n <= 16384 else None
+            hist = QBHistogram(896, 16)
+            t_router = cuda_time(lambda: (moe.gate(x), hist.accumulate(scores, moe.gate.e_score_correction_bias)), 1, 3)
+        row = {"case": "LatentMoE E=896 k=16", "T": n, "layer_ms": t_fast * 1e3, "experts_grouped_ms": t_grouped * 1e3,
+               "experts_TFLOPs": flops_per_token * n / t_grouped / 1e12, "router_qb_share": t_router / t_fast}
+        if roof:
+            row["fraction_of_roof"] = flops_per_token * n / t_grouped / roof
+        if t_loop is not None:
+            row |= {"experts_loop_ms": t_loop * 1e3, "speedup_vs_loop": t_loop / t_grouped}
+        rows.append(row)
+
+
+def run(out_dir: str | None = None, quick: bool = False) -> None:
+    backend.set_backend("fast")
+    roof = matmul_flops()
+    rows: list = []
+    kda_layer(rows, lengths=(4096, 16384) if quick else (4096, 16384, 65536))
+    moe_layer(rows, tokens=(4096,) if quick else (4096, 16384, 65536), roof=roof)
+    meta = environment() | {"bf16_matmul_TFLOPs": roof / 1e12}
+    write_results("kernels", rows, ["case", "T", "ours_fwd_ms", "ours_fwdbwd_ms", "fla_fwd_ms", "fla_fwdbwd_ms",
+                                    "ratio_fwdbwd", "sdpa_fwd_ms", "sdpa_fwdbwd_ms", "layer_ms", "experts_grouped_ms",
+                                    "experts_loop_ms", "speedup_vs_loop", "experts_TFLOPs", "fraction_of_roof",
+                                    "router_qb_share"], meta, out_dir=out_dir)

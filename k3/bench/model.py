@@ -1,0 +1,145 @@
+"""Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
+peer's shapes; (c) AttnRes none / snapshot / full overhead in training and decode, peak memory; (f) one-GPU
+prefill of 128K and 1M tokens, hybrid vs a full-MLA twin (time, peak memory)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from k3.bench.common import cuda_time, environment, write_results
+from k3.bench.decode import fill_cache
+from k3.config import get_preset
+from k3.model.decoder import K3ForCausalLM
+from k3.ops import backend
+from k3.train.optim import K3Muon, param_groups_for
+
+PEAK = 790e12  # measured bf16 matmul rate on this H200 class (spec)
+
+
+def train_step_time(model, batch: int, seq: int, steps: int = 3) -> float:
+    opt = K3Muon(param_groups_for(model, 1e-4), lr=1e-4, ns_dtype="bfloat16")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids).logits
+        F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t = cuda_time(step, warmup=2, iters=steps)
+    del opt
+    return t
+
+
+def activated_matmul_params(model) -> float:
+    from k3.audit.accounting import activated_counts, parameter_counts
+
+    a = activated_counts(model.config, parameter_counts(model))
+    return sum(a.values()) - a["embedding"] - a["norms"] - a["attn_res"]
+
+
+def hf_peer_train(batch: int, seq: int) -> float | None:
+    try:
+        from k3.bench.decode import transformers_peer  # noqa: F401  (same config construction)
+        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    except ImportError:
+        return None
+    hf = KimiLinearConfig(
+        vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=64, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, num_experts=64, num_experts_per_token=8,
+        moe_intermediate_size=512, num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.446,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        linear_attn_config={"kda_layers": [i for i in range(1, 13) if i % 4], "full_attn_layers": [4, 8, 12],
+                            "num_heads": 16, "head_dim": 64, "short_conv_kernel_size": 4})
+    try:
+        hf._experts_implementation = "grouped_mm"
+    except Exception:
+        pass
+    model = KimiLinearForCausalLM(hf).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 32768, (batch, seq), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        t = cuda_time(step, warmup=2, iters=3)
+    except Exception as e:
+        print(f"transformers peer failed: {e!r}")
+        t = None
+    del model, opt
+    torch.cuda.empty_cache()
+    return t
+
+
+def run(out_dir: str | None = None, quick: bool = False) -> None:
+    backend.set_backend("fast")
+    rows = []
+    batch, seq = (4, 4096)
+    # (d) training step
+    model = K3ForCausalLM(get_preset("small-1b")).cuda()
+    torch.cuda.reset_peak_memory_stats()
+    t = train_step_time(model, batch, seq)
+    n_act = activated_matmul_params(model)
+    tps = batch * seq / t
+    rows.append({"case": "train small-1b B4 T4096", "ms": t * 1e3, "tokens_per_s": tps,
+                 "mfu_6N": 6 * n_act * tps / PEAK, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+    del model
+    torch.cuda.empty_cache()
+    peer = None if quick else hf_peer_train(batch, seq)
+    if peer:
+        rows.append({"case": "transformers KimiLinear 1.27B B4 T4096", "ms": peer * 1e3, "tokens_per_s": batch * seq / peer})
+        rows[0]["x_transformers"] = peer / t
+    # (c) AttnRes overhead: train step and decode step
+    for mode in ("none", "snapshot", "full"):
+        m = K3ForCausalLM(get_preset("small-1b").replace(**{"attn_res.mode": mode})).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        tt = train_step_time(m, 4, 2048)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        m = m.to(torch.bfloat16).eval()
+        cache = fill_cache(m, 16, 4096, 8)
+        ids = torch.randint(0, 32768, (1, 16), device="cuda")
+        cu, seq_ids = torch.arange(17, device="cuda"), torch.arange(16, device="cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            td = cuda_time(lambda: m(ids, cu_seqlens=cu, cache=cache, seq_ids=seq_ids, last_only=True), 1, 5)
+        rows.append({"case": f"AttnRes {mode}", "ms": tt * 1e3, "decode_ms": td * 1e3, "peak_GiB": peak})
+        del m, cache
+        torch.cuda.empty_cache()
+    base = next(r for r in rows if r["case"] == "AttnRes none")
+    for r in rows:
+        if r["case"].startswith("AttnRes") and r is not base:
+            r["train_overhead"] = r["ms"] / base["ms"] - 1
+            r["decode_overhead"] = r["decode_ms"] / base["decode_ms"] - 1
+    # (f) prefill, one pass with logits at the last token only
+    for full in (False, True):
+        cfg = get_preset("small-1b")
+        if full:
+            cfg = cfg.replace(mla_layers=list(range(12)))
+        m = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+        for length in ((131072,) if quick else (131072, 1048576)):
+            torch.cuda.reset_peak_memory_stats()
+            ids = torch.randint(0, 32768, (1, length), device="cuda")
+            try:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    m(ids, last_only=True)
+                torch.cuda.synchronize()
+                rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "ms": (time.perf_counter() - t0) * 1e3,
+                             "tokens_per_s": length / (time.perf_counter() - t0),
+                             "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+            except torch.OutOfMemoryError as e:
+                rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "error": f"OOM: {e}"[:80]})
+            torch.cuda.empty_cache()
+        del m
+        torch.cuda.empty_cache()
+    write_results("model", rows, ["case", "ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms",
+                                  "train_overhead", "decode_overhead", "peak_GiB", "error"], environment(),
+                  out_dir=out_dir)

@@ -1,0 +1,25 @@
+"""``k3 bench NAME [--out DIR] [--quick]``: GPU benchmarks (decode, kernels, model); tables + JSON/markdown."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+NAMES = ("decode", "kernels", "model")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="GPU benchmarks: decode, kernels, model (writes benchmarks/results/)")
+    p.add_argument("name", choices=NAMES)
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("k3 bench needs a CUDA GPU")
+    importlib.import_module(f"k3.bench.{args.name}").run(out_dir=args.out, quick=args.quick)
+    return 0

@@ -1,0 +1,52 @@
+"""KDA on the GPU through fla-core's Triton kernels (``pip install k3[gpu]``).
+
+fla's ``chunk_kda`` (training / prefill, autograd) and ``fused_recurrent_kda`` (decode, forward only) take the
+same time-major layout, log-space g, post-sigmoid beta, fp32 initial state and ``cu_seqlens`` (B == 1) as our
+reference. Pinned: ``FLA_FLASH_KDA=0`` keeps fla on its own Triton kernels (it would otherwise switch to
+FlashKDA silently when that package is installed). fla supports chunk sizes 32 / 64 only and the result does
+not depend on the chunk size (the chunked form is exact), so other sizes run at 64.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
+
+
+def _inputs(q, k, v, g, beta, initial_state):
+    dtype = v.dtype
+    state = None if initial_state is None else initial_state.float()
+    return q.to(dtype), k.to(dtype), v, g.float(), beta.to(dtype), state
+
+
+def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+              initial_state: Tensor | None = None, output_final_state: bool = False,
+              cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
+    """Same contract as :func:`k3.ops.kda.reference.chunk_kda` (computed in v's dtype, state in fp32)."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
+    return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
+                         cu_seqlens=cu_seqlens, chunk_size=chunk_size if chunk_size in (32, 64) else 64)
+
+
+def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                  initial_state: Tensor | None = None, output_final_state: bool = False,
+                  cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Same contract as :func:`k3.ops.kda.reference.recurrent_kda`; forward only (fla has no backward for it)."""
+    from fla.ops.kda import fused_recurrent_kda
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        raise RuntimeError("fla's fused_recurrent_kda has no backward: use chunk_kda for training")
+    q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
+    return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)

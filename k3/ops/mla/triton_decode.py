@@ -1,0 +1,91 @@
+"""Absorbed-MLA decode on the GPU: split-K flash decoding straight over the latent cache (Triton).
+
+One query token per sequence, q [B, H, r + dr]; the cache rows kv[slot, :L] = [c_kv (r), k_pe (dr)] are both
+keys (all r + dr columns) and values (the first r). Each program takes one sequence, one split of its rows and
+a group of BLOCK_H heads, reads every row of its split once for all those heads, and keeps an online softmax;
+a small torch epilogue merges the splits by their log-sum-exp. Bytes moved ~ sum_b L_b (r + dr) * 2 per
+head group, which is the bandwidth floor of a latent-cache decode when BLOCK_H covers all heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _mla_decode_kernel(Q, KV, SLOT, LEN, O, LSE, scale_log2,
+                       stride_qb, stride_qh, stride_kvs, stride_kvt, stride_ob, stride_os, stride_oh,
+                       stride_lb, stride_ls, H,
+                       SPLIT_ROWS, R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    hg = tl.program_id(2)
+    slot = tl.load(SLOT + b).to(tl.int64)
+    length = tl.load(LEN + b)
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, DR)
+    q_base = Q + b * stride_qb + heads[:, None] * stride_qh
+    qc = tl.load(q_base + offs_r[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, R]
+    qp = tl.load(q_base + R + offs_p[None, :], mask=hmask[:, None], other=0.0)  # [BLOCK_H, DR]
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, R], tl.float32)
+    start = split * SPLIT_ROWS
+    end = tl.minimum(start + SPLIT_ROWS, length)
+    kv_base = KV + slot * stride_kvs
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        rows = kv_base + offs_n[:, None] * stride_kvt
+        kc = tl.load(rows + offs_r[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, R]
+        kp = tl.load(rows + R + offs_p[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, DR]
+        s = tl.dot(qc, tl.trans(kc)) + tl.dot(qp, tl.trans(kp))  # [BLOCK_H, BLOCK_N] fp32
+        s = tl.where(nmask[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+        m_i = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    o_ptr = O + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + offs_r[None, :]
+    tl.store(o_ptr, out, mask=hmask[:, None])
+    lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+    tl.store(LSE + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
+
+
+def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int,
+               max_length: int | None = None) -> Tensor:
+    """q [B, H, r + dr] (one token per sequence); kv [slots, capacity, r + dr]; seq_ids, lengths [B] (int);
+    -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once."""
+    B, H, D = q.shape
+    R, DR = v_dim, D - v_dim
+    if R & (R - 1) or DR & (DR - 1) or DR < 16:
+        raise ValueError(f"mla_decode needs power-of-two r={R} and dr={DR} >= 16")
+    q = q.to(kv.dtype).contiguous()
+    max_length = int(lengths.max()) if max_length is None else max_length
+    block_h = min(32, max(16, triton.next_power_of_2(H)))
+    block_n = 32
+    groups = triton.cdiv(H, block_h)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = max(1, min(triton.cdiv(max_length, 256), triton.cdiv(2 * sms, B * groups)))
+    split_rows = triton.cdiv(triton.cdiv(max_length, splits), block_n) * block_n
+    splits = triton.cdiv(max_length, split_rows)
+    o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, splits, H, device=q.device, dtype=torch.float32)
+    _mla_decode_kernel[(B, splits, groups)](
+        q, kv, seq_ids.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous(), o, lse,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
+        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=8 if block_h > 16 else 4)
+    weights = torch.softmax(lse * math.log(2.0), dim=1)  # [B, splits, H]; empty splits have weight 0
+    return (weights.unsqueeze(-1) * o).sum(1).to(q.dtype)

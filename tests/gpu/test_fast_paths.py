@@ -1,0 +1,166 @@
+"""GPU fast paths against their references (run with ``pytest -m gpu`` on a CUDA machine).
+
+Tolerances are relative errors ||a - b|| / ||b|| justified by dtype: bf16 keeps 8 bits of mantissa (rounding
+~4e-3 per operation), so bf16 paths are held to 2e-2 on outputs and 5e-2 on gradients after long reductions;
+fla's fp32 path uses TF32 dots (10-bit mantissa), held to 1e-2.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.config import get_preset
+from k3.model.activation import situ_glu
+from k3.ops.kda import reference as kda_ref
+from k3.ops.mla import fast as mla_fast
+from k3.ops.mla import reference as mla_ref
+from k3.ops.moe import reference as moe_ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def kda_inputs(T=1000, H=8, K=128, strong=False, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = F.normalize(torch.randn(1, T, H, K, device=DEV, generator=g), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, device=DEV, generator=g), dim=-1)
+    v = torch.randn(1, T, H, K, device=DEV, generator=g)
+    f = torch.randn(1, T, H, K, device=DEV, generator=g) * (4 if strong else 1)
+    A_log = torch.zeros(H, device=DEV) if strong else torch.rand(H, device=DEV, generator=g).mul(2).log1p()
+    dt_bias = torch.randn(H * K, device=DEV, generator=g) * (3 if strong else 1) - (0 if strong else 3)
+    gate = kda_ref.kda_gate(f, A_log, dt_bias, lower_bound=-5.0)
+    beta = torch.rand(1, T, H, device=DEV, generator=g)
+    h0 = torch.randn(3, H, K, K, device=DEV, generator=g) * 0.1
+    cu = torch.tensor([0, 300, 301, T], device=DEV)
+    return [t.to(dtype) for t in (q, k, v)] + [gate, beta.to(dtype), h0, cu]
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_fla_chunk_kda_forward_and_gradients(strong):
+    from k3.ops.kda import fla
+
+    q, k, v, g, beta, h0, cu = kda_inputs(strong=strong)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, s = fla.chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu)
+    w_o, w_s = torch.randn_like(o, dtype=torch.float32), torch.randn_like(s)
+    ((o.float() * w_o).sum() + (s * w_s).sum()).backward()
+    fast_grads = [t.grad.clone() for t in leaves]
+    ref_leaves = [t.detach().float().clone().requires_grad_() for t in leaves]
+    o_r, s_r = kda_ref.chunk_kda(*ref_leaves[:5], initial_state=ref_leaves[5], output_final_state=True, cu_seqlens=cu)
+    ((o_r * w_o).sum() + (s_r * w_s).sum()).backward()
+    assert rel(o, o_r) <= 2e-2 and rel(s, s_r) <= 2e-2
+    for name, a, b in zip("q k v g beta h0".split(), fast_grads, [t.grad for t in ref_leaves]):
+        assert rel(a, b) <= 5e-2, (name, rel(a, b))
+
+
+def test_fla_fused_recurrent_matches_reference():
+    from k3.ops.kda import fla
+
+    q, k, v, g, beta, h0, cu = kda_inputs(T=3)
+    cu = torch.tensor([0, 1, 2, 3], device=DEV)
+    o, s = fla.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_r, s_r = kda_ref.recurrent_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
+                                     output_final_state=True, cu_seqlens=cu)
+    assert rel(o, o_r) <= 2e-2 and rel(s, s_r) <= 2e-2
+
+
+def test_grouped_mm_moe_matches_the_loop():
+    from k3.ops.moe import grouped
+
+    torch.manual_seed(0)
+    n, d, i, e, topk = 1000, 256, 384, 32, 4
+    x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w1, w3 = (torch.randn(e, i, d, device=DEV) * d ** -0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i, device=DEV) * i ** -0.5
+    ws = [w.requires_grad_() for w in (w1, w2, w3)]
+    idx = torch.stack([torch.randperm(e, device=DEV)[:topk] for _ in range(n)])
+    idx[:50] = 3  # a hot expert and (likely) some cold ones: ragged, unaligned groups
+    wt = torch.rand(n, topk, device=DEV)
+    y = grouped.moe_experts(x, idx, wt, ws[0], ws[1], ws[2], situ_glu)
+    gy = torch.randn_like(y, dtype=torch.float32)
+    (y.float() * gy).sum().backward()
+    grads = [x.grad.clone()] + [w.grad.clone() for w in ws]
+    xr = x.detach().float().requires_grad_()
+    wr = [w.detach().clone().requires_grad_() for w in ws]
+    yr = moe_ref.moe_experts(xr, idx, wt, wr[0], wr[1], wr[2], situ_glu)
+    (yr * gy).sum().backward()
+    assert rel(y, yr) <= 2e-2
+    for name, a, b in zip(("x", "w1", "w2", "w3"), grads, [xr.grad] + [w.grad for w in wr]):
+        assert rel(a, b) <= 5e-2, (name, rel(a, b))
+
+
+def test_triton_mla_decode_matches_reference():
+    torch.manual_seed(1)
+    slots, cap, r, dr, h = 6, 3000, 512, 64, 16
+    kv = torch.randn(slots, cap, r + dr, device=DEV, dtype=torch.bfloat16)
+    seq_ids = torch.tensor([4, 0, 2], device=DEV)
+    lengths = torch.tensor([2999, 17, 1000], device=DEV)
+    q = torch.randn(3, h, r + dr, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(4, device=DEV)
+    scale = (128 + 64) ** -0.5
+    got = mla_fast.latent_attention(q, kv, seq_ids=seq_ids, lengths=lengths, cu_seqlens_q=cu, scale=scale, v_dim=r)
+    want = mla_ref.latent_attention(q.float(), kv.float(), seq_ids=seq_ids, lengths=lengths, cu_seqlens_q=cu,
+                                    scale=scale, v_dim=r)
+    assert rel(got, want) <= 2e-2
+
+
+def test_sdpa_attention_matches_reference():
+    torch.manual_seed(2)
+    q = torch.randn(300, 8, 192, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(340, 8, 192, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(340, 8, 128, device=DEV, dtype=torch.bfloat16)
+    cq = torch.tensor([0, 100, 300], device=DEV)
+    ck = torch.tensor([0, 140, 340], device=DEV)  # cached prefixes: queries are the last positions
+    got = mla_fast.attention(q, k, v, scale=0.07, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    want = mla_ref.attention(q.float(), k.float(), v.float(), scale=0.07, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert rel(got, want) <= 2e-2
+
+
+def test_whole_model_fast_equals_reference_and_decode_is_consistent():
+    from k3.model.decoder import K3ForCausalLM
+    from k3.ops import backend
+
+    torch.manual_seed(3)
+    cfg = get_preset("tiny").replace(**{"kda.num_heads": 8, "kda.head_dim": 128, "kda.v_head_dim": 128,
+                                        "kda.chunk_size": 64, "mla.num_heads": 16, "mla.kv_lora_rank": 64,
+                                        "mla.qk_rope_head_dim": 16})
+    model = K3ForCausalLM(cfg).to(DEV).eval()
+    ids = torch.randint(0, 512, (2, 200), device=DEV)
+    try:
+        backend.set_backend("reference")
+        with torch.no_grad():
+            want = model(ids).logits.float()
+        backend.set_backend("fast")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            got = model(ids).logits.float()
+            cache = model.new_cache(2, dtype=torch.bfloat16)
+            steps = [model(ids[:, :150], cache=cache).logits.float()]
+            for t in range(150, 200):
+                steps.append(model(ids[:, t:t + 1], cache=cache).logits.float())
+        decoded = torch.cat(steps, 1)
+    finally:
+        backend.set_backend("auto")
+    assert rel(got, want) <= 3e-2
+    assert rel(decoded, want) <= 3e-2
+
+
+def test_grouped_mm_qat_path_matches_reference():
+    from k3.ops.moe import grouped
+    from k3.quant.mx import fake_quantize
+
+    torch.manual_seed(4)
+    n, d, i, e = 256, 128, 256, 16
+    x = torch.randn(n, d, device=DEV)
+    ws = [torch.randn(e, i, d, device=DEV) * 0.1, torch.randn(e, d, i, device=DEV) * 0.1, torch.randn(e, i, d, device=DEV) * 0.1]
+    wq = [fake_quantize(w, "e2m1") for w in ws]
+    aq = lambda t: fake_quantize(t, "e4m3")  # noqa: E731
+    idx = torch.stack([torch.randperm(e, device=DEV)[:2] for _ in range(n)])
+    wt = torch.rand(n, 2, device=DEV)
+    glu_q = lambda g, u: aq(situ_glu(g, u))  # noqa: E731  (what k3.ops.moe.moe_experts composes under QAT)
+    got = grouped.moe_experts(aq(x), idx, wt, *wq, glu_q)
+    want = moe_ref.moe_experts(aq(x), idx, wt, *wq, glu_q)
+    assert rel(got, want) <= 2e-2
