@@ -106,7 +106,7 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
         m = m.to(torch.bfloat16).eval()
         cache = fill_cache(m, 16, 4096, 8)
         ids = torch.randint(0, 32768, (1, 16), device="cuda")
-        cu, seq_ids = torch.arange(17, device="cuda"), torch.arange(16, device="cuda")
+        cu, seq_ids = torch.arange(17), list(range(16))
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             td = cuda_time(lambda: m(ids, cu_seqlens=cu, cache=cache, seq_ids=seq_ids, last_only=True), 1, 5)
         rows.append({"case": f"AttnRes {mode}", "ms": tt * 1e3, "decode_ms": td * 1e3, "peak_GiB": peak})

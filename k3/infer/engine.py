@@ -167,7 +167,7 @@ class Engine:
             batch.append(seq)
         lengths = [len(p) for p in pieces]
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
-        cu = torch.tensor([0] + lengths, device=self.device).cumsum(0)
+        cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
         logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=[s.slot for s in batch],
                             last_only=True).logits
         outputs = []

@@ -27,7 +27,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import MoE, RoutedExperts, Router
 from k3.model.norm import RMSNorm
-from k3.ops.segments import segment_lengths
+from k3.ops.segments import attach_host, host_list, segment_lengths
 
 # Parameters and buffers that stay fp32 whatever dtype the rest of the model is cast to.
 FP32_NAMES = ("e_score_correction_bias", "gate.weight", "A_log", "dt_bias")
@@ -101,7 +101,7 @@ def check_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> None:
     """Raise one ValueError if cu_seqlens is not a valid packing of a [batch, seqlen] input."""
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    bounds = set(cu_seqlens.tolist()) if segment_lengths(cu_seqlens, batch * seqlen) else set()
+    bounds = set(host_list(cu_seqlens)) if segment_lengths(cu_seqlens, batch * seqlen) else set()
     missing = sorted(set(range(seqlen, batch * seqlen, seqlen)) - bounds)
     if missing:
         raise ValueError(f"cu_seqlens must contain every row boundary of the [B, T] input; missing {missing}")
@@ -154,8 +154,11 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
         if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64)
-        else:
+            cu_seqlens = attach_host(torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64),
+                                     list(range(0, b * t + 1, t)))
+        else:  # one host read of the offsets (none if they come on the CPU); the ops reuse it
+            host = host_list(cu_seqlens) if cu_seqlens.device.type == "cpu" else cu_seqlens.tolist()
+            cu_seqlens = attach_host(cu_seqlens.to(input_ids.device), host)
             check_cu_seqlens(cu_seqlens, b, t)
         segments = cu_seqlens.numel() - 1
         if cache is not None:
@@ -164,7 +167,8 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("seq_ids needs a cache")
         hidden, stats, records = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res)
         if cache is not None:
-            cache.advance(seq_ids.tolist(), (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+            offsets = host_list(cu_seqlens)
+            cache.advance(host_list(seq_ids), [b - a for a, b in zip(offsets[:-1], offsets[1:])])
         logits = self.lm_head(hidden[cu_seqlens[1:] - 1]) if last_only else self.lm_head(hidden).view(b, t, -1)
         return K3Output(logits=logits, router_stats=stats, cache=cache, attn_res_weights=records)
 
@@ -174,9 +178,12 @@ class K3ForCausalLM(nn.Module):
             if cache.batch_size != segments:
                 raise ValueError(f"the input has {segments} sequences but the cache holds {cache.batch_size}; "
                                  "pass seq_ids to extend a subset")
-            return torch.arange(segments, device=device)
-        ids = torch.as_tensor(seq_ids, dtype=torch.int64, device=device).reshape(-1)
-        listed = ids.tolist()
+            return attach_host(torch.arange(segments, device=device), list(range(segments)))
+        if isinstance(seq_ids, Tensor):
+            listed = host_list(seq_ids) if seq_ids.device.type == "cpu" else seq_ids.tolist()
+        else:
+            listed = [int(i) for i in seq_ids]
+        ids = attach_host(torch.as_tensor(listed, dtype=torch.int64).to(device), listed)
         if len(listed) != segments or len(set(listed)) != segments or not all(0 <= i < cache.batch_size for i in listed):
             raise ValueError(f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})")
         return ids

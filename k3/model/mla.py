@@ -21,6 +21,7 @@ from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
 from k3.ops.mla import attention, latent_attention
+from k3.ops.segments import attach_host, host_list
 from k3.ops.dtypes import upcast
 
 
@@ -65,7 +66,7 @@ class MultiheadLatentAttention(nn.Module):
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its latents are appended).
         """
         n, h = x.shape[0], self.num_heads
-        bounds = cu_seqlens.tolist()
+        bounds = host_list(cu_seqlens)
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(n, h, self.dn + self.dr)
@@ -73,7 +74,7 @@ class MultiheadLatentAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
 
-        ids = [] if state is None else seq_ids.tolist()
+        ids = [] if state is None else host_list(seq_ids)
         past = [0] * len(lengths) if state is None else [state.lengths[i] for i in ids]
         if self.rope_theta is not None:
             positions = torch.cat([torch.arange(p, p + length, device=x.device) for p, length in zip(past, lengths)])
@@ -95,9 +96,11 @@ class MultiheadLatentAttention(nn.Module):
                 o_lat = attention(q_abs, keys, keys[..., :self.r], scale=self.scale, cu_seqlens_q=cu_seqlens,
                                   cu_seqlens_k=cu_seqlens)
             else:
-                key_lens = torch.tensor([state.lengths[i] for i in ids], device=x.device)
+                host_lens = [state.lengths[i] for i in ids]
+                key_lens = attach_host(torch.tensor(host_lens).to(x.device, non_blocking=True), host_lens)
                 o_lat = latent_attention(q_abs, state.kv, seq_ids=seq_ids, lengths=key_lens,
-                                         cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r)
+                                         cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r,
+                                         max_length=max(host_lens))
             o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
         else:
             if state is None:
@@ -105,8 +108,10 @@ class MultiheadLatentAttention(nn.Module):
             else:
                 rows = torch.cat([state.rows(i) for i in ids]).to(x.dtype)
                 c_all, pe_all = rows.split([self.r, self.dr], dim=-1)
-                key_lens = torch.tensor([0] + [state.lengths[i] for i in ids], device=x.device)
-                cu_k = key_lens.cumsum(0).to(cu_seqlens.dtype)
+                offsets = [0]
+                for i in ids:
+                    offsets.append(offsets[-1] + state.lengths[i])
+                cu_k = attach_host(torch.tensor(offsets, dtype=cu_seqlens.dtype).to(x.device), offsets)
             kv = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv)
             k_nope, v = kv.split([self.dn, self.dv], dim=-1)
             k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)

@@ -1,4 +1,9 @@
-"""Variable-length segments (cu_seqlens) <-> right-padded batches, shared by the reference ops."""
+"""Variable-length segments (cu_seqlens) <-> right-padded batches, shared by the reference ops.
+
+Reading ``cu_seqlens`` on the host is a device-to-host copy that waits for the GPU. The model reads it once per
+forward and attaches the host copy to the tensor (:func:`attach_host`); :func:`host_list` then answers from it,
+so the ops below need no further synchronisation.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,23 @@ import torch
 import torch.nn.functional as F
 
 
+def attach_host(t: torch.Tensor, values: list[int] | None = None) -> torch.Tensor:
+    """Attach a host copy of an int tensor's values (read now if not given) and return the tensor."""
+    t._k3_host = t.tolist() if values is None else list(values)
+    return t
+
+
+def host_list(t: torch.Tensor) -> list[int]:
+    """The values of an int tensor as a list, from its attached host copy when it has one (no sync)."""
+    values = getattr(t, "_k3_host", None)
+    return t.tolist() if values is None else values
+
+
 def segment_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """Validate ``cu_seqlens`` ([N+1], 0 = c_0 < ... < c_N = T) and return the N lengths."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError("cu_seqlens must be a 1-D integer tensor with at least 2 entries")
-    cu = cu_seqlens.tolist()
+    cu = host_list(cu_seqlens)
     if cu[0] != 0 or cu[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} .. {cu[-1]}")
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -39,6 +56,8 @@ def pack_segments(x: torch.Tensor, cu_seqlens: torch.Tensor | None, multiple: in
         raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
     lengths = segment_lengths(cu_seqlens, T)
     Tpad = -(-max(lengths) // multiple) * multiple
+    if min(lengths) == Tpad:  # equal lengths needing no padding (e.g. one token each): a view, no gather
+        return x[0].reshape(len(lengths), Tpad, *x.shape[2:])
     starts = cu_seqlens[:-1].to(device=x.device, dtype=torch.long)
     lens = torch.tensor(lengths, device=x.device)
     pos = torch.arange(Tpad, device=x.device)
@@ -54,6 +73,8 @@ def unpack_segments(y: torch.Tensor, cu_seqlens: torch.Tensor | None, T: int) ->
     if cu_seqlens is None:
         return y[:, :T]
     lengths = segment_lengths(cu_seqlens, T)
+    if min(lengths) == max(lengths) == y.shape[1]:
+        return y.reshape(1, T, *y.shape[2:])
     pos = torch.arange(y.shape[1], device=y.device)
     valid = pos[None, :] < torch.tensor(lengths, device=y.device)[:, None]
     return y[valid].unsqueeze(0)  # row-major boolean indexing keeps segment order

@@ -15,6 +15,8 @@ import os
 import torch
 from torch import Tensor
 
+from k3.ops.segments import host_list
+
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
 
@@ -35,8 +37,10 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
+    cu_cpu = None if cu_seqlens is None else torch.tensor(host_list(cu_seqlens), dtype=torch.int64)
     return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
-                         cu_seqlens=cu_seqlens, chunk_size=chunk_size if chunk_size in (32, 64) else 64)
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu,
+                         chunk_size=chunk_size if chunk_size in (32, 64) else 64)
 
 
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,

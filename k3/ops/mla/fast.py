@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from k3.ops.segments import host_list
+
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """One segment with SDPA: q [Lq, H, D], k [Lk, Hk, D], v [Lk, Hk, Dv], queries are the last Lq positions."""
@@ -22,23 +24,23 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Tensor:
     """Same contract as :func:`k3.ops.mla.reference.attention` (one SDPA call per segment)."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
     for s in range(len(bq) - 1):
         out[bq[s]:bq[s + 1]] = _sdpa(q[bq[s]:bq[s + 1]], k[bk[s]:bk[s + 1]], v[bk[s]:bk[s + 1]], scale)
     return out
 
 
 def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor, cu_seqlens_q: Tensor, scale: float,
-                     v_dim: int) -> Tensor:
+                     v_dim: int, max_length: int | None = None) -> Tensor:
     """Same contract as :func:`k3.ops.mla.reference.latent_attention`; one-token segments (decode) run the
     Triton split-K kernel, longer ones (chunked prefill on a cache) one SDPA call each."""
     if q.shape[0] == seq_ids.numel():
         from k3.ops.mla.triton_decode import mla_decode
 
-        return mla_decode(q, kv, seq_ids, lengths, scale, v_dim)
+        return mla_decode(q, kv, seq_ids, lengths, scale, v_dim, max_length)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-    bq = cu_seqlens_q.tolist()
-    for s, (slot, length) in enumerate(zip(seq_ids.tolist(), lengths.tolist())):
+    bq = host_list(cu_seqlens_q)
+    for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):
         rows = kv[slot, :length].unsqueeze(1)
         out[bq[s]:bq[s + 1]] = _sdpa(q[bq[s]:bq[s + 1]], rows, rows[..., :v_dim], scale)
     return out

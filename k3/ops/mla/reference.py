@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from k3.ops.dtypes import upcast
+from k3.ops.segments import host_list
 
 
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -30,23 +31,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Te
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} differ")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
     for s in range(len(bq) - 1):
         out[bq[s]:bq[s + 1]] = segment_attention(q[bq[s]:bq[s + 1]], k[bk[s]:bk[s + 1]], v[bk[s]:bk[s + 1]], scale)
     return out
 
 
 def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor, cu_seqlens_q: Tensor, scale: float,
-                     v_dim: int) -> Tensor:
+                     v_dim: int, max_length: int | None = None) -> Tensor:
     """Absorbed-MLA attention straight over a latent cache (one shared key/value head).
 
     q [N, H, D] (D = r + dr: the absorbed q_nope and q_pe); kv [slots, capacity, D] cache rows; segment s of the
     packed queries (cu_seqlens_q [S+1]) belongs to slot seq_ids[s], whose first lengths[s] rows are its keys
-    (its new tokens included, last); values are each row's first ``v_dim`` entries. Returns [N, H, v_dim].
+    (its new tokens included, last); values are each row's first ``v_dim`` entries; ``max_length`` (host int,
+    optional) is max(lengths), which fast paths use to plan without reading ``lengths``. Returns [N, H, v_dim].
     """
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-    bq = cu_seqlens_q.tolist()
-    for s, (slot, length) in enumerate(zip(seq_ids.tolist(), lengths.tolist())):
+    bq = host_list(cu_seqlens_q)
+    for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):
         rows = kv[slot, :length].unsqueeze(1)  # [L, 1, D]
         out[bq[s]:bq[s + 1]] = segment_attention(q[bq[s]:bq[s + 1]], rows, rows[..., :v_dim], scale)
     return out
