@@ -81,9 +81,9 @@ def attention_flops_per_token(config: K3Config, context: int) -> dict[str, float
     return {"mla_attention": mla_flops, "kda_state": kda_flops}
 
 
-def report(config: K3Config, context: int = 4096, weight_bytes: int = 2) -> dict:
-    """Everything ``k3 info`` prints, as a JSON-able dict."""
-    model = build_meta(config)
+def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: nn.Module | None = None) -> dict:
+    """Everything ``k3 info`` prints, as a JSON-able dict (``model``: an already built meta model of ``config``)."""
+    model = build_meta(config) if model is None else model
     counts = parameter_counts(model)
     active = activated_counts(config, counts)
     total = sum(counts.values())

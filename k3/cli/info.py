@@ -9,6 +9,8 @@ import argparse
 import json
 
 from k3.audit.accounting import report
+from k3.audit.format import human as _human
+from k3.audit.format import human_bytes as _bytes
 from k3.config import PRESETS, get_preset
 
 
@@ -18,20 +20,6 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=4096, help="context length for attention FLOPs and cache bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
-
-
-def _human(n: float, unit: str = "") -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{suffix}{unit}"
-    return f"{n:.0f}{unit}"
-
-
-def _bytes(n: float) -> str:
-    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.2f} {suffix}"
-    return f"{n:.0f} B"
 
 
 def run(args: argparse.Namespace) -> int:

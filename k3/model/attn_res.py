@@ -36,7 +36,7 @@ def mix(sources: list[Tensor], norm: nn.Module, proj: nn.Linear) -> Tensor:
     """Depth-mix a list of [N, d] sources with the query norm.weight * proj.weight -> [N, d]."""
     if len(sources) == 1:
         return sources[0]
-    return depth_mix(torch.stack(sources), norm.weight * proj.weight[0], norm.eps)
+    return depth_mix(sources, norm.weight * proj.weight[0], norm.eps)
 
 
 class ResidualStream:
@@ -78,7 +78,7 @@ class ResidualStream:
         sources = self.sources()
         if self.records is not None:
             with torch.no_grad():
-                w = depth_weights(torch.stack(sources), norm.weight * proj.weight[0], norm.eps)
+                w = depth_weights(sources, norm.weight * proj.weight[0], norm.eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
         return mix(sources, norm, proj)
 

@@ -66,8 +66,25 @@ def test_zero_init_gives_uniform_depth_weights():
     assert len(projs) == 2 * 5 + 1 and all((p == 0).all() for p in projs)
     torch.manual_seed(0)
     src = torch.randn(5, 7, 64) * torch.rand(5, 1, 1) * 10
-    out = depth_mix(src, torch.zeros(64), 1e-5)
+    out = depth_mix(list(src), torch.zeros(64), 1e-5)
     assert torch.allclose(out, src.mean(0), atol=1e-6)
+
+
+def test_lean_depth_mix_equals_reference_with_gradients():
+    from k3.ops.attn_res.lean import depth_mix as lean
+
+    torch.manual_seed(1)
+    src = [(torch.randn(9, 16, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(4)]
+    q = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda qq, *s: lean(list(s), qq, 1e-5), [q, *src])
+    g = torch.randn(9, 16, dtype=torch.float64)
+    (lean(src, q, 1e-5) * g).sum().backward()
+    ours = [t.grad.clone() for t in [q, *src]]
+    for t in [q, *src]:
+        t.grad = None
+    (depth_mix(src, q, 1e-5) * g).sum().backward()
+    for a, b in zip(ours, [t.grad for t in [q, *src]]):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])

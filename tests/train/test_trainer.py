@@ -63,8 +63,9 @@ def test_failed_checkpoint_write_keeps_previous(tmp_path, monkeypatch):
 
 
 def test_packed_step_equals_per_document_step():
+    """In fp64, so the only difference allowed is summation order (rel. 1e-10)."""
     torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("tiny"))
+    model = K3ForCausalLM(get_preset("tiny")).double()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("_res_proj.weight"):
@@ -83,11 +84,11 @@ def test_packed_step_equals_per_document_step():
     g_packed = grads_of(packed)
     separate = sum(F.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs) / 63
     g_sep = grads_of(separate)
-    assert abs(packed.item() - separate.item()) <= 1e-6 * abs(separate.item())
+    assert abs(packed.item() - separate.item()) <= 1e-12 * abs(separate.item())
     assert g_packed.keys() == g_sep.keys()
     for n in g_sep:
         err = ((g_packed[n] - g_sep[n]).norm() / g_sep[n].norm().clamp_min(1e-30)).item()
-        assert err <= 1e-5, (n, err)
+        assert err <= 1e-10, (n, err)
 
 
 def test_qb_balances_better_than_none(tmp_path, capsys):

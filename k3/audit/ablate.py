@@ -1,0 +1,454 @@
+"""Ablations (``k3 ablate``): named variants of a base preset, grids of matched runs, and their report.
+
+Variants are config transforms of the grid's base model (preset + the grid's overrides). Every variant keeps
+the number of layers and the width; a ``+`` composes transforms left to right (``no_kda+no_attnres``).
+
+    full         K3 as is: KDA + MLA, AttnRes, Stable LatentMoE, QB balancing
+    no_kda       every layer MLA (``mla_layers`` = all)
+    no_mla       every layer KDA (``mla_layers`` = none)
+    no_attnres   ``attn_res.mode = none`` (plain pre-norm residual stream)
+    no_latent    plain MoE at matched activated cost (rule below)
+    bias_sign    same model, loss-free sign-bias balancing (``--balance sign``, DeepSeek-V3 / K2)
+    aux          same model, Switch auxiliary loss (alpha 1e-2), no bias
+    seqaux       same model, sign bias + sequence-wise auxiliary loss (DeepSeek-V3)
+    none         same model, no balancing at all
+
+``no_latent`` rule. Latent experts live in width l with a down/up projection (d x l each) and an RMSNorm (l)
+around the routed sum; a plain expert lives in width d. The shared experts use ``moe_intermediate_size`` too
+(their width is I * num_shared), so the routed and the shared path cannot be matched separately. The rule
+keeps the number of experts E and the top-k k (the routing and the balancing problem stay the same) and picks
+the one integer I' that best matches the activated parameters of the whole MoE block per token:
+
+    latent:  3 l I k + 2 d l + l [norm] + 3 d I s        (top-k routed experts + projections + shared)
+    plain:   3 d I' k + 3 d I' s          ->  I' = round(latent / (3 d (k + s)))
+
+so the model's activated parameters (and matmul FLOPs per token) match to within 1 / (2 I'); the total
+parameters differ (plain experts are d / l times wider). The report lists both counts for every variant.
+
+A grid (:data:`GRIDS`) is a base model, a list of variants, seeds and shared training settings. Every run is
+a :class:`~k3.train.trainer.Trainer` run in ``OUT/runs/<variant>-s<seed>/`` with one tokenizer trained once
+into ``OUT/tokenizer.json``; a run whose final checkpoint exists is skipped, a run with a checkpoint short of
+the end is resumed, a run killed before its first checkpoint starts over. MQAR recall (:mod:`k3.audit.mqar`)
+runs next (``OUT/mqar/*.json``, skipped when present), then ``OUT/report.md``, ``OUT/results.json`` and the
+plots are written from whatever is on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from k3.audit import accounting
+from k3.audit.mqar import MQARTask, MQARTrainConfig, mqar_config, train_mqar
+from k3.config import K3Config, get_preset
+from k3.train.checkpoint import latest_checkpoint
+
+log = logging.getLogger("k3.ablate")
+
+BASE_BALANCE = "qb"
+
+
+# ---------------------------------------------------------------------------------------------------- variants
+def _no_kda(cfg: K3Config) -> dict:
+    return {"mla_layers": list(range(cfg.num_hidden_layers))}
+
+
+def _no_mla(cfg: K3Config) -> dict:
+    return {"mla_layers": []}
+
+
+def _no_attnres(cfg: K3Config) -> dict:
+    if cfg.attn_res.mode == "none":
+        raise ValueError("no_attnres: the base model has no AttnRes")
+    return {"attn_res.mode": "none"}
+
+
+def moe_block_activated(cfg: K3Config) -> float:
+    """Activated parameters of one MoE block per token, router excluded (see the module docstring)."""
+    m, d = cfg.moe, cfg.hidden_size
+    k, s, i = m.num_experts_per_token, m.num_shared_experts, m.moe_intermediate_size
+    shared = 3 * d * i * s
+    if m.latent_size is None:
+        return 3 * d * i * k + shared
+    lat = m.latent_size
+    return 3 * lat * i * k + 2 * d * lat + (lat if m.latent_norm else 0) + shared
+
+
+def matched_plain_intermediate(cfg: K3Config) -> int:
+    """The plain-MoE ``moe_intermediate_size`` whose activated MoE-block parameters best match ``cfg``'s."""
+    m = cfg.moe
+    per_unit = 3 * cfg.hidden_size * (m.num_experts_per_token + m.num_shared_experts)
+    return max(1, round(moe_block_activated(cfg) / per_unit))
+
+
+def _no_latent(cfg: K3Config) -> dict:
+    if cfg.moe.latent_size is None:
+        raise ValueError("no_latent: the base model already has plain (non-latent) experts")
+    return {"moe.latent_size": None, "moe.moe_intermediate_size": matched_plain_intermediate(cfg)}
+
+
+@dataclass(frozen=True)
+class Transform:
+    description: str
+    overrides: Callable[[K3Config], dict] | None = None  # model change (dotted K3Config fields)
+    balance: str | None = None  # balancing change
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "full": Transform("K3 as is: KDA + MLA, AttnRes, latent MoE, QB"),
+    "no_kda": Transform("all layers MLA", _no_kda),
+    "no_mla": Transform("all layers KDA", _no_mla),
+    "no_attnres": Transform("plain residual stream (attn_res.mode none)", _no_attnres),
+    "no_latent": Transform("plain MoE at matched activated parameters", _no_latent),
+    "bias_sign": Transform("sign-bias balancing instead of QB", balance="sign"),
+    "aux": Transform("auxiliary-loss balancing instead of QB", balance="aux"),
+    "seqaux": Transform("sign bias + sequence-wise aux loss instead of QB", balance="seqaux"),
+    "none": Transform("no load balancing", balance="none"),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    description: str
+    overrides: dict  # dotted K3Config fields on top of the base (its own changes only)
+    balance: str
+
+    @property
+    def changes_model(self) -> bool:
+        return bool(self.overrides)
+
+
+def make_variant(name: str, base: K3Config, base_balance: str = BASE_BALANCE) -> Variant:
+    """Compose the transforms named in ``name`` (``a+b+...``) on ``base``; conflicts raise ValueError."""
+    parts = [p.strip() for p in name.split("+")]
+    if not all(parts):
+        raise ValueError(f"variant {name!r}: empty component")
+    unknown = [p for p in parts if p not in TRANSFORMS]
+    if unknown:
+        raise ValueError(f"unknown variant {unknown[0]!r}; choose from {', '.join(TRANSFORMS)} (compose with +)")
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"variant {name!r} repeats a component")
+    if "full" in parts and len(parts) > 1:
+        raise ValueError(f"variant {name!r}: 'full' does not compose")
+    cfg, overrides, balance, descriptions = base, {}, None, []
+    for p in parts:
+        t = TRANSFORMS[p]
+        descriptions.append(t.description)
+        if t.overrides is not None:
+            ov = t.overrides(cfg)
+            clash = sorted(set(ov) & set(overrides))
+            if clash:
+                raise ValueError(f"variant {name!r}: {p} conflicts with an earlier component on {', '.join(clash)}")
+            overrides.update(ov)
+            cfg = base.replace(**overrides)  # validates the composed model
+        if t.balance is not None:
+            if balance is not None:
+                raise ValueError(f"variant {name!r}: two balancing changes")
+            balance = t.balance
+    if cfg.num_hidden_layers != base.num_hidden_layers or cfg.hidden_size != base.hidden_size:
+        raise AssertionError("variants keep depth and width")  # pragma: no cover - guarded by the transforms
+    return Variant(name, "; ".join(descriptions), overrides, balance or base_balance)
+
+
+def variant_config(base: K3Config, variant: Variant) -> K3Config:
+    return base.replace(**variant.overrides)
+
+
+def params_of(config: K3Config) -> dict:
+    """Total and activated parameters (meta device; activated excludes the input embedding)."""
+    r = accounting.report(config)
+    act = r["params_activated_by_path"]
+    return {"params_total": int(r["params_total"]), "params_activated": float(r["params_activated"]),
+            "params_moe_activated": float(act["routed_experts"] + act["latent_proj"] + act["shared_experts"])}
+
+
+# ---------------------------------------------------------------------------------------------------- grids
+@dataclass
+class MQARSettings:
+    variants: tuple[str, ...] = ("full", "no_kda", "no_mla")
+    num_pairs: tuple[int, ...] = (8,)
+    num_keys: int = 16
+    num_values: int = 16
+    layers: int = 2
+    steps: int = 250
+    batch_size: int = 32
+    lr: float = 3e-3
+    eval_size: int = 256
+    seeds: tuple[int, ...] = (0,)
+
+
+@dataclass
+class Grid:
+    name: str
+    description: str
+    preset: str
+    variants: tuple[str, ...]
+    seeds: tuple[int, ...]
+    train: dict  # TrainConfig fields shared by every run
+    overrides: dict = field(default_factory=dict)  # base model overrides on the preset
+    mqar: MQARSettings | None = None
+    run_plots: bool = True  # each run's own loss / expert-load / AttnRes plots
+
+    def base_config(self) -> K3Config:
+        return get_preset(self.preset).replace(**self.overrides)
+
+
+ARCH_REMOVALS = ("no_kda", "no_mla", "no_attnres", "no_latent")
+ALL_VARIANTS = ("full",) + ARCH_REMOVALS + ("bias_sign", "aux", "none")
+PAIRS = tuple(f"{a}+{b}" for i, a in enumerate(ARCH_REMOVALS) for b in ARCH_REMOVALS[i + 1:]
+              if {a, b} != {"no_kda", "no_mla"})
+
+GRIDS: dict[str, Grid] = {
+    "micro": Grid(
+        name="micro", description="tests only: seconds on a CPU",
+        preset="tiny", variants=("full", "no_kda", "bias_sign"), seeds=(0, 1),
+        train=dict(steps=3, batch_size=2, seq_len=32, vocab_size=300, tokenizer_train_bytes=100_000,
+                   max_tokens=20_000, eval_every=3, eval_rows=4),
+        mqar=MQARSettings(variants=("full", "no_mla"), num_pairs=(2,), num_keys=4, num_values=4, steps=3,
+                          batch_size=4, eval_size=16),
+        run_plots=False),
+    "smoke": Grid(
+        name="smoke", description="every variant kind on the tiny preset, 2 seeds; ~10 minutes on a 2-core CPU",
+        preset="tiny", variants=ALL_VARIANTS + ("no_kda+no_attnres",), seeds=(0, 1),
+        train=dict(steps=150, batch_size=8, seq_len=128, vocab_size=1024, tokenizer_train_bytes=1_000_000,
+                   max_tokens=300_000, eval_every=30, eval_rows=32, lr=3e-3),
+        mqar=MQARSettings(variants=("full", "no_kda", "no_mla"), num_pairs=(8,), num_keys=16, num_values=16,
+                          steps=250, batch_size=32)),
+    "default": Grid(
+        name="default", description="small preset, every variant and pair of removals, 2 seeds (GPU)",
+        preset="small", variants=ALL_VARIANTS + PAIRS, seeds=(0, 1),
+        train=dict(steps=400, batch_size=32, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
+                   max_tokens=None, eval_every=100, eval_rows=128, save_every=200, lr=3e-3),
+        mqar=MQARSettings(variants=("full", "no_kda", "no_mla", "no_attnres"), num_pairs=(16, 64),
+                          num_keys=256, num_values=256, steps=1500, batch_size=64, eval_size=1024, seeds=(0,))),
+}
+
+
+def set_threads(n: int | None) -> None:
+    """``torch.set_num_threads(n)`` when n is given (CLI ``--threads``)."""
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"--threads={n!r} must be a positive integer")
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def get_grid(name: str) -> Grid:
+    try:
+        return dataclasses.replace(GRIDS[name])
+    except KeyError:
+        raise ValueError(f"unknown grid {name!r}; choose one of: {', '.join(GRIDS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+def ensure_tokenizer(out: Path, data: str | None, vocab_size: int, train_bytes: int) -> Path:
+    """Train one byte-level BPE on the training split into ``OUT/tokenizer.json`` (kept if present)."""
+    from k3.train.data import load_corpus
+    from k3.train.tokenizer import train_bpe
+
+    path = out / "tokenizer.json"
+    if path.is_file():
+        return path
+    t0 = time.perf_counter()
+
+    def budget():
+        used = 0
+        for d in load_corpus(data, "train"):
+            if used >= train_bytes:
+                break
+            used += len(d.text)
+            yield d.text
+
+    train_bpe(budget(), vocab_size).save(out)
+    log.info("shared tokenizer (vocab %d) trained in %.1fs: %s", vocab_size, time.perf_counter() - t0, path)
+    return path
+
+
+def _checkpoint_step(run_dir: Path) -> int | None:
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except FileNotFoundError:
+        return None
+    return None if ckpt is None else int(ckpt.name.split("-")[1])
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def summarise_history(history: list[dict], tail: int | None = None) -> dict:
+    """Final validation numbers and the mean of MaxVio / dead experts over the last ``tail`` good steps."""
+    good = [h for h in history if not h.get("skipped")]
+    tail = tail or max(1, min(20, len(good) // 5))
+    last = good[-tail:]
+    evals = [h for h in history if "val_loss" in h]
+    init = [h for h in history if "val_loss_init" in h]
+    maxvio = [h["maxvio"] for h in last if _finite(h.get("maxvio"))]
+    dead = [h["dead_experts"] for h in last if _finite(h.get("dead_experts"))]
+    return {
+        "steps_done": history[-1]["step"] + 1 if history else 0,
+        "tokens": history[-1]["tokens"] if history else 0,
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "val_bpb": evals[-1]["val_bpb"] if evals else None,
+        "val_loss_init": init[0]["val_loss_init"] if init else None,
+        "train_loss_tail": float(np.mean([h["loss"] for h in last if _finite(h.get("loss"))])) if last else None,
+        "maxvio": float(np.mean(maxvio)) if maxvio else None,
+        "dead_experts": float(np.mean(dead)) if dead else None,
+        "skipped_steps": sum(1 for h in history if h.get("skipped")),
+        "step_time_total": float(sum(h.get("step_time", 0.0) for h in history)),
+        "tail_steps": tail,
+    }
+
+
+def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict:
+    """Train (or skip / resume) one run and write ``summary.json`` next to its metrics; returns the summary.
+
+    ``meta`` (variant, seed, label, parameter counts, ...) is stored in the summary as is.
+    """
+    from k3.train.trainer import Trainer, TrainingDiverged
+
+    run_dir = Path(cfg.out)
+    summary_path = run_dir / "summary.json"
+    step = _checkpoint_step(run_dir) if run_dir.exists() else None
+    status, wall = "done", None
+    if summary_path.is_file() and step is not None:
+        summary = json.loads(summary_path.read_text())
+        finished = summary.get("status") == "done" and step >= cfg.steps
+        stopped = summary.get("status") == "diverged" and step == summary.get("checkpoint_step")
+        if summary.get("steps") == cfg.steps and (finished or stopped):
+            summary["skipped"] = True
+            return summary
+    if step is None or step < cfg.steps:
+        resume = step is not None
+        if not resume and run_dir.exists():
+            shutil.rmtree(run_dir)  # killed before its first checkpoint: start over
+        before = sum(h.get("step_time", 0.0) for h in read_metrics(run_dir)[: step or 0]) if resume else 0.0
+        log.info("%s %s (%d steps)", "resuming" if resume else "running", run_dir, cfg.steps)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, resume=resume, progress=progress)
+        if not plots:
+            trainer.write_plots = lambda: None
+        try:
+            trainer.run()
+        except TrainingDiverged as e:
+            log.warning("%s: %s", run_dir, e)
+            status = "diverged"
+        wall = before + time.perf_counter() - t0
+    history = read_metrics(run_dir)
+    summary = {**meta, **summarise_history(history), "steps": cfg.steps, "status": status,
+               "checkpoint_step": _checkpoint_step(run_dir),
+               "wall_s": wall if wall is not None else float(sum(h.get("step_time", 0.0) for h in history)),
+               "run_dir": str(run_dir)}
+    if "params_activated" in meta and summary["tokens"]:
+        summary["compute"] = 6.0 * meta["params_activated"] * summary["tokens"]
+    summary_path.write_text(json.dumps(summary, indent=2))
+    summary["skipped"] = False
+    return summary
+
+
+def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str):
+    from k3.train.trainer import TrainConfig
+
+    overrides = {**grid.overrides, **variant.overrides, "name": variant.name}
+    return TrainConfig(preset=grid.preset, overrides=overrides, data=data, tokenizer=str(tokenizer),
+                       balance=variant.balance, out=str(run_dir), seed=seed, device=device, samples=0, **grid.train)
+
+
+def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str = "auto", progress: bool = False,
+             mqar: bool = True) -> dict:
+    """Run (or resume) every run of ``grid`` under ``out``, then MQAR, then write the report. Returns results."""
+    from k3.audit.ablate_report import _fmt, aggregate, write_report  # the report needs this module
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    base = grid.base_config()
+    variants = [make_variant(v, base) for v in grid.variants]  # validate every variant before any training
+    mqar_plan = mqar_runs(grid, base) if grid.mqar and mqar else []  # validated before any training
+    (out / "grid.json").write_text(json.dumps({**dataclasses.asdict(grid), "data": data}, indent=2, default=str))
+    tok_path = ensure_tokenizer(out, data, grid.train.get("vocab_size", 8192),
+                                grid.train.get("tokenizer_train_bytes", 4_000_000))
+    from k3.train.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tok_path)
+    sized = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
+    summaries = []
+    total = len(variants) * len(grid.seeds)
+    for v in variants:
+        meta_params = params_of(variant_config(sized, v))
+        for seed in grid.seeds:
+            run_dir = out / "runs" / f"{v.name}-s{seed}"
+            cfg = _train_config(grid, v, seed, run_dir, tok_path, data, device)
+            meta = {"variant": v.name, "label": v.name, "seed": seed, "balance": v.balance,
+                    "description": v.description, "overrides": v.overrides, **meta_params}
+            s = run_one(cfg, meta, progress=progress, plots=grid.run_plots)
+            summaries.append(s)
+            log.info("[%d/%d] %s seed %d: %s val loss %s (%.0fs)", len(summaries), total, v.name, seed,
+                     "skipped," if s.get("skipped") else "", _fmt(s.get("val_loss")), s.get("wall_s") or 0)
+    mqar_results = run_mqar_grid(grid, mqar_plan, out, device) if mqar_plan else []
+    results = aggregate(summaries)
+    report = {"grid": grid.name, "out": str(out), "runs": summaries, "variants": results, "mqar": mqar_results,
+              "wall_s_this_invocation": time.perf_counter() - t_start}
+    (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
+    write_report(out, grid, summaries, results, mqar_results, data)
+    return report
+
+
+def mqar_runs(grid: Grid, base: K3Config) -> list[tuple[Variant, MQARTask, K3Config, int]]:
+    """(variant, task, model config, seed) for every MQAR run of ``grid``; variants act on the MQAR model."""
+    st = grid.mqar
+    plan = []
+    for name in st.variants:
+        for pairs in st.num_pairs:
+            task = MQARTask(num_keys=st.num_keys, num_values=st.num_values, num_pairs=pairs)
+            mbase = mqar_config(base, task, st.layers)
+            v = make_variant(name, mbase)
+            if v.balance != BASE_BALANCE or any(k.startswith("moe.") for k in v.overrides):
+                raise ValueError(f"MQAR variant {name!r}: the MQAR models are dense (no router); use mixer / "
+                                 "AttnRes variants")
+            plan += [(v, task, variant_config(mbase, v), seed) for seed in st.seeds]
+    return plan
+
+
+def run_mqar_grid(grid: Grid, plan: list, out: Path, device: str) -> list[dict]:
+    import torch
+
+    st = grid.mqar
+    mdir = out / "mqar"
+    mdir.mkdir(exist_ok=True)
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    results = []
+    for v, task, cfg, seed in plan:
+        path = mdir / f"{v.name}-p{task.num_pairs}-s{seed}.json"
+        if path.is_file():
+            r = json.loads(path.read_text())
+            if r.get("steps") == st.steps and r.get("task") == dataclasses.asdict(task):
+                results.append(r)
+                continue
+        tcfg = MQARTrainConfig(steps=st.steps, batch_size=st.batch_size, lr=st.lr, eval_size=st.eval_size,
+                               seed=seed, device=dev)
+        r = {"variant": v.name, **train_mqar(cfg, task, tcfg)}
+        path.write_text(json.dumps(r, indent=2))
+        log.info("MQAR %s pairs %d seed %d: accuracy %.3f (chance %.3f, %.0fs)", v.name, task.num_pairs, seed,
+                 r["accuracy"], r["chance"], r["train_s"])
+        results.append(r)
+    return results

@@ -1,0 +1,296 @@
+"""The report of an ablation grid: tables (report.md, results.json) and plots (validation loss, router frontier,
+loss curves, MQAR recall). Written from whatever runs are on disk; see :mod:`k3.audit.ablate`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k3.audit.ablate import Grid, _finite, read_metrics  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------- report
+def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if _finite(x)]
+    if not xs:
+        return None, None
+    return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else None
+
+
+def aggregate(summaries: list[dict]) -> list[dict]:
+    """Per variant (in order of first appearance): mean / std over seeds."""
+    order: dict[str, list[dict]] = {}
+    for s in summaries:
+        order.setdefault(s["variant"], []).append(s)
+    rows = []
+    for name, runs in order.items():
+        row = {"variant": name, "seeds": [r["seed"] for r in runs], "balance": runs[0].get("balance"),
+               "model_overrides": runs[0].get("overrides", {}), "description": runs[0].get("description", ""),
+               "params_total": runs[0].get("params_total"), "params_activated": runs[0].get("params_activated"),
+               "params_moe_activated": runs[0].get("params_moe_activated"), "tokens": runs[0].get("tokens"),
+               "diverged": sum(1 for r in runs if r.get("status") == "diverged")}
+        for key in ("val_loss", "val_bpb", "maxvio", "dead_experts", "wall_s", "train_loss_tail"):
+            row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([r.get(key) for r in runs])
+        rows.append(row)
+    # paired difference to `full` over the seeds both have (a seed fixes the data order and subset for every
+    # variant, so the paired spread is much smaller than the spread of either)
+    full = {r["seed"]: r.get("val_loss") for r in order.get("full", [])}
+    for row in rows:
+        deltas = [r["val_loss"] - full[r["seed"]] for r in order[row["variant"]]
+                  if _finite(r.get("val_loss")) and _finite(full.get(r["seed"]))]
+        row["delta_vs_full_mean"], row["delta_vs_full_std"] = _mean_std(deltas) if full else (None, None)
+    return rows
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _pm(mean, std, digits: int = 3) -> str:
+    if mean is None:
+        return "—"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std is not None else f"{mean:.{digits}f}"
+
+
+def _count(n) -> str:
+    if n is None:
+        return "—"
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k"
+
+
+def _mqar_rows(mqar_results: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in mqar_results:
+        groups.setdefault((r["variant"], r["task"]["num_pairs"]), []).append(r)
+    rows = []
+    for (variant, pairs), rs in groups.items():
+        acc, acc_std = _mean_std([r["accuracy"] for r in rs])
+        rows.append({"variant": variant, "num_pairs": pairs, "accuracy_mean": acc, "accuracy_std": acc_std,
+                     "seeds": len(rs), "chance": rs[0]["chance"], "steps": rs[0]["steps"], "params": rs[0]["params"],
+                     "layers": rs[0]["layers"], "task": rs[0]["task"],
+                     "train_s": float(np.mean([r["train_s"] for r in rs]))})
+    return rows
+
+
+def write_report(out: Path, grid: Grid, summaries: list[dict], rows: list[dict], mqar_results: list[dict],
+                 data: str | None = None) -> Path:
+    out = Path(out)
+    plot_val_loss(rows, out / "val_loss.png")
+    frontier = [r for r in rows if not r["model_overrides"]]
+    if frontier:
+        plot_router_frontier(summaries, frontier, out / "router_frontier.png")
+    plot_loss_curves(summaries, out / "loss_curves.png")
+    mrows = _mqar_rows(mqar_results)
+    if mrows:
+        plot_mqar(mrows, out / "mqar.png")
+    t = grid.train
+    tokens = rows[0]["tokens"] if rows else 0
+    lines = [
+        f"# Ablation grid `{grid.name}`",
+        "",
+        f"{grid.description}. Base model: preset `{grid.preset}`"
+        + (f" with {json.dumps(grid.overrides)}" if grid.overrides else "")
+        + f"; data: {data or 'the Python standard library sources'}; one shared BPE tokenizer "
+          f"(vocab {t.get('vocab_size')}). Every run: {t.get('steps')} steps of {t.get('batch_size')} x "
+          f"{t.get('seq_len')} tokens ({tokens:,} tokens), lr {t.get('lr', 3e-3)}, seeds "
+          f"{', '.join(map(str, grid.seeds))}.",
+        "",
+        "Validation loss (nats/token) and bits/byte are the final evaluation; MaxVio is the global-batch MaxVio "
+        "(max load / mean load - 1, mean over MoE layers) averaged over the last steps; dead = experts with no "
+        "token in a step, summed over layers, same average; wall = seconds per run; params are counted on the "
+        "meta device (activated: per token, input embedding excluded). ± is the standard deviation over seeds; "
+        "Δ vs full is paired by seed (a seed fixes the data order for every variant).",
+        "",
+        "| variant | balance | val loss | Δ vs full | bits/byte | MaxVio | dead | total params | activated | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        flag = f" ({r['diverged']} diverged)" if r["diverged"] else ""
+        delta = r.get("delta_vs_full_mean")
+        delta_s = "—" if delta is None else (f"{delta:+.3f}" + (f" ± {r['delta_vs_full_std']:.3f}"
+                                                                if r["delta_vs_full_std"] is not None else ""))
+        lines.append(
+            f"| `{r['variant']}`{flag} | {r['balance']} | {_pm(r['val_loss_mean'], r['val_loss_std'])} | "
+            f"{delta_s} | {_pm(r['val_bpb_mean'], r['val_bpb_std'])} | "
+            f"{_pm(r['maxvio_mean'], r['maxvio_std'], 2)} | {_fmt(r['dead_experts_mean'], 1)} | "
+            f"{_count(r['params_total'])} | {_count(r['params_activated'])} | {_fmt(r['wall_s_mean'], 0)} |")
+    lines += ["", "Variants (`no_latent` keeps the experts and top-k and picks the plain expert width that matches "
+              "the activated parameters of the MoE blocks; see `k3/audit/ablate.py`):", ""]
+    for r in rows:
+        ov = json.dumps(r["model_overrides"]) if r["model_overrides"] else "no model change"
+        lines.append(f"- `{r['variant']}`: {r['description']} ({ov}; balance {r['balance']}; MoE-block activated "
+                     f"params {_count(r['params_moe_activated'])} over all MoE layers)")
+    lines += ["", "![validation loss](val_loss.png)", ""]
+    if frontier:
+        lines += ["## Router frontier", "",
+                  "Validation loss against global-batch MaxVio for the variants that differ from `full` only in "
+                  "load balancing (points: seeds; crosses: mean ± std).", "",
+                  "![router frontier](router_frontier.png)", ""]
+    lines += ["## Loss curves", "", "![loss curves](loss_curves.png)", ""]
+    if mrows:
+        m = grid.mqar
+        lines += [
+            "## Multi-query associative recall (MQAR)", "",
+            f"{m.layers}-layer models of the base width with dense FFNs, trained {m.steps} steps of {m.batch_size} "
+            f"sequences (AdamW, lr {m.lr}); {m.num_keys} keys, {m.num_values} values, every key of the context "
+            f"queried; accuracy over {m.eval_size} held-out sequences.", "",
+            "| variant | layers | kv pairs | seq len | accuracy | chance | params | train s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mrows:
+            lines.append(f"| `{r['variant']}` | {'/'.join(r['layers'])} | {r['num_pairs']} | {4 * r['num_pairs']} | "
+                         f"{_pm(r['accuracy_mean'], r['accuracy_std'])} | {r['chance']:.3f} | {_count(r['params'])} | "
+                         f"{r['train_s']:.0f} |")
+        lines += ["", "![MQAR accuracy](mqar.png)", ""]
+    lines += ["## Runs", "", "| run | val loss | bits/byte | MaxVio | steps | status | wall s |",
+              "|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        lines.append(f"| {Path(s['run_dir']).name} | {_fmt(s.get('val_loss'))} | {_fmt(s.get('val_bpb'))} | "
+                     f"{_fmt(s.get('maxvio'), 2)} | {s.get('steps_done')} | {s.get('status')} | "
+                     f"{_fmt(s.get('wall_s'), 0)} |")
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+def plot_val_loss(rows: list[dict], path: Path) -> None:
+    """Left: validation loss mean ± std over seeds; right: the paired difference to ``full`` (when present)."""
+    rows = [r for r in rows if r["val_loss_mean"] is not None]
+    if not rows:
+        return
+    paired = any(r.get("delta_vs_full_mean") is not None for r in rows)
+    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(11 if paired else 7, 1.2 + 0.4 * len(rows)),
+                             squeeze=False)
+    y = np.arange(len(rows))
+    colors = ["C3" if r["variant"] == "full" else ("C1" if not r["model_overrides"] else "C0") for r in rows]
+    panels = [("val_loss_mean", "val_loss_std", "validation loss (nats/token), mean ± std over seeds")]
+    if paired:
+        panels.append(("delta_vs_full_mean", "delta_vs_full_std", "Δ validation loss vs full, paired by seed"))
+    for ax, (mkey, skey, xlabel) in zip(axes[0], panels):
+        means = np.array([r.get(mkey) if r.get(mkey) is not None else np.nan for r in rows], dtype=float)
+        stds = np.array([r.get(skey) or 0.0 for r in rows], dtype=float)
+        ax.barh(y, np.nan_to_num(means), xerr=stds, color=colors, alpha=0.8, capsize=3)
+        ok = np.isfinite(means)
+        lo, hi = float(np.min((means - stds)[ok])), float(np.max((means + stds)[ok]))
+        if mkey.startswith("delta"):
+            lo, hi = min(lo, 0.0), max(hi, 0.0)
+        pad = max(0.05 * (hi - lo), 0.005)
+        ax.set_xlim(lo - 4 * pad, hi + 4 * pad)
+        ref = 0.0 if mkey.startswith("delta") else next((r["val_loss_mean"] for r in rows if r["variant"] == "full"),
+                                                        None)
+        if ref is not None:
+            ax.axvline(ref, color="C3", ls="--", lw=1)
+        for yi, m, sd in zip(y, means, stds):
+            if np.isfinite(m):
+                ax.annotate(f"{m:+.3f}" if mkey.startswith("delta") else f"{m:.3f}", (max(m + sd, m), yi),
+                            textcoords="offset points", xytext=(6, -3), fontsize=7)
+        ax.set_yticks(y, [r["variant"] for r in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].set_title("ablations (red: full K3; orange: balancing only; blue: model changes)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_router_frontier(summaries: list[dict], rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for i, r in enumerate(rows):
+        runs = [s for s in summaries if s["variant"] == r["variant"] and _finite(s.get("maxvio"))
+                and _finite(s.get("val_loss"))]
+        if not runs:
+            continue
+        color = f"C{i % 10}"
+        ax.scatter([s["maxvio"] for s in runs], [s["val_loss"] for s in runs], color=color, alpha=0.4, s=18)
+        ax.errorbar(r["maxvio_mean"], r["val_loss_mean"], xerr=r["maxvio_std"] or 0, yerr=r["val_loss_std"] or 0,
+                    fmt="x", color=color, capsize=3, ms=8, label=f"{r['variant']} ({r['balance']})")
+    ax.set_xlabel("global-batch MaxVio (mean of the last steps)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("router frontier: quality vs balance (lower-left is better)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ema(values: list[float], alpha: float = 0.9) -> list[float]:
+    out, e = [], values[0]
+    for v in values:
+        e = alpha * e + (1 - alpha) * v
+        out.append(e)
+    return out
+
+
+def plot_loss_curves(summaries: list[dict], path: Path) -> None:
+    by_variant: dict[str, list[list[dict]]] = {}
+    for s in summaries:
+        by_variant.setdefault(s["variant"], []).append(read_metrics(Path(s["run_dir"])))
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (name, histories) in enumerate(by_variant.items()):
+        color = plt.get_cmap("tab10" if len(by_variant) <= 10 else "tab20")(i % 20)
+        curves = []
+        for h in histories:
+            losses = [x["loss"] for x in h if _finite(x.get("loss"))]
+            if losses:
+                curves.append(_ema(losses))
+        if curves:
+            n = min(len(c) for c in curves)
+            ax_t.plot(range(n), np.mean([c[:n] for c in curves], axis=0), color=color, lw=1.2, label=name)
+        vals: dict[int, list[float]] = {}
+        for h in histories:
+            for x in h:
+                if "val_loss_init" in x:
+                    vals.setdefault(0, []).append(x["val_loss_init"])
+                if "val_loss" in x:
+                    vals.setdefault(x["step"] + 1, []).append(x["val_loss"])
+        if vals:
+            steps = sorted(vals)
+            ax_v.plot(steps, [np.mean(vals[s]) for s in steps], "o-", color=color, ms=3, lw=1.2, label=name)
+    ax_t.set_title("training loss (EMA 0.9, mean over seeds)", fontsize=9)
+    ax_v.set_title("validation loss (mean over seeds)", fontsize=9)
+    for ax in (ax_t, ax_v):
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats/token")
+        ax.grid(alpha=0.3)
+    # zoom on the second half of training where the variants separate
+    finals = [line.get_ydata()[-1] for line in ax_v.get_lines()]
+    if finals:
+        starts = [line.get_ydata()[min(1, len(line.get_ydata()) - 1)] for line in ax_v.get_lines()]
+        ax_v.set_ylim(min(finals) - 0.1, max(starts) + 0.1)
+    ax_v.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_mqar(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    pairs = sorted({r["num_pairs"] for r in rows})
+    width = 0.8 / max(len(variants), 1)
+    x = np.arange(len(pairs))
+    for i, v in enumerate(variants):
+        acc = [next((r["accuracy_mean"] for r in rows if r["variant"] == v and r["num_pairs"] == p), np.nan)
+               for p in pairs]
+        err = [next((r["accuracy_std"] or 0.0 for r in rows if r["variant"] == v and r["num_pairs"] == p), 0.0)
+               for p in pairs]
+        ax.bar(x + (i - (len(variants) - 1) / 2) * width, acc, width, yerr=err, capsize=3, label=v)
+    ax.axhline(rows[0]["chance"], color="k", ls=":", lw=1, label="chance")
+    ax.set_xticks(x, [f"{p} pairs" for p in pairs])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("query accuracy")
+    ax.set_title("multi-query associative recall", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

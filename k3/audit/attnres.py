@@ -1,0 +1,83 @@
+"""Audit question 7: what Attention Residuals cost, per token, for none / snapshot / block_sum / full.
+
+The number of depth sources each mix sees is taken from ``k3.model.attn_res.ResidualStream`` itself (driven
+with 1-wide dummy vectors), so the counts follow the model's own bookkeeping:
+- live vectors: the most d-vectors a token keeps alive for later mixes (none: the residual r only);
+- stacked for backward: sum over mixes of S, the [S, d] stacks a stack-then-mix implementation saves for the
+  backward pass (the two-phase / online-softmax form can avoid materialising them);
+- FLOPs: 4 S d per mix (logits 2 S d against the folded query, weighted sum 2 S d; each source's rms is
+  computed once and reused);
+- pipeline bytes: the d-vectors that must cross a pipeline-stage boundary per token (bank + running state).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import ATTN_RES_MODES, K3Config
+from k3.model.attn_res import ResidualStream
+from k3.model.norm import RMSNorm
+
+MODES = ("none", "snapshot", "block_sum", "full")
+assert set(MODES) == set(ATTN_RES_MODES)
+
+
+def source_counts(config: K3Config, mode: str | None = None) -> dict:
+    """Drive a ResidualStream through the layers: sources per mix and d-vectors live before each layer."""
+    mode = mode or config.attn_res.mode
+    norm, proj = RMSNorm(1), nn.Linear(1, 1, bias=False)
+    one = torch.ones(1, 1)
+    stream = ResidualStream(mode, config.attn_res.block_size, one)
+    mixes: list[tuple[int, str, int]] = []
+    crossing: list[int] = []  # d-vectors of state before layer i (what a stage boundary there must carry)
+    with torch.no_grad():
+        for i in range(config.num_hidden_layers):
+            crossing.append(len(stream.sources()))
+            for sub in ("attn", "mlp"):
+                stream.input(i, sub, norm, proj)
+                mixes.append((i, sub, len(stream.sources())))
+                stream.add(one)
+        if mode != "none":
+            mixes.append((-1, "output", len(stream.sources())))
+    if mode == "none":
+        mixes = [(i, s, 1) for i, s, _ in mixes]
+    return {"mode": mode, "mixes": mixes, "crossing": crossing}
+
+
+def stage_boundaries(num_layers: int, stages: int) -> list[int]:
+    """First layer of stages 2..P when ``num_layers`` are split as evenly as possible."""
+    return sorted({round(j * num_layers / stages) for j in range(1, stages)} - {0, num_layers})
+
+
+def attn_res_costs(config: K3Config, stages: tuple[int, ...] = (4, 8, 16), act_bytes: int = 2) -> dict:
+    """Per mode: live vectors, stacked-for-backward vectors, mix FLOPs per token and pipeline bytes."""
+    d = config.hidden_size
+    out = {}
+    for mode in MODES:
+        c = source_counts(config, mode)
+        mixing = [s for _, _, s in c["mixes"] if s > 1] if mode != "none" else []
+        live = max(max(s for _, _, s in c["mixes"]), max(c["crossing"]))
+        pipe = {}
+        for p in stages:
+            bounds = stage_boundaries(config.num_hidden_layers, p)
+            vecs = max((c["crossing"][b] for b in bounds), default=1)
+            pipe[p] = {"boundaries": bounds, "max_vectors": vecs, "max_bytes_per_token": vecs * d * act_bytes}
+        out[mode] = {
+            "mixes": len(mixing),
+            "max_sources": max(s for _, _, s in c["mixes"]),
+            "mean_sources": sum(mixing) / len(mixing) if mixing else 1.0,
+            "live_vectors": live,
+            "live_bytes_per_token": live * d * act_bytes,
+            "stacked_vectors": sum(mixing),
+            "stacked_bytes_per_token": sum(mixing) * d * act_bytes,
+            "flops_per_token": 4 * sum(mixing) * d,
+            "pipeline": pipe,
+            "sources_per_mix": [s for _, _, s in c["mixes"]],
+        }
+    return out
+
+
+def mix_flops_per_token(config: K3Config) -> float:
+    """Depth-mix FLOPs per token of the config's own AttnRes mode (0 for none)."""
+    return float(attn_res_costs(config, stages=())[config.attn_res.mode]["flops_per_token"])

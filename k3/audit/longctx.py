@@ -1,0 +1,110 @@
+"""Audit question 6 (analytic part): KV + state bytes per sequence against context for the hybrid model and its
+two attention-only twins, the crossovers, the decode bytes a step must move, and the measured GPU decode
+rows from ``benchmarks/results/decode.json`` when that file exists.
+
+Twins (same d, same MLA dims, every layer attention):
+- full-MLA: every layer MLA, caching one latent row (kv_lora_rank + qk_rope_head_dim, bf16) per token;
+- full-MHA: every layer standard multi-head attention with the MLA head count and dims, caching
+  H (qk_head_dim + v_head_dim) values per token (bf16): K is H x (qk_nope + qk_rope), V is H x v_head_dim.
+The hybrid's KDA layers hold a constant fp32 recurrent state and bf16 conv states per sequence
+(``k3.model.cache.cache_bytes_per_sequence``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from k3.audit.paths import distinct_experts
+from k3.audit.recipe import kda_state_bytes, mla_bytes_per_token
+from k3.config import K3Config
+from k3.model.cache import cache_bytes_per_sequence
+
+DEFAULT_CONTEXTS = (4096, 32768, 131072, 1048576)
+DECODE_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "decode.json"
+
+
+def full_mla_twin(config: K3Config) -> K3Config:
+    return config.replace(mla_layers=list(range(config.num_hidden_layers)), name=f"{config.name}-full-mla")
+
+
+def mha_bytes_per_token_per_layer(config: K3Config, kv_bytes: int = 2) -> int:
+    m = config.mla
+    return m.num_heads * (m.qk_head_dim + m.v_head_dim) * kv_bytes
+
+
+def cache_curves(config: K3Config, contexts) -> dict[str, list[float]]:
+    """Bytes per sequence at each context: hybrid, full-MLA twin, full-MHA twin."""
+    twin = full_mla_twin(config)
+    mha = mha_bytes_per_token_per_layer(config) * config.num_hidden_layers
+    return {
+        "context": [int(c) for c in contexts],
+        "hybrid": [cache_bytes_per_sequence(config, c)["total_bytes"] for c in contexts],
+        "full_mla": [cache_bytes_per_sequence(twin, c)["total_bytes"] for c in contexts],
+        "full_mha": [mha * c for c in contexts],
+    }
+
+
+def crossovers(config: K3Config) -> dict:
+    """Contexts (tokens) where: one KDA layer's fp32 state (without / with conv state) equals one MLA layer's
+    latent cache; the hybrid's total equals the full-MLA and the full-MHA twins' (above it the hybrid is
+    smaller); and, for decode traffic, where a KDA layer's state read + write equals an MLA layer's latent read."""
+    kda = kda_state_bytes(config)
+    tok = mla_bytes_per_token(config)
+    n_kda, n_mla, n = len(config.kda_layers), len(config.mla_layers), config.num_hidden_layers
+    const = n_kda * kda["total"]
+    mha_tok = mha_bytes_per_token_per_layer(config)
+    out = {"kda_state_per_layer": kda["state"], "kda_conv_per_layer": kda["conv"], "mla_bytes_per_token": tok,
+           "layer_state_vs_latent": kda["state"] / tok,
+           "layer_state_conv_vs_latent": kda["total"] / tok,
+           "decode_traffic_layer": 2 * kda["state"] / tok}
+    # hybrid(c) = const + n_mla tok c; full-MLA(c) = n tok c; full-MHA(c) = n mha_tok c
+    out["hybrid_vs_full_mla"] = const / ((n - n_mla) * tok) if n > n_mla and n_kda else math.inf
+    out["hybrid_vs_full_mha"] = const / (n * mha_tok - n_mla * tok) if n * mha_tok > n_mla * tok else math.inf
+    return out
+
+
+def decode_step_bytes(config: K3Config, rep: dict, batch: int, context: int, weight_bytes: int = 2) -> dict:
+    """Spec §12 lower bound on what one decode step moves: dense weights (all but the routed experts and the
+    embedding table) + the distinct experts hit + per sequence KDA state read and write, conv state and the
+    MLA latents of the whole context, + the B embedding rows."""
+    counts = rep["params_by_path"]
+    moe = config.moe
+    dense = (sum(counts.values()) - counts["routed_experts"] - counts["embedding"] - counts["vision"]) * weight_bytes
+    n_moe = sum(1 for i in range(config.num_hidden_layers) if config.ffn(i) == "moe")
+    hit = distinct_experts(moe.num_experts, moe.num_experts_per_token, batch) if n_moe else 0.0
+    experts = counts["routed_experts"] / moe.num_experts * hit * weight_bytes
+    c = cache_bytes_per_sequence(config, context)
+    per_seq = 2 * c["kda_state_bytes"] + c["conv_state_bytes"] + c["mla_cache_bytes"]
+    total = dense + experts + batch * per_seq + batch * config.hidden_size * weight_bytes
+    return {"batch": batch, "context": context, "dense_weights": dense, "experts": experts,
+            "states": batch * per_seq, "total": total, "per_token": total / batch}
+
+
+def measured_decode(path: Path = DECODE_JSON) -> dict | None:
+    """The GPU decode benchmark rows, if the file exists; rows with a non-positive time or rate are invalid."""
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    meta = raw.get("meta", {})
+    rows = []
+    for r in raw.get("rows", []):
+        timing = [r.get(k) for k in ("tokens_per_s", "ms_per_step")]
+        rows.append({**r, "valid": all(isinstance(v, (int, float)) and v > 0 for v in timing)})
+    return {"path": str(path), "device": meta.get("device", "?"), "time": meta.get("time", "?"),
+            "backend": meta.get("backend", ""), "copy_bandwidth_TBps": meta.get("copy_bandwidth_TBps"),
+            "rows": rows}
+
+
+def long_context(config: K3Config, rep: dict, contexts=DEFAULT_CONTEXTS) -> dict:
+    grid = [int(round(2 ** (10 + i / 4))) for i in range(0, 41)]  # 1K .. 1M, 4 points per octave
+    decode = [decode_step_bytes(config, rep, b, c) for c in contexts for b in (1, 16, 64)]
+    label = "hybrid" if config.kda_layers and config.mla_layers else "this config"
+    return {"label": label, "contexts": list(contexts), "table": cache_curves(config, contexts),
+            "curve": cache_curves(config, grid),
+            "crossovers": crossovers(config) if config.kda_layers and config.mla_layers else None,
+            "decode_bytes": decode, "measured_gpu": measured_decode()}

@@ -1,0 +1,61 @@
+"""``k3 scaling``: fit L(C) per architecture and the compute multiplier over a baseline (with a plot).
+
+``k3 scaling --runs DIR --out DIR`` fits the training runs found under DIR (any directory holding
+``train_config.json`` + ``metrics.jsonl``); ``k3 scaling --sweep NAME --out DIR`` first trains the sweep's
+sizes x architectures into ``OUT/runs`` (resumable), then fits them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from k3.audit.ablate import set_threads
+from k3.audit.scaling import SWEEPS, analyse, get_sweep, load_runs, run_sweep, write_outputs
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("scaling", help="fit loss-vs-compute power laws per architecture; compute multipliers")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--runs", default=None, help="directory of training runs to fit (searched recursively)")
+    src.add_argument("--sweep", default=None, choices=sorted(SWEEPS), help="train this sweep into OUT/runs, then fit")
+    p.add_argument("--out", required=True, help="output directory (scaling.md, scaling.json, scaling.png)")
+    p.add_argument("--group-by", default=None, metavar="FIELD",
+                   help="dotted field of summary.json / train_config.json naming the architecture (default: "
+                        "summary label, else overrides.name, else preset)")
+    p.add_argument("--baseline", default=None, help="architecture the others are compared with (default: "
+                                                    "'baseline' if present)")
+    p.add_argument("--irreducible", action="store_true", help="fit L = E + a C^-b instead of L = a C^-b")
+    p.add_argument("--metric", default="val_loss", help="metrics.jsonl field used as the loss")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 90%% intervals")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--data", default=None, help="--sweep: training data as for k3 train (default: stdlib)")
+    p.add_argument("--device", default="auto", help="--sweep: auto, cpu or cuda[:N]")
+    p.add_argument("--progress", action="store_true", help="--sweep: per-run progress bars")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
+    if args.bootstrap < 1:
+        raise ValueError(f"--bootstrap={args.bootstrap} must be a positive integer")
+    out = Path(args.out)
+    runs_dir = Path(args.runs) if args.runs else out / "runs"
+    if args.sweep:
+        run_sweep(get_sweep(args.sweep), out, data=args.data, device=args.device, progress=args.progress)
+    runs = load_runs(runs_dir, args.group_by, args.metric)
+    result = analyse(runs, args.baseline, args.irreducible, args.bootstrap, args.seed)
+    path = write_outputs(result, out)
+    for label, f in result["fits"].items():
+        print(f"{label:<16} b = {f['b']:.4f}  a = {f['a']:.4g}" + (f"  E = {f['e']:.3f}" if f["irreducible"] else "")
+              + f"  ({f['runs']} runs, {f['sizes']} sizes)")
+    for label, why in result["skipped"].items():
+        print(f"{label:<16} not fitted: {why}")
+    for label, m in result["multipliers"].items():
+        iv = m["interval90"]
+        iv_s = f" (90% interval {iv[0]:.3f} .. {iv[1]:.3f})" if iv[0] is not None else ""
+        print(f"{label} vs {m['baseline']}: compute multiplier {m['multiplier']:.3f}{iv_s} at loss {m['at_loss']:.3f}")
+    print(f"report: {path}")
+    return 0

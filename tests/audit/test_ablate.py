@@ -1,0 +1,161 @@
+"""k3 ablate: variant transforms, the MQAR task, and the micro grid end to end (report, plots, resumability)."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from k3.audit import ablate
+from k3.audit.ablate import (ALL_VARIANTS, PAIRS, get_grid, make_variant, params_of, run_grid, run_one,
+                             variant_config)
+from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
+from k3.cli.main import main
+from k3.config import get_preset
+from k3.train.data import stdlib_corpus
+from k3.train.trainer import TrainConfig
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these models are tiny, and two processes with two spinning threads each on a 2-core
+    machine run 20x slower than with one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    """~60 stdlib files as a data directory: the same split rule, much less to read and tokenise per run."""
+    d = tmp_path_factory.mktemp("data")
+    for i, doc in enumerate(stdlib_corpus("all")[:60]):
+        (d / f"doc{i:03d}.py").write_text(doc.text)
+    return str(d)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "k3"])
+def test_variant_transforms(preset):
+    base = get_preset(preset)
+    full = params_of(base)
+    for name in ALL_VARIANTS + PAIRS:
+        v = make_variant(name, base)
+        cfg = variant_config(base, v)
+        assert cfg.num_hidden_layers == base.num_hidden_layers and cfg.hidden_size == base.hidden_size
+        parts = name.split("+")
+        assert (len(cfg.kda_layers) == 0) == ("no_kda" in parts)
+        assert (len(cfg.mla_layers) == 0) == ("no_mla" in parts)
+        assert (cfg.attn_res.mode == "none") == ("no_attnres" in parts)
+        assert (cfg.moe.latent_size is None) == ("no_latent" in parts)
+        assert v.balance == {"bias_sign": "sign", "aux": "aux", "none": "none"}.get(name, "qb")
+        assert v.changes_model == (name not in ("full", "bias_sign", "aux", "none"))
+    # no_latent: the activated parameters of the MoE blocks (and of the whole model) match within a few %,
+    # counted on the meta device, while the total grows (plain experts are d / l times wider)
+    nl = params_of(variant_config(base, make_variant("no_latent", base)))
+    assert nl["params_moe_activated"] == pytest.approx(full["params_moe_activated"], rel=0.03)
+    assert nl["params_activated"] == pytest.approx(full["params_activated"], rel=0.03)
+    assert nl["params_total"] > full["params_total"]
+    assert ablate.moe_block_activated(base) * (base.num_hidden_layers - base.first_k_dense_replace) == \
+        pytest.approx(full["params_moe_activated"])
+
+
+def test_variant_errors():
+    base = get_preset("tiny")
+    for bad, msg in [("no_kda+no_mla", "conflicts"), ("aux+none", "two balancing"), ("full+aux", "does not compose"),
+                     ("no_kda+no_kda", "repeats"), ("nope", "unknown variant")]:
+        with pytest.raises(ValueError, match=msg):
+            make_variant(bad, base)
+    with pytest.raises(ValueError, match="plain"):
+        make_variant("no_latent", base.replace(**{"moe.latent_size": None}))
+    with pytest.raises(ValueError, match="unknown grid"):
+        get_grid("huge")
+
+
+def test_mqar_generator_targets_are_the_associated_values():
+    task = MQARTask(num_keys=32, num_values=16, num_pairs=10, num_queries=6)
+    x, y = generate(task, 64, torch.Generator().manual_seed(3))
+    x2, y2 = generate(task, 64, torch.Generator().manual_seed(3))
+    assert torch.equal(x, x2) and torch.equal(y, y2)  # seeded
+    assert x.shape == y.shape == (64, task.seq_len) and task.seq_len == 2 * (10 + 6)
+    n = task.num_pairs
+    for row, tgt in zip(x.tolist(), y.tolist()):
+        keys, values = row[0:2 * n:2], row[1:2 * n:2]
+        assert all(1 <= k <= task.num_keys for k in keys) and len(set(keys)) == n  # distinct keys
+        assert all(task.num_keys < v < task.vocab_size for v in values)
+        binding = dict(zip(keys, values))
+        queried = []
+        for pos, t in enumerate(tgt):
+            if t == -100:
+                continue
+            assert pos >= 2 * n and (pos - 2 * n) % 2 == 0
+            q = row[pos]
+            assert q in binding and t == binding[q]  # the target is the value bound to the queried key
+            assert row[pos + 1] == t  # teacher-forced value after the query
+            queried.append(q)
+        assert len(queried) == task.queries == len(set(queried))
+    with pytest.raises(ValueError):
+        MQARTask(num_keys=4, num_pairs=5)
+
+
+def test_mqar_tiny_training_beats_chance():
+    task = MQARTask(num_keys=8, num_values=8, num_pairs=4)
+    cfg = mqar_config(get_preset("tiny"), task)
+    assert [cfg.mixer(i) for i in range(2)] == ["kda", "mla"] and cfg.first_k_dense_replace == 2
+    r = train_mqar(cfg, task, MQARTrainConfig(steps=120, batch_size=32, eval_size=128))
+    assert r["chance"] == 0.125
+    assert r["accuracy"] > 0.45, r  # well above chance (~0.9 after 150 steps in development)
+
+
+def test_micro_grid_end_to_end_and_resumable(tmp_path, small_data):
+    out = tmp_path / "ablate"
+    grid = get_grid("micro")
+    first = run_grid(grid, out, data=small_data, device="cpu")
+    assert not any(s["skipped"] for s in first["runs"])
+    assert len(first["runs"]) == len(grid.variants) * len(grid.seeds)
+    for name in ("report.md", "results.json", "val_loss.png", "router_frontier.png", "loss_curves.png", "mqar.png",
+                 "tokenizer.json"):
+        assert (out / name).is_file(), name
+    report = (out / "report.md").read_text()
+    for v in grid.variants:
+        assert f"| `{v}` |" in report
+    assert "MQAR" in report and "| `no_mla` | kda/kda |" in report
+    rows = {r["variant"]: r for r in first["variants"]}
+    assert rows["full"]["val_loss_std"] is not None and rows["full"]["params_activated"] > 0
+    # one tokenizer for every run
+    cfgs = [json.loads((out / "runs" / f"{v}-s{s}" / "train_config.json").read_text())
+            for v in grid.variants for s in grid.seeds]
+    assert {c["tokenizer"] for c in cfgs} == {str(out / "tokenizer.json")}
+    assert json.loads((out / "runs" / "bias_sign-s1" / "train_config.json").read_text())["balance"] == "sign"
+
+    t0 = time.perf_counter()
+    assert main(["ablate", "--grid", "micro", "--out", str(out), "--data", small_data, "--device", "cpu"]) == 0
+    assert time.perf_counter() - t0 < 15  # no training: tokenizer, accounting, report
+    again = json.loads((out / "results.json").read_text())
+    assert all(s["skipped"] for s in again["runs"])
+    assert [s["val_loss"] for s in again["runs"]] == [s["val_loss"] for s in first["runs"]]
+
+    # a run with a checkpoint short of its end is resumed (here: extended by one step), not restarted
+    run_dir = out / "runs" / "full-s0"
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    cfg = TrainConfig(**{**json.loads((run_dir / "train_config.json").read_text()), "steps": 4, "eval_every": 4})
+    resumed = run_one(cfg, {"variant": "full", "seed": 0}, plots=False)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3]
+    assert lines[:3] == before  # the first three steps are kept, not retrained
+    assert not resumed["skipped"] and resumed["steps_done"] == 4 and resumed["checkpoint_step"] == 4
+
+
+def test_grid_settings_are_consistent():
+    for name in ("micro", "smoke", "default"):
+        g = get_grid(name)
+        base = g.base_config()
+        for v in g.variants:
+            variant_config(base, make_variant(v, base))
+        assert len(g.seeds) >= 2
+        TrainConfig(**g.train).validate()
+    smoke = get_grid("smoke")
+    assert {"full", "no_kda", "no_mla", "no_attnres", "no_latent", "bias_sign", "aux", "none"} <= set(smoke.variants)
+    assert any("+" in v for v in smoke.variants)
+    default = get_grid("default")
+    assert set(PAIRS) <= set(default.variants) and len(default.seeds) >= 2

@@ -1,0 +1,128 @@
+"""k3 scaling: power-law fits, compute multipliers with bootstrap intervals, and the micro sweep end to end."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from k3.audit.ablate import make_variant, params_of, variant_config
+from k3.audit.scaling import (SWEEPS, analyse, bootstrap_multiplier, compute_multiplier, fit_power_law, get_sweep,
+                              load_run, size_overrides)
+from k3.cli.main import main
+from k3.config import get_preset
+from k3.train.data import stdlib_corpus
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def synthetic(a, b, c, noise, seed, e=0.0):
+    rng = np.random.default_rng(seed)
+    return e + a * c ** -b * np.exp(rng.normal(0.0, noise, c.size))
+
+
+def test_fit_recovers_a_and_b():
+    c = np.geomspace(1e14, 1e19, 8).repeat(2)
+    f = fit_power_law(c, synthetic(45.0, 0.09, c, 0.005, 0))
+    assert f.b == pytest.approx(0.09, rel=0.05) and f.a == pytest.approx(45.0, rel=0.25)
+    exact = fit_power_law(c, synthetic(45.0, 0.09, c, 0.0, 0))
+    assert exact.b == pytest.approx(0.09, rel=1e-9) and exact.a == pytest.approx(45.0, rel=1e-6)
+    assert exact.loss(1e16) == pytest.approx(45.0 * 1e16 ** -0.09) and exact.compute(exact.loss(3e17)) == \
+        pytest.approx(3e17)
+    # with an irreducible term: E + a C^-b
+    f3 = fit_power_law(c, synthetic(300.0, 0.15, c, 0.002, 1, e=1.5), irreducible=True)
+    assert f3.e == pytest.approx(1.5, abs=0.05) and f3.b == pytest.approx(0.15, rel=0.1)
+    assert f3.loss(c).min() > f3.e and np.isnan(f3.compute(f3.e - 0.1))
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="distinct"):
+        fit_power_law([1e15, 1e15], [3.0, 3.1])
+    with pytest.raises(ValueError, match="distinct"):
+        fit_power_law([1e15, 1e16], [3.0, 2.9], irreducible=True)
+    with pytest.raises(ValueError, match="positive"):
+        fit_power_law([1e15, -1.0], [3.0, 2.9])
+
+
+def test_compute_multiplier_and_bootstrap_interval():
+    k = 3.0  # family A reaches every loss with k times less compute: L_A(C) = L_B(k C)
+    c = np.geomspace(1e15, 1e19, 6).repeat(3)
+    loss_b = synthetic(40.0, 0.08, c, 0.003, 2)
+    loss_a = synthetic(40.0, 0.08, k * c, 0.003, 3)
+    fa, fb = fit_power_law(c, loss_a), fit_power_law(c, loss_b)
+    assert float(compute_multiplier(fa, fb, 2.0)) == pytest.approx(k, rel=0.1)
+    runs = [{"label": "k3", "compute": ci, "loss": li, "run_dir": f"a{i}", "tokens": 1}
+            for i, (ci, li) in enumerate(zip(c, loss_a))]
+    runs += [{"label": "baseline", "compute": ci, "loss": li, "run_dir": f"b{i}", "tokens": 1}
+             for i, (ci, li) in enumerate(zip(c, loss_b))]
+    r = analyse(runs, n_boot=400, seed=0)
+    m = r["multipliers"]["k3"]
+    assert r["baseline"] == "baseline" and m["overlap"]
+    assert m["multiplier"] == pytest.approx(k, rel=0.1)
+    lo, hi = m["interval90"]
+    assert lo < k < hi and hi / lo < 1.5
+    assert r["fits"]["k3"]["bootstrap"]["b"][0] < 0.08 < r["fits"]["k3"]["bootstrap"]["b"][1]
+    # seeded: the same intervals again
+    again = bootstrap_multiplier(c, loss_a, c, loss_b, m["at_loss"], n_boot=400, seed=0)
+    assert (again["low"], again["high"]) == (lo, hi)
+    # the irreducible form finds the same multiplier on pure power laws
+    r3 = analyse(runs, n_boot=50, irreducible=True)
+    assert r3["multipliers"]["k3"]["multiplier"] == pytest.approx(k, rel=0.15)
+
+
+def test_sweep_definitions():
+    for name, sweep in SWEEPS.items():
+        assert len(sweep.sizes) >= 4 and len(sweep.archs) >= 2 and "baseline" in sweep.archs
+        for width, layers in sweep.sizes:
+            base = get_preset(sweep.preset).replace(**size_overrides(width, layers, sweep.head_dim))
+            for variant in sweep.archs.values():
+                variant_config(base, make_variant(variant, base))
+    small = get_preset("small")
+    sized = get_preset("small").replace(**size_overrides(256, 9, 64))
+    assert params_of(sized)["params_activated"] == pytest.approx(params_of(small)["params_activated"], rel=0.05)
+
+
+def test_micro_sweep_end_to_end(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, doc in enumerate(stdlib_corpus("all")[:60]):
+        (data / f"doc{i:03d}.py").write_text(doc.text)
+    out = tmp_path / "sweep"
+    assert main(["scaling", "--sweep", "micro", "--out", str(out), "--data", str(data), "--device", "cpu",
+                 "--bootstrap", "50"]) == 0
+    for name in ("scaling.md", "scaling.json", "scaling.png"):
+        assert (out / name).is_file()
+    result = json.loads((out / "scaling.json").read_text())
+    sweep = get_sweep("micro")
+    assert set(result["fits"]) == set(sweep.archs)
+    assert all(f["sizes"] == len(sweep.sizes) for f in result["fits"].values())
+    assert "k3" in result["multipliers"] and "Compute multiplier" in (out / "scaling.md").read_text()
+    computes = sorted(r["compute"] for r in result["runs"] if r["label"] == "k3")
+    assert computes == sorted(set(computes))  # one compute per size
+
+    # fitting existing runs: C recomputed from train_config.json when no summary.json says it
+    run = out / "runs" / "k3-w32-l2-s0"
+    copy = tmp_path / "bare" / run.name
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    (copy / "summary.json").unlink()
+    with_summary, bare = load_run(run), load_run(copy)
+    assert bare["compute"] == pytest.approx(with_summary["compute"], rel=1e-9)
+    assert bare["label"] == "k3"  # from overrides.name
+    assert load_run(run, group_by="variant")["label"] == "full"
+    assert main(["scaling", "--runs", str(out / "runs"), "--out", str(tmp_path / "fit"), "--group-by", "seed",
+                 "--bootstrap", "20"]) == 0  # one group: a fit, no multiplier
+    assert list(json.loads((tmp_path / "fit" / "scaling.json").read_text())["fits"]) == ["0"]
+
+
+def test_groups_too_small_are_reported_not_fitted():
+    runs = [{"label": "k3", "compute": c, "loss": 5 * c ** -0.05, "run_dir": "x", "tokens": 1} for c in (1e15, 1e16)]
+    runs.append({"label": "baseline", "compute": 1e15, "loss": 3.0, "run_dir": "y", "tokens": 1})
+    r = analyse(runs, n_boot=10)
+    assert "baseline" in r["skipped"] and "k3" in r["fits"] and r["multipliers"] == {}
