@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k3.audit.ablate import Grid, _finite, read_metrics  # noqa: E402
+from k3.train.plots import ema  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- report
 def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
@@ -222,14 +223,6 @@ def plot_router_frontier(summaries: list[dict], rows: list[dict], path: Path) ->
     plt.close(fig)
 
 
-def _ema(values: list[float], alpha: float = 0.9) -> list[float]:
-    out, e = [], values[0]
-    for v in values:
-        e = alpha * e + (1 - alpha) * v
-        out.append(e)
-    return out
-
-
 def plot_loss_curves(summaries: list[dict], path: Path) -> None:
     by_variant: dict[str, list[list[dict]]] = {}
     for s in summaries:
@@ -241,7 +234,7 @@ def plot_loss_curves(summaries: list[dict], path: Path) -> None:
         for h in histories:
             losses = [x["loss"] for x in h if _finite(x.get("loss"))]
             if losses:
-                curves.append(_ema(losses))
+                curves.append(ema(losses))
         if curves:
             n = min(len(c) for c in curves)
             ax_t.plot(range(n), np.mean([c[:n] for c in curves], axis=0), color=color, lw=1.2, label=name)

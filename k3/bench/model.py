@@ -44,7 +44,6 @@ def activated_matmul_params(model) -> float:
 
 def hf_peer_train(batch: int, seq: int) -> float | None:
     try:
-        from k3.bench.decode import transformers_peer  # noqa: F401  (same config construction)
         from transformers import KimiLinearConfig, KimiLinearForCausalLM
     except ImportError:
         return None

@@ -162,16 +162,19 @@ class K3Muon(torch.optim.Optimizer):
                 self._muon_group(group)
         return loss
 
-    def _muon_group(self, group: dict) -> None:
-        lr = group["lr"] * group["lr_scale"]
-        wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
+    def _with_grads(self, group: dict):
+        """(parameter, gradient, state) for every parameter of the group that has a gradient."""
         for p in group["params"]:
             if p.grad is None:
                 continue
-            g = p.grad
-            if g.is_sparse or torch.is_complex(p):
+            if p.grad.is_sparse or torch.is_complex(p):
                 raise RuntimeError("K3Muon supports dense real parameters only")
-            state = self.state[p]
+            yield p, p.grad, self.state[p]
+
+    def _muon_group(self, group: dict) -> None:
+        lr = group["lr"] * group["lr_scale"]
+        wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
+        for p, g, state in self._with_grads(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
@@ -189,13 +192,7 @@ class K3Muon(torch.optim.Optimizer):
     def _adamw_group(self, group: dict) -> None:
         lr = group["lr"] * group["lr_scale"]
         wd, (beta1, beta2), eps = group["weight_decay"], group["betas"], group["adam_eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
-            if g.is_sparse or torch.is_complex(p):
-                raise RuntimeError("K3Muon supports dense real parameters only")
-            state = self.state[p]
+        for p, g, state in self._with_grads(group):
             if "step" not in state:
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -13,6 +13,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
+def ema(values, alpha: float = 0.9) -> list[float]:
+    """Exponential moving average starting at the first value."""
+    out, e = [], values[0]
+    for v in values:
+        e = alpha * e + (1 - alpha) * v
+        out.append(e)
+    return out
+
+
 def loss_curves(history: list[dict], path: Path) -> None:
     """Training loss per step (raw and smoothed) and validation loss (with bits per byte) where evaluated.
 
@@ -26,11 +35,7 @@ def loss_curves(history: list[dict], path: Path) -> None:
     if train:
         steps, values = zip(*train)
         ax.plot(steps, values, lw=0.8, alpha=0.4, color="C0", label="train loss")
-        ema, smooth = values[0], []
-        for v in values:
-            ema = 0.9 * ema + 0.1 * v
-            smooth.append(ema)
-        ax.plot(steps, smooth, lw=1.5, color="C0", label="train loss (EMA 0.9)")
+        ax.plot(steps, ema(values), lw=1.5, color="C0", label="train loss (EMA 0.9)")
     if val:
         s, v, b = zip(*val)
         ax.plot(s, v, "o-", label="validation loss")

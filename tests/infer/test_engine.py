@@ -22,17 +22,9 @@ class IdTokenizer:
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(perturb):
     torch.manual_seed(0)
-    m = K3ForCausalLM(get_preset("tiny")).eval()
-    with torch.no_grad():  # every branch does real work: AttnRes queries and router biases non-zero
-        for n, p in m.named_parameters():
-            if n.endswith("_res_proj.weight"):
-                p.normal_(0, 0.5)
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    return m
+    return perturb(K3ForCausalLM(get_preset("tiny")).eval())
 
 
 def record_logits(monkeypatch):

@@ -88,14 +88,10 @@ def test_lean_depth_mix_equals_reference_with_gradients():
 
 
 @pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
-def test_mode_equals_plain_loop(mode):
+def test_mode_equals_plain_loop(mode, perturb):
     cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.normal_(0, 1.0)
+    model = perturb(K3ForCausalLM(cfg).double().eval(), query_std=1.0, bias_std=0)
     tokens = torch.randint(0, 512, (9,))
     cu = torch.tensor([0, 9])
     with torch.no_grad():

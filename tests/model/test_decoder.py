@@ -16,18 +16,9 @@ def rel(a, b):
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
+def tiny_model(perturb):
     torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("tiny")).eval()
-    # random (non-zero) AttnRes queries and router biases so every branch does real work
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.normal_(0, 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    return model
+    return perturb(K3ForCausalLM(get_preset("tiny")).eval())
 
 
 def test_tiny_hits_every_branch(tiny_model):
@@ -153,12 +144,8 @@ def test_cast_keeps_router_and_gate_params_fp32():
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
 
 
-def test_backward_reaches_every_trainable_parameter(tiny_model):
-    model = K3ForCausalLM(get_preset("tiny"))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.normal_(0, 0.5)
+def test_backward_reaches_every_trainable_parameter(perturb):
+    model = perturb(K3ForCausalLM(get_preset("tiny")), bias_std=0)
     x = torch.randint(0, 512, (2, 20))
     out = model(x)
     loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), x.flatten())

@@ -1,0 +1,22 @@
+"""Shared test fixtures."""
+
+import pytest
+import torch
+
+
+def _perturb(model, query_std: float = 0.5, bias_std: float = 0.1):
+    """Random non-zero AttnRes pseudo-queries and router biases (both start at zero), so every branch does
+    real work: depth mixes are not uniform and expert selection differs from the raw scores."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight") and query_std:
+                p.normal_(0, query_std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias") and bias_std:
+                b.normal_(0, bias_std)
+    return model
+
+
+@pytest.fixture(scope="session")
+def perturb():
+    return _perturb
