@@ -3,7 +3,9 @@
 Model: a Kimi-Linear-shaped 1.3B model (the shapes of ../shared/peers/hf_kimi_linear_peer.py), random bf16
 weights. Each case fills the cache of B sequences to the context with random latents and states (decode speed
 does not depend on their values), then times greedy decode steps (one token per sequence per step, absorbed
-MLA over the latent cache, fla's fused recurrent KDA, grouped-GEMM experts).
+MLA over the latent cache, fla's fused recurrent KDA, grouped-GEMM experts), replayed from a CUDA graph
+(k3.infer.graphs); two cases also run eagerly to show what the graph saves. The transformers peer's decode
+time is generate(1 + n new tokens) - generate(1 new token), divided by n (prefill cancels).
 Limit per step = bytes that must move / measured copy bandwidth: dense weights + the experts hit (expected
 distinct experts E (1 - (1 - k/E)^B) per layer) + lm_head and embedding rows + KDA state read and write +
 conv state + every cached latent row.
@@ -19,6 +21,7 @@ from k3.audit.accounting import classify
 from k3.bench.common import copy_bandwidth, cuda_time, environment, write_results
 from k3.config import K3Config, KDAConfig, MLAConfig, MoEConfig
 from k3.config.config import AttnResConfig
+from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
 
@@ -75,20 +78,18 @@ def fill_cache(model: K3ForCausalLM, batch: int, context: int, steps: int):
 
 
 @torch.no_grad()
-def ours(model: K3ForCausalLM, batch: int, context: int, steps: int = 16) -> float:
-    """Seconds per decode step."""
-    cache = fill_cache(model, batch, context, steps + 4)
-    ids = torch.randint(0, model.config.vocab_size, (1, batch), device="cuda")
-    cu = torch.arange(batch + 1)  # host-side metadata: no device-to-host reads per step
+def ours(model: K3ForCausalLM, batch: int, context: int, steps: int = 32, graphs: bool = True) -> float:
+    """Seconds per greedy decode step: the sync-free decode_step replayed from a CUDA graph (or run eagerly)."""
+    cache = fill_cache(model, batch, context, steps + 8)
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
     seq = list(range(batch))
+    run_step = GraphedDecoder(model, cache) if graphs else (lambda x, s: model.decode(x, cache, s))
 
     def step():
         nonlocal ids
-        logits = model(ids, cu_seqlens=cu, cache=cache, seq_ids=seq, last_only=True).logits
-        ids = logits.argmax(-1)[None]
+        ids = run_step(ids, seq).argmax(-1)
 
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        return cuda_time(step, warmup=2, iters=steps)
+    return cuda_time(step, warmup=2, iters=steps)
 
 
 @torch.no_grad()
@@ -111,18 +112,23 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
     model = KimiLinearForCausalLM(hf).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(3, c.vocab_size, (batch, context), device="cuda")
     model.generate(ids[:, :64], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up (kernels, autotune)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    model(ids)
-    torch.cuda.synchronize()
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
-    total = time.perf_counter() - t0
+
+    def generate(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    generate(1)  # warm-up at the full shapes (fla autotunes per shape)
+    one = generate(1)  # prefill + first token
+    total = generate(new + 1)
     del model
     torch.cuda.empty_cache()
-    return (total - prefill) / new
+    return (total - one) / new
+
+
+EAGER_CASES = {(1, 4096), (64, 32768)}
 
 
 def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 240.0) -> None:
@@ -130,28 +136,15 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     started = time.perf_counter()
     bw = copy_bandwidth()
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
-               "x_transformers", "hybrid_speedup"]
-    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda, "
-                            "Triton MLA decode, grouped_mm experts)"}
+               "x_transformers", "hybrid_speedup", "error"]
+    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda in place "
+                            "by slot, Triton split-K MLA decode, grouped_mm experts), decode_step in CUDA graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
     if quick:
         cases = [(1, 4096), (64, 32768)]
-    rows = []
-    for full in (False, True):
-        model = K3ForCausalLM(peer_config(full)).cuda().to(torch.bfloat16).eval()
-        for batch, context in cases:
-            t = ours(model, batch, context)
-            limit = step_bytes(model, batch, context) / bw
-            rows.append({"model": "full-MLA twin" if full else "hybrid 3:1", "batch": batch, "context": context,
-                         "tokens_per_s": batch / t, "ms_per_step": t * 1e3, "limit_ms": limit * 1e3,
-                         "fraction_of_limit": limit / t})
-            print(rows[-1], flush=True)
-            write_results("decode", rows, columns, meta, out_dir=out_dir)
-        del model
-        torch.cuda.empty_cache()
-    peer = {}
-    for batch, context in [(1, 4096)] + ([] if quick else [(16, 4096)]):
+    rows, peer = [], {}
+    for batch, context in [(1, 4096)] + ([] if quick else [(16, 4096)]):  # the peer first: it is the yardstick
         if time.perf_counter() - started > peer_budget_s:
             print(f"skipping the transformers peer at B={batch}: time budget spent", flush=True)
             continue
@@ -160,12 +153,32 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
             peer[(batch, context)] = t
             rows.append({"model": "transformers KimiLinear generate", "batch": batch, "context": context,
                          "tokens_per_s": batch / t, "ms_per_step": t * 1e3})
+            print(rows[-1], flush=True)
+    for full in (False, True):
+        model = K3ForCausalLM(peer_config(full)).cuda().to(torch.bfloat16).eval()
+        for batch, context in cases:
+            limit = step_bytes(model, batch, context) / bw
+            name = "full-MLA twin" if full else "hybrid 3:1"
+            for graphs in (True, False) if (batch, context) in EAGER_CASES and not full else (True,):
+                row = {"model": name + ("" if graphs else " eager (no CUDA graph)"), "batch": batch,
+                       "context": context, "limit_ms": limit * 1e3}
+                try:
+                    t = ours(model, batch, context, graphs=graphs)
+                    row |= {"tokens_per_s": batch / t, "ms_per_step": t * 1e3, "fraction_of_limit": limit / t}
+                except Exception as e:  # recorded in the table, never hidden
+                    row["error"] = f"{type(e).__name__}: {e}"[:120]
+                rows.append(row)
+                print(rows[-1], flush=True)
+            write_results("decode", rows, columns, meta, out_dir=out_dir)
+        del model
+        torch.cuda.empty_cache()
     for r in rows:
         key = (r["batch"], r["context"])
-        if r["model"] == "hybrid 3:1" and key in peer:
+        if r["model"] == "hybrid 3:1" and key in peer and "ms_per_step" in r:
             r["x_transformers"] = peer[key] * 1e3 / r["ms_per_step"]
-    hybrid = {(r["batch"], r["context"]): r["ms_per_step"] for r in rows if r["model"] == "hybrid 3:1"}
+    hybrid = {(r["batch"], r["context"]): r["ms_per_step"] for r in rows
+              if r["model"] == "hybrid 3:1" and "ms_per_step" in r}
     for r in rows:
-        if r["model"] == "full-MLA twin":
+        if r["model"] == "full-MLA twin" and "ms_per_step" in r and (r["batch"], r["context"]) in hybrid:
             r["hybrid_speedup"] = r["ms_per_step"] / hybrid[(r["batch"], r["context"])]
     write_results("decode", rows, columns, meta, out_dir=out_dir)

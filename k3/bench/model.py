@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from k3.bench.common import cuda_time, environment, write_results
 from k3.bench.decode import fill_cache
+from k3.infer.graphs import GraphedDecoder
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
@@ -81,20 +82,28 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
 def run(out_dir: str | None = None, quick: bool = False) -> None:
     backend.set_backend("fast")
     rows = []
-    batch, seq = (4, 4096)
+
+    def save():
+        write_results("model", rows, ["case", "ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms",
+                                      "train_overhead", "decode_overhead", "peak_GiB", "error"], environment(),
+                      out_dir=out_dir)
+
+    batch, seq = (8, 4096)  # the peer's shapes
     # (d) training step
     model = K3ForCausalLM(get_preset("small-1b")).cuda()
     torch.cuda.reset_peak_memory_stats()
     t = train_step_time(model, batch, seq)
     n_act = activated_matmul_params(model)
     tps = batch * seq / t
-    rows.append({"case": "train small-1b B4 T4096", "ms": t * 1e3, "tokens_per_s": tps,
+    rows.append({"case": f"train small-1b B{batch} T{seq}", "ms": t * 1e3, "tokens_per_s": tps,
                  "mfu_6N": 6 * n_act * tps / PEAK, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+    save()
     del model
     torch.cuda.empty_cache()
     peer = None if quick else hf_peer_train(batch, seq)
     if peer:
-        rows.append({"case": "transformers KimiLinear 1.27B B4 T4096", "ms": peer * 1e3, "tokens_per_s": batch * seq / peer})
+        rows.append({"case": f"transformers KimiLinear 1.27B B{batch} T{seq}", "ms": peer * 1e3,
+                     "tokens_per_s": batch * seq / peer})
         rows[0]["x_transformers"] = peer / t
     # (c) AttnRes overhead: train step and decode step
     for mode in ("none", "snapshot", "full"):
@@ -103,13 +112,14 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
         tt = train_step_time(m, 4, 2048)
         peak = torch.cuda.max_memory_allocated() / 2**30
         m = m.to(torch.bfloat16).eval()
-        cache = fill_cache(m, 16, 4096, 8)
-        ids = torch.randint(0, 32768, (1, 16), device="cuda")
-        cu, seq_ids = torch.arange(17), list(range(16))
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            td = cuda_time(lambda: m(ids, cu_seqlens=cu, cache=cache, seq_ids=seq_ids, last_only=True), 1, 5)
+        cache = fill_cache(m, 16, 4096, 16)
+        ids = torch.randint(0, 32768, (16,), device="cuda")
+        with torch.no_grad():
+            graphed = GraphedDecoder(m, cache)
+            td = cuda_time(lambda: graphed(ids, list(range(16))), 2, 10)
         rows.append({"case": f"AttnRes {mode}", "ms": tt * 1e3, "decode_ms": td * 1e3, "peak_GiB": peak})
-        del m, cache
+        save()
+        del m, cache, graphed
         torch.cuda.empty_cache()
     base = next(r for r in rows if r["case"] == "AttnRes none")
     for r in rows:
@@ -136,9 +146,8 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
                              "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
             except torch.OutOfMemoryError as e:
                 rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "error": f"OOM: {e}"[:80]})
+            save()
             torch.cuda.empty_cache()
         del m
         torch.cuda.empty_cache()
-    write_results("model", rows, ["case", "ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms",
-                                  "train_overhead", "decode_overhead", "peak_GiB", "error"], environment(),
-                  out_dir=out_dir)
+    save()

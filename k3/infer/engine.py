@@ -5,7 +5,8 @@ chunk or (once its prompt is in) its one newest token; segments are delimited by
 their cache slot through ``seq_ids``, so sequences of any length join and leave between steps. The model
 returns logits only at each segment's last token; a sequence whose prompt is fully in samples its next token
 from them. KDA runs its chunked form while any prefill is in the pass and the recurrent form for pure decode
-steps; MLA runs absorbed over the latent cache for decode steps.
+steps; MLA runs absorbed over the latent cache for decode steps. A pass where every sequence brings one token
+runs the model's sync-free ``decode_step``, replayed from a CUDA graph on GPUs (k3.infer.graphs).
 
 Admission: a request needs a free slot and, under ``memory_budget``, the cache bytes of its whole context
 (prompt + max_tokens, :func:`k3.model.cache.cache_bytes_per_sequence`); otherwise it waits in FIFO order. A
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.infer.graphs import GraphedDecoder
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import SamplingParams, sample_next
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
@@ -65,7 +67,7 @@ class _Sequence:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 16, max_context: int | None = None,
                  prefill_chunk: int = 256, memory_budget: int | None = None, prefix_cache_bytes: int = 0,
-                 block_size: int = 64, state_dtype: torch.dtype = torch.float32):
+                 block_size: int = 64, state_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None):
         cfg = model.config
         if prefill_chunk < 1 or max_batch < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} and max_batch={max_batch} must be positive")
@@ -82,6 +84,10 @@ class Engine:
         self.state_bytes = torch.empty((), dtype=state_dtype).element_size()
         self.kv_bytes = next(model.parameters()).element_size()
         self.prefix = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes else None
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.graphs = GraphedDecoder(model, self.cache) if cuda_graphs else None
+        log.info("engine: decode steps run %s", "in CUDA graphs" if cuda_graphs else "eagerly")
         self.free_slots = list(range(max_batch))
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -167,9 +173,12 @@ class Engine:
             batch.append(seq)
         lengths = [len(p) for p in pieces]
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
-        cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
-        logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=[s.slot for s in batch],
-                            last_only=True).logits
+        slots = [s.slot for s in batch]
+        if max(lengths) == 1:  # every sequence decodes one token: the sync-free step (graph-replayed on CUDA)
+            logits = self.graphs(ids[0], slots) if self.graphs else self.model.decode(ids[0], self.cache, slots)
+        else:
+            cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
+            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True).logits
         outputs = []
         for seq, n, row in zip(batch, lengths, logits):
             seq.fed += n

@@ -35,13 +35,17 @@ class MLAState:
         """The valid latent rows of ``slot``, [L, r + dr] (a view)."""
         return self.kv[slot, : self.lengths[slot]]
 
+    def reserve(self, rows: int) -> None:
+        """Make room for ``rows`` rows per slot (at least doubling when it grows; the tensor is replaced)."""
+        if rows > self.kv.shape[1]:
+            grown = self.kv.new_zeros(self.kv.shape[0], max(rows, 2 * self.kv.shape[1]), self.kv.shape[2])
+            grown[:, : self.kv.shape[1]] = self.kv
+            self.kv = grown
+
     def append(self, slot: int, rows: Tensor) -> None:
         """Write ``rows`` [n, r + dr] after the slot's last row, doubling the capacity when needed."""
         end = self.lengths[slot] + rows.shape[0]
-        if end > self.kv.shape[1]:
-            grown = self.kv.new_zeros(self.kv.shape[0], max(end, 2 * self.kv.shape[1]), self.kv.shape[2])
-            grown[:, : self.kv.shape[1]] = self.kv
-            self.kv = grown
+        self.reserve(end)
         self.kv[slot, self.lengths[slot]:end] = rows.to(self.kv.dtype)
         self.lengths[slot] = end
 
@@ -78,6 +82,25 @@ class K3Cache:
         """Record that sequence seq_ids[i] received lengths[i] more tokens (called by the model)."""
         for i, n in zip(seq_ids, lengths):
             self.seq_lens[i] += n
+
+    @property
+    def capacity(self) -> int:
+        """Latent rows each slot can hold before the MLA tensors grow (unbounded without MLA layers)."""
+        return min((layer.kv.shape[1] for layer in self.layers if isinstance(layer, MLAState)), default=1 << 62)
+
+    def reserve(self, rows: int) -> None:
+        """Make every MLA layer hold ``rows`` rows per slot (the tensors are replaced if they grow)."""
+        for layer in self.layers:
+            if isinstance(layer, MLAState):
+                layer.reserve(rows)
+
+    def advance_decode(self, seq_ids: list[int]) -> None:
+        """Record one decoded token per sequence after ``K3ForCausalLM.decode_step`` (lengths on the host)."""
+        for layer in self.layers:
+            if isinstance(layer, MLAState):
+                for i in seq_ids:
+                    layer.lengths[i] += 1
+        self.advance(seq_ids, [1] * len(seq_ids))
 
     def reset(self, slot: int) -> None:
         """Empty sequence ``slot`` (zero KDA and conv state, no MLA latents) for a new request."""

@@ -59,10 +59,18 @@ class DecoderLayer(nn.Module):
             make_mix_params(self, "self_attention_res", d, eps)
             make_mix_params(self, "mlp_res", d, eps)
 
-    def forward(self, stream: ResidualStream, cu_seqlens: Tensor, state=None, seq_ids=None) -> RouterStats | None:
+    def forward(self, stream: ResidualStream, cu_seqlens: Tensor | None, state=None, seq_ids=None,
+                positions: Tensor | None = None) -> RouterStats | None:
+        """With ``positions`` (decode: one token per sequence, cu_seqlens unused) the mixer runs its step form."""
         h = stream.input(self.layer_idx, "attn", getattr(self, "self_attention_res_norm", None),
                          getattr(self, "self_attention_res_proj", None))
-        stream.add(self.self_attn(self.input_layernorm(h), cu_seqlens, state, seq_ids))
+        x = self.input_layernorm(h)
+        if positions is None:
+            stream.add(self.self_attn(x, cu_seqlens, state, seq_ids))
+        elif self.mixer == "kda":
+            stream.add(self.self_attn.step(x, state, seq_ids))
+        else:
+            stream.add(self.self_attn.step(x, state, seq_ids, positions))
         h = stream.input(self.layer_idx, "mlp", getattr(self, "mlp_res_norm", None), getattr(self, "mlp_res_proj", None))
         h = self.post_attention_layernorm(h)
         if hasattr(self, "mlp"):
@@ -83,14 +91,16 @@ class K3Model(nn.Module):
         if config.attn_res.mode != "none":
             make_mix_params(self, "output_attn_res", config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, tokens: Tensor, cu_seqlens: Tensor, cache: K3Cache | None = None,
-                seq_ids: Tensor | None = None, record_attn_res: bool = False) -> tuple[Tensor, list, list | None]:
-        """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats, AttnRes records)."""
+    def forward(self, tokens: Tensor, cu_seqlens: Tensor | None, cache: K3Cache | None = None,
+                seq_ids: Tensor | None = None, record_attn_res: bool = False,
+                positions: Tensor | None = None) -> tuple[Tensor, list, list | None]:
+        """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats, AttnRes records).
+        Decode step: ``positions`` [N] given, one token per cached sequence ``seq_ids`` (see decode_step)."""
         stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, self.embed_tokens(tokens),
                                 record=record_attn_res)
         stats = []
         for i, layer in enumerate(self.layers):
-            s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids)
+            s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids, positions)
             if s is not None:
                 stats.append(s)
         h = stream.output(getattr(self, "output_attn_res_norm", None), getattr(self, "output_attn_res_proj", None))
@@ -171,6 +181,30 @@ class K3ForCausalLM(nn.Module):
             cache.advance(host_list(seq_ids), [b - a for a, b in zip(offsets[:-1], offsets[1:])])
         logits = self.lm_head(hidden[cu_seqlens[1:] - 1]) if last_only else self.lm_head(hidden).view(b, t, -1)
         return K3Output(logits=logits, router_stats=stats, cache=cache, attn_res_weights=records)
+
+    def decode_step(self, input_ids: Tensor, cache: K3Cache, slots: Tensor, positions: Tensor) -> Tensor:
+        """One new token for each of N cached sequences, with nothing read back to the host: the body of a
+        CUDA-graph decode (k3.infer.graphs). input_ids, slots (distinct cache slots), positions (each slot's
+        current length) [N] on the model's device -> logits [N, V]. KDA and conv states are updated in place and
+        MLA rows written at ``positions``; the caller reserves MLA capacity first and calls
+        ``cache.advance_decode`` after. :meth:`decode` does both."""
+        hidden, _, _ = self.model(input_ids, None, cache, slots, positions=positions)
+        return self.lm_head(hidden)
+
+    def decode(self, input_ids: Tensor, cache: K3Cache, seq_ids: list[int]) -> Tensor:
+        """Eager decode step: input_ids [N] extend cached sequences ``seq_ids`` (distinct) -> logits [N, V].
+        Equal to ``forward(..., last_only=True)`` with one token per sequence."""
+        ids = [int(i) for i in seq_ids]
+        if input_ids.shape != (len(ids),) or len(set(ids)) != len(ids) or not all(0 <= i < cache.batch_size for i in ids):
+            raise ValueError(f"decode needs input_ids [N] and N distinct seq_ids in [0, {cache.batch_size}); got "
+                             f"shape {tuple(input_ids.shape)} and seq_ids={ids}")
+        cache.reserve(max(cache.seq_lens[i] for i in ids) + 1)
+        device = input_ids.device
+        slots = torch.tensor(ids, dtype=torch.int64).to(device)
+        positions = torch.tensor([cache.seq_lens[i] for i in ids], dtype=torch.int64).to(device)
+        logits = self.decode_step(input_ids, cache, slots, positions)
+        cache.advance_decode(ids)
+        return logits
 
     @staticmethod
     def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:

@@ -23,15 +23,9 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.cache import KDAState
 from k3.model.norm import GatedRMSNorm
-from k3.ops.conv import causal_conv1d
-from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from k3.ops.conv import causal_conv1d, causal_conv1d_step
+from k3.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm, recurrent_kda
 from k3.ops.dtypes import upcast
-
-
-def l2norm(x: Tensor, eps: float) -> Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim, in fp32 (fla's convention)."""
-    x32 = upcast(x)
-    return x32 / torch.sqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -90,7 +84,7 @@ class KimiDeltaAttention(nn.Module):
                                           initial_state=None if state is None else state.conv[i][seq_ids],
                                           output_final_state=state is not None, activation="silu")
             if state is not None:
-                state.conv[i] = state.conv[i].index_copy(0, seq_ids, conv_state.to(state.conv[i].dtype))
+                state.conv[i].index_copy_(0, seq_ids, conv_state.to(state.conv[i].dtype))
             qkv.append(y)
         q = l2norm(qkv[0].view(1, n, h, dk), self.l2norm_eps)
         k = l2norm(qkv[1].view(1, n, h, dk), self.l2norm_eps)
@@ -111,8 +105,26 @@ class KimiDeltaAttention(nn.Module):
         else:
             raise ValueError(f"KDA mode={mode!r} must be 'auto', 'chunk' or 'recurrent'")
         if state is not None:
-            state.recurrent = state.recurrent.index_copy(0, seq_ids, final.to(state.recurrent.dtype))
+            state.recurrent.index_copy_(0, seq_ids, final.to(state.recurrent.dtype))  # in place: graphs keep it
 
+        return self._output(x, o[0])
+
+    def step(self, x: Tensor, state: KDAState, slots: Tensor) -> Tensor:
+        """Decode: x [N, d], one new token for each cached sequence ``slots[i]`` -> [N, d]. Conv and recurrent
+        states are updated in place and nothing is read back to the host (CUDA-graph safe)."""
+        n, h, dk, dv = x.shape[0], self.num_heads, self.head_dim, self.v_head_dim
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        q, k, v = (causal_conv1d_step(proj(x), conv.weight[:, 0], state=state.conv[i], slots=slots, activation="silu")
+                   for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)))
+        o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv),
+                            self.f_b_proj(self.f_a_proj(x)).view(n, h, dk), self.b_proj(x), A_log=self.A_log,
+                            dt_bias=self.dt_bias, lower_bound=self.lower_bound, state=state.recurrent, slots=slots,
+                            l2norm_eps=self.l2norm_eps)
+        return self._output(x, o)
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """Gated per-head RMSNorm and o_proj: o [N, H, V] -> [N, d]."""
+        n, h, dv = x.shape[0], self.num_heads, self.v_head_dim
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o[0], gate.view(n, h, dv))
+        o = self.o_norm(o, gate.view(n, h, dv))
         return self.o_proj(o.reshape(n, h * dv).to(x.dtype))

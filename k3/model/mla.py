@@ -117,7 +117,31 @@ class MultiheadLatentAttention(nn.Module):
             k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
             o = attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale=self.scale, cu_seqlens_q=cu_seqlens,
                           cu_seqlens_k=cu_k)
-        o = o.reshape(n, h * self.dv)
+        return self._output(x, o)
+
+    def step(self, x: Tensor, state: MLAState, slots: Tensor, positions: Tensor) -> Tensor:
+        """Decode, absorbed: x [N, d], one new token for each cached sequence ``slots[i]`` whose row goes to
+        ``positions[i]`` (its current length) -> [N, d]. The rows fit the cache's capacity (the caller reserves
+        it); nothing is read back to the host (CUDA-graph safe). The caller advances the host lengths."""
+        n, h = x.shape[0], self.num_heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(n, h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        if self.rope_theta is not None:
+            q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
+            k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
+        state.kv[slots, positions] = torch.cat([c_kv, k_pe], dim=-1).to(state.kv.dtype)
+        w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
+        q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
+        cu_q = attach_host(torch.arange(n + 1, device=x.device), list(range(n + 1)))
+        o_lat = latent_attention(q_abs, state.kv, seq_ids=slots, lengths=positions + 1, cu_seqlens_q=cu_q,
+                                 scale=self.scale, v_dim=self.r, max_length=state.kv.shape[1])
+        return self._output(x, torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:]))
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """Output gate (when configured) and o_proj: o [N, H, dv] -> [N, d]."""
+        o = o.reshape(x.shape[0], self.num_heads * self.dv)
         if hasattr(self, "g_proj"):
             o = (upcast(o) * torch.sigmoid(upcast(self.g_proj(x)))).to(x.dtype)
         return self.o_proj(o)

@@ -108,6 +108,66 @@ def test_chunked_prefill_and_decode_reproduce_full_logits(tiny_model, variant):
         assert err <= 1e-4, f"sequence {i}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_step_reproduces_full_logits(tiny_model, variant):
+    """The sync-free decode step (what CUDA graphs capture): prefill two of three sequences, then decode subsets
+    in scrambled slot order while the third joins; the MLA cache starts small so it has to grow."""
+    if variant != "k3":
+        torch.manual_seed(0)
+        tiny_model = K3ForCausalLM(get_preset("tiny").replace(**VARIANTS[variant])).eval()
+    torch.manual_seed(4)
+    total, prompt = [30, 22, 26], [12, 5, 9]
+    seqs = [torch.randint(0, 512, (n,)) for n in total]
+    with torch.no_grad():
+        full = [tiny_model(s[None]).logits[0] for s in seqs]
+        cache = tiny_model.new_cache(3, capacity=8)
+        got = [[] for _ in seqs]
+        for i in (0, 2):
+            got[i].append(tiny_model(seqs[i][None, :prompt[i]], cache=cache, seq_ids=[i]).logits[0])
+        pos = [prompt[0], 0, prompt[2]]
+        while any(p < n for p, n in zip(pos, total)):
+            if pos[1] == 0 and pos[0] >= 16:  # sequence 1 joins mid-way
+                got[1].append(tiny_model(seqs[1][None, :prompt[1]], cache=cache, seq_ids=[1]).logits[0])
+                pos[1] = prompt[1]
+            ids = [i for i in (2, 0, 1) if 0 < pos[i] < total[i]]
+            logits = tiny_model.decode(torch.stack([seqs[i][pos[i]] for i in ids]), cache, ids)
+            for i, row in zip(ids, logits):
+                got[i].append(row[None])
+                pos[i] += 1
+    assert cache.seq_lens == total and cache.capacity >= max(total)
+    for i in range(3):
+        err = rel(torch.cat(got[i]), full[i])
+        assert err <= 1e-4, f"sequence {i}: relative error {err:.2e}"
+
+
+def test_decode_step_in_bf16_matches_forward(tiny_model):
+    """bf16 weights and cache, no autocast: the step path and the packed forward agree to bf16 rounding."""
+    torch.manual_seed(5)
+    model = K3ForCausalLM(tiny_model.config)
+    model.load_state_dict(tiny_model.state_dict())
+    model.cast(torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (2, 10))
+    with torch.no_grad():
+        a, b = model.new_cache(2), model.new_cache(2)
+        model(ids[:, :9], cache=a)
+        model(ids[:, :9], cache=b)
+        ref = model(ids[:, 9:], cache=a, last_only=True).logits
+        got = model.decode(ids[:, 9], b, [0, 1])
+    assert got.dtype == torch.bfloat16 and rel(got, ref) <= 2e-2  # a few bf16 roundings (2^-8) apart
+    for x, y in zip(a.layers, b.layers):
+        for u, v in ([(x.recurrent, y.recurrent)] + list(zip(x.conv, y.conv)) if hasattr(x, "recurrent")
+                     else [(x.rows(0), y.rows(0)), (x.rows(1), y.rows(1))]):
+            assert rel(v, u) <= 2e-2
+
+
+def test_decode_rejects_bad_slots(tiny_model):
+    cache = tiny_model.new_cache(2)
+    with pytest.raises(ValueError, match="distinct seq_ids"):
+        tiny_model.decode(torch.tensor([1, 2]), cache, [0, 0])
+    with pytest.raises(ValueError, match="distinct seq_ids"):
+        tiny_model.decode(torch.tensor([1]), cache, [2])
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_builds_on_meta(name):
     cfg = get_preset(name)

@@ -135,3 +135,22 @@ def test_invalid_arguments():
         causal_conv1d(x[:1], weight, initial_state=s0, cu_seqlens=torch.tensor([0, 3, 6, 10]))  # N != segments
     with pytest.raises(ValueError):
         causal_conv1d(x, weight, activation="relu")
+
+
+def test_step_extends_the_pool_like_the_full_conv():
+    """causal_conv1d_step token by token over a slot pool == one causal_conv1d over the whole sequences."""
+    from k3.ops.conv.reference import causal_conv1d_step
+
+    gen = torch.Generator().manual_seed(3)
+    N, T, C, W = 2, 6, 5, 4
+    x, weight = torch.randn(N, T, C, generator=gen), torch.randn(C, W, generator=gen)
+    init = torch.randn(N, C, W - 1, generator=gen)
+    y_ref, final_ref = truth_conv(x, weight, init)
+    pool = torch.randn(4, C, W - 1, generator=gen)
+    slots = torch.tensor([2, 0])
+    pool[slots] = init
+    spare = pool[[1, 3]].clone()
+    ys = [causal_conv1d_step(x[:, t], weight, state=pool, slots=slots) for t in range(T)]
+    check("conv step outputs", torch.stack(ys, 1), y_ref, 1e-6)
+    check("conv step state", pool[slots], final_ref, 1e-6)
+    assert torch.equal(pool[[1, 3]], spare)

@@ -265,3 +265,28 @@ def test_invalid_arguments():
             fn(*one, initial_state=s0, cu_seqlens=torch.tensor([0, 5, 9, 20]))  # N != segments
         with pytest.raises(ValueError):
             fn(*one, cu_seqlens=torch.tensor([0, 7, 19]))  # does not end at T
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_decode_step_updates_the_pool_in_place(lower_bound):
+    """kda_decode_step from raw projections == the fp64 truth on normalised q/k, gate and sigmoid(b); only the
+    named slots of the state pool change."""
+    from k3.ops.kda.reference import kda_decode_step
+
+    gen = torch.Generator().manual_seed(7)
+    S, N, H, K, V = 5, 3, 2, 8, 6
+    q, k, f = (torch.randn(N, H, K, generator=gen) for _ in range(3))
+    v, b = torch.randn(N, H, V, generator=gen), torch.randn(N, H, generator=gen)
+    A_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen)
+    pool = torch.randn(S, H, K, V, generator=gen)
+    before = pool.clone()
+    slots = torch.tensor([3, 0, 4])
+    o = kda_decode_step(q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state=pool,
+                        slots=slots)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    o_ref, final = truth_kda(F.normalize(q, dim=-1)[:, None], F.normalize(k, dim=-1)[:, None], v[:, None],
+                             g[:, None], torch.sigmoid(b)[:, None], initial_state=before[slots])
+    check("decode step output", o, o_ref[:, 0], 1e-6)
+    check("decode step states", pool[slots], final, 1e-6)
+    untouched = torch.tensor([1, 2])
+    assert torch.equal(pool[untouched], before[untouched])

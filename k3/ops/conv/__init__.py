@@ -1,7 +1,9 @@
-"""Causal depthwise short convolution with state. ``causal_conv1d(x [B,T,C], weight [C,W], ...) -> (y, state)``."""
+"""Causal depthwise short convolution with state. ``causal_conv1d(x [B,T,C], weight [C,W], ...) -> (y, state)``;
+``causal_conv1d_step`` for one decode token per sequence (state pool updated in place)."""
 
 from k3.ops import backend
 from k3.ops.conv.reference import causal_conv1d as causal_conv1d_reference
+from k3.ops.conv.reference import causal_conv1d_step
 
 backend.register("causal_conv1d", "reference", causal_conv1d_reference)
 
@@ -10,3 +12,6 @@ def causal_conv1d(x, weight, *, initial_state=None, output_final_state=False, cu
     """See :func:`k3.ops.conv.reference.causal_conv1d`."""
     return backend.dispatch("causal_conv1d", x.device, x, weight, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, activation=activation)
+
+
+__all__ = ["causal_conv1d", "causal_conv1d_step"]

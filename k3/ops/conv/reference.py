@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 
-__all__ = ["causal_conv1d"]
+__all__ = ["causal_conv1d", "causal_conv1d_step"]
 
 
 def causal_conv1d(
@@ -76,3 +76,23 @@ def causal_conv1d(
         index = lens[:, None] + torch.arange(W - 1, device=x.device)  # [N, W-1]
         final_state = torch.gather(xs, 2, index[:, None, :].expand(N, C, W - 1))
     return y, final_state
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One new input per sequence: x [N, C] extends the sequences in ``state[slots]`` ([S, C, W-1] pool,
+    oldest first), which is updated in place. Returns y [N, C] in x.dtype; the same numbers as
+    :func:`causal_conv1d` over the whole history. No host reads (CUDA-graph safe)."""
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    window = torch.cat([state[slots].to(dtype), x.unsqueeze(-1).to(dtype)], dim=-1)  # [N, C, W]
+    y = (window * weight.to(dtype)).sum(-1)
+    state.index_copy_(0, slots, window[..., 1:].to(state.dtype))
+    return (F.silu(y) if activation == "silu" else y).to(x.dtype)

@@ -1,12 +1,14 @@
 """Kimi Delta Attention ops, fla-compatible signatures (time-major [B, T, H, K]; cu_seqlens needs B == 1).
 
 ``chunk_kda`` (training / prefill) and ``recurrent_kda`` (decode) return ``(o, final_state)``;
-``kda_gate`` turns the raw forget projection into the log-space decay g.
+``kda_gate`` turns the raw forget projection into the log-space decay g; ``kda_decode_step`` runs one decode
+token per sequence from the raw projections, updating a state pool in place (CUDA-graph safe).
 """
 
 from k3.ops import backend
 from k3.ops.kda.reference import chunk_kda as chunk_kda_reference
-from k3.ops.kda.reference import kda_gate
+from k3.ops.kda.reference import kda_decode_step as kda_decode_step_reference
+from k3.ops.kda.reference import kda_gate, l2norm
 from k3.ops.kda.reference import recurrent_kda as recurrent_kda_reference
 
 from k3.ops.kda import fla as _fla
@@ -15,6 +17,8 @@ backend.register("chunk_kda", "reference", chunk_kda_reference)
 backend.register("recurrent_kda", "reference", recurrent_kda_reference)
 backend.register("chunk_kda", "fast", _fla.chunk_kda, _fla.available)
 backend.register("recurrent_kda", "fast", _fla.recurrent_kda, _fla.available)
+backend.register("kda_decode_step", "reference", kda_decode_step_reference)
+backend.register("kda_decode_step", "fast", _fla.kda_decode_step, _fla.available)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -30,4 +34,10 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["chunk_kda", "recurrent_kda", "kda_gate"]
+def kda_decode_step(q, k, v, f, b, *, A_log, dt_bias, lower_bound, state, slots, l2norm_eps=1e-6, scale=None):
+    """See :func:`k3.ops.kda.reference.kda_decode_step` (in-place state update, no host reads)."""
+    return backend.dispatch("kda_decode_step", q.device, q, k, v, f, b, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=lower_bound, state=state, slots=slots, l2norm_eps=l2norm_eps, scale=scale)
+
+
+__all__ = ["chunk_kda", "recurrent_kda", "kda_decode_step", "kda_gate", "l2norm"]

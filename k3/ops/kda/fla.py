@@ -54,3 +54,25 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
     return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
+                    lower_bound: float | None, state: Tensor, slots: Tensor, l2norm_eps: float = 1e-6,
+                    scale: float | None = None) -> Tensor:
+    """Same contract as :func:`k3.ops.kda.reference.kda_decode_step`: one fla kernel that normalises q and k,
+    computes the gate and beta, reads each sequence's state from the pool by slot and writes it back in place."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    from k3.ops.kda.reference import l2norm
+
+    dtype = v.dtype
+    fused_norm = l2norm_eps == 1e-6  # the kernel's own epsilon
+    if not fused_norm:
+        q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
+    o, _ = fused_recurrent_kda_fwd(
+        q=q[:, None].to(dtype).contiguous(), k=k[:, None].to(dtype).contiguous(), v=v[:, None].contiguous(),
+        g=f[:, None].float().contiguous(), beta=b[:, None].float().contiguous(), A_log=A_log.float(),
+        dt_bias=dt_bias.float(), scale=scale, initial_state=state, inplace_final_state=True,
+        ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=fused_norm, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
+    return o[:, 0]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 
-__all__ = ["kda_gate", "recurrent_kda", "chunk_kda"]
+__all__ = ["kda_gate", "l2norm", "recurrent_kda", "chunk_kda", "kda_decode_step"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,6 +64,12 @@ def kda_gate(
     if lower_bound >= 0:
         raise ValueError(f"lower_bound must be negative, got {lower_bound}")
     return lower_bound * torch.sigmoid(rate * x)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, in promote(x.dtype, float32) (fla's convention)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
@@ -141,6 +147,41 @@ def recurrent_kda(
     o = torch.stack(outputs, dim=1)  # [N, Tmax, H, V]
     o = unpack_segments(o, cu_seqlens, T).to(out_dtype)
     return o, (S if output_final_state else None)
+
+
+def kda_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    l2norm_eps: float = 1e-6,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One new token for each of N cached sequences, from the raw projections; states updated in place.
+
+    Args:
+        q, k: [N, H, K] before L2 normalisation; v: [N, H, V].
+        f: [N, H, K] raw forget projection (see :func:`kda_gate`); b: [N, H] raw beta logits.
+        state: [S, H, K, V] the cache's state pool; slots: [N] distinct int indices into it.
+        The rest as in :func:`kda_gate` / :func:`l2norm`.
+
+    Returns:
+        o: [N, H, V] in v.dtype; ``state[slots]`` holds the new states (in state.dtype). Reads nothing back to
+        the host, so it can be captured in a CUDA graph.
+    """
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
+    o, final = recurrent_kda(l2norm(q, l2norm_eps)[:, None], l2norm(k, l2norm_eps)[:, None], v[:, None], g[:, None],
+                             beta[:, None], scale=scale, initial_state=state[slots], output_final_state=True)
+    state.index_copy_(0, slots, final.to(state.dtype))
+    return o[:, 0]
 
 
 # --------------------------------------------------------------------------------------------

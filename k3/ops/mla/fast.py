@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from k3.ops.segments import host_list
+
+log = logging.getLogger("k3.ops")
+_warned: list = []
+
+
+def masked_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int) -> Tensor:
+    """One query token per sequence over its first lengths[b] cache rows, as dense masked attention over the
+    capacity (no host reads: CUDA-graph safe; for shapes the Triton kernel does not take). q [B, H, D] ->
+    [B, H, v_dim]."""
+    rows = kv[seq_ids].to(q.dtype)  # [B, C, D]
+    scores = torch.einsum("bhd,bcd->bhc", q.float(), rows.float()) * scale
+    valid = torch.arange(kv.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, C]
+    p = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhc,bcv->bhv", p, rows[..., :v_dim].float()).to(q.dtype)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -35,9 +51,15 @@ def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor,
     """Same contract as :func:`k3.ops.mla.reference.latent_attention`; one-token segments (decode) run the
     Triton split-K kernel, longer ones (chunked prefill on a cache) one SDPA call each."""
     if q.shape[0] == seq_ids.numel():
-        from k3.ops.mla.triton_decode import mla_decode
+        from k3.ops.mla.triton_decode import mla_decode, supported
 
-        return mla_decode(q, kv, seq_ids, lengths, scale, v_dim, max_length)
+        if supported(v_dim, q.shape[-1] - v_dim):
+            return mla_decode(q, kv, seq_ids, lengths, scale, v_dim, max_length)
+        if not _warned:
+            _warned.append(True)
+            log.warning("MLA decode: r=%d, dr=%d do not fit the Triton kernel (powers of two, dr >= 16); running "
+                        "masked dense attention over the whole cache capacity instead", v_dim, q.shape[-1] - v_dim)
+        return masked_decode(q, kv, seq_ids, lengths, scale, v_dim)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bq = host_list(cu_seqlens_q)
     for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):

@@ -63,13 +63,18 @@ def _mla_decode_kernel(Q, KV, SLOT, LEN, O, LSE, scale_log2,
     tl.store(LSE + b * stride_lb + split * stride_ls + heads, lse, mask=hmask)
 
 
+def supported(r: int, dr: int) -> bool:
+    """Whether the kernel takes latent width r and rope width dr (powers of two, dr >= 16)."""
+    return r > 0 and dr >= 16 and not r & (r - 1) and not dr & (dr - 1)
+
+
 def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int,
                max_length: int | None = None) -> Tensor:
     """q [B, H, r + dr] (one token per sequence); kv [slots, capacity, r + dr]; seq_ids, lengths [B] (int);
     -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once."""
     B, H, D = q.shape
     R, DR = v_dim, D - v_dim
-    if R & (R - 1) or DR & (DR - 1) or DR < 16:
+    if not supported(R, DR):
         raise ValueError(f"mla_decode needs power-of-two r={R} and dr={DR} >= 16")
     q = q.to(kv.dtype).contiguous()
     max_length = int(lengths.max()) if max_length is None else max_length
