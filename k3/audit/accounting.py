@@ -92,6 +92,11 @@ def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: 
     attn = attention_flops_per_token(config, context)
     layers = [{"index": i, "mixer": config.mixer(i), "ffn": config.ffn(i), "attn_res_block": config.attn_res_block(i)}
               for i in range(config.num_hidden_layers)]
+    vision = {}  # the tower is counted apart from the text model's totals (spec §11, §12)
+    if config.vision is not None and counts["vision"] == 0:
+        from k3.model.vision import vision_param_counts
+
+        vision = vision_param_counts(config)
     return {
         "preset": config.name,
         "params_total": total,
@@ -102,7 +107,9 @@ def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: 
         "params_routed_experts": counts["routed_experts"],
         "params_shared_experts": counts["shared_experts"],
         "params_dense_path": total - counts["routed_experts"] - counts["embedding"] - counts["vision"],
-        "params_vision": counts["vision"],
+        "params_vision": counts["vision"] + sum(vision.values()),
+        "params_vision_encoder": vision.get("encoder", 0),
+        "params_vision_projector": vision.get("projector", 0),
         "context": context,
         "flops_per_token_forward": 2 * matmul_active + sum(attn.values()),
         "flops_per_token_breakdown": {"matmul": 2 * matmul_active, **attn},

@@ -40,15 +40,18 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
     add_model_args(p)
     p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image (repeatable; multimodal checkpoints): it goes where the prompt has a "
+                        "<|media_pad|> token, else before the text")
     add_sampling_args(p, max_tokens=128)
     p.set_defaults(func=run)
 
 
-def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None) -> dict:
+def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, images: list | None = None) -> dict:
     """Run one request, writing text deltas to ``out`` as they come; returns its last StepOutput's counts.
     Ctrl-C aborts the request (finish_reason "abort")."""
     out = out or sys.stdout
-    rid = engine.add(prompt, params)
+    rid = engine.add(prompt, params, images=images)
     start, first, last = time.perf_counter(), None, None
     try:
         while engine.has_work():
@@ -72,6 +75,18 @@ def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None) 
             "first_token_s": ttft, "tokens_per_s": rate}
 
 
+def image_prompt(model, tokenizer, text: str, images: int) -> list[int]:
+    """Token ids of ``text``; with images, the media placeholder token stands where the text writes it
+    (``<|media_pad|>``), else one placeholder per image goes first."""
+    if not images:
+        return tokenizer.encode(text)
+    if not hasattr(model, "vision_tower"):
+        raise ValueError("--image needs a multimodal checkpoint (this one has no vision tower)")
+    pad = model.config.vision.media_placeholder_token_id
+    ids = tokenizer.encode(text, allow_special=True)
+    return ids if pad in ids else [pad] * images + ids
+
+
 def stats_line(s: dict) -> str:
     rate = f", {s['tokens_per_s']:.1f} tok/s after the first" if s["tokens_per_s"] else ""
     ttft = f", first token {s['first_token_s'] * 1000:.0f} ms" if s["first_token_s"] is not None else ""
@@ -83,10 +98,10 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype)
     engine = Engine(model, tokenizer, max_batch=1)
-    prompt = tokenizer.encode(args.prompt)
+    prompt = image_prompt(model, tokenizer, args.prompt, len(args.image))
     if not prompt:
         raise ValueError("--prompt is empty")
-    s = stream(engine, prompt, params)
+    s = stream(engine, prompt, params, images=args.image or None)
     print()
     print(stats_line(s), file=sys.stderr)
     return 130 if s["finish_reason"] == "abort" else 0

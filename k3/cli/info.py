@@ -37,10 +37,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nparameters: total {_human(r['params_total'])}, activated per token {_human(r['params_activated'])} "
           f"(input embedding excluded; {_human(r['params_activated_with_embedding'])} with it)")
     for path, n in r["params_by_path"].items():
-        note = " (vision tower not built yet)" if path == "vision" else ""
+        note = " (the tower is counted apart, below)" if path == "vision" else ""
         print(f"  {path:15s} {_human(n):>10s}   activated {_human(r['params_activated_by_path'][path]):>10s}{note}")
     print(f"routed experts {_human(r['params_routed_experts'])}, shared {_human(r['params_shared_experts'])}, "
-          f"dense path {_human(r['params_dense_path'])}, vision {_human(r['params_vision'])}")
+          f"dense path {_human(r['params_dense_path'])}")
+    if r["params_vision"]:
+        print(f"vision tower (MoonViT-V2, not in the totals above): encoder {_human(r['params_vision_encoder'])} "
+              f"+ merge/projector to the LM width {_human(r['params_vision_projector'])}")
     f = r["flops_per_token_breakdown"]
     print(f"\nforward FLOPs per token at context {r['context']}: {_human(r['flops_per_token_forward'], 'FLOP')} "
           f"(matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, KDA state {_human(f['kda_state'])})")

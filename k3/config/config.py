@@ -146,7 +146,7 @@ class AttnResConfig:
 
 @dataclass
 class VisionConfig:
-    """MoonViT-V2 encoder shape (spec §11). Parameters count once the vision tower lands."""
+    """MoonViT-V2 encoder shape and media token ids (spec §11); see k3.model.vision."""
 
     num_layers: int = 27
     hidden_size: int = 1024
@@ -157,6 +157,8 @@ class VisionConfig:
     merge_size: int = 2
     pos_grid: int = 64
     media_placeholder_token_id: int = 163605
+    media_begin_token_id: int | None = None  # wrap each image's tokens (K3's ids are unpublished: None)
+    media_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,6 +166,11 @@ class VisionConfig:
     def validate(self, prefix: str = "vision.") -> None:
         _positive_int(self, prefix, "num_layers", "hidden_size", "num_heads", "head_dim", "intermediate_size",
                       "patch_size", "merge_size", "pos_grid")
+        ids = [self.media_placeholder_token_id, self.media_begin_token_id, self.media_end_token_id]
+        if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0) for i in ids):
+            _fail(f"{prefix}media token ids {ids}", "must be non-negative integers (begin / end may be None)")
+        if (ids[1] is None) != (ids[2] is None) or (ids[1] is not None and len(set(ids)) != 3):
+            _fail(f"{prefix}media token ids {ids}", "need begin and end both set (or both None), all three distinct")
         if self.head_dim % 4:
             _fail(f"{prefix}head_dim={self.head_dim}", "must be divisible by 4 (2D RoPE splits it in quarters)")
 

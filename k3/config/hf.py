@@ -14,9 +14,10 @@ and the multimodal ``kimi_k3`` wrapper (its ``text_config``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig
+from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig, VisionConfig
 
 FORMATS = ("k3", "kimi_linear")
 
@@ -130,6 +131,8 @@ def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
             "kda_l2norm_eps": kda.l2norm_eps,
             "mla_norm_eps": mla.norm_eps,
         }
+        if cfg.vision is not None:
+            d["k3"]["vision"] = dataclasses.asdict(cfg.vision)
     return d
 
 
@@ -244,4 +247,5 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
         initializer_range=float(d.get("initializer_range", 0.02)),
         bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), pad_token_id=token("pad_token_id"),
         kda=kda, mla=mla, moe=moe, attn_res=attn_res,
+        vision=VisionConfig(**ext["vision"]) if ext.get("vision") else None,
     )

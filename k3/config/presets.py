@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig, VisionConfig
@@ -83,6 +84,44 @@ def k2() -> K3Config:
 def k3() -> K3Config:
     """Kimi K3 as released (spec §2): 93 layers, 69 KDA + 24 gated NoPE MLA, Stable LatentMoE 896/16 + 2 shared."""
     return K3Config(name="k3", vision=VisionConfig())
+
+
+# Vision towers for the small presets (spec §11 shape, scaled down). They are not attached to the presets yet:
+# ``k3.config.hf`` does not write ``config.vision`` into config.json, so a checkpoint round trip of a preset
+# carrying one would not give back an equal config. ``with_vision`` attaches the matching tower.
+def tiny_vision() -> VisionConfig:
+    """2 layers, width 64, 4 heads x 16, MLP 128, 16 x 16 position grid (~0.12M encoder parameters)."""
+    return VisionConfig(num_layers=2, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=128, pos_grid=16)
+
+
+def small_vision() -> VisionConfig:
+    """4 layers, width 256, 4 heads x 64, MLP 1024, 32 x 32 position grid (~3.6M encoder parameters)."""
+    return VisionConfig(num_layers=4, hidden_size=256, num_heads=4, head_dim=64, intermediate_size=1024,
+                        pos_grid=32)
+
+
+def small_1b_vision() -> VisionConfig:
+    """8 layers, width 512, 8 heads x 64, MLP 2048, 48 x 48 position grid (~26.7M encoder parameters)."""
+    return VisionConfig(num_layers=8, hidden_size=512, num_heads=8, head_dim=64, intermediate_size=2048,
+                        pos_grid=48)
+
+
+VISION_PRESETS: dict[str, Callable[[], VisionConfig]] = {
+    "tiny": tiny_vision,
+    "small": small_vision,
+    "small-1b": small_1b_vision,
+    "k3": VisionConfig,
+}
+
+
+def with_vision(config: K3Config, vision: VisionConfig | None = None) -> K3Config:
+    """A validated copy of ``config`` carrying ``vision``, by default the tower of the preset it is named after."""
+    if vision is None:
+        if config.name not in VISION_PRESETS:
+            raise ValueError(f"no vision preset for config {config.name!r}; pass vision= or use one of: "
+                             f"{', '.join(VISION_PRESETS)}")
+        vision = VISION_PRESETS[config.name]()
+    return dataclasses.replace(config, vision=vision)
 
 
 PRESETS: dict[str, Callable[[], K3Config]] = {

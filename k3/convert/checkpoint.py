@@ -177,7 +177,8 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
 
 def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", verify: bool = True, packed: str = "dequantize"):
-    """Load a checkpoint directory (ours, the K3 release layout, or transformers' Kimi-Linear) as K3ForCausalLM.
+    """Load a checkpoint directory (ours, the K3 release layout, or transformers' Kimi-Linear) as K3ForCausalLM
+    (K3ForConditionalGeneration when it holds ``vision_tower.*`` weights).
 
     Packed MXFP4 experts (``quantization_config.format`` mxfp4-pack-quantized): ``packed="dequantize"`` turns
     them into high-precision weights (``dtype``; for training and inference), ``packed="keep"`` keeps the
@@ -199,7 +200,12 @@ def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.flo
         tensors = unpack_expert_tensors(tensors)
     state = from_files(tensors, config)
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        if config.vision is not None and any(k.startswith("vision_tower.") for k in state):
+            from k3.model.multimodal import K3ForConditionalGeneration
+
+            model = K3ForConditionalGeneration(config)
+        else:
+            model = K3ForCausalLM(config)
         if quantized is not None and packed == "keep":
             use_packed_experts(model)
     check_state(state, model.state_dict())

@@ -69,12 +69,30 @@ def validate_messages(messages) -> list[dict]:
     return out
 
 
-def render_chat(messages, tokenizer, add_generation_prompt: bool = True) -> RenderedChat:
+IMAGE_SLOT = "\ufffc"  # stands for an image inside a message content (rendered as image_token_id)
+
+
+def _encode(tokenizer, text: str, image_token_id: int | None) -> list[int]:
+    """Plain-text ids of ``text``, with each IMAGE_SLOT character replaced by ``image_token_id`` when given."""
+    if image_token_id is None:
+        return tokenizer.encode(text)
+    ids: list[int] = []
+    for i, part in enumerate(text.split(IMAGE_SLOT)):
+        if i:
+            ids.append(image_token_id)
+        if part:
+            ids.extend(tokenizer.encode(part))
+    return ids
+
+
+def render_chat(messages, tokenizer, add_generation_prompt: bool = True,
+                image_token_id: int | None = None) -> RenderedChat:
     """Render ``messages`` (roles system/user/assistant, string contents) for ``tokenizer``'s chat format.
 
     Returns a :class:`RenderedChat` with the text, the token ids (built piecewise: special-token ids spliced
     in, contents and role names encoded as plain text), the stop strings / stop token ids and the format name.
-    Raises one ValueError for a bad role, a non-string content or an empty list.
+    Raises one ValueError for a bad role, a non-string content or an empty list. With ``image_token_id``
+    (multimodal models) each IMAGE_SLOT character of a content becomes that media placeholder token.
     """
     messages = validate_messages(messages)
     fmt = chat_format(tokenizer)
@@ -82,7 +100,7 @@ def render_chat(messages, tokenizer, add_generation_prompt: bool = True) -> Rend
         text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
         if add_generation_prompt:
             text += "Assistant:"
-        return RenderedChat(text, tokenizer.encode(text), [PLAIN_STOP], [], fmt)
+        return RenderedChat(text, _encode(tokenizer, text, image_token_id), [PLAIN_STOP], [], fmt)
 
     pieces: list[tuple[str, bool]] = []  # (text, is_special)
 
@@ -104,6 +122,6 @@ def render_chat(messages, tokenizer, add_generation_prompt: bool = True) -> Rend
         if special:
             ids.append(_token_id(tokenizer, piece))
         elif piece:
-            ids.extend(tokenizer.encode(piece))
+            ids.extend(_encode(tokenizer, piece, image_token_id))
     text = "".join(p for p, _ in pieces)
     return RenderedChat(text, ids, [], [_token_id(tokenizer, end)], fmt)

@@ -58,6 +58,8 @@ class _Sequence:
     emitted: str = ""  # text already returned
     cached_tokens: int = 0
     remembered: int = 0  # tokens already stored in the prefix cache
+    image_features: torch.Tensor | None = None  # [M, d] encoded once at add(); M placeholders in the prompt
+    features_used: int = 0  # rows already fed with the prefill
 
     @property
     def tokens(self) -> list[int]:
@@ -94,16 +96,29 @@ class Engine:
         self.reserved = 0
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
+        v = cfg.vision if hasattr(model, "vision_tower") else None
+        media = [] if v is None else [i for i in (v.media_placeholder_token_id, v.media_begin_token_id,
+                                                   v.media_end_token_id) if i is not None and i < cfg.vocab_size]
+        self.media_ids = torch.tensor(media, dtype=torch.int64, device=self.device) if media else None
 
     # ------------------------------------------------------------------ requests
     def context_bytes(self, tokens: int) -> int:
         return cache_bytes_per_sequence(self.model.config, tokens, self.state_bytes, self.kv_bytes)["total_bytes"]
 
-    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; one ValueError if it can never run (bad params, empty or too long)."""
+    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+            images: list | None = None) -> str:
+        """Queue a request; one ValueError if it can never run (bad params, empty or too long, bad images).
+
+        images (multimodal models): paths, bytes or PIL images, one per media placeholder token of the prompt
+        (in order); each placeholder is expanded to the image's tokens and the images are encoded now, once."""
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
+        features = None
+        if hasattr(self.model, "vision_tower"):
+            prompt, features = self._with_images(prompt, images or [])
+        elif images:
+            raise ValueError("this model has no vision tower: it cannot take images")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -116,8 +131,27 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if any(s.request_id == rid for s in (*self.waiting, *self.running)):
             raise ValueError(f"request_id={rid!r} is already in use")
-        self.waiting.append(_Sequence(rid, list(prompt), params, need, params.generator(self.device)))
+        self.waiting.append(_Sequence(rid, list(prompt), params, need, params.generator(self.device),
+                                      image_features=features))
         return rid
+
+    @torch.no_grad()
+    def _with_images(self, prompt: list[int], images: list) -> tuple[list[int], torch.Tensor | None]:
+        """Expand the prompt's media placeholders for ``images`` and encode them: (prompt, features or None)."""
+        from k3.vision.media import expand_placeholders, merged_tokens
+        from k3.vision.processor import ImageProcessor
+
+        v = self.model.config.vision
+        if not images:
+            expand_placeholders(prompt, [], v.media_placeholder_token_id, v.media_begin_token_id,
+                                v.media_end_token_id)  # raises if the prompt has placeholders
+            return prompt, None
+        patches, grids = ImageProcessor.from_config(v).process(images)
+        counts = [merged_tokens(g, v.merge_size) for g in grids.tolist()]
+        prompt, _ = expand_placeholders(prompt, counts, v.media_placeholder_token_id, v.media_begin_token_id,
+                                        v.media_end_token_id)
+        dtype = next(self.model.parameters()).dtype
+        return prompt, self.model.encode_images(patches.to(self.device, dtype), grids)
 
     def abort(self, request_id: str) -> None:
         """Drop a waiting or running request (its slot is freed)."""
@@ -137,7 +171,7 @@ class Engine:
             seq.slot = self.free_slots.pop(0)
             self.reserved += seq.need_bytes
             self.cache.reset(seq.slot)
-            if self.prefix is not None:
+            if self.prefix is not None and seq.image_features is None:  # block hashes do not see pixels
                 hit = self.prefix.lookup(seq.prompt, len(seq.prompt) - 1)
                 if hit is not None:
                     self.cache.restore(seq.slot, hit.kda, hit.latents, hit.length)
@@ -173,24 +207,42 @@ class Engine:
             batch.append(seq)
         lengths = [len(p) for p in pieces]
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
+        images = self._image_rows(batch, pieces)
         slots = [s.slot for s in batch]
         if max(lengths) == 1:  # every sequence decodes one token: the sync-free step (graph-replayed on CUDA)
             logits = self.graphs(ids[0], slots) if self.graphs else self.model.decode(ids[0], self.cache, slots)
         else:
             cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
-            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True).logits
+            kwargs = {} if images is None else {"image_features": images}
+            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True, **kwargs).logits
         outputs = []
         for seq, n, row in zip(batch, lengths, logits):
             seq.fed += n
-            if self.prefix is not None:
+            if self.prefix is not None and seq.image_features is None:
                 self._remember(seq)
             if seq.fed < len(seq.prompt):
                 continue
+            if self.media_ids is not None:  # image tokens only ever come from images
+                row = row.index_fill(0, self.media_ids, float("-inf"))
             seen = torch.tensor(seq.tokens, device=self.device) if seq.params.repetition_penalty != 1.0 else None
             token = sample_next(row, seq.params, seq.generator, seen)
             seq.output.append(token)
             outputs.append(self._emit(seq, token))
         return outputs
+
+    def _image_rows(self, batch: list[_Sequence], pieces: list[list[int]]) -> torch.Tensor | None:
+        """The image-feature rows of this pass's prefill pieces, in packing order (None without images)."""
+        if not any(s.image_features is not None for s in batch):
+            return None
+        pad = self.model.config.vision.media_placeholder_token_id
+        rows = []
+        for seq, piece in zip(batch, pieces):
+            n = sum(1 for t in piece if t == pad) if seq.fed < len(seq.prompt) else 0
+            if n:
+                rows.append(seq.image_features[seq.features_used:seq.features_used + n])
+                seq.features_used += n
+        d = self.model.config.hidden_size
+        return torch.cat(rows) if rows else torch.empty(0, d, device=self.device)
 
     def _remember(self, seq: _Sequence) -> None:
         """Store the blocks this pass completed; the block ending exactly here also gets the KDA state."""

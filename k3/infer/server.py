@@ -11,6 +11,8 @@ serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``r
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import time
@@ -26,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer as HFTokenizer
 
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
-from k3.infer.chat import render_chat
+from k3.infer.chat import IMAGE_SLOT, render_chat
 from k3.infer.sampling import SamplingParams
 from k3.train.tokenizer import Tokenizer
 
@@ -130,13 +132,45 @@ class ChatRequest(_Request):
     tools: list | None = None
 
 
-def _message_content(i: int, m: dict) -> dict:
-    """OpenAI messages -> {role, content}: text content parts are joined, 'developer' is a system message."""
+MAX_IMAGE_BYTES = 32 << 20
+
+
+def _image_part(i: int, part: dict) -> bytes:
+    """The bytes of an OpenAI ``image_url`` content part; only ``data:`` URIs (base64), since the server fetches
+    nothing from the network."""
+    where = f"messages.{i}.content"
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise APIError(400, f"messages[{i}]: image_url must be a data: URI (data:image/png;base64,...); "
+                            "the server fetches nothing from the network", where)
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64") or not payload:
+        raise APIError(400, f"messages[{i}]: image_url data URI must be base64-encoded", where)
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise APIError(400, f"messages[{i}]: image larger than {MAX_IMAGE_BYTES >> 20} MiB", where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"messages[{i}]: image_url data URI is not valid base64", where) from None
+
+
+def _message_content(i: int, m: dict, images: list[bytes]) -> dict:
+    """OpenAI messages -> {role, content}: text parts are joined, each image part becomes an IMAGE_SLOT character
+    (its bytes appended to ``images``), 'developer' is a system message."""
     content = m.get("content")
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages.{i}.content")
-        content = "".join(p["text"] for p in content)
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            elif isinstance(p, dict) and p.get("type") == "image_url":
+                images.append(_image_part(i, p))
+                parts.append(IMAGE_SLOT)
+            else:
+                raise APIError(400, f"messages[{i}].content: only text and image_url parts are supported",
+                               f"messages.{i}.content")
+        content = "".join(parts)
     role = "system" if m.get("role") == "developer" else m.get("role")
     return {"role": role, "content": content}
 
@@ -152,6 +186,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     (requests in flight get up to ``drain_timeout`` seconds)."""
     tok = _private_copy(tokenizer)
     created = int(time.time())
+    model = async_engine.engine.model
+    image_token_id = model.config.vision.media_placeholder_token_id if hasattr(model, "vision_tower") else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -223,9 +259,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                               repetition_penalty=req.repetition_penalty, seed=req.seed,
                               stop=list(req.stop or []) + stop, stop_token_ids=stop_ids)
 
-    async def start(prompt: list[int], params: SamplingParams, rid: str):
+    async def start(prompt: list[int], params: SamplingParams, rid: str, images: list | None = None):
         try:
-            return await async_engine.submit(prompt, params, rid)
+            return await async_engine.submit(prompt, params, rid, images=images)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except EngineClosed as e:
@@ -287,16 +323,19 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
         check(req)
-        messages = [_message_content(i, m) for i, m in enumerate(req.messages)]
+        images: list[bytes] = []
+        messages = [_message_content(i, m, images) for i, m in enumerate(req.messages)]
+        if images and image_token_id is None:
+            raise APIError(400, f"model {model_name!r} takes no images (no vision tower)", "messages")
         try:
-            rendered = render_chat(messages, tok)
+            rendered = render_chat(messages, tok, image_token_id=image_token_id if images else None)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, len(rendered.token_ids), max_tokens, max_context, rendered.stop,
                           rendered.stop_token_ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await start(rendered.token_ids, params, rid)
+        stream = await start(rendered.token_ids, params, rid, images or None)
         base = {"id": rid, "created": int(time.time()), "model": model_name}
 
         def chunk(text, reason):

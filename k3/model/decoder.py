@@ -93,11 +93,12 @@ class K3Model(nn.Module):
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor | None, cache: K3Cache | None = None,
                 seq_ids: Tensor | None = None, record_attn_res: bool = False,
-                positions: Tensor | None = None) -> tuple[Tensor, list, list | None]:
+                positions: Tensor | None = None, inputs_embeds: Tensor | None = None) -> tuple[Tensor, list, list | None]:
         """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats, AttnRes records).
-        Decode step: ``positions`` [N] given, one token per cached sequence ``seq_ids`` (see decode_step)."""
-        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, self.embed_tokens(tokens),
-                                record=record_attn_res)
+        Decode step: ``positions`` [N] given, one token per cached sequence ``seq_ids`` (see decode_step).
+        ``inputs_embeds`` [N, d]: the token embeddings to use (images spliced in), instead of embedding ``tokens``."""
+        x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
+        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, x, record=record_attn_res)
         stats = []
         for i, layer in enumerate(self.layers):
             s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids, positions)
@@ -151,13 +152,15 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: K3Cache | None = None,
                 seq_ids: list[int] | Tensor | None = None, record_attn_res: bool = False,
-                last_only: bool = False) -> K3Output:
+                last_only: bool = False, image_features: Tensor | None = None) -> K3Output:
         """Logits for every input token.
 
         input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence);
         cache: a :class:`K3Cache`; seq_ids: which S cached sequences the segments extend (default 0..S-1, and
         then the cache must hold exactly S sequences); record_attn_res: also return the AttnRes depth weights;
-        last_only: logits only at the last token of each of the S sequences ([S, V], what decoding needs).
+        last_only: logits only at the last token of each of the S sequences ([S, V], what decoding needs);
+        image_features [M, d]: embeddings that replace, in order, the M media placeholder tokens
+        (``config.vision.media_placeholder_token_id``) of input_ids (see k3.model.multimodal).
         Returns logits [B, T, V] (or [S, V]) and per-MoE-layer router stats.
         """
         if input_ids.dim() != 2:
@@ -175,7 +178,9 @@ class K3ForCausalLM(nn.Module):
             seq_ids = self._check_seq_ids(cache, segments, seq_ids, input_ids.device)
         elif seq_ids is not None:
             raise ValueError("seq_ids needs a cache")
-        hidden, stats, records = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res)
+        embeds = None if image_features is None else self.splice_images(input_ids.reshape(-1), image_features)
+        hidden, stats, records = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res,
+                                            inputs_embeds=embeds)
         if cache is not None:
             offsets = host_list(cu_seqlens)
             cache.advance(host_list(seq_ids), [b - a for a, b in zip(offsets[:-1], offsets[1:])])
@@ -205,6 +210,19 @@ class K3ForCausalLM(nn.Module):
         logits = self.decode_step(input_ids, cache, slots, positions)
         cache.advance_decode(ids)
         return logits
+
+    def splice_images(self, tokens: Tensor, image_features: Tensor) -> Tensor:
+        """Token embeddings [N, d] with the M placeholder positions of tokens [N] replaced by image_features [M, d]
+        in order; one ValueError when the counts differ."""
+        if self.config.vision is None:
+            raise ValueError("image_features given but the config has no vision section")
+        mask = tokens == self.config.vision.media_placeholder_token_id
+        found = int(mask.sum())
+        if image_features.dim() != 2 or image_features.shape != (found, self.config.hidden_size):
+            raise ValueError(f"the input has {found} media placeholder tokens but image_features has shape "
+                             f"{tuple(image_features.shape)} (expected [{found}, {self.config.hidden_size}])")
+        x = self.model.embed_tokens(tokens)
+        return x.masked_scatter(mask.unsqueeze(-1), image_features.to(x.dtype))
 
     @staticmethod
     def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:

@@ -15,6 +15,7 @@ the step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -45,6 +46,9 @@ from k3.train.tokenizer import Tokenizer, train_bpe
 log = logging.getLogger("k3.train")
 
 
+TASKS = ("text", "vision")
+
+
 class TrainingDiverged(RuntimeError):
     """Too many non-finite losses in a row."""
 
@@ -52,6 +56,7 @@ class TrainingDiverged(RuntimeError):
 @dataclass
 class TrainConfig:
     preset: str = "small"
+    task: str = "text"  # "text" (language modelling on --data) or "vision" (the embedded image Q&A task)
     overrides: dict = field(default_factory=dict)  # dotted K3Config fields, e.g. {"moe.num_experts": 16}
     data: str | None = None  # None: the Python standard library's own sources
     tokenizer: str | None = None  # tokenizer.json / directory, or a tiktoken .model file; None: train a BPE
@@ -90,6 +95,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        if self.task not in TASKS:
+            raise ValueError(f"--task={self.task!r} must be one of {', '.join(TASKS)}")
         if self.balance not in BALANCE_METHODS:
             raise ValueError(f"--balance={self.balance!r} must be one of {', '.join(BALANCE_METHODS)}")
         if self.qat is not None and self.qat not in QAT_RECIPES:
@@ -119,6 +126,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, progress: bool = True):
         cfg.validate()
         self.cfg, self.progress = cfg, progress
+        self.is_main = getattr(self, "is_main", True)  # the process that writes metrics, plots, configs
         self.run_dir = Path(cfg.out)
         self.device = _device(cfg.device)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -128,36 +136,15 @@ class Trainer:
         if not resume and self.metrics_path.exists():
             raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or another --out")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt, self.resume_from = self.model_checkpoint(ckpt), ckpt
         torch.manual_seed(cfg.seed)
 
-        train_docs = load_corpus(cfg.data, "train")
-        val_docs = load_corpus(cfg.data, "validation")
-        if ckpt is not None:
-            self.tokenizer = Tokenizer.load(ckpt)
-        elif cfg.tokenizer:
-            self.tokenizer = _load_tokenizer(cfg.tokenizer)
+        if cfg.task == "vision":
+            self._setup_vision(ckpt)
         else:
-            t0 = time.perf_counter()
-            self.tokenizer = train_bpe(_text_budget(train_docs, cfg.tokenizer_train_bytes), cfg.vocab_size)
-            log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs", self.tokenizer.vocab_size,
-                     time.perf_counter() - t0)
-        self.tokenizer.save(self.run_dir)
-        t0 = time.perf_counter()
-        self.train_data = PackedDataset(train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed,
-                                        max_tokens=cfg.max_tokens)
-        self.val_data = PackedDataset(val_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, shuffle=False,
-                                      max_tokens=cfg.eval_rows * cfg.seq_len + 1)
-        self.val_docs = val_docs
-        log.info("data: train %r, validation %r (%.1fs)", self.train_data, self.val_data, time.perf_counter() - t0)
-
-        if ckpt is not None:
-            self.model = from_pretrained(ckpt, device=self.device)
-        else:
-            model_cfg = get_preset(cfg.preset).replace(
-                vocab_size=self.tokenizer.vocab_size, eos_token_id=self.tokenizer.eos_id,
-                bos_token_id=self.tokenizer.bos_id, **cfg.overrides)
-            self.model = K3ForCausalLM(model_cfg).to(self.device)
+            self._setup_text(ckpt)
         self.model_cfg = self.model.config
+        self.model = self.parallelize(self.model)
         if cfg.qat:
             weights, acts = QAT_RECIPES[cfg.qat]
             enable_qat(self.model, weights, acts, cfg.qat_scale_mode)
@@ -176,29 +163,122 @@ class Trainer:
         self.bad_steps = 0
         self.history: list[dict] = []
         self.recent_loads: dict[int, torch.Tensor] = {}
-        if ckpt is not None:
-            state = torch.load(ckpt / STATE_FILE, weights_only=False)
-            self.optimizer.load_state_dict(state["optimizer"])
+        if self.resume_from is not None:
+            state = self.load_state(self.resume_from)
             self.train_data.load_state_dict(state["data"])
-            set_rng_state(state["rng"])
+            if state.get("rng") is not None:
+                set_rng_state(state["rng"])
             self.step = state["step"]
             self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
             self.history = [h for h in self.history if h["step"] < self.step]
             self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
-            log.info("resumed %s at step %d", ckpt, self.step)
-        else:
+            log.info("resumed %s at step %d", self.resume_from, self.step)
+        elif self.is_main:
             (self.run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         n = sum(p.numel() for p in self.model.parameters())
         log.info("model %s: %.2fM parameters on %s, autocast %s", self.model_cfg.name, n / 1e6, self.device.type,
                  "bf16" if self.device.type == "cuda" else "off (fp32)")
+
+    # ------------------------------------------------------------------ hooks (k3.distributed.train overrides them)
+    def model_checkpoint(self, ckpt):
+        """The checkpoint directory the model and tokenizer are read from on resume (here: the latest one)."""
+        return ckpt
+
+    def parallelize(self, model):
+        """Applied to the built model before the optimiser is made (single process: nothing)."""
+        return model
+
+    def load_state(self, ckpt) -> dict:
+        """Optimizer state loaded from ``ckpt``; returns the trainer state (step, data, rng)."""
+        state = torch.load(ckpt / STATE_FILE, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        return state
+
+    def next_batches(self) -> list:
+        """This process's micro-batches of the step."""
+        return [self.train_data.next_batch(self.cfg.batch_size) for _ in range(self.cfg.grad_accum)]
+
+    def eval_batch(self, rows: list[int]):
+        return self.val_data.rows_batch(rows)
+
+    def all_sum(self, value: float) -> float:
+        """Sum of a number over the processes (single process: itself)."""
+        return value
+
+    def reduce_fn(self):
+        """In-place sum over the processes for the balancer's statistics (None: single process)."""
+        return None
+
+    def after_backward(self) -> None:
+        """Gradient reductions beyond the parallelism wrappers' own (single process: none)."""
+
+    def clip(self) -> float:
+        return float(clip_grad_norm(self.model, self.cfg.clip))
+
+    def _setup_text(self, ckpt) -> None:
+        cfg = self.cfg
+        train_docs = load_corpus(cfg.data, "train")
+        val_docs = load_corpus(cfg.data, "validation")
+        if ckpt is not None:
+            self.tokenizer = Tokenizer.load(ckpt)
+        elif cfg.tokenizer:
+            self.tokenizer = _load_tokenizer(cfg.tokenizer)
+        else:
+            t0 = time.perf_counter()
+            self.tokenizer = train_bpe(_text_budget(train_docs, cfg.tokenizer_train_bytes), cfg.vocab_size)
+            log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs", self.tokenizer.vocab_size,
+                     time.perf_counter() - t0)
+        if self.is_main:
+            self.tokenizer.save(self.run_dir)
+        t0 = time.perf_counter()
+        self.train_data = PackedDataset(train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed,
+                                        max_tokens=cfg.max_tokens)
+        self.val_data = PackedDataset(val_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, shuffle=False,
+                                      max_tokens=cfg.eval_rows * cfg.seq_len + 1)
+        self.val_docs = val_docs
+        log.info("data: train %r, validation %r (%.1fs)", self.train_data, self.val_data, time.perf_counter() - t0)
+
+        if ckpt is not None:
+            self.model = from_pretrained(ckpt, device=self.device)
+        else:
+            model_cfg = get_preset(cfg.preset).replace(
+                vocab_size=self.tokenizer.vocab_size, eos_token_id=self.tokenizer.eos_id,
+                bos_token_id=self.tokenizer.bos_id, **cfg.overrides)
+            self.model = K3ForCausalLM(model_cfg).to(self.device)
+
+    def _setup_vision(self, ckpt) -> None:
+        """The embedded image Q&A task: its own tiny tokenizer and the preset with its vision tower."""
+        from k3.config.presets import with_vision
+        from k3.model.multimodal import K3ForConditionalGeneration
+        from k3.train.vision_data import VisionTaskData, media_ids, task_tokenizer
+
+        cfg = self.cfg
+        self.tokenizer = Tokenizer.load(ckpt) if ckpt is not None else task_tokenizer(cfg.vocab_size)
+        if self.is_main:
+            self.tokenizer.save(self.run_dir)
+        if ckpt is not None:
+            self.model = from_pretrained(ckpt, device=self.device)
+        else:
+            model_cfg = with_vision(get_preset(cfg.preset)).replace(
+                vocab_size=self.tokenizer.vocab_size, eos_token_id=self.tokenizer.eos_id,
+                bos_token_id=self.tokenizer.bos_id, **media_ids(self.tokenizer), **cfg.overrides)
+            self.model = K3ForConditionalGeneration(model_cfg).to(self.device)
+        vision = self.model.config.vision
+        self.train_data = VisionTaskData(self.tokenizer, vision, "train", cfg.seed)
+        self.val_data = VisionTaskData(self.tokenizer, vision, "validation", cfg.seed, rows=cfg.eval_rows)
+        self.val_docs = []
+        log.info("data: the embedded vision task (k3.vision.task), %d held-out examples", cfg.eval_rows)
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, batch, record: bool = False):
         ids = batch.input_ids.to(self.device)
         labels = batch.labels.to(self.device)
         cu = batch.cu_seqlens.to(self.device)
+        images = {}
+        if hasattr(batch, "pixel_patches"):
+            images = {"pixel_patches": batch.pixel_patches.to(self.device), "grid_hws": batch.grid_hws}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            out = self.model(ids, cu_seqlens=cu, record_attn_res=record)
+            out = self.model(ids, cu_seqlens=cu, record_attn_res=record, **images)
         loss_sum = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
         return loss_sum, int((labels != IGNORE_INDEX).sum()), out
@@ -220,8 +300,8 @@ class Trainer:
         lr = cfg.lr * cosine_schedule(self.step, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        batches = [self.train_data.next_batch(cfg.batch_size) for _ in range(cfg.grad_accum)]
-        valid = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+        batches = self.next_batches()
+        valid = int(self.all_sum(sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)))
         max_logits: dict[int, torch.Tensor] = {}
         hooks = self._mla_inputs_hook(max_logits) if cfg.qk_clip else []
         total, aux_total, stats_all = 0.0, 0.0, []
@@ -236,6 +316,8 @@ class Trainer:
         finally:
             for h in hooks:
                 h.remove()
+        self.after_backward()
+        total = self.all_sum(total)
         loss = total / valid
         record = {"step": self.step, "loss": loss, "lr": lr, "tokens": (self.step + 1) * cfg.batch_size *
                   cfg.grad_accum * cfg.seq_len}
@@ -247,10 +329,10 @@ class Trainer:
             log.warning("step %d: non-finite loss %s, step skipped (%d in a row)", self.step, loss, self.bad_steps)
         else:
             self.bad_steps = 0
-            grad_norm = float(clip_grad_norm(self.model, cfg.clip))
+            grad_norm = self.clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.balancer.step(self.bias_buffers)
+            self.balancer.step(self.bias_buffers, reduce_fn=self.reduce_fn())
             if cfg.qk_clip:
                 for i, m in max_logits.items():
                     qk_clip_(self.model.model.layers[i].self_attn, m, cfg.qk_clip)
@@ -271,11 +353,37 @@ class Trainer:
         total, count = 0.0, 0
         rows, bs = min(self.cfg.eval_rows, self.val_data.num_rows), self.cfg.batch_size
         for start in range(0, rows, bs):
-            loss_sum, n, _ = self._forward_loss(self.val_data.rows_batch(list(range(start, min(start + bs, rows)))))
+            loss_sum, n, _ = self._forward_loss(self.eval_batch(list(range(start, min(start + bs, rows)))))
             total, count = total + loss_sum.item(), count + n
+        total, count = self.all_sum(total), self.all_sum(count)
         self.model.train()
         loss = total / max(count, 1)
-        return {"val_loss": loss, "val_bpb": loss / math.log(2) / self.val_data.bytes_per_token}
+        out = {"val_loss": loss, "val_bpb": loss / math.log(2) / self.val_data.bytes_per_token}
+        if self.cfg.task == "vision":
+            out |= {f"val_acc_{k}": v for k, v in self.vision_accuracy(self.cfg.eval_rows)[0].items()}
+        return out
+
+    @torch.no_grad()
+    def vision_accuracy(self, n: int) -> tuple[dict[str, float], list[tuple]]:
+        """Greedy answers to the first n held-out questions (through the inference engine, images encoded once):
+        exact-match accuracy per question type and overall, and (question, answer, prediction) triples."""
+        from k3.infer.engine import Engine
+        from k3.infer.sampling import SamplingParams
+        from k3.vision.task import score
+
+        examples = [self.val_data.example(i) for i in range(n)]
+        pad = self.model_cfg.vision.media_placeholder_token_id
+        engine = Engine(self.model, self.tokenizer, max_batch=min(n, 64), prefill_chunk=4096, cuda_graphs=False)
+        prompts = [[pad] + self.tokenizer.encode(" " + e.question) for e in examples]
+        ids = [engine.add(p, SamplingParams(max_tokens=4, temperature=0.0), images=[e.image])
+               for p, e in zip(prompts, examples)]
+        done = {i: "" for i in ids}
+        while engine.has_work():
+            for o in engine.step():
+                done[o.request_id] += o.text
+        preds = [done[i].strip() for i in ids]
+        self.model.train()
+        return score(preds, examples), [(e.question, e.answer, p) for e, p in zip(examples, preds)]
 
     def trainer_state(self) -> dict:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(), "data": self.train_data.state_dict(),
@@ -304,7 +412,11 @@ class Trainer:
         self.recent_loads = {}
 
     def sample(self) -> list[tuple[str, str]]:
-        """Greedy continuations of the openings (24 tokens) of the first validation documents."""
+        """Greedy continuations of the openings (24 tokens) of the first validation documents (vision task: the
+        first held-out questions with the expected and the predicted answer)."""
+        if self.cfg.task == "vision":
+            _, triples = self.vision_accuracy(max(self.cfg.samples, 1))
+            return [(f"[image] {q} (expected: {a})", p) for q, a, p in triples]
         eos = self.tokenizer.eos_id
         out = []
         self.model.eval()
@@ -323,8 +435,9 @@ class Trainer:
         would), then save, plot and return {"checkpoint", "history"}."""
         cfg = self.cfg
         self.model.train()
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, desc="train", unit="step")
-        with open(self.metrics_path, "a") as metrics_file:
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.is_main), desc="train",
+                   unit="step")
+        with open(self.metrics_path, "a") if self.is_main else contextlib.nullcontext() as metrics_file:
             while self.step < cfg.steps:
                 if stop_at is not None and self.step >= stop_at:
                     bar.close()
@@ -335,8 +448,9 @@ class Trainer:
                 if (self.step + 1) % cfg.eval_every == 0 or self.step + 1 == cfg.steps:
                     record.update(self.evaluate())
                 self.history.append(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+                if metrics_file is not None:
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}" if not record.get("skipped") else "nan",
                                 tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}",

@@ -29,7 +29,8 @@ def test_k3_totals_match_the_report(capsys):
     assert sum(la["mixer"] == "kda" for la in layers) == 69 and sum(la["mixer"] == "mla" for la in layers) == 24
     assert [la["ffn"] for la in layers].count("dense") == 1 and layers[-1]["mixer"] == "mla"
     assert max(la["attn_res_block"] for la in layers) == 7  # 7 full blocks of 12 + a block of 9
-    assert r["params_vision"] == 0
+    assert abs(r["params_vision_encoder"] / 401e6 - 1) <= 0.02, r["params_vision_encoder"]  # spec §11
+    assert r["params_vision"] == r["params_vision_encoder"] + r["params_vision_projector"]
     assert r["params_activated_with_embedding"] - r["params_activated"] == 163840 * 7168
 
 
