@@ -8,6 +8,8 @@
   out     = routed + shared_experts(x)                                          shared experts full width
 E_j(z) = w2_j act(w1_j z, w3_j z) with act = SiTU-GLU (K3) or SwiGLU.
 With ``qat`` set (k3.quant.qat.enable_qat) the routed experts see MXFP4 weights and MXFP8 inputs (fake-quantised).
+With ``expert_dispatch`` set (k3.distributed.expert_parallel) the routed experts run wherever that callable sends
+the latent rows (expert parallelism); this module itself never communicates.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class MoE(nn.Module):
         if c.num_shared_experts > 0:
             self.shared_experts = GatedFFN(d, c.moe_intermediate_size * c.num_shared_experts, self.glu)
         self.qat = None  # k3.quant.qat.ExpertQAT while quantisation-aware training is on (enable_qat)
+        # expert_dispatch(moe, z, topk_idx, topk_weight) -> y [N, D], replacing the local moe_experts call (QAT is
+        # then the dispatcher's job); set by k3.distributed.expert_parallel.apply_expert_parallel, None = local
+        self.expert_dispatch = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
         """x [N, d] -> (out [N, d], router statistics of this layer)."""
@@ -79,7 +84,9 @@ class MoE(nn.Module):
         latent = hasattr(self, "routed_expert_down_proj")
         z = self.routed_expert_down_proj(x) if latent else x
         w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
-        if self.qat is None:
+        if self.expert_dispatch is not None:
+            y = self.expert_dispatch(self, z, topk_idx, topk_weight)
+        elif self.qat is None:
             y = moe_experts(z, topk_idx, topk_weight, w1, w2, w3, self.glu)
         else:  # fake-quantised expert weights and matmul inputs, straight-through gradients
             y = moe_experts(z, topk_idx, topk_weight, self.qat.weight(w1), self.qat.weight(w2), self.qat.weight(w3),

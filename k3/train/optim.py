@@ -25,10 +25,18 @@ GPU, which is what ``torch.optim.Muon`` always uses).
 
 State (per parameter): ``momentum_buffer`` for Muon kinds; ``exp_avg``, ``exp_avg_sq`` and an int ``step``
 for AdamW. Everything lives in the standard ``Optimizer.state_dict()`` so a resumed run is bitwise identical.
+
+Distributed parameters (DTensors: FSDP2 shards, expert-parallel stacks; see k3.distributed): the state has the
+parameter's placements (so torch.distributed.checkpoint reshards it) and every element-wise step runs on the
+local shards. Newton-Schulz needs whole matrices: a ``muon_expert`` stack sharded only along its expert dim (EP,
+or FSDP's Shard(0)) holds whole expert matrices locally and is orthogonalised in place; any other sharded matrix
+has its update gathered (``full_tensor``), orthogonalised whole (per head), and each rank keeps its own shard.
+For plain tensors the arithmetic is exactly the single-device one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from functools import partial
@@ -177,17 +185,24 @@ class K3Muon(torch.optim.Optimizer):
         for p, g, state in self._with_grads(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
+            buf, g = _local(state["momentum_buffer"]), _local(g)
             buf.lerp_(g, 1 - mu)
             update = g.lerp(buf, mu) if group["nesterov"] else buf
+            local_shape = update.shape
+            gathered = _is_dtensor(p) and not (kind == "muon_expert" and _sharded_only_on_dim0(p))
+            if gathered:  # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard
+                update = _full(update, p)
             if kind == "muon_head":
                 hd = group["head_dim"]
-                update = update.reshape(p.shape[0] // hd, hd, p.shape[1])
+                update = update.reshape(update.shape[0] // hd, hd, update.shape[1])
             rows, cols = update.shape[-2:]
             ortho = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"],
                                   group["ns_dtype"])
+            if gathered:
+                ortho = _shard_like(ortho.reshape(p.shape), p)
+            p = _local(p)
             p.mul_(1 - lr * wd)
-            p.add_(ortho.reshape(p.shape), alpha=-lr * muon_scale(rows, cols, group["scale_rule"]))
+            p.add_(ortho.reshape(local_shape), alpha=-lr * muon_scale(rows, cols, group["scale_rule"]))
 
     def _adamw_group(self, group: dict) -> None:
         lr = group["lr"] * group["lr_scale"]
@@ -199,13 +214,61 @@ class K3Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             t = state["step"]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
+            p, g = _local(p), _local(g)
+            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             step_size = lr / (1 - beta1 ** t)
             denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
             p.addcdiv_(m, denom, value=-step_size)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DTensor parameters (FSDP2 / expert parallelism): local views, and whole matrices for Newton-Schulz
+# --------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _dtensor_type():
+    """torch.distributed.tensor.DTensor, imported on first use (None on builds without torch.distributed)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (a view: in-place updates reach the DTensor); plain tensors unchanged."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _sharded_only_on_dim0(p: Tensor) -> bool:
+    """Every shard of the DTensor p holds whole slices along dim 0 (for an expert stack: whole expert matrices)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return all(isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements)
+
+
+def _full(local: Tensor, like: Tensor) -> Tensor:
+    """The whole tensor of which ``local`` is this rank's shard, sharded like the DTensor ``like`` (all-gather)."""
+    cls = _dtensor_type()
+    return cls.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                          stride=like.stride()).full_tensor()
+
+
+def _shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of ``full`` (identical on every rank) under the placements of ``like`` (no communication)."""
+    from torch.distributed.tensor import Replicate
+
+    cls, mesh = _dtensor_type(), like.device_mesh
+    replicated = cls.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, like.placements).to_local()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -269,7 +332,9 @@ def classify_parameters(model: nn.Module, per_head: bool = True, router: str = "
             elif isinstance(mod, Router):
                 out.append((name, p, router, None, True))
             elif p.dim() == 2:
-                hd = heads.get(type(parent), {}).get(leaf) if isinstance(mod, nn.Linear) else None
+                # isinstance, not type(): FSDP2 swaps a sharded module's class for a subclass of it
+                per_class = next((v for cls, v in heads.items() if isinstance(parent, cls)), {})
+                hd = per_class.get(leaf) if isinstance(mod, nn.Linear) else None
                 if hd is not None and per_head:
                     if p.shape[0] % hd:
                         raise ValueError(f"{name} has {p.shape[0]} rows, not a multiple of its head size {hd}")

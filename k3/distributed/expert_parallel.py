@@ -1,0 +1,174 @@
+"""Expert parallelism with a latent all-to-all, applied to a built model.
+
+``apply_expert_parallel(model, meshes)`` splits the routed experts of every MoE layer over the ``ep`` ranks: rank
+``r`` keeps experts [r * E/ep, (r + 1) * E/ep), stored as DTensors on ``meshes.ep`` with placement Shard(0) (the
+expert dim), so torch.distributed.checkpoint sees the global [E, ...] stacks. The ranks of one EP group hold
+different tokens (they are data-parallel for everything else) and the same router (replicated), so one MoE layer
+runs as:
+
+  router (local tokens)  -> top-k experts and weights of every local token
+  z = routed_expert_down_proj(x)                             the LATENT rows [N, l] travel, not x [N, d]
+  counts all-to-all      -> how many rows each rank sends to each expert of each other rank ([ep, E/ep] ints)
+  rows all-to-all        -> each (token, chosen expert) row of z goes to the rank owning the expert, grouped by
+                            (source rank, local expert); differentiable (:class:`_AllToAll`, whose backward is the
+                            reverse all-to-all; torch.distributed.nn.functional's is deprecated in torch 2.13)
+  local experts          -> k3.ops.moe.moe_experts on the received rows, one local expert per row, weight 1
+                            (the dispatched op: the grouped-GEMM kernel on GPUs)
+  rows all-to-all back   -> each row returns to its source rank
+  combine                -> y_t = sum_j p_tj E_j(z_t) on the source rank, in fp32, so the routing weights (and
+                            through them the router) get their gradients there, exactly as on one device
+
+Backward runs the two all-to-alls in reverse; an expert's gradient on its rank then sums over every token of the
+EP group, and :func:`k3.distributed.fsdp.reduce_expert_grads` sums it over the ranks holding replicas of the same
+expert shard (``dp_rep`` x ``cp``). With QAT (``MoE.qat``) the local experts run on fake-quantised weights and
+inputs: MXFP4 weights are quantised per expert row and MXFP8 inputs per token row, so quantising the local shard /
+the received rows is exactly what one device does.
+
+The model code never imports torch.distributed: the hook is ``MoE.expert_dispatch`` (None = local experts).
+Every rank of an EP group must run every MoE forward and backward (the all-to-alls are collectives), also with
+no tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+
+from k3.model.moe import MoE
+from k3.ops.dtypes import upcast
+from k3.ops.moe import moe_experts
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable ``all_to_all_single`` of rows: x [sum(send), ...] -> [sum(recv), ...]; the backward sends the
+    row gradients back along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, recv_splits: list[int], send_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (recv_splits, send_splits), group
+        return _all_to_all(x, recv_splits, send_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        recv_splits, send_splits = ctx.splits
+        return _all_to_all(grad, send_splits, recv_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x: Tensor, recv_splits: list[int], send_splits: list[int], group) -> Tensor:
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+def all_to_all_rows(x: Tensor, recv_splits: list[int], send_splits: list[int], group) -> Tensor:
+    """Send rows x[sum(send_splits[:i]) : ...][send_splits[i]] to rank i of ``group``, receive recv_splits[i] rows
+    from it (differentiable)."""
+    return _AllToAll.apply(x, recv_splits, send_splits, group)
+
+
+class LatentAllToAll:
+    """``MoE.expert_dispatch`` for one EP group: ``(moe, z [N, D], topk_idx [N, k], topk_weight [N, k]) -> [N, D]``.
+
+    ``last_send_counts`` (ints, one per EP rank) is how many rows the last forward sent to each rank (for tests and
+    load statistics)."""
+
+    def __init__(self, group, ep_size: int, ep_rank: int, num_experts: int):
+        if num_experts % ep_size:
+            raise ValueError(f"ep={ep_size} must divide the number of routed experts ({num_experts})")
+        self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        self.num_experts, self.num_local = num_experts, num_experts // ep_size
+        self.last_send_counts: list[int] | None = None
+
+    def __call__(self, moe: MoE, z: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Tensor:
+        n, k = topk_idx.shape
+        width = z.shape[-1]
+        flat_expert = topk_idx.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)  # rows grouped by expert, so by destination rank too
+        token = order // k  # flat (token, slot) index -> token
+        # [E] rows per global expert = [ep, E/ep] rows per (destination rank, its local expert)
+        send_counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [ep, E/ep]: (source, local expert)
+        counts = torch.stack([send_counts, recv_counts]).cpu()  # one host read per layer: the split sizes
+        send_splits = counts[0].view(self.ep_size, self.num_local).sum(1).tolist()
+        recv_splits = counts[1].view(self.ep_size, self.num_local).sum(1).tolist()
+        self.last_send_counts = send_splits
+
+        rows = z[token]  # [N*k, D], sorted by (destination, local expert)
+        received = all_to_all_rows(rows, recv_splits, send_splits, self.group)
+        local_ids = torch.arange(self.num_local, device=z.device).repeat(self.ep_size)
+        local_idx = torch.repeat_interleave(local_ids, recv_counts.to(z.device))
+        out = self._local_experts(moe, received, local_idx)
+        back = all_to_all_rows(out, send_splits, recv_splits, self.group)
+        weight = upcast(topk_weight.reshape(-1)[order]).unsqueeze(-1)
+        y = torch.zeros(n, width, dtype=torch.promote_types(z.dtype, torch.float32), device=z.device)
+        return y.index_add(0, token, upcast(back) * weight).to(z.dtype)
+
+    def _local_experts(self, moe: MoE, rows: Tensor, local_idx: Tensor) -> Tensor:
+        """E_{local_idx[i]}(rows[i]) for every received row (routing weight 1)."""
+        if rows.shape[0] == 0:  # keep the graph connected: the backward all-to-all must run on every rank
+            return rows * 0
+        w1, w2, w3 = (_local(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        idx = local_idx.unsqueeze(1)
+        if moe.qat is None:
+            return moe_experts(rows, idx, ones, w1, w2, w3, moe.glu)
+        q = moe.qat
+        return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu,
+                           act_quant=q.act_quant)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def expert_parameters(model: nn.Module, expert_parallel_only: bool = False) -> list[nn.Parameter]:
+    """The routed-expert stacks (w1, w2, w3 of every MoE layer), in module order; with ``expert_parallel_only``
+    only those split by :func:`apply_expert_parallel` (not FSDP-sharded or plain ones)."""
+    return [getattr(m.experts, name) for m in moe_layers(model)
+            if not expert_parallel_only or isinstance(m.expert_dispatch, LatentAllToAll) for name in EXPERT_WEIGHTS]
+
+
+def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
+    """Keep only this rank's E/ep experts of every MoE layer (DTensors, Shard(0) on ``meshes.ep``) and route the
+    latent rows through :class:`LatentAllToAll`. In place; returns the model. No-op when ep == 1.
+
+    Call on the built (and initialised / loaded) model, identical on every rank, BEFORE ``apply_fsdp`` (which
+    leaves these DTensors to EP) and before building the optimiser. Parameters are sliced on their current
+    device, which must be the mesh's device type.
+    """
+    mesh = meshes.ep
+    ep = mesh.size()
+    layers = moe_layers(model)
+    if ep == 1 or not layers:
+        return model
+    rank = mesh.get_local_rank()
+    group = mesh.get_group()
+    for moe in layers:
+        if moe.expert_dispatch is not None:
+            raise ValueError(f"MoE layer {moe.layer_idx} already has an expert dispatch (EP applied twice?)")
+        w1 = moe.experts.w1
+        if not isinstance(w1, nn.Parameter) or isinstance(w1, DTensor):
+            raise ValueError(f"apply_expert_parallel: MoE layer {moe.layer_idx} has no plain [E, I, D] expert "
+                             "parameters (packed inference experts, or already sharded)")
+        e = w1.shape[0]
+        if e % ep:
+            raise ValueError(f"--ep={ep} must divide the number of routed experts ({e})")
+        lo, hi = rank * (e // ep), (rank + 1) * (e // ep)
+        for name in EXPERT_WEIGHTS:
+            full = getattr(moe.experts, name)
+            if full.device.type != mesh.device_type:
+                raise ValueError(f"expert weights on {full.device.type} but the mesh is on {mesh.device_type}")
+            local = full.detach()[lo:hi].clone()
+            dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            setattr(moe.experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+        moe.expert_dispatch = LatentAllToAll(group, ep, rank, e)
+    return model
