@@ -227,10 +227,10 @@ GRIDS: dict[str, Grid] = {
     "default": Grid(
         name="default", description="small preset, every variant and pair of removals, 2 seeds (GPU)",
         preset="small", variants=ALL_VARIANTS + PAIRS, seeds=(0, 1),
-        train=dict(steps=400, batch_size=32, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
-                   max_tokens=None, eval_every=100, eval_rows=128, save_every=200, lr=3e-3),
+        train=dict(steps=200, batch_size=16, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
+                   max_tokens=None, eval_every=50, eval_rows=128, save_every=100, lr=3e-3),
         mqar=MQARSettings(variants=("full", "no_kda", "no_mla", "no_attnres"), num_pairs=(16, 64),
-                          num_keys=256, num_values=256, steps=1500, batch_size=64, eval_size=1024, seeds=(0,))),
+                          num_keys=256, num_values=256, steps=800, batch_size=64, eval_size=1024, seeds=(0,))),
 }
 
 
@@ -330,10 +330,12 @@ def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict
     summary_path = run_dir / "summary.json"
     step = _checkpoint_step(run_dir) if run_dir.exists() else None
     status, wall = "done", None
-    if summary_path.is_file() and step is not None:
+    if summary_path.is_file():
+        # a finished run is skipped even if its checkpoints were deleted (e.g. only summaries and metrics were
+        # kept from a GPU machine); a diverged one only while its checkpoint is where it stopped
         summary = json.loads(summary_path.read_text())
-        finished = summary.get("status") == "done" and step >= cfg.steps
-        stopped = summary.get("status") == "diverged" and step == summary.get("checkpoint_step")
+        finished = summary.get("status") == "done" and (step is None or step >= cfg.steps)
+        stopped = summary.get("status") == "diverged" and step is not None and step == summary.get("checkpoint_step")
         if summary.get("steps") == cfg.steps and (finished or stopped):
             summary["skipped"] = True
             return summary

@@ -469,11 +469,11 @@ SWEEPS: dict[str, Sweep] = {
         seeds=(0,), train=dict(steps=60, batch_size=8, seq_len=128, vocab_size=1024,
                                tokenizer_train_bytes=1_000_000, max_tokens=300_000, eval_every=30, eval_rows=32)),
     "gpu": Sweep(
-        name="gpu", description="5 sizes x 2 architectures, 600 steps of 32 x 512 tokens each (H200)",
+        name="gpu", description="5 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
         preset="small", sizes=((128, 4), (192, 4), (256, 6), (320, 6), (384, 8)), head_dim=64,
         archs={"k3": "full", "baseline": BASELINE}, seeds=(0,),
-        train=dict(steps=600, batch_size=32, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
-                   max_tokens=None, eval_every=200, eval_rows=128, save_every=200, lr=3e-3)),
+        train=dict(steps=300, batch_size=16, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
+                   max_tokens=None, eval_every=100, eval_rows=128, save_every=150, lr=3e-3)),
 }
 
 

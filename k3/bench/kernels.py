@@ -86,13 +86,18 @@ def moe_layer(rows: list, tokens=(4096, 16384, 65536), hidden=2048, latent=1024,
 
 
 def run(out_dir: str | None = None, quick: bool = False) -> None:
+    """MoE cases first (no autotuning), then KDA (fla autotunes each new shape for minutes on a fresh machine);
+    the table is rewritten after every case so an interrupted run keeps what it measured."""
     backend.set_backend("fast")
     roof = matmul_flops()
     rows: list = []
-    kda_layer(rows, lengths=(4096, 16384) if quick else (4096, 16384, 65536))
-    moe_layer(rows, tokens=(4096,) if quick else (4096, 16384, 65536), roof=roof)
     meta = environment() | {"bf16_matmul_TFLOPs": roof / 1e12}
-    write_results("kernels", rows, ["case", "T", "ours_fwd_ms", "ours_fwdbwd_ms", "fla_fwd_ms", "fla_fwdbwd_ms",
-                                    "ratio_fwdbwd", "sdpa_fwd_ms", "sdpa_fwdbwd_ms", "layer_ms", "experts_grouped_ms",
-                                    "experts_loop_ms", "speedup_vs_loop", "experts_TFLOPs", "fraction_of_roof",
-                                    "router_qb_share"], meta, out_dir=out_dir)
+    columns = ["case", "T", "ours_fwd_ms", "ours_fwdbwd_ms", "fla_fwd_ms", "fla_fwdbwd_ms", "ratio_fwdbwd",
+               "sdpa_fwd_ms", "sdpa_fwdbwd_ms", "layer_ms", "experts_grouped_ms", "experts_loop_ms",
+               "speedup_vs_loop", "experts_TFLOPs", "fraction_of_roof", "router_qb_share"]
+    for n in (4096,) if quick else (4096, 16384, 65536):
+        moe_layer(rows, tokens=(n,), roof=roof)
+        write_results("kernels", rows, columns, meta, out_dir=out_dir)
+    for t in (4096, 16384) if quick else (4096, 16384, 65536):
+        kda_layer(rows, lengths=(t,))
+        write_results("kernels", rows, columns, meta, out_dir=out_dir)

@@ -89,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         return dataclasses.replace(cfg, steps=args.steps or cfg.steps, device=args.device)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if args.task == "vision":  # ~12 minutes on 2 CPU cores with the small preset
+    if args.task == "vision":  # ~13 minutes on 2 CPU cores with the small preset
         values = {**VISION_DEFAULTS, **values}
     values["overrides"] = dict(args.overrides)
     values["out"] = out

@@ -145,6 +145,15 @@ def test_micro_grid_end_to_end_and_resumable(tmp_path, small_data):
     assert lines[:3] == before  # the first three steps are kept, not retrained
     assert not resumed["skipped"] and resumed["steps_done"] == 4 and resumed["checkpoint_step"] == 4
 
+    # a finished run whose checkpoints were deleted (only summary + metrics kept) is still skipped
+    import shutil
+
+    shutil.rmtree(out / "runs" / "no_kda-s1" / "checkpoints")
+    kept = json.loads((out / "runs" / "no_kda-s1" / "summary.json").read_text())
+    cfg = TrainConfig(**json.loads((out / "runs" / "no_kda-s1" / "train_config.json").read_text()))
+    again = run_one(cfg, {"variant": "no_kda", "seed": 1}, plots=False)
+    assert again["skipped"] and again["val_loss"] == kept["val_loss"]
+
 
 def test_grid_settings_are_consistent():
     for name in ("micro", "smoke", "default"):
