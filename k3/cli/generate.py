@@ -71,7 +71,8 @@ def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, 
     n = last.completion_tokens if last else 0
     ttft = first - start if first else None
     rate = (n - 1) / (elapsed - ttft) if ttft is not None and n > 1 and elapsed > ttft else None
-    return {"prompt_tokens": len(prompt), "completion_tokens": n, "finish_reason": reason, "seconds": elapsed,
+    prompt_tokens = last.prompt_tokens if last else len(prompt)  # after media placeholders are expanded
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "finish_reason": reason, "seconds": elapsed,
             "first_token_s": ttft, "tokens_per_s": rate}
 
 

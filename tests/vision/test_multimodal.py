@@ -175,3 +175,27 @@ def test_k3_train_vision_runs_end_to_end(tmp_path):
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "val_acc_all" in history[-1] and history[-1]["val_loss"] < history[0]["val_loss_init"]
     assert isinstance(from_pretrained(out / "checkpoints" / "step-000003"), K3ForConditionalGeneration)
+
+
+def test_k3_generate_with_an_image(tmp_path, capsys):
+    from k3.cli.main import main
+    from k3.model.decoder import K3ForCausalLM
+
+    tok = task_tokenizer(400)
+    torch.manual_seed(2)
+    cfg = with_vision(get_preset("tiny")).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **media_ids(tok))
+    K3ForConditionalGeneration(cfg).save_pretrained(tmp_path / "mm")
+    tok.save(tmp_path / "mm")
+    png = tmp_path / "q.png"
+    images(1)[0].save(png)
+    args = ["generate", "--ckpt", str(tmp_path / "mm"), "--image", str(png), "--prompt", " how many shapes ?",
+            "--temperature", "0", "--max-tokens", "3"]
+    assert main(args) == 0
+    stats = capsys.readouterr().err
+    n_image = merged_tokens(ImageProcessor.from_config(cfg.vision).process([png])[1][0].tolist(), 2)
+    assert f"[{len(tok.encode(' how many shapes ?')) + n_image + 2} prompt" in stats  # + begin / end tokens
+    K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size)).save_pretrained(tmp_path / "text")
+    tok.save(tmp_path / "text")
+    args[2] = str(tmp_path / "text")
+    assert main(args) != 0
+    assert "needs a multimodal checkpoint" in capsys.readouterr().err
