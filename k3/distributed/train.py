@@ -142,7 +142,7 @@ class DistributedTrainer(Trainer):
     def trainer_state(self) -> dict:
         state = super().trainer_state()
         state.pop("optimizer")  # in the DCP state
-        state.pop("rng")  # per-rank RNG states are not one value; dropout-free training does not need them
+        state["rng"] = None  # per-rank RNG states are not one value; dropout-free training does not need them
         return state
 
     def save(self) -> Path:
@@ -150,8 +150,7 @@ class DistributedTrainer(Trainer):
         pointer, so the directory counts as complete only once all of it is written."""
         root = self.run_dir / "checkpoints"
         path = root / f"step-{self.step:06d}"
-        dcp_save(path, self.model, self.optimizer, {**self.trainer_state(), "rng": None,
-                                                    "parallel": dataclasses.asdict(self.dims)})
+        dcp_save(path, self.model, self.optimizer, {**self.trainer_state(), "parallel": dataclasses.asdict(self.dims)})
         if self.is_main:
             (path / "config.json").write_text(json.dumps(to_hf_config(self.model_cfg), indent=2))
             self.tokenizer.save(path)

@@ -133,7 +133,7 @@ def test_engine_rejects_bad_image_requests(model):
     assert not engine.has_work()
 
 
-def test_server_takes_image_url_data_uris(model, tmp_path):
+def test_server_takes_image_url_data_uris():
     from tests.infer.test_server import LiveServer
 
     tok = task_tokenizer(400)
