@@ -319,6 +319,18 @@ def summarise_history(history: list[dict], tail: int | None = None) -> dict:
     }
 
 
+def hardware(device: str) -> str:
+    """What a run trained on, for its summary: the GPU's name or the CPU thread count, and the ops backend."""
+    import torch
+
+    from k3.ops import backend
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    return f"{name}, backend {backend.get_backend()}"
+
+
 def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict:
     """Train (or skip / resume) one run and write ``summary.json`` next to its metrics; returns the summary.
 
@@ -360,11 +372,84 @@ def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict
                "checkpoint_step": _checkpoint_step(run_dir),
                "wall_s": wall if wall is not None else float(sum(h.get("step_time", 0.0) for h in history)),
                "run_dir": str(run_dir)}
+    if wall is not None:
+        summary["hardware"] = hardware(cfg.device)
     if "params_activated" in meta and summary["tokens"]:
         summary["compute"] = 6.0 * meta["params_activated"] * summary["tokens"]
     summary_path.write_text(json.dumps(summary, indent=2))
     summary["skipped"] = False
     return summary
+
+
+def _run_job(job: tuple, progress: bool = False) -> dict:
+    """``run_one(cfg, meta, plots=plots)`` for a ``(cfg, meta, plots)`` job (module level: a pool worker)."""
+    cfg, meta, plots = job
+    return run_one(cfg, meta, progress=progress, plots=plots)
+
+
+def _run_tagged(job: tuple) -> dict:
+    kind, payload = job
+    return _run_job(payload) if kind == "train" else _run_mqar_job(payload)
+
+
+def _worker_init(threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s [worker] %(message)s", datefmt="%H:%M:%S")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def check_jobs(jobs) -> None:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs={jobs!r} must be a positive integer")
+
+
+def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None = None,
+             warm_first: bool = True) -> list:
+    """``[fn(job) for job in jobs]``, in order; ``done(i, result)`` is called as each one finishes.
+
+    ``workers > 1``: the first job runs alone in this process (it fills the Triton compile and autotune caches
+    that the others then read; ``warm_first=False`` when they are warm already), the rest in a pool of ``workers`` spawned processes sharing the machine and its
+    GPU (small models leave a GPU mostly idle, so runs side by side finish sooner; each keeps its own seed and
+    results). ``fn`` must be a module-level function (it is pickled).
+    """
+    check_jobs(workers)
+    results: list = [None] * len(jobs)
+    serial = len(jobs) if workers == 1 else min(int(warm_first), len(jobs))
+    for i in range(serial):
+        results[i] = fn(jobs[i])
+        if done:
+            done(i, results[i])
+    if serial == len(jobs):
+        return results
+    import concurrent.futures as cf
+    import multiprocessing
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    log.info("running %d jobs in %d worker processes (%d CPU threads each)", len(jobs) - serial, workers, threads)
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                                initargs=(threads,)) as pool:
+        futures = {pool.submit(fn, jobs[i]): i for i in range(serial, len(jobs))}
+        failed = []
+        for fut in cf.as_completed(futures):
+            i = futures[fut]
+            try:
+                results[i] = fut.result()
+            except Exception as e:  # the others go on; this one is reported now and again at the end
+                log.error("job %d of %d failed: %s", i + 1, len(jobs), e, exc_info=e)
+                failed.append((i, e))
+                continue
+            if done:
+                done(i, results[i])
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed (the others finished and are kept): "
+                           + "; ".join(f"job {i + 1}: {type(e).__name__}: {e}" for i, e in sorted(failed)))
+    return results
 
 
 def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str):
@@ -376,10 +461,15 @@ def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokeni
 
 
 def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str = "auto", progress: bool = False,
-             mqar: bool = True) -> dict:
-    """Run (or resume) every run of ``grid`` under ``out``, then MQAR, then write the report. Returns results."""
+             mqar: bool = True, jobs: int = 1, report_only: bool = False, warm_first: bool = True) -> dict:
+    """Run (or resume) every run of ``grid`` under ``out``, then MQAR, then write the report. Returns results.
+
+    ``jobs``: runs side by side (:func:`run_jobs`). ``report_only``: train nothing; report the finished runs on
+    disk (the report lists the missing ones).
+    """
     from k3.audit.ablate_report import _fmt, aggregate, write_report  # the report needs this module
 
+    check_jobs(jobs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -393,8 +483,7 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
 
     tok = Tokenizer.load(tok_path)
     sized = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
-    summaries = []
-    total = len(variants) * len(grid.seeds)
+    plan = []
     for v in variants:
         meta_params = params_of(variant_config(sized, v))
         for seed in grid.seeds:
@@ -402,17 +491,55 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
             cfg = _train_config(grid, v, seed, run_dir, tok_path, data, device)
             meta = {"variant": v.name, "label": v.name, "seed": seed, "balance": v.balance,
                     "description": v.description, "overrides": v.overrides, **meta_params}
-            s = run_one(cfg, meta, progress=progress, plots=grid.run_plots)
-            summaries.append(s)
-            log.info("[%d/%d] %s seed %d: %s val loss %s (%.0fs)", len(summaries), total, v.name, seed,
-                     "skipped," if s.get("skipped") else "", _fmt(s.get("val_loss")), s.get("wall_s") or 0)
-    mqar_results = run_mqar_grid(grid, mqar_plan, out, device) if mqar_plan else []
+            plan.append((cfg, meta, grid.run_plots))
+    missing: list[str] = []
+    mqar_results, mqar_todo = mqar_jobs(grid, mqar_plan, out, device, report_only, missing) if mqar_plan else ([], [])
+    if report_only:
+        summaries = []
+        for cfg, meta, _ in plan:
+            s = finished_summary(cfg)
+            if s is None:
+                missing.append(Path(cfg.out).name)
+            else:
+                summaries.append(s)
+    else:
+        def done(i: int, r: dict) -> None:
+            if i < len(mqar_todo):
+                log.info("MQAR %s pairs %d seed %d: accuracy %.3f (chance %.3f, %.0fs)", r["variant"],
+                         r["task"]["num_pairs"], r["seed"], r["accuracy"], r["chance"], r["train_s"])
+            else:
+                log.info("[%d/%d] %s seed %d: %s val loss %s (%.0fs)", i - len(mqar_todo) + 1, len(plan),
+                         r["variant"], r["seed"], "skipped," if r.get("skipped") else "", _fmt(r.get("val_loss")),
+                         r.get("wall_s") or 0)
+
+        # the MQAR runs go first: single long runs that would otherwise finish last, alone
+        work = [("mqar", j) for j in mqar_todo] + [("train", (cfg, meta, plots)) for cfg, meta, plots in plan]
+        if jobs == 1:
+            out_all = []
+            for i, (kind, j) in enumerate(work):
+                out_all.append(_run_job(j, progress) if kind == "train" else _run_mqar_job(j))
+                done(i, out_all[-1])
+        else:
+            out_all = run_jobs(_run_tagged, work, jobs, done, warm_first)
+        mqar_results += out_all[:len(mqar_todo)]
+        summaries = out_all[len(mqar_todo):]
+    if missing:
+        log.warning("%d runs are not finished (report written without them): %s", len(missing), ", ".join(missing))
     results = aggregate(summaries)
     report = {"grid": grid.name, "out": str(out), "runs": summaries, "variants": results, "mqar": mqar_results,
-              "wall_s_this_invocation": time.perf_counter() - t_start}
+              "missing": missing, "wall_s_this_invocation": time.perf_counter() - t_start}
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    write_report(out, grid, summaries, results, mqar_results, data)
+    write_report(out, grid, summaries, results, mqar_results, data, missing)
     return report
+
+
+def finished_summary(cfg) -> dict | None:
+    """The ``summary.json`` of a run of ``cfg`` that finished (done, or diverged) with ``cfg.steps``, else None."""
+    path = Path(cfg.out) / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    return s if s.get("steps") == cfg.steps and s.get("status") in ("done", "diverged") else None
 
 
 def mqar_runs(grid: Grid, base: K3Config) -> list[tuple[Variant, MQARTask, K3Config, int]]:
@@ -431,14 +558,25 @@ def mqar_runs(grid: Grid, base: K3Config) -> list[tuple[Variant, MQARTask, K3Con
     return plan
 
 
-def run_mqar_grid(grid: Grid, plan: list, out: Path, device: str) -> list[dict]:
+def _run_mqar_job(job: tuple) -> dict:
+    """Train one MQAR model and write its result file (module level: pool worker)."""
+    name, task, cfg, tcfg, path = job
+    r = {"variant": name, **train_mqar(cfg, task, tcfg)}
+    path.write_text(json.dumps(r, indent=2))
+    return r
+
+
+def mqar_jobs(grid: Grid, plan: list, out: Path, device: str, report_only: bool = False,
+              missing: list | None = None) -> tuple[list[dict], list[tuple]]:
+    """(results already in ``OUT/mqar``, jobs for :func:`_run_mqar_job` still to run) for the MQAR ``plan``;
+    with ``report_only`` nothing is to run and the unfinished ones are named in ``missing``."""
     import torch
 
     st = grid.mqar
     mdir = out / "mqar"
     mdir.mkdir(exist_ok=True)
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    results = []
+    results, todo = [], []
     for v, task, cfg, seed in plan:
         path = mdir / f"{v.name}-p{task.num_pairs}-s{seed}.json"
         if path.is_file():
@@ -446,11 +584,11 @@ def run_mqar_grid(grid: Grid, plan: list, out: Path, device: str) -> list[dict]:
             if r.get("steps") == st.steps and r.get("task") == dataclasses.asdict(task):
                 results.append(r)
                 continue
+        if report_only:
+            if missing is not None:
+                missing.append(f"mqar/{path.stem}")
+            continue
         tcfg = MQARTrainConfig(steps=st.steps, batch_size=st.batch_size, lr=st.lr, eval_size=st.eval_size,
                                seed=seed, device=dev)
-        r = {"variant": v.name, **train_mqar(cfg, task, tcfg)}
-        path.write_text(json.dumps(r, indent=2))
-        log.info("MQAR %s pairs %d seed %d: accuracy %.3f (chance %.3f, %.0fs)", v.name, task.num_pairs, seed,
-                 r["accuracy"], r["chance"], r["train_s"])
-        results.append(r)
-    return results
+        todo.append((v.name, task, cfg, tcfg, path))
+    return results, todo

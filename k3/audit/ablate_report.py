@@ -80,7 +80,7 @@ def _mqar_rows(mqar_results: list[dict]) -> list[dict]:
 
 
 def write_report(out: Path, grid: Grid, summaries: list[dict], rows: list[dict], mqar_results: list[dict],
-                 data: str | None = None) -> Path:
+                 data: str | None = None, missing: list[str] | None = None) -> Path:
     out = Path(out)
     plot_val_loss(rows, out / "val_loss.png")
     frontier = [r for r in rows if not r["model_overrides"]]
@@ -104,10 +104,19 @@ def write_report(out: Path, grid: Grid, summaries: list[dict], rows: list[dict],
         "",
         "Validation loss (nats/token) and bits/byte are the final evaluation; MaxVio is the global-batch MaxVio "
         "(max load / mean load - 1, mean over MoE layers) averaged over the last steps; dead = experts with no "
-        "token in a step, summed over layers, same average; wall = seconds per run; params are counted on the "
+        "token in a step, summed over layers, same average; wall = seconds per run (runs started with `--jobs` share "
+        "the machine, so wall is not a speed comparison); params are counted on the "
         "meta device (activated: per token, input embedding excluded). ± is the standard deviation over seeds; "
         "Δ vs full is paired by seed (a seed fixes the data order for every variant).",
         "",
+    ]
+    hw = sorted({s["hardware"] for s in summaries if s.get("hardware")})
+    if hw:
+        lines += [f"Trained on: {'; '.join(hw)}.", ""]
+    if missing:
+        lines += [f"**Not finished yet ({len(missing)}; left out of every table):** "
+                  + ", ".join(f"`{m}`" for m in missing) + ".", ""]
+    lines += [
         "| variant | balance | val loss | Δ vs full | bits/byte | MaxVio | dead | total params | activated | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -469,8 +469,8 @@ SWEEPS: dict[str, Sweep] = {
         seeds=(0,), train=dict(steps=60, batch_size=8, seq_len=128, vocab_size=1024,
                                tokenizer_train_bytes=1_000_000, max_tokens=300_000, eval_every=30, eval_rows=32)),
     "gpu": Sweep(
-        name="gpu", description="5 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
-        preset="small", sizes=((128, 4), (192, 4), (256, 6), (320, 6), (384, 8)), head_dim=64,
+        name="gpu", description="4 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
+        preset="small", sizes=((128, 4), (192, 4), (256, 6), (384, 8)), head_dim=64,
         archs={"k3": "full", "baseline": BASELINE}, seeds=(0,),
         train=dict(steps=300, batch_size=16, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
                    max_tokens=None, eval_every=100, eval_rows=128, save_every=150, lr=3e-3)),
@@ -485,13 +485,17 @@ def get_sweep(name: str) -> Sweep:
 
 
 def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: str = "auto",
-              progress: bool = False) -> list[dict]:
-    """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries."""
-    from k3.audit.ablate import ensure_tokenizer, make_variant, params_of, run_one, variant_config
+              progress: bool = False, jobs: int = 1, warm_first: bool = True) -> list[dict]:
+    """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
+
+    ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.ablate.run_jobs`)."""
+    from k3.audit.ablate import (_run_job, check_jobs, ensure_tokenizer, make_variant, params_of, run_jobs, run_one,
+                                 variant_config)
     from k3.config import get_preset
     from k3.train.tokenizer import Tokenizer
     from k3.train.trainer import TrainConfig
 
+    check_jobs(jobs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({**dataclasses.asdict(sweep), "data": data}, indent=2))
@@ -512,7 +516,7 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
             v = make_variant(vname, base)
             params = params_of(variant_config(full_vocab, v))
             plan += [(label, v, sized_ov, width, layers, steps, seed, params) for seed in sweep.seeds]
-    summaries = []
+    work = []
     for label, v, sized_ov, width, layers, steps, seed, params in plan:
         run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
         train = {**sweep.train, "steps": steps}
@@ -522,8 +526,15 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
                           samples=0, **train)
         meta = {"label": label, "variant": v.name, "width": width, "layers": layers, "seed": seed,
                 "balance": v.balance, **params}
-        s = run_one(cfg, meta, progress=progress, plots=sweep.run_plots)
-        log.info("[%d/%d] %s w%d l%d seed %d: %sval loss %s", len(summaries) + 1, len(plan), label, width, layers,
-                 seed, "skipped, " if s.get("skipped") else "", s.get("val_loss"))
-        summaries.append(s)
-    return summaries
+        work.append((cfg, meta, sweep.run_plots))
+
+    def done(i: int, s: dict) -> None:
+        log.info("[%d/%d] %s w%d l%d seed %d: %sval loss %s", i + 1, len(work), s["label"], s["width"], s["layers"],
+                 s["seed"], "skipped, " if s.get("skipped") else "", s.get("val_loss"))
+
+    if jobs == 1:
+        summaries = [run_one(cfg, meta, progress=progress, plots=plots) for cfg, meta, plots in work]
+        for i, s in enumerate(summaries):
+            done(i, s)
+        return summaries
+    return run_jobs(_run_job, work, jobs, done, warm_first)

@@ -1,8 +1,9 @@
 """``k3 ablate --grid NAME --out DIR``: run an ablation grid (resumable) and write its report.
 
 Grids: ``smoke`` (tiny preset, every variant kind, 2 seeds, ~10 minutes on a 2-core CPU), ``default`` (small
-preset, every variant and pair of removals, 3 seeds; meant for a GPU), ``micro`` (tests). Re-running the same
-command skips finished runs and resumes interrupted ones; ``--report-only`` rewrites the report from disk.
+preset, every variant and pair of removals, 2 seeds; meant for a GPU), ``micro`` (tests). Re-running the same
+command skips finished runs and resumes interrupted ones; ``--report-only`` rewrites the report from disk;
+``--jobs N`` trains N runs side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run instead of the grid's")
     p.add_argument("--no-mqar", dest="mqar", action="store_false", help="skip the MQAR recall runs")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--progress", action="store_true", help="per-run progress bars")
+    p.add_argument("--progress", action="store_true", help="per-run progress bars (only with --jobs 1)")
+    p.add_argument("--no-warm-first", dest="warm_first", action="store_false",
+                   help="with --jobs: start every worker at once instead of running the first run alone first (it "
+                        "fills the Triton compile / autotune caches; skip when they are warm)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained side by side in worker processes (default 1; e.g. 6 on one GPU: small "
+                        "models leave it mostly idle); the first run goes alone to fill the kernel caches")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: write the report from the finished runs on disk, listing the missing ones")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)")
     p.add_argument("--list", action="store_true", help="print the grids and variants and exit")
@@ -68,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds:
         grid = dataclasses.replace(grid, seeds=args.seeds)
     out = Path(args.out or f"runs/ablate-{grid.name}")
-    result = run_grid(grid, out, data=args.data, device=args.device, progress=args.progress, mqar=args.mqar)
+    result = run_grid(grid, out, data=args.data, device=args.device, progress=args.progress, mqar=args.mqar,
+                      jobs=args.jobs, report_only=args.report_only, warm_first=args.warm_first)
     for row in result["variants"]:
         std = row["val_loss_std"]
         print(f"{row['variant']:<24} val loss {row['val_loss_mean']:.4f}" + (f" ± {std:.4f}" if std else "")

@@ -32,6 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default=None, help="--sweep: training data as for k3 train (default: stdlib)")
     p.add_argument("--device", default="auto", help="--sweep: auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="--sweep: per-run progress bars")
+    p.add_argument("--no-warm-first", dest="warm_first", action="store_false",
+                   help="with --jobs: start every worker at once instead of running the first run alone first (it "
+                        "fills the Triton compile / autotune caches; skip when they are warm)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="--sweep: runs trained side by side in worker processes (default 1; e.g. 6 on one GPU)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)")
     p.set_defaults(func=run)
@@ -44,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     runs_dir = Path(args.runs) if args.runs else out / "runs"
     if args.sweep:
-        run_sweep(get_sweep(args.sweep), out, data=args.data, device=args.device, progress=args.progress)
+        run_sweep(get_sweep(args.sweep), out, data=args.data, device=args.device, progress=args.progress,
+                  jobs=args.jobs, warm_first=args.warm_first)
     runs = load_runs(runs_dir, args.group_by, args.metric)
     result = analyse(runs, args.baseline, args.irreducible, args.bootstrap, args.seed)
     path = write_outputs(result, out)

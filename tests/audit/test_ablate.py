@@ -168,3 +168,38 @@ def test_grid_settings_are_consistent():
     assert any("+" in v for v in smoke.variants)
     default = get_grid("default")
     assert set(PAIRS) <= set(default.variants) and len(default.seeds) >= 2
+
+
+def test_jobs_run_side_by_side_and_report_only(tmp_path, small_data):
+    """--jobs 2 (a spawned pool after a first run alone) gives the runs that one process gives; --report-only trains
+    nothing and lists what is missing."""
+    import dataclasses
+
+    grid = dataclasses.replace(get_grid("micro"), variants=("full", "bias_sign"), seeds=(0, 1))
+    serial = run_grid(grid, tmp_path / "serial", data=small_data, device="cpu")
+    pooled = run_grid(grid, tmp_path / "pooled", data=small_data, device="cpu", jobs=2)
+    assert [(s["variant"], s["seed"]) for s in pooled["runs"]] == [(s["variant"], s["seed"]) for s in serial["runs"]]
+    for a, b in zip(pooled["runs"], serial["runs"]):
+        assert abs(a["val_loss"] - b["val_loss"]) <= 1e-4 * abs(b["val_loss"]), (a, b)
+        assert a["hardware"].startswith("CPU")
+    assert [r["accuracy"] for r in pooled["mqar"]] == [r["accuracy"] for r in serial["mqar"]]
+
+    (tmp_path / "pooled" / "runs" / "bias_sign-s1" / "summary.json").unlink()
+    (tmp_path / "pooled" / "mqar" / "no_mla-p2-s0.json").unlink()
+    again = run_grid(grid, tmp_path / "pooled", data=small_data, device="cpu", report_only=True)
+    assert sorted(again["missing"]) == ["bias_sign-s1", "mqar/no_mla-p2-s0"]
+    assert len(again["runs"]) == 3 and not (tmp_path / "pooled" / "runs" / "bias_sign-s1" / "summary.json").exists()
+    report = (tmp_path / "pooled" / "report.md").read_text()
+    assert "Not finished yet (2" in report and "`bias_sign-s1`" in report
+    with pytest.raises(ValueError, match="jobs"):
+        run_grid(grid, tmp_path / "bad", data=small_data, device="cpu", jobs=0)
+
+
+def test_a_failing_job_is_reported_and_the_others_finish():
+    import math
+
+    done = {}
+    with pytest.raises(RuntimeError, match=r"1 of 3 jobs failed .*job 2: ValueError"):
+        ablate.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, done=lambda i, r: done.update({i: r}))
+    assert done == {0: 2.0, 2: 3.0}
+    assert ablate.run_jobs(math.sqrt, [4.0, 9.0, 16.0], workers=2, warm_first=False) == [2.0, 3.0, 4.0]

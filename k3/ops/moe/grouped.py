@@ -4,6 +4,9 @@ Token-expert pairs are sorted by expert; each expert's group of rows is padded t
 needs 16-byte-aligned groups; misaligned ones give silently wrong results), all with tensor ops of static
 shape: the padded buffer has N*k + 8E rows whatever the routing. Three grouped GEMMs (w1, w3, then w2 after the
 GLU) and a weighted scatter-add back to the tokens. Expert weights are used in bf16 (as under autocast).
+grouped_mm also needs the model and expert widths to be multiples of 8 (16-byte strides); other widths (e.g. the
+matched plain experts of an ablation, I' = 85) are zero-padded: the padded GLU columns are act(0) * 0 = 0 and the
+padded output columns are cut off, so the result is the unpadded one.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 ALIGN = 8
@@ -37,13 +41,16 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     dest = (pad_end - padded)[sorted_e] + rank  # each sorted pair's row in the padded buffer
     tokens = order // k
     rows = n * k + ALIGN * e
-    xb = x.to(torch.bfloat16)
-    xs = xb.new_zeros(rows, d).index_copy(0, dest, xb[tokens])
-    offs = pad_end.to(torch.int32)
     bf = torch.bfloat16
-    h = glu(torch._grouped_mm(xs, w1.to(bf).transpose(1, 2), offs=offs),
-            torch._grouped_mm(xs, w3.to(bf).transpose(1, 2), offs=offs))
-    y = torch._grouped_mm(h.to(bf), w2.to(bf).transpose(1, 2), offs=offs)  # [rows, D]
+    pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
+    xb = F.pad(x.to(bf), (0, pd))
+    w1b, w3b = (F.pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
+    w2b = F.pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
+    xs = xb.new_zeros(rows, d + pd).index_copy(0, dest, xb[tokens])
+    offs = pad_end.to(torch.int32)
+    h = glu(torch._grouped_mm(xs, w1b.transpose(1, 2), offs=offs),
+            torch._grouped_mm(xs, w3b.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(h.to(bf), w2b.transpose(1, 2), offs=offs)[:, :d]  # [rows, D]
     weighted = y[dest].float() * topk_weight.reshape(-1)[order].float().unsqueeze(-1)
     out = torch.zeros(n, w2.shape[1], dtype=torch.float32, device=x.device).index_add(0, tokens, weighted)
     return out.to(x.dtype)
