@@ -27,9 +27,17 @@ the received rows is exactly what one device does.
 The model code never imports torch.distributed: the hook is ``MoE.expert_dispatch`` (None = local experts).
 Every rank of an EP group must run every MoE forward and backward (the all-to-alls are collectives), also with
 no tokens.
+
+:class:`CommStats` (one per model, ``comm_stats(model)``) times every EP all-to-all (counts, rows, and the two
+reverse ones of the backward) with CUDA events (host clocks on CPU) and counts the rows each rank receives: the
+time a rank spends in them includes waiting for the slowest rank of its group, which is what expert-load imbalance
+costs in a step.
 """
 
 from __future__ import annotations
+
+import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,45 +51,81 @@ from k3.ops.moe import moe_experts
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
+class CommStats:
+    """Seconds spent in EP all-to-alls and latent rows received / sent by this rank since the last :meth:`take`."""
+
+    def __init__(self):
+        self._events: list[tuple] = []
+        self._seconds = 0.0
+        self.rows_received = 0
+        self.rows_sent = 0
+
+    @contextlib.contextmanager
+    def timed(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._seconds += time.perf_counter() - t0
+
+    def take(self) -> dict:
+        """{"a2a_s", "rows_received", "rows_sent"} so far (synchronises the GPU), and start again from zero."""
+        if self._events:
+            torch.cuda.synchronize()
+        seconds = self._seconds + sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        out = {"a2a_s": seconds, "rows_received": self.rows_received, "rows_sent": self.rows_sent}
+        self.__init__()
+        return out
+
+
 class _AllToAll(torch.autograd.Function):
     """Differentiable ``all_to_all_single`` of rows: x [sum(send), ...] -> [sum(recv), ...]; the backward sends the
     row gradients back along the reverse splits."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, recv_splits: list[int], send_splits: list[int], group) -> Tensor:
-        ctx.splits, ctx.group = (recv_splits, send_splits), group
-        return _all_to_all(x, recv_splits, send_splits, group)
+    def forward(ctx, x: Tensor, recv_splits: list[int], send_splits: list[int], group, stats=None) -> Tensor:
+        ctx.splits, ctx.group, ctx.stats = (recv_splits, send_splits), group, stats
+        return _all_to_all(x, recv_splits, send_splits, group, stats)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         recv_splits, send_splits = ctx.splits
-        return _all_to_all(grad, send_splits, recv_splits, ctx.group), None, None, None
+        return _all_to_all(grad, send_splits, recv_splits, ctx.group, ctx.stats), None, None, None, None
 
 
-def _all_to_all(x: Tensor, recv_splits: list[int], send_splits: list[int], group) -> Tensor:
+def _all_to_all(x: Tensor, recv_splits: list[int], send_splits: list[int], group, stats=None) -> Tensor:
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    with stats.timed(x.device) if stats is not None else contextlib.nullcontext():
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
 
 
-def all_to_all_rows(x: Tensor, recv_splits: list[int], send_splits: list[int], group) -> Tensor:
+def all_to_all_rows(x: Tensor, recv_splits: list[int], send_splits: list[int], group,
+                    stats: CommStats | None = None) -> Tensor:
     """Send rows x[sum(send_splits[:i]) : ...][send_splits[i]] to rank i of ``group``, receive recv_splits[i] rows
-    from it (differentiable)."""
-    return _AllToAll.apply(x, recv_splits, send_splits, group)
+    from it (differentiable; timed into ``stats`` when given, backward included)."""
+    return _AllToAll.apply(x, recv_splits, send_splits, group, stats)
 
 
 class LatentAllToAll:
     """``MoE.expert_dispatch`` for one EP group: ``(moe, z [N, D], topk_idx [N, k], topk_weight [N, k]) -> [N, D]``.
 
     ``last_send_counts`` (ints, one per EP rank) is how many rows the last forward sent to each rank (for tests and
-    load statistics)."""
+    load statistics); ``stats`` (:class:`CommStats`, shared by the layers of a model) accumulates all-to-all time
+    and row counts."""
 
-    def __init__(self, group, ep_size: int, ep_rank: int, num_experts: int):
+    def __init__(self, group, ep_size: int, ep_rank: int, num_experts: int, stats: CommStats | None = None):
         if num_experts % ep_size:
             raise ValueError(f"ep={ep_size} must divide the number of routed experts ({num_experts})")
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
         self.num_experts, self.num_local = num_experts, num_experts // ep_size
         self.last_send_counts: list[int] | None = None
+        self.stats = stats if stats is not None else CommStats()
 
     def __call__(self, moe: MoE, z: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Tensor:
         n, k = topk_idx.shape
@@ -92,18 +136,21 @@ class LatentAllToAll:
         # [E] rows per global expert = [ep, E/ep] rows per (destination rank, its local expert)
         send_counts = torch.bincount(flat_expert, minlength=self.num_experts)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [ep, E/ep]: (source, local expert)
+        with self.stats.timed(z.device):  # [ep, E/ep]: (source, local expert)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         counts = torch.stack([send_counts, recv_counts]).cpu()  # one host read per layer: the split sizes
         send_splits = counts[0].view(self.ep_size, self.num_local).sum(1).tolist()
         recv_splits = counts[1].view(self.ep_size, self.num_local).sum(1).tolist()
         self.last_send_counts = send_splits
+        self.stats.rows_sent += sum(send_splits)
+        self.stats.rows_received += sum(recv_splits)
 
         rows = z[token]  # [N*k, D], sorted by (destination, local expert)
-        received = all_to_all_rows(rows, recv_splits, send_splits, self.group)
+        received = all_to_all_rows(rows, recv_splits, send_splits, self.group, self.stats)
         local_ids = torch.arange(self.num_local, device=z.device).repeat(self.ep_size)
         local_idx = torch.repeat_interleave(local_ids, recv_counts.to(z.device))
         out = self._local_experts(moe, received, local_idx)
-        back = all_to_all_rows(out, send_splits, recv_splits, self.group)
+        back = all_to_all_rows(out, send_splits, recv_splits, self.group, self.stats)
         weight = upcast(topk_weight.reshape(-1)[order]).unsqueeze(-1)
         y = torch.zeros(n, width, dtype=torch.promote_types(z.dtype, torch.float32), device=z.device)
         return y.index_add(0, token, upcast(back) * weight).to(z.dtype)
@@ -124,6 +171,12 @@ class LatentAllToAll:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def comm_stats(model: nn.Module) -> CommStats | None:
+    """The :class:`CommStats` of a model under expert parallelism (None without)."""
+    return next((m.expert_dispatch.stats for m in moe_layers(model) if isinstance(m.expert_dispatch, LatentAllToAll)),
+                None)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -152,6 +205,7 @@ def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
         return model
     rank = mesh.get_local_rank()
     group = mesh.get_group()
+    stats = CommStats()
     for moe in layers:
         if moe.expert_dispatch is not None:
             raise ValueError(f"MoE layer {moe.layer_idx} already has an expert dispatch (EP applied twice?)")
@@ -170,5 +224,5 @@ def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
             local = full.detach()[lo:hi].clone()
             dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             setattr(moe.experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
-        moe.expert_dispatch = LatentAllToAll(group, ep, rank, e)
+        moe.expert_dispatch = LatentAllToAll(group, ep, rank, e, stats)
     return model

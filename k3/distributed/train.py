@@ -33,7 +33,7 @@ from k3.config.hf import to_hf_config
 from k3.distributed.checkpoint import load as dcp_load
 from k3.distributed.checkpoint import save as dcp_save
 from k3.distributed.context_parallel import apply_context_parallel, cp_context, shard_batch
-from k3.distributed.expert_parallel import apply_expert_parallel
+from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
@@ -133,9 +133,27 @@ class DistributedTrainer(Trainer):
         return float(clip_grad_norm_(self.model, self.cfg.clip, self.meshes))
 
     def train_step(self) -> dict:
+        """The base step; tokens and tokens/s for the global batch, tokens/s per GPU, and under expert parallelism
+        the seconds each rank spent in all-to-alls (``a2a_s_per_rank``; ``a2a_share`` = the slowest rank's share
+        of the step) and the latent rows each rank's experts received (``ep_rows_per_rank``, forward)."""
+        stats = comm_stats(self.model)
+        if stats is not None:
+            stats.take()  # drop what evaluation or sampling sent since the last step
         record = super().train_step()
         record["tokens"] *= self.dims.dp
         record["tokens_per_s"] *= self.dims.dp
+        world = dist.get_world_size()
+        record["tokens_per_s_per_gpu"] = record["tokens_per_s"] / world
+        if stats is not None:
+            c = stats.take()
+            mine = torch.tensor([c["a2a_s"], c["rows_received"]], dtype=torch.float64, device=self.device)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            a2a, rows = torch.stack(every).cpu().unbind(1)
+            record["a2a_s_per_rank"] = [round(x, 6) for x in a2a.tolist()]
+            record["a2a_share"] = float(a2a.max()) / record["step_time"]
+            record["ep_rows_per_rank"] = [int(x) for x in rows.tolist()]
+            record["ep_rows_imbalance"] = float(rows.max() / rows.mean().clamp_min(1))
         return record
 
     # ------------------------------------------------------------------ saving, plots, samples

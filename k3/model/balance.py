@@ -338,11 +338,13 @@ def router_entropy(scores: Tensor) -> Tensor:
     return -torch.special.xlogy(p, p).sum(dim=-1).mean()
 
 
-def balance_metrics(stats_list: Iterable[RouterStats]) -> dict[str, float]:
+def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
+                    ) -> dict[str, float]:
     """Per-layer and mean MaxVio, drop fraction at cf 1.0 and 1.25, dead experts and router entropy.
 
     Entries sharing a layer (micro-batches of one step) are merged: their loads are summed, giving the
-    global-batch figures. Keys: ``maxvio/layer{L}``, ``drop_cf1.0/layer{L}``, ``drop_cf1.25/layer{L}``,
+    global-batch figures; ``reduce_fn`` (an in-place sum over data-parallel ranks) extends them to the batch of
+    every rank. Keys: ``maxvio/layer{L}``, ``drop_cf1.0/layer{L}``, ``drop_cf1.25/layer{L}``,
     ``dead/layer{L}``, ``entropy/layer{L}`` and the same names with ``mean`` for the mean over layers, plus
     ``maxvio/max`` and ``dead/total``. Returns Python numbers (one host sync: this is for logging).
     """
@@ -362,6 +364,15 @@ def balance_metrics(stats_list: Iterable[RouterStats]) -> dict[str, float]:
         if not loads:
             return {}
         layers = sorted(loads)
+        if reduce_fn is not None:
+            dev = loads[layers[0]].device
+            packed = torch.stack([torch.cat([loads[lay].double(), ent[lay].double().reshape(1),
+                                             torch.tensor([tokens[lay]], dtype=torch.float64, device=dev)])
+                                  for lay in layers])
+            reduce_fn(packed)
+            counts = packed[:, -1].tolist()
+            for i, lay in enumerate(layers):
+                loads[lay], ent[lay], tokens[lay] = packed[i, :-2].round().long(), packed[i, -2], int(counts[i])
         rows = torch.stack([
             torch.stack([
                 max_vio(loads[lay]),

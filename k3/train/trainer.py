@@ -337,7 +337,7 @@ class Trainer:
                 for i, m in max_logits.items():
                     qk_clip_(self.model.model.layers[i].self_attn, m, cfg.qk_clip)
                 record["mla_max_logit"] = max(float(m.max()) for m in max_logits.values()) if max_logits else None
-            metrics = balance_metrics(stats_all)
+            metrics = balance_metrics(stats_all, reduce_fn=self.reduce_fn())  # global batch over ranks
             for s in stats_all:
                 self.recent_loads[s.layer] = self.recent_loads.get(s.layer, 0) + s.loads.cpu()
             record.update(grad_norm=grad_norm, aux_loss=aux_total, maxvio=metrics.get("maxvio/mean"),

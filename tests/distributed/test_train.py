@@ -37,12 +37,13 @@ def cfg(out, dp=1, **kw):
     return TrainConfig(**base)
 
 
-def _rank_train(rank, world, config, dims, resume):
+def _rank_train(rank, world, config, dims, resume, records=False):
     from k3.distributed.train import DistributedTrainer
 
     torch.manual_seed(0)
     trainer = DistributedTrainer(config, dims, resume=resume, progress=False)
-    return [h["loss"] for h in trainer.run()["history"]]
+    history = trainer.run()["history"]
+    return history if records else [h["loss"] for h in history]
 
 
 def single(tmp_path, name, steps=1, dp=2):
@@ -98,6 +99,28 @@ def test_one_step_equals_single_process(tmp_path, world, dims):
     losses = run(world, _rank_train, cfg(tmp_path / "dist", dp=1, batch_size=ROWS), dims, False)
     assert all(abs(loss[0] - want_loss[0]) <= 1e-6 * want_loss[0] for loss in losses), (losses, want_loss)
     compare(dist_weights(tmp_path / "dist"), want, tol=1e-4 if dims.cp > 1 else 1e-5)
+
+
+def test_expert_parallel_step_records_all_to_all_time_and_rows_per_rank(tmp_path):
+    """Rows received over the EP ranks = every (token, expert) pair of every MoE layer; time is measured per rank."""
+    config = cfg(tmp_path / "dist", dp=1, batch_size=ROWS, steps=2, eval_every=2)
+    histories = run(2, _rank_train, config, ParallelDims(dp=2, ep=2), False, True)
+    model_cfg = get_preset("tiny")
+    moe_layers = sum(model_cfg.ffn(i) == "moe" for i in range(model_cfg.num_hidden_layers))
+    for h in histories[0]:
+        rows = h["ep_rows_per_rank"]
+        assert len(rows) == 2 and min(rows) > 0
+        assert sum(rows) == 2 * ROWS * config.seq_len * model_cfg.moe.num_experts_per_token * moe_layers
+        assert h["ep_rows_imbalance"] == max(rows) / (sum(rows) / 2)
+        assert len(h["a2a_s_per_rank"]) == 2 and all(t > 0 for t in h["a2a_s_per_rank"])
+        assert 0 < h["a2a_share"] < 1
+        assert h["tokens_per_s_per_gpu"] == pytest.approx(h["tokens_per_s"] / 2)
+    assert [h["ep_rows_per_rank"] for h in histories[1]] == [h["ep_rows_per_rank"] for h in histories[0]]
+    # router metrics are those of the global batch (loads all-reduced), as one process on the whole batch
+    one = Trainer(cfg(tmp_path / "single", dp=2, steps=1), progress=False).run()["history"]
+    step0 = [h for h in one if "maxvio" in h][0]
+    assert histories[0][0]["maxvio"] == pytest.approx(step0["maxvio"], rel=1e-9)
+    assert histories[0][0]["dead_experts"] == step0["dead_experts"]
 
 
 def test_dcp_resume_on_fewer_ranks(tmp_path):

@@ -1,0 +1,100 @@
+"""Where a training step's time goes: torch.profiler over a few steps of ``k3.train.trainer.Trainer``.
+
+    python benchmarks/profile_train_step.py [--preset small] [--batch-size 16] [--seq-len 512] [--steps 3]
+
+Prints (and writes to $K3_BENCH_OUT/profile_train_step.txt when set) the step time with and without the profiler,
+the phases of one step (forward + loss, backward, optimizer, balancer), the number of kernels launched per step,
+and the top operators by self CPU time and by device time. A step whose CPU time per step is close to its wall time
+while the device is mostly idle is launch-bound: fewer, larger kernels (fusion, batching, CUDA graphs) help it,
+faster kernels do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from k3.train.trainer import TrainConfig, Trainer
+
+
+def phase(obj, name: str, label: str) -> None:
+    """Wrap ``obj.name`` in a profiler range called ``label``."""
+    fn = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+
+    setattr(obj, name, wrapped)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="runs/profile-train-step")
+    a = p.parse_args()
+
+    cfg = TrainConfig(preset=a.preset, steps=1000, batch_size=a.batch_size, seq_len=a.seq_len, out=a.out,
+                      samples=0, eval_every=1000, save_every=1000, max_tokens=max(300_000, 40 * a.batch_size *
+                                                                                  a.seq_len), device=a.device)
+    trainer = Trainer(cfg, progress=False)
+    cuda = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def steps(n: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            trainer.train_step()
+            trainer.step += 1
+        sync()
+        return (time.perf_counter() - t0) / n
+
+    steps(3)  # warm-up: kernel compilation / autotuning, allocator
+    plain = steps(a.steps)
+    phase(trainer, "_forward_loss", "phase: forward + loss")
+    phase(trainer.optimizer, "step", "phase: optimizer")
+    phase(trainer.balancer, "observe", "phase: balancer observe")
+    phase(trainer.balancer, "step", "phase: balancer update")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        profiled = steps(a.steps)
+    ev = prof.key_averages()
+    lines = [f"preset {a.preset}, batch {a.batch_size} x {a.seq_len}, device {trainer.device}",
+             f"step time {plain * 1e3:.1f} ms (profiled {profiled * 1e3:.1f} ms)", ""]
+    phases = sorted((e for e in ev if e.key.startswith("phase:")), key=lambda e: e.key)
+    for e in phases:
+        lines.append(f"{e.key:<28} CPU {e.cpu_time_total / 1e3 / a.steps:8.1f} ms/step")
+    rest = profiled * 1e3 - sum(e.cpu_time_total for e in phases) / 1e3 / a.steps
+    lines.append(f"{'rest (backward, metrics)':<28} wall {rest:7.1f} ms/step")
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e3 / a.steps
+        lines += [f"kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.1f} ms/step "
+                  f"({busy / (profiled * 1e3):.0%} of the step)"]
+    ops = [e for e in ev if not e.key.startswith("phase:")]
+    lines += ["", "top operators by self CPU time (ms per step, calls per step):"]
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:25]:
+        lines.append(f"  {e.key[:60]:<60} {e.self_cpu_time_total / 1e3 / a.steps:8.2f} {e.count / a.steps:8.0f}")
+    if cuda:
+        lines += ["", "top operators by device time (ms per step):"]
+        for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:20]:
+            lines.append(f"  {e.key[:60]:<60} {e.self_device_time_total / 1e3 / a.steps:8.2f} "
+                         f"{e.count / a.steps:8.0f}")
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("K3_BENCH_OUT"):
+        Path(os.environ["K3_BENCH_OUT"], "profile_train_step.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
