@@ -133,7 +133,7 @@ def main() -> None:
                            logs / "gpu1.log", env)
     if not (many / "metrics.jsonl").is_file() or len(steps_of(metrics(many))) < a.steps:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
-        wall[f"gpu{a.gpus}"] = run(launcher + train_args(a, many, a.rows, tok)[1:]
+        wall[f"gpu{a.gpus}"] = run(launcher + train_args(a, many, a.rows, tok)  # torchrun -m k3 train ...
                                    + ["--dp", str(a.gpus), "--ep", str(a.gpus)], logs / f"gpu{a.gpus}.log", env)
     h1, hn = metrics(one), metrics(many)
     s1, sn = steps_of(h1), steps_of(hn)

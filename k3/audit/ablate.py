@@ -430,6 +430,7 @@ def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None =
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    workers = min(workers, len(jobs) - serial)
     threads = max(1, (os.cpu_count() or 1) // workers)
     log.info("running %d jobs in %d worker processes (%d CPU threads each)", len(jobs) - serial, workers, threads)
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
