@@ -61,6 +61,7 @@ def main() -> None:
 
     steps(3)  # warm-up: kernel compilation / autotuning, allocator
     plain = steps(a.steps)
+    print(f"step time {plain * 1e3:.1f} ms ({a.preset}, {a.batch_size} x {a.seq_len}, {trainer.device})", flush=True)
     phase(trainer, "_forward_loss", "phase: forward + loss")
     phase(trainer.optimizer, "step", "phase: optimizer")
     phase(trainer.balancer, "observe", "phase: balancer observe")
