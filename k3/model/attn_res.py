@@ -12,6 +12,11 @@ and the sub-layer then applies its own pre-norm to h. The four modes differ only
 - ``full``:      the embedding and every previous sub-layer output.
 A final mix with ``output_attn_res_{norm,proj}`` precedes the final norm in every mode but ``none``.
 Blocks are counted in decoder layers (K3: 12, so 7 full blocks and a 9-layer block over 93 layers).
+
+Inference over few tokens (no autograd, N <= STACK_TOKENS: decode steps, short prefill chunks) keeps the sources
+that stay fixed during the pass (the bank, every output in ``full``) stacked in fp32 with their inverse RMS, so a
+mix costs a few kernels whatever its depth (``k3.ops.attn_res.stacked``); training and long prefill mix the
+source list as is (no fp32 copy of S x N x d).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from k3.model.norm import RMSNorm
-from k3.ops.attn_res import depth_mix
+from k3.ops.attn_res import FixedSources, depth_mix, depth_mix_stacked
 from k3.ops.attn_res.reference import depth_weights
+
+STACK_TOKENS = 1024  # inference passes over at most this many tokens stack their fixed sources
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -52,6 +59,8 @@ class ResidualStream:
         self.outputs: list[Tensor] = [embedding]  # full: embedding + every sub-layer output
         if mode == "block_sum":
             self.bank = [embedding]
+        stack = mode != "none" and not record and not torch.is_grad_enabled() and embedding.shape[0] <= STACK_TOKENS
+        self.fixed = FixedSources() if stack else None
 
     def sources(self) -> list[Tensor]:
         if self.mode == "snapshot":
@@ -74,7 +83,21 @@ class ResidualStream:
             return self.r
         return self._mix(layer, sublayer, norm, proj)
 
+    def _fixed_and_live(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The sources split into those fixed for the rest of the pass and the live ones (in source order)."""
+        if self.mode == "snapshot":
+            return self.bank, [self.r]
+        if self.mode == "block_sum":
+            return self.bank, [] if self.partial is None else [self.partial]
+        return self.outputs, []
+
     def _mix(self, layer: int, sublayer: str, norm: nn.Module, proj: nn.Linear) -> Tensor:
+        if self.fixed is not None:
+            fixed, live = self._fixed_and_live()
+            if len(fixed) + len(live) == 1:
+                return (fixed + live)[0]
+            self.fixed.sync(fixed, norm.eps)
+            return depth_mix_stacked(self.fixed, live, norm.weight * proj.weight[0], norm.eps, self.r.dtype)
         sources = self.sources()
         if self.records is not None:
             with torch.no_grad():

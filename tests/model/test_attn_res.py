@@ -116,3 +116,50 @@ def test_none_mode_is_the_plain_residual():
         ref = model.lm_head(model.model.norm(r))
         ours = model(tokens[None]).logits[0]
     assert ((ours - ref).norm() / ref.norm()).item() <= 1e-12
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_stacked_depth_mix_equals_reference(dtype, tol):
+    """Fixed sources stacked once (growing between mixes, eps changing once) + live ones == the reference mix of the
+    whole list. bf16: both paths compute in fp32 from the same bf16 sources; only the final rounding to bf16
+    (2^-8 relative) and summation order differ."""
+    from k3.ops.attn_res.stacked import FixedSources
+    from k3.ops.attn_res.stacked import depth_mix as stacked
+
+    torch.manual_seed(2)
+    fixed = FixedSources()
+    sources = []
+    for step, eps in enumerate([1e-5, 1e-5, 1e-6]):
+        sources += [(torch.randn(6, 32) * (step + 1) + 0.3).to(dtype) for _ in range(2)]
+        live = [(torch.randn(6, 32) * 3).to(dtype)]
+        q = torch.randn(32, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        fixed.sync(sources, eps)
+        ours = stacked(fixed, live, q, eps, dtype)
+        ref = depth_mix(sources + live, q, eps)
+        assert ours.dtype == ref.dtype == dtype and fixed.count == len(sources)
+        err = ((ours.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err <= tol, (step, err)
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
+def test_stacked_inference_path_equals_the_source_list_path(mode, perturb, monkeypatch):
+    """No-grad passes over few tokens stack their fixed sources; the logits equal those of the plain source-list
+    path (STACK_TOKENS = 0), in fp32; a pass with autograd never stacks."""
+    import k3.model.attn_res as attn_res
+
+    cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
+    torch.manual_seed(0)
+    model = perturb(K3ForCausalLM(cfg).eval(), query_std=1.0, bias_std=0)
+    tokens = torch.randint(0, 512, (2, 12))
+    with torch.no_grad():
+        stacked = model(tokens).logits
+        monkeypatch.setattr(attn_res, "STACK_TOKENS", 0)
+        plain = model(tokens).logits
+    err = ((stacked - plain).norm() / plain.norm()).item()
+    assert err <= 1e-6, err
+    monkeypatch.setattr(attn_res, "STACK_TOKENS", 1024)
+    emb = torch.randn(4, cfg.hidden_size)
+    assert attn_res.ResidualStream(mode, 2, emb).fixed is None  # autograd on: the source-list path
+    with torch.no_grad():
+        assert attn_res.ResidualStream(mode, 2, emb).fixed is not None
+        assert attn_res.ResidualStream(mode, 2, torch.randn(2048, cfg.hidden_size)).fixed is None
