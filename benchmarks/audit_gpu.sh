@@ -24,5 +24,5 @@ cd "$DIR" && find . \( -name summary.json -o -name metrics.jsonl -o -name train_
   -o -name grid.json -o -name sweep.json \) -print0 | tar czf "$OUTD/audit.tgz" --null -T -
 cd - > /dev/null
 [ -n "${TRITON_CACHE_DIR:-}" ] && (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 |
-  tar czf "$OUTD/autotune.tgz" --null -T - && du -sh . && tar czf "$OUTD/triton_cache.tgz" .)
+  tar czf "$OUTD/autotune.tgz" --null -T -)
 ls -la "$OUTD"
