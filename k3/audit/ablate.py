@@ -409,9 +409,11 @@ def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None =
     """``[fn(job) for job in jobs]``, in order; ``done(i, result)`` is called as each one finishes.
 
     ``workers > 1``: the first job runs alone in this process (it fills the Triton compile and autotune caches
-    that the others then read; ``warm_first=False`` when they are warm already), the rest in a pool of ``workers`` spawned processes sharing the machine and its
-    GPU (small models leave a GPU mostly idle, so runs side by side finish sooner; each keeps its own seed and
-    results). ``fn`` must be a module-level function (it is pickled).
+    that the others then read; ``warm_first=False`` when they are warm already), the rest in a pool of
+    ``workers`` spawned processes sharing the machine and its GPU (small models leave a GPU mostly idle, so runs
+    side by side finish sooner; each keeps its own seed and results). ``fn`` must be a module-level function (it
+    is pickled). A failing job is logged when it fails; the others finish; then one RuntimeError names them all
+    (by :func:`job_label`).
     """
     check_jobs(workers)
     results: list = [None] * len(jobs)
@@ -442,15 +444,26 @@ def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None =
             try:
                 results[i] = fut.result()
             except Exception as e:  # the others go on; this one is reported now and again at the end
-                log.error("job %d of %d failed: %s", i + 1, len(jobs), e, exc_info=e)
+                log.error("%s failed: %s", job_label(jobs[i], i), e, exc_info=e)
                 failed.append((i, e))
                 continue
             if done:
                 done(i, results[i])
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed (the others finished and are kept): "
-                           + "; ".join(f"job {i + 1}: {type(e).__name__}: {e}" for i, e in sorted(failed)))
+                           + "; ".join(f"{job_label(jobs[i], i)}: {type(e).__name__}: {e}"
+                                       for i, e in sorted(failed, key=lambda f: f[0])))
     return results
+
+
+def job_label(job, i: int) -> str:
+    """A readable name for job ``i``: a training run's directory, an MQAR result's name, else ``job i+1``."""
+    payload = job[1] if isinstance(job, tuple) and len(job) == 2 and job[0] in ("train", "mqar") else job
+    if isinstance(payload, tuple) and payload and hasattr(payload[0], "out"):  # (TrainConfig, meta, plots)
+        return f"run {Path(payload[0].out).name}"
+    if isinstance(payload, tuple) and payload and isinstance(payload[-1], Path):  # MQAR: (..., result path)
+        return f"MQAR {payload[-1].stem}"
+    return f"job {i + 1}"
 
 
 def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str):

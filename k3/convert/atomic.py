@@ -69,3 +69,29 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
+    """``with atomic_file(path) as tmp:`` write tmp (a unique name beside path); on success it replaces ``path``
+    (fsync + rename), so readers see the old file or the whole new one, never a partial write."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)
+        fsync_file(tmp)
+        os.replace(tmp, target)
+        fsync_file(target.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(target: str | os.PathLike, text: str) -> None:
+    """Replace a text file atomically (temp file + fsync + rename)."""
+    with atomic_file(target) as tmp:
+        tmp.write_text(text, encoding="utf-8")

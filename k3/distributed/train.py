@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from k3.config.hf import to_hf_config
+from k3.convert.atomic import atomic_write_text
 from k3.distributed.checkpoint import load as dcp_load
 from k3.distributed.checkpoint import save as dcp_save
 from k3.distributed.context_parallel import apply_context_parallel, cp_context, shard_batch
@@ -37,7 +38,6 @@ from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
-from k3.train.checkpoint import write_pointer
 from k3.train.data import Batch
 from k3.train.trainer import Trainer, TrainConfig
 
@@ -172,7 +172,7 @@ class DistributedTrainer(Trainer):
         if self.is_main:
             (path / "config.json").write_text(json.dumps(to_hf_config(self.model_cfg), indent=2))
             self.tokenizer.save(path)
-            write_pointer(root / "latest", path.name)
+            atomic_write_text(root / "latest", path.name)
             for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old)
         dist.barrier()

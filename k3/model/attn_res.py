@@ -13,10 +13,10 @@ and the sub-layer then applies its own pre-norm to h. The four modes differ only
 A final mix with ``output_attn_res_{norm,proj}`` precedes the final norm in every mode but ``none``.
 Blocks are counted in decoder layers (K3: 12, so 7 full blocks and a 9-layer block over 93 layers).
 
-Inference over few tokens (no autograd, N <= STACK_TOKENS: decode steps, short prefill chunks) keeps the sources
-that stay fixed during the pass (the bank, every output in ``full``) stacked in fp32 with their inverse RMS, so a
-mix costs a few kernels whatever its depth (``k3.ops.attn_res.stacked``); training and long prefill mix the
-source list as is (no fp32 copy of S x N x d).
+Inference (no autograd) keeps the sources that stay fixed during the pass (the bank, every output in ``full``)
+stacked in fp32 with their inverse RMS while the stack fits in STACK_BYTES (decode steps, short prefill chunks),
+so a mix costs a few kernels whatever its depth (``k3.ops.attn_res.stacked``); training, and passes whose stack
+would outgrow the budget (from that depth on), mix the source list as is (no fp32 copy of S x N x d).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from k3.model.norm import RMSNorm
 from k3.ops.attn_res import FixedSources, depth_mix, depth_mix_stacked
 from k3.ops.attn_res.reference import depth_weights
 
-STACK_TOKENS = 1024  # inference passes over at most this many tokens stack their fixed sources
+STACK_BYTES = 1 << 30  # inference stacks fixed sources in fp32 while S x N x d x 4 bytes stays within this
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -59,7 +59,7 @@ class ResidualStream:
         self.outputs: list[Tensor] = [embedding]  # full: embedding + every sub-layer output
         if mode == "block_sum":
             self.bank = [embedding]
-        stack = mode != "none" and not record and not torch.is_grad_enabled() and embedding.shape[0] <= STACK_TOKENS
+        stack = mode != "none" and not record and not torch.is_grad_enabled()
         self.fixed = FixedSources() if stack else None
 
     def sources(self) -> list[Tensor]:
@@ -94,10 +94,13 @@ class ResidualStream:
     def _mix(self, layer: int, sublayer: str, norm: nn.Module, proj: nn.Linear) -> Tensor:
         if self.fixed is not None:
             fixed, live = self._fixed_and_live()
-            if len(fixed) + len(live) == 1:
-                return (fixed + live)[0]
-            self.fixed.sync(fixed, norm.eps)
-            return depth_mix_stacked(self.fixed, live, norm.weight * proj.weight[0], norm.eps, self.r.dtype)
+            if len(fixed) * fixed[0].numel() * 4 > STACK_BYTES:
+                self.fixed = None  # the stack would outgrow its budget: the source list from here on
+            else:
+                if len(fixed) + len(live) == 1:
+                    return (fixed + live)[0]
+                self.fixed.sync(fixed, norm.eps)
+                return depth_mix_stacked(self.fixed, live, norm.weight * proj.weight[0], norm.eps, self.r.dtype)
         sources = self.sources()
         if self.records is not None:
             with torch.no_grad():

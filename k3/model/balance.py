@@ -346,7 +346,8 @@ def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tens
     global-batch figures; ``reduce_fn`` (an in-place sum over data-parallel ranks) extends them to the batch of
     every rank. Keys: ``maxvio/layer{L}``, ``drop_cf1.0/layer{L}``, ``drop_cf1.25/layer{L}``,
     ``dead/layer{L}``, ``entropy/layer{L}`` and the same names with ``mean`` for the mean over layers, plus
-    ``maxvio/max`` and ``dead/total``. Returns Python numbers (one host sync: this is for logging).
+    ``maxvio/max`` and ``dead/total``. Returns Python numbers (one host sync, two with ``reduce_fn``: this is
+    for logging).
     """
     loads: dict[int, Tensor] = {}
     tokens: dict[int, int] = {}

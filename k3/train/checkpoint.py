@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3.convert.atomic import atomic_directory, fsync_file
+from k3.convert.atomic import atomic_directory, atomic_write_text
 from k3.convert.checkpoint import write_pretrained
 
 STATE_FILE = "trainer_state.pt"
@@ -41,15 +41,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_pointer(path: Path, text: str) -> None:
-    """Replace a small text file atomically (temp file + fsync + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    fsync_file(tmp)
-    os.replace(tmp, path)
-    fsync_file(path.parent)
-
-
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 3) -> Path:
     """Write RUN/checkpoints/step-NNNNNN atomically, point ``latest`` at it, keep the newest ``keep``."""
     root = Path(run_dir) / "checkpoints"
@@ -58,7 +49,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         write_pretrained(model, tmp)
         tokenizer.save(tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
-    write_pointer(root / "latest", target.name)
+    atomic_write_text(root / "latest", target.name)
     steps = sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

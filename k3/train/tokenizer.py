@@ -26,6 +26,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from k3.convert.atomic import atomic_file, atomic_write_text
+
 # The cl100k_base pre-tokenizer regex: contractions, letter runs with one optional leading non-letter, numbers
 # of at most 3 digits, punctuation runs (with trailing newlines), newline runs, and whitespace that leaves the
 # last space to attach to the next word. K3/Kimi tokenizers use their own regex: pass it as ``pattern``.
@@ -126,11 +128,11 @@ class Tokenizer:
         """Write ``tokenizer.json`` (HF format) and ``tokenizer_config.json`` (eos/bos names) into ``directory``;
         returns the path of ``tokenizer.json``."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / "tokenizer.json"
-        self.hf.save(str(path))
+        with atomic_file(path) as tmp:  # other processes may be reading the same files (resumed runs)
+            self.hf.save(str(tmp))
         config = {"eos_token": self.eos_token, "bos_token": self.bos_token}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
         return path
 
     @classmethod

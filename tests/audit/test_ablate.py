@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,6 +200,8 @@ def test_a_failing_job_is_reported_and_the_others_finish():
     import math
 
     done = {}
+    assert ablate.job_label(("train", (TrainConfig(out="x/runs/full-s0"), {}, False)), 0) == "run full-s0"
+    assert ablate.job_label(("mqar", ("full", None, None, None, Path("m/full-p16-s0.json"))), 3) == "MQAR full-p16-s0"
     with pytest.raises(RuntimeError, match=r"1 of 3 jobs failed .*job 2: ValueError"):
         ablate.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, done=lambda i, r: done.update({i: r}))
     assert done == {0: 2.0, 2: 3.0}

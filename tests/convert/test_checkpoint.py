@@ -208,3 +208,18 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch):
     new.save_pretrained(path)  # overwriting an existing checkpoint swaps it in whole
     assert_same(new, k3.from_pretrained(path))
     assert sorted(os.listdir(path.parent)) == ["ck"]
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
+    from k3.convert.atomic import atomic_file, atomic_write_text
+
+    target = tmp_path / "latest"
+    atomic_write_text(target, "step-000001")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with atomic_file(target) as tmp:
+            tmp.write_text("step-0000")  # half written, then the writer dies
+            raise RuntimeError("interrupted")
+    assert target.read_text() == "step-000001"
+    atomic_write_text(target, "step-000002")
+    assert target.read_text() == "step-000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temp files left behind

@@ -143,8 +143,8 @@ def test_stacked_depth_mix_equals_reference(dtype, tol):
 
 @pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
 def test_stacked_inference_path_equals_the_source_list_path(mode, perturb, monkeypatch):
-    """No-grad passes over few tokens stack their fixed sources; the logits equal those of the plain source-list
-    path (STACK_TOKENS = 0), in fp32; a pass with autograd never stacks."""
+    """No-grad passes stack their fixed sources; the logits equal those of the plain source-list path (budget 0)
+    and of a pass that outgrows the budget half-way, in fp32; a pass with autograd never stacks."""
     import k3.model.attn_res as attn_res
 
     cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
@@ -153,13 +153,14 @@ def test_stacked_inference_path_equals_the_source_list_path(mode, perturb, monke
     tokens = torch.randint(0, 512, (2, 12))
     with torch.no_grad():
         stacked = model(tokens).logits
-        monkeypatch.setattr(attn_res, "STACK_TOKENS", 0)
+        monkeypatch.setattr(attn_res, "STACK_BYTES", 0)
         plain = model(tokens).logits
-    err = ((stacked - plain).norm() / plain.norm()).item()
-    assert err <= 1e-6, err
-    monkeypatch.setattr(attn_res, "STACK_TOKENS", 1024)
+        monkeypatch.setattr(attn_res, "STACK_BYTES", 2 * 24 * cfg.hidden_size * 4)  # two sources of 24 tokens
+        switched = model(tokens).logits
+    for other in (plain, switched):
+        err = ((stacked - other).norm() / other.norm()).item()
+        assert err <= 1e-6, err
     emb = torch.randn(4, cfg.hidden_size)
     assert attn_res.ResidualStream(mode, 2, emb).fixed is None  # autograd on: the source-list path
     with torch.no_grad():
         assert attn_res.ResidualStream(mode, 2, emb).fixed is not None
-        assert attn_res.ResidualStream(mode, 2, torch.randn(2048, cfg.hidden_size)).fixed is None

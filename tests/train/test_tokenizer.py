@@ -176,3 +176,13 @@ def test_tiktoken_errors(tmp_path):
         Tokenizer.from_tiktoken(tmp_path / "none.tiktoken")
     tiny = Tokenizer.from_tiktoken(path, special_tokens={"[EOS]": 300})
     assert tiny.eos_id == 300 and tiny.vocab_size == 301 and tiny.encode("abab") == [256, 256]
+
+
+def test_save_writes_through_temp_files(tmp_path):
+    """Saving over a tokenizer another process may be reading replaces each file whole (temp file + rename)."""
+    tok = train_bpe(["def f(x):\n    return x + 1\n" * 50], 300)
+    tok.save(tmp_path)
+    tok.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    again = Tokenizer.load(tmp_path)
+    assert again.encode("return x") == tok.encode("return x") and again.eos_id == tok.eos_id
