@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from k3.distributed.mesh import NO_MULTICAST_ENV as NO_MULTICAST  # set for torchrun and its workers too
+
 LOSS_TOL = 2e-2
 
 

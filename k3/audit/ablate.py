@@ -36,6 +36,7 @@ plots are written from whatever is on disk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -323,10 +324,10 @@ def hardware(device: str) -> str:
     """What a run trained on, for its summary: the GPU's name or the CPU thread count, and the ops backend."""
     import torch
 
+    from k3.infer.load import resolve_device
     from k3.ops import backend
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     return f"{name}, backend {backend.get_backend()}"
 
@@ -342,13 +343,15 @@ def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict
     summary_path = run_dir / "summary.json"
     step = _checkpoint_step(run_dir) if run_dir.exists() else None
     status, wall = "done", None
-    if summary_path.is_file():
+    summary = finished_summary(cfg)
+    if summary is not None:
         # a finished run is skipped even if its checkpoints were deleted (e.g. only summaries and metrics were
         # kept from a GPU machine); a diverged one only while its checkpoint is where it stopped
-        summary = json.loads(summary_path.read_text())
-        finished = summary.get("status") == "done" and (step is None or step >= cfg.steps)
-        stopped = summary.get("status") == "diverged" and step is not None and step == summary.get("checkpoint_step")
-        if summary.get("steps") == cfg.steps and (finished or stopped):
+        if summary["status"] == "done":
+            skip = step is None or step >= cfg.steps
+        else:
+            skip = step is not None and step == summary.get("checkpoint_step")
+        if skip:
             summary["skipped"] = True
             return summary
     if step is None or step < cfg.steps:
@@ -387,9 +390,9 @@ def _run_job(job: tuple, progress: bool = False) -> dict:
     return run_one(cfg, meta, progress=progress, plots=plots)
 
 
-def _run_tagged(job: tuple) -> dict:
+def _run_tagged(job: tuple, progress: bool = False) -> dict:
     kind, payload = job
-    return _run_job(payload) if kind == "train" else _run_mqar_job(payload)
+    return _run_job(payload, progress) if kind == "train" else _run_mqar_job(payload)
 
 
 def _worker_init(threads: int) -> None:
@@ -405,17 +408,18 @@ def check_jobs(jobs) -> None:
 
 
 def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None = None,
-             warm_first: bool = True) -> list:
+             warm_first: bool = True, labels: list[str] | None = None) -> list:
     """``[fn(job) for job in jobs]``, in order; ``done(i, result)`` is called as each one finishes.
 
     ``workers > 1``: the first job runs alone in this process (it fills the Triton compile and autotune caches
     that the others then read; ``warm_first=False`` when they are warm already), the rest in a pool of
     ``workers`` spawned processes sharing the machine and its GPU (small models leave a GPU mostly idle, so runs
     side by side finish sooner; each keeps its own seed and results). ``fn`` must be a module-level function (it
-    is pickled). A failing job is logged when it fails; the others finish; then one RuntimeError names them all
-    (by :func:`job_label`).
+    is pickled; a ``functools.partial`` of one too). A failing job is logged when it fails; the others finish;
+    then one RuntimeError names them all (by ``labels``, else by number).
     """
     check_jobs(workers)
+    labels = labels or [f"job {i + 1}" for i in range(len(jobs))]
     results: list = [None] * len(jobs)
     serial = len(jobs) if workers == 1 else min(int(warm_first), len(jobs))
     for i in range(serial):
@@ -444,26 +448,16 @@ def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None =
             try:
                 results[i] = fut.result()
             except Exception as e:  # the others go on; this one is reported now and again at the end
-                log.error("%s failed: %s", job_label(jobs[i], i), e, exc_info=e)
+                log.error("%s failed: %s", labels[i], e, exc_info=e)
                 failed.append((i, e))
                 continue
             if done:
                 done(i, results[i])
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed (the others finished and are kept): "
-                           + "; ".join(f"{job_label(jobs[i], i)}: {type(e).__name__}: {e}"
+                           + "; ".join(f"{labels[i]}: {type(e).__name__}: {e}"
                                        for i, e in sorted(failed, key=lambda f: f[0])))
     return results
-
-
-def job_label(job, i: int) -> str:
-    """A readable name for job ``i``: a training run's directory, an MQAR result's name, else ``job i+1``."""
-    payload = job[1] if isinstance(job, tuple) and len(job) == 2 and job[0] in ("train", "mqar") else job
-    if isinstance(payload, tuple) and payload and hasattr(payload[0], "out"):  # (TrainConfig, meta, plots)
-        return f"run {Path(payload[0].out).name}"
-    if isinstance(payload, tuple) and payload and isinstance(payload[-1], Path):  # MQAR: (..., result path)
-        return f"MQAR {payload[-1].stem}"
-    return f"job {i + 1}"
 
 
 def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str):
@@ -527,14 +521,10 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
                          r.get("wall_s") or 0)
 
         # the MQAR runs go first: single long runs that would otherwise finish last, alone
-        work = [("mqar", j) for j in mqar_todo] + [("train", (cfg, meta, plots)) for cfg, meta, plots in plan]
-        if jobs == 1:
-            out_all = []
-            for i, (kind, j) in enumerate(work):
-                out_all.append(_run_job(j, progress) if kind == "train" else _run_mqar_job(j))
-                done(i, out_all[-1])
-        else:
-            out_all = run_jobs(_run_tagged, work, jobs, done, warm_first)
+        work = [("mqar", j) for j in mqar_todo] + [("train", j) for j in plan]
+        labels = [f"MQAR {j[-1].stem}" for j in mqar_todo] + [f"run {Path(j[0].out).name}" for j in plan]
+        out_all = run_jobs(functools.partial(_run_tagged, progress=progress and jobs == 1), work, jobs, done,
+                           warm_first, labels)
         mqar_results += out_all[:len(mqar_todo)]
         summaries = out_all[len(mqar_todo):]
     if missing:
@@ -584,12 +574,12 @@ def mqar_jobs(grid: Grid, plan: list, out: Path, device: str, report_only: bool 
               missing: list | None = None) -> tuple[list[dict], list[tuple]]:
     """(results already in ``OUT/mqar``, jobs for :func:`_run_mqar_job` still to run) for the MQAR ``plan``;
     with ``report_only`` nothing is to run and the unfinished ones are named in ``missing``."""
-    import torch
+    from k3.infer.load import resolve_device
 
     st = grid.mqar
     mdir = out / "mqar"
     mdir.mkdir(exist_ok=True)
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    dev = str(resolve_device(device))
     results, todo = [], []
     for v, task, cfg, seed in plan:
         path = mdir / f"{v.name}-p{task.num_pairs}-s{seed}.json"

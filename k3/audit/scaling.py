@@ -24,6 +24,7 @@ one shared tokenizer) into ``OUT/runs/<label>-w<width>-l<layers>-s<seed>/`` and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -489,7 +490,7 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
     """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
 
     ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.ablate.run_jobs`)."""
-    from k3.audit.ablate import (_run_job, check_jobs, ensure_tokenizer, make_variant, params_of, run_jobs, run_one,
+    from k3.audit.ablate import (_run_job, check_jobs, ensure_tokenizer, make_variant, params_of, run_jobs,
                                  variant_config)
     from k3.config import get_preset
     from k3.train.tokenizer import Tokenizer
@@ -532,9 +533,5 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
         log.info("[%d/%d] %s w%d l%d seed %d: %sval loss %s", i + 1, len(work), s["label"], s["width"], s["layers"],
                  s["seed"], "skipped, " if s.get("skipped") else "", s.get("val_loss"))
 
-    if jobs == 1:
-        summaries = [run_one(cfg, meta, progress=progress, plots=plots) for cfg, meta, plots in work]
-        for i, s in enumerate(summaries):
-            done(i, s)
-        return summaries
-    return run_jobs(_run_job, work, jobs, done, warm_first)
+    return run_jobs(functools.partial(_run_job, progress=progress and jobs == 1), work, jobs, done, warm_first,
+                    [f"run {Path(cfg.out).name}" for cfg, _, _ in work])

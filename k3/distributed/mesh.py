@@ -43,6 +43,9 @@ class ParallelDims:
                              "processes (torchrun --nproc-per-node)")
 
 
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() and os.environ.get("K3_DIST_DEVICE", "auto") != "cpu" else "cpu"
 
@@ -52,7 +55,7 @@ def init_distributed(dims: ParallelDims, device: str | None = None) -> "Meshes":
     build the mesh. Call under torchrun (or with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set)."""
     device = device or device_type()
     if device == "cuda":
-        for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        for k, v in NO_MULTICAST_ENV.items():
             os.environ.setdefault(k, v)
     if not dist.is_initialized():
         if device == "cuda":

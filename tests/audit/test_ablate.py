@@ -2,7 +2,6 @@
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -200,9 +199,9 @@ def test_a_failing_job_is_reported_and_the_others_finish():
     import math
 
     done = {}
-    assert ablate.job_label(("train", (TrainConfig(out="x/runs/full-s0"), {}, False)), 0) == "run full-s0"
-    assert ablate.job_label(("mqar", ("full", None, None, None, Path("m/full-p16-s0.json"))), 3) == "MQAR full-p16-s0"
     with pytest.raises(RuntimeError, match=r"1 of 3 jobs failed .*job 2: ValueError"):
         ablate.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, done=lambda i, r: done.update({i: r}))
     assert done == {0: 2.0, 2: 3.0}
+    with pytest.raises(RuntimeError, match=r"1 of 3 jobs failed .*run minus-one: ValueError"):
+        ablate.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, labels=["run four", "run minus-one", "run nine"])
     assert ablate.run_jobs(math.sqrt, [4.0, 9.0, 16.0], workers=2, warm_first=False) == [2.0, 3.0, 4.0]

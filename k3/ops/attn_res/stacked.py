@@ -20,37 +20,34 @@ from k3.ops.dtypes import upcast
 
 
 class FixedSources:
-    """Sources [N, d] that stay fixed during a pass, stacked in fp32: ``v`` [S, N, d] and ``inv_rms(eps)`` [S, N]."""
+    """Sources [N, d] that stay fixed during a pass, stacked in fp32: ``v`` [S, N, d] and ``rstd`` [S, N], the
+    inverse RMS under ``eps`` (of the last :meth:`sync`)."""
 
     def __init__(self):
         self.v: Tensor | None = None
+        self.rstd: Tensor | None = None
+        self.eps: float | None = None
         self.count = 0
-        self._rstd: Tensor | None = None
-        self._eps: float | None = None
 
     def sync(self, sources: Sequence[Tensor], eps: float) -> None:
         """Stack the sources appended since the last call (``sources`` is the whole, growing list)."""
-        new = list(sources[self.count:])
-        if eps != self._eps and self.v is not None:
-            self._rstd = torch.rsqrt(self.v.pow(2).mean(-1) + eps)
-        self._eps = eps
-        if not new:
+        if eps != self.eps and self.v is not None:  # another norm eps: every inverse RMS again
+            self.rstd = torch.rsqrt(self.v.pow(2).mean(-1) + eps)
+        self.eps = eps
+        if len(sources) == self.count:
             return
-        v = upcast(torch.stack(new))
+        v = upcast(torch.stack(list(sources[self.count:])))
         r = torch.rsqrt(v.pow(2).mean(-1) + eps)
         self.v = v if self.v is None else torch.cat([self.v, v])
-        self._rstd = r if self._rstd is None else torch.cat([self._rstd, r])
+        self.rstd = r if self.rstd is None else torch.cat([self.rstd, r])
         self.count = len(sources)
-
-    def inv_rms(self) -> Tensor:
-        return self._rstd
 
 
 def depth_mix(fixed: FixedSources, live: Sequence[Tensor], query: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     """h = sum_i softmax_i(query . v_i / rms(v_i)) v_i over the fixed sources (stacked, synced with ``eps``)
     followed by the ``live`` ones [N, d]; returns [N, d] in ``dtype``."""
     q = upcast(query)
-    logits = [(fixed.v @ q) * fixed.inv_rms()]  # [S, N]
+    logits = [(fixed.v @ q) * fixed.rstd]  # [S, N]
     live32 = [upcast(x) for x in live]
     for v in live32:
         logits.append(((v @ q) * torch.rsqrt(v.pow(2).mean(-1) + eps)).unsqueeze(0))
