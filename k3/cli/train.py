@@ -98,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if cfg.task == "vision" and args.vision_eval < 1:  # checked before training, not after it
+        raise ValueError(f"--vision-eval={args.vision_eval} must be a positive number of questions")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 or (args.dp or 1) > 1 or args.ep > 1 or args.cp > 1:
         from k3.distributed.mesh import ParallelDims

@@ -86,9 +86,8 @@ def k3() -> K3Config:
     return K3Config(name="k3", vision=VisionConfig())
 
 
-# Vision towers for the small presets (spec §11 shape, scaled down). They are not attached to the presets yet:
-# ``k3.config.hf`` does not write ``config.vision`` into config.json, so a checkpoint round trip of a preset
-# carrying one would not give back an equal config. ``with_vision`` attaches the matching tower.
+# Vision towers for the small presets (spec §11 shape, scaled down); the text presets stay text-only and
+# ``with_vision`` attaches the matching tower (config.json carries it through a checkpoint round trip).
 def tiny_vision() -> VisionConfig:
     """2 layers, width 64, 4 heads x 16, MLP 128, 16 x 16 position grid (~0.12M encoder parameters)."""
     return VisionConfig(num_layers=2, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=128, pos_grid=16)

@@ -47,6 +47,7 @@ class _Request:
     queue: asyncio.Queue
     accepted: asyncio.Future
     images: list | None = None  # image bytes / paths for the prompt's media placeholders
+    media: object = None  # or the images already prepared (Engine.prepare), the prompt expanded
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
@@ -137,12 +138,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None, images: list | None = None) -> RequestStream:
-        """Queue a request (``images``: one per media placeholder, see Engine.add); returns once the engine
-        accepted it. ValueError if the engine refuses it, EngineClosed if shutting down."""
+                     request_id: str | None = None, images: list | None = None, media=None) -> RequestStream:
+        """Queue a request (``images``: one per media placeholder, or ``media`` from Engine.prepare; see
+        Engine.add); returns once the engine accepted it. ValueError if the engine refuses it, EngineClosed if
+        shutting down."""
         loop = asyncio.get_running_loop()
         req = _Request(request_id or f"areq-{next(self._ids)}", list(prompt_ids), params, loop, asyncio.Queue(),
-                       loop.create_future(), images)
+                       loop.create_future(), images, media)
         with self._cv:
             if not self._accepting or self._thread is None or not self._thread.is_alive():
                 raise EngineClosed("the engine is not running (shutting down or not started)")
@@ -214,7 +216,7 @@ class AsyncEngine:
         inbox, aborts, stopping = self._take_inbox()
         for req in inbox:
             try:
-                self.engine.add(req.prompt, req.params, req.request_id, images=req.images)
+                self.engine.add(req.prompt, req.params, req.request_id, images=req.images, media=req.media)
             except ValueError as e:
                 req.loop.call_soon_threadsafe(_resolve, req.accepted, ValueError(str(e)))
                 continue

@@ -66,6 +66,14 @@ class _Sequence:
         return self.prompt + self.output
 
 
+@dataclass
+class Media:
+    """A request's images after :meth:`Engine.prepare`: packed patches [N, 3*p*p] and patch grids [I, 2]."""
+
+    patches: torch.Tensor
+    grids: torch.Tensor
+
+
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 16, max_context: int | None = None,
                  prefill_chunk: int = 256, memory_budget: int | None = None, prefix_cache_bytes: int = 0,
@@ -96,7 +104,8 @@ class Engine:
         self.reserved = 0
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
-        v = cfg.vision if hasattr(model, "vision_tower") else None
+        self.vision = cfg.vision if hasattr(model, "vision_tower") else None  # VisionConfig: takes images
+        v = self.vision
         media = [] if v is None else [i for i in (v.media_placeholder_token_id, v.media_begin_token_id,
                                                    v.media_end_token_id) if i is not None and i < cfg.vocab_size]
         self.media_ids = torch.tensor(media, dtype=torch.int64, device=self.device) if media else None
@@ -106,19 +115,20 @@ class Engine:
         return cache_bytes_per_sequence(self.model.config, tokens, self.state_bytes, self.kv_bytes)["total_bytes"]
 
     def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            images: list | None = None) -> str:
+            images: list | None = None, media: Media | None = None) -> str:
         """Queue a request; one ValueError if it can never run (bad params, empty or too long, bad images).
 
         images (multimodal models): paths, bytes or PIL images, one per media placeholder token of the prompt
-        (in order); each placeholder is expanded to the image's tokens and the images are encoded now, once."""
+        (in order); each placeholder is expanded to the image's tokens (:meth:`prepare`) and the images are
+        encoded once the request passes every other check. ``media``: the prompt was expanded by :meth:`prepare`
+        already (the server does, to count the expanded prompt against its context)."""
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
-        features = None
-        if hasattr(self.model, "vision_tower"):
-            prompt, features = self._with_images(prompt, images or [])
+        if media is None:
+            prompt, media = self.prepare(prompt, images or [])
         elif images:
-            raise ValueError("this model has no vision tower: it cannot take images")
+            raise ValueError("pass images or media (from Engine.prepare), not both")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -131,27 +141,40 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if any(s.request_id == rid for s in (*self.waiting, *self.running)):
             raise ValueError(f"request_id={rid!r} is already in use")
+        features = None if media is None else self._encode(media)
         self.waiting.append(_Sequence(rid, list(prompt), params, need, params.generator(self.device),
                                       image_features=features))
         return rid
 
-    @torch.no_grad()
-    def _with_images(self, prompt: list[int], images: list) -> tuple[list[int], torch.Tensor | None]:
-        """Expand the prompt's media placeholders for ``images`` and encode them: (prompt, features or None)."""
+    def prepare(self, prompt: list[int], images: list) -> tuple[list[int], Media | None]:
+        """The prompt with its media placeholders expanded for ``images``, and the images processed on the host
+        (decoded, resized, cut into patches; the tower runs later, in :meth:`add`): (expanded prompt, Media or
+        None). One ValueError for images a model cannot take, bad images or placeholder / image count mismatch."""
         from k3.vision.media import expand_placeholders, merged_tokens
         from k3.vision.processor import ImageProcessor
 
-        v = self.model.config.vision
+        v = self.vision
+        if v is None:
+            if images:
+                raise ValueError("this model has no vision tower: it cannot take images")
+            return list(prompt), None
         if not images:
-            expand_placeholders(prompt, [], v.media_placeholder_token_id, v.media_begin_token_id,
-                                v.media_end_token_id)  # raises if the prompt has placeholders
-            return prompt, None
+            found = prompt.count(v.media_placeholder_token_id)
+            if found:
+                raise ValueError(f"the prompt has {found} media placeholder token(s) (id "
+                                 f"{v.media_placeholder_token_id}) but 0 image(s) were given")
+            return list(prompt), None
         patches, grids = ImageProcessor.from_config(v).process(images)
         counts = [merged_tokens(g, v.merge_size) for g in grids.tolist()]
         prompt, _ = expand_placeholders(prompt, counts, v.media_placeholder_token_id, v.media_begin_token_id,
                                         v.media_end_token_id)
+        return prompt, Media(patches, grids)
+
+    @torch.no_grad()
+    def _encode(self, media: Media) -> torch.Tensor:
+        """The vision tower on a request's images: [M, d] LM-width image tokens."""
         dtype = next(self.model.parameters()).dtype
-        return prompt, self.model.encode_images(patches.to(self.device, dtype), grids)
+        return self.model.encode_images(media.patches.to(self.device, dtype), media.grids)
 
     def abort(self, request_id: str) -> None:
         """Drop a waiting or running request (its slot is freed)."""
@@ -215,6 +238,8 @@ class Engine:
             cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
             kwargs = {} if images is None else {"image_features": images}
             logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True, **kwargs).logits
+        if self.media_ids is not None:  # image tokens only ever come from images
+            logits = logits.index_fill(-1, self.media_ids, float("-inf"))
         outputs = []
         for seq, n, row in zip(batch, lengths, logits):
             seq.fed += n
@@ -222,8 +247,6 @@ class Engine:
                 self._remember(seq)
             if seq.fed < len(seq.prompt):
                 continue
-            if self.media_ids is not None:  # image tokens only ever come from images
-                row = row.index_fill(0, self.media_ids, float("-inf"))
             seen = torch.tensor(seq.tokens, device=self.device) if seq.params.repetition_penalty != 1.0 else None
             token = sample_next(row, seq.params, seq.generator, seen)
             seq.output.append(token)
@@ -234,15 +257,14 @@ class Engine:
         """The image-feature rows of this pass's prefill pieces, in packing order (None without images)."""
         if not any(s.image_features is not None for s in batch):
             return None
-        pad = self.model.config.vision.media_placeholder_token_id
+        pad = self.vision.media_placeholder_token_id
         rows = []
         for seq, piece in zip(batch, pieces):
             n = sum(1 for t in piece if t == pad) if seq.fed < len(seq.prompt) else 0
             if n:
                 rows.append(seq.image_features[seq.features_used:seq.features_used + n])
                 seq.features_used += n
-        d = self.model.config.hidden_size
-        return torch.cat(rows) if rows else torch.empty(0, d, device=self.device)
+        return torch.cat(rows) if rows else None  # None: no placeholder in this pass, nothing to splice
 
     def _remember(self, seq: _Sequence) -> None:
         """Store the blocks this pass completed; the block ending exactly here also gets the KDA state."""

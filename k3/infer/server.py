@@ -186,8 +186,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     (requests in flight get up to ``drain_timeout`` seconds)."""
     tok = _private_copy(tokenizer)
     created = int(time.time())
-    model = async_engine.engine.model
-    image_token_id = model.config.vision.media_placeholder_token_id if hasattr(model, "vision_tower") else None
+    engine = async_engine.engine
+    image_token_id = None if engine.vision is None else engine.vision.media_placeholder_token_id
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -259,9 +259,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                               repetition_penalty=req.repetition_penalty, seed=req.seed,
                               stop=list(req.stop or []) + stop, stop_token_ids=stop_ids)
 
-    async def start(prompt: list[int], params: SamplingParams, rid: str, images: list | None = None):
+    async def start(prompt: list[int], params: SamplingParams, rid: str, media=None):
         try:
-            return await async_engine.submit(prompt, params, rid, images=images)
+            return await async_engine.submit(prompt, params, rid, media=media)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except EngineClosed as e:
@@ -331,11 +331,14 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
             rendered = render_chat(messages, tok, image_token_id=image_token_id if images else None)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
+        try:  # expand the image placeholders first: the context check counts every image token
+            prompt, media = await asyncio.to_thread(engine.prepare, rendered.token_ids, images)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling(req, len(rendered.token_ids), max_tokens, max_context, rendered.stop,
-                          rendered.stop_token_ids)
+        params = sampling(req, len(prompt), max_tokens, max_context, rendered.stop, rendered.stop_token_ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await start(rendered.token_ids, params, rid, images or None)
+        stream = await start(prompt, params, rid, media)
         base = {"id": rid, "created": int(time.time()), "model": model_name}
 
         def chunk(text, reason):

@@ -33,14 +33,14 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         """Packed image patches (k3.vision.processor) -> [sum_i n_i, hidden_size] LM-width image tokens."""
         return self.vision_tower(pixel_patches, grid_hws)
 
-    def forward(self, input_ids: Tensor, pixel_patches: Tensor | None = None,
+    def forward(self, input_ids: Tensor, *args, pixel_patches: Tensor | None = None,
                 grid_hws: Tensor | Sequence[Sequence[int]] | None = None, **kwargs) -> K3Output:
-        """As :meth:`K3ForCausalLM.forward`; images given as patches are encoded here (or pass
-        ``image_features`` already encoded, as the engine does during chunked prefill)."""
+        """As :meth:`K3ForCausalLM.forward` (same positional arguments); images given as patches (keywords) are
+        encoded here, or pass ``image_features`` already encoded, as the engine does during chunked prefill."""
         if pixel_patches is not None:
             if kwargs.get("image_features") is not None:
                 raise ValueError("pass pixel_patches or image_features, not both")
             if grid_hws is None:
                 raise ValueError("pixel_patches need grid_hws")
             kwargs["image_features"] = self.encode_images(pixel_patches, grid_hws)
-        return super().forward(input_ids, **kwargs)
+        return super().forward(input_ids, *args, **kwargs)

@@ -38,11 +38,11 @@ def task_tokenizer(vocab_size: int = 512) -> Tokenizer:
 
 def media_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """The vision config fields naming the tokenizer's media tokens (one ValueError if it lacks them)."""
-    vocab = tokenizer.hf.get_vocab()
-    missing = [t for t in MEDIA_TOKENS if t not in vocab]
+    ids = [tokenizer.hf.token_to_id(t) for t in MEDIA_TOKENS]
+    missing = [t for t, i in zip(MEDIA_TOKENS, ids) if i is None]
     if missing:
         raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s): the vision task needs them")
-    begin, pad, end = (vocab[t] for t in MEDIA_TOKENS)
+    begin, pad, end = ids
     return {"vision.media_begin_token_id": begin, "vision.media_placeholder_token_id": pad,
             "vision.media_end_token_id": end}
 

@@ -34,7 +34,9 @@ def expand_placeholders(token_ids: Sequence[int], tokens_per_image: Sequence[int
     positions [sum n_i] being the indices into the expanded ids of the image tokens, image after image.
     Raises one ValueError when the placeholder and image counts differ, naming both.
     """
-    wrap = begin_id is not None or end_id is not None
+    if (begin_id is None) != (end_id is None):
+        raise ValueError(f"begin_id={begin_id} and end_id={end_id}: give both or neither")
+    wrap = begin_id is not None
     if wrap and len({placeholder_id, begin_id, end_id}) != 3:
         raise ValueError(f"placeholder_id={placeholder_id}, begin_id={begin_id} and end_id={end_id} must differ")
     counts = [int(n) for n in tokens_per_image]

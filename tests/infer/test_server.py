@@ -349,7 +349,7 @@ class FakeEngine:
     def __init__(self, delay=0.0):
         self.running, self.delay, self.has_work_calls, self.aborted = {}, delay, 0, []
 
-    def add(self, prompt, params, request_id, images=None):
+    def add(self, prompt, params, request_id, images=None, media=None):
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")

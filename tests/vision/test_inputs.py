@@ -148,6 +148,9 @@ def test_expand_placeholders():
         expand_placeholders([1, 2], [4], P, B, E)
     with pytest.raises(ValueError, match="must differ"):
         expand_placeholders([P], [1], P, P, E)
+    assert expand_placeholders([1, P], [2], P, None, None)[0] == [1, P, P]
+    with pytest.raises(ValueError, match="both or neither"):
+        expand_placeholders([P], [1], P, B, None)
 
 
 def test_images_to_lm_tokens_end_to_end(proc):

@@ -128,7 +128,7 @@ def test_engine_rejects_bad_image_requests(model):
         engine.add([PAD, 5], p, images=images(2))
     with pytest.raises(ValueError, match="media placeholder token.*but 0 image"):
         engine.add([PAD, 5], p)
-    with pytest.raises(ValueError, match="cannot identify|not an image|decode"):
+    with pytest.raises(ValueError, match="cannot decode .*not an image format"):
         engine.add([PAD, 5], p, images=[b"not an image at all"])
     assert not engine.has_work()
 
@@ -140,8 +140,8 @@ def test_server_takes_image_url_data_uris():
     torch.manual_seed(1)
     cfg = with_vision(get_preset("tiny")).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
                                                   **media_ids(tok))
-    engine = Engine(K3ForConditionalGeneration(cfg).eval(), tok, max_batch=4, cuda_graphs=False)
-    server = LiveServer(create_app(AsyncEngine(engine), tok, "k3-vision", 512))
+    engine = Engine(K3ForConditionalGeneration(cfg).eval(), tok, max_batch=4, max_context=256, cuda_graphs=False)
+    server = LiveServer(create_app(AsyncEngine(engine), tok, "k3-vision", engine.max_context))
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         buf = io.BytesIO()
@@ -152,8 +152,13 @@ def test_server_takes_image_url_data_uris():
                                            max_tokens=3, temperature=0)
         n_image = merged_tokens(ImageProcessor.from_config(cfg.vision).process(images(1))[1][0].tolist(), 2)
         assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > n_image
+        # no max_tokens: the default fills the context left after the EXPANDED prompt (every image token counted)
+        r = client.chat.completions.create(model="k3-vision", messages=[{"role": "user", "content": content}],
+                                           temperature=0)
+        assert r.choices and r.usage.prompt_tokens > n_image
         for bad, match in (("http://example.com/x.png", "data: URI"), ("data:image/png;base64,@@@", "base64"),
-                           ("data:image/png;base64," + base64.b64encode(b"junk").decode(), "image")):
+                           ("data:image/png;base64," + base64.b64encode(b"junk").decode(),
+                            "cannot decode .*not an image format")):
             with pytest.raises(openai.BadRequestError, match=match):
                 client.chat.completions.create(model="k3-vision", max_tokens=2, messages=[
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}}]}])
@@ -163,8 +168,11 @@ def test_server_takes_image_url_data_uris():
         server.stop()
 
 
-def test_k3_train_vision_runs_end_to_end(tmp_path):
+def test_k3_train_vision_runs_end_to_end(tmp_path, capsys):
     from k3.cli.main import main
+
+    assert main(["train", "--task", "vision", "--preset", "tiny", "--vision-eval", "0", "--out", str(tmp_path)]) == 2
+    assert "--vision-eval=0 must be a positive" in capsys.readouterr().err and not (tmp_path / "metrics.jsonl").exists()
 
     out = tmp_path / "run"
     assert main(["train", "--task", "vision", "--preset", "tiny", "--steps", "3", "--batch-size", "4",
