@@ -23,7 +23,6 @@ tests/distributed/test_train.py.) Multicast NVLink stays off (NCCL_NVLS_ENABLE=0
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -50,10 +49,6 @@ def run(cmd: list[str], log: Path, env: dict) -> float:
     if rc:
         sys.exit(f"{' '.join(cmd)} failed with exit code {rc}; see {log}:\n" + log.read_text()[-3000:])
     return time.perf_counter() - t0
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 def steps_of(history: list[dict]) -> list[dict]:
@@ -116,7 +111,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a gloo rehearsal)")
     a = p.parse_args()
 
-    from k3.audit.ablate import ensure_tokenizer
+    from k3.audit.ablate import ensure_tokenizer, read_metrics
     from k3.bench.common import environment, write_results
 
     out = Path(a.out)
@@ -129,14 +124,14 @@ def main() -> None:
     tok = ensure_tokenizer(out, None, a.vocab_size, 4_000_000)
     one, many = out / "gpu1", out / f"gpu{a.gpus}"
     wall = {}
-    if not (one / "metrics.jsonl").is_file() or len(steps_of(metrics(one))) < a.steps:
+    if len(steps_of(read_metrics(one))) < a.steps:
         wall["gpu1"] = run([sys.executable] + train_args(a, one, a.rows * a.gpus, tok) + ["--device", a.device],
                            logs / "gpu1.log", env)
-    if not (many / "metrics.jsonl").is_file() or len(steps_of(metrics(many))) < a.steps:
+    if len(steps_of(read_metrics(many))) < a.steps:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
         wall[f"gpu{a.gpus}"] = run(launcher + train_args(a, many, a.rows, tok)  # torchrun -m k3 train ...
                                    + ["--dp", str(a.gpus), "--ep", str(a.gpus)], logs / f"gpu{a.gpus}.log", env)
-    h1, hn = metrics(one), metrics(many)
+    h1, hn = read_metrics(one), read_metrics(many)
     s1, sn = steps_of(h1), steps_of(hn)
     if len(s1) != len(sn):
         sys.exit(f"step counts differ: 1 GPU {len(s1)}, {a.gpus} GPUs {len(sn)}")

@@ -23,8 +23,8 @@ its queries attend to their document's keys up to their own position (``attentio
 as the last Lq of Lk keys). RoPE, when set, uses positions within the document.
 
 Communication per layer (forward), one all-gather each, N = B*T/C local tokens, W the conv width; each rank
-contributes the elements below and receives C-1 times as many; the backward moves the same volume again (the
-all-gather's gradient: a reduce-scatter on nccl, an all-to-all on gloo):
+contributes the elements below and receives C-1 times as many; the backward all-reduces the gathered gradient
+(C times that volume; a reduce-scatter would move less) and keeps its own slice:
   KDA conv tails   B * min(W-1, T/C) * (2*H*K + H*V)   activation dtype
   KDA (P, B)       B * H * K * (K + V)                  fp32, independent of T
   MLA latents      N * (r + dr)                          activation dtype

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from k3.model.moe import MoE
+from k3.model.moe import MoE, moe_layers
 from k3.ops.dtypes import upcast
 from k3.ops.moe import moe_experts
 
@@ -177,10 +177,6 @@ def comm_stats(model: nn.Module) -> CommStats | None:
     """The :class:`CommStats` of a model under expert parallelism (None without)."""
     return next((m.expert_dispatch.stats for m in moe_layers(model) if isinstance(m.expert_dispatch, LatentAllToAll)),
                 None)
-
-
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def expert_parameters(model: nn.Module, expert_parallel_only: bool = False) -> list[nn.Parameter]:

@@ -122,6 +122,9 @@ class DistributedTrainer(Trainer):
         dist.all_reduce(t, group=self.meshes.dp_cp.get_group())
         return t.item() if isinstance(value, float) else int(round(t.item()))
 
+    def data_ranks(self) -> int:
+        return self.dims.dp * self.dims.cp
+
     def reduce_fn(self):
         group = self.meshes.dp_cp.get_group()
         return lambda t: dist.all_reduce(t, group=group)

@@ -100,3 +100,8 @@ class MoE(nn.Module):
         stats = RouterStats(scores=scores, topk_idx=topk_idx, bias=self.gate.e_score_correction_bias.detach().clone(),
                             layer=self.layer_idx)
         return y, stats
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every MoE block of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]

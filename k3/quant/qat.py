@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from k3.model.moe import moe_layers
 from k3.quant.mx import MODES, fake_quantize
 
 FORMATS = {"mxfp4": "e2m1", "mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2"}
@@ -81,12 +82,6 @@ class ExpertQAT:
         return None if self.activations is None else self.act
 
 
-def _moe_layers(model: nn.Module):
-    from k3.model.moe import MoE
-
-    return [m for m in model.modules() if isinstance(m, MoE)]
-
-
 def enable_qat(model: nn.Module, weights: str | None = "mxfp4", activations: str | None = "mxfp8_e4m3",
                mode: str = "floor") -> ExpertQAT:
     """Fake-quantise every MoE layer's routed experts (see the module docstring); returns the settings.
@@ -94,7 +89,7 @@ def enable_qat(model: nn.Module, weights: str | None = "mxfp4", activations: str
     Raises ValueError when the model has no MoE layer, holds packed experts (inference only), or an expert
     width (D or I) is not a multiple of 32."""
     qat = ExpertQAT(weights, activations, mode)
-    layers = _moe_layers(model)
+    layers = moe_layers(model)
     if not layers:
         raise ValueError("enable_qat: the model has no MoE layer")
     for moe in layers:
@@ -113,13 +108,13 @@ def enable_qat(model: nn.Module, weights: str | None = "mxfp4", activations: str
 
 def disable_qat(model: nn.Module) -> None:
     """Back to the high-precision forward on every MoE layer (the master weights were never changed)."""
-    for moe in _moe_layers(model):
+    for moe in moe_layers(model):
         moe.qat = None
 
 
 def qat_settings(model: nn.Module) -> ExpertQAT | None:
     """The QAT settings of the model's MoE layers (None when off); ValueError if the layers disagree."""
-    found = {moe.qat for moe in _moe_layers(model)}
+    found = {moe.qat for moe in moe_layers(model)}
     if len(found) > 1:
         raise ValueError(f"MoE layers have different QAT settings: {found}")
     return next(iter(found), None)

@@ -169,9 +169,11 @@ class Trainer:
             if state.get("rng") is not None:
                 set_rng_state(state["rng"])
             self.step = state["step"]
-            self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
-            self.history = [h for h in self.history if h["step"] < self.step]
-            self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+            if self.is_main:  # the one writer of metrics.jsonl (other ranks would race its rewrite)
+                self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines()
+                                if line.strip()]
+                self.history = [h for h in self.history if h["step"] < self.step]
+                self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
             log.info("resumed %s at step %d", self.resume_from, self.step)
         elif self.is_main:
             (self.run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -204,6 +206,11 @@ class Trainer:
     def all_sum(self, value: float) -> float:
         """Sum of a number over the processes (single process: itself)."""
         return value
+
+    def data_ranks(self) -> int:
+        """Processes whose gradients are summed (single process: 1); per-rank auxiliary losses are divided by it,
+        so the summed gradient is that of their mean."""
+        return 1
 
     def reduce_fn(self):
         """In-place sum over the processes for the balancer's statistics (None: single process)."""
@@ -308,7 +315,8 @@ class Trainer:
         try:
             for b in batches:
                 loss_sum, _, out = self._forward_loss(b)
-                aux = self.balancer.observe(out.router_stats, b.cu_seqlens.to(self.device)) / cfg.grad_accum
+                aux = (self.balancer.observe(out.router_stats, b.cu_seqlens.to(self.device))
+                       / (cfg.grad_accum * self.data_ranks()))
                 (loss_sum / valid + aux).backward()
                 total += loss_sum.item()
                 aux_total += float(aux)
@@ -317,7 +325,7 @@ class Trainer:
             for h in hooks:
                 h.remove()
         self.after_backward()
-        total = self.all_sum(total)
+        total, aux_total = self.all_sum(total), self.all_sum(aux_total)  # every rank skips a bad step or none
         loss = total / valid
         record = {"step": self.step, "loss": loss, "lr": lr, "tokens": (self.step + 1) * cfg.batch_size *
                   cfg.grad_accum * cfg.seq_len}

@@ -130,7 +130,7 @@ def train_step(meshes, model, opt) -> dict:
 
 
 def distributed_step(rank: int, world: int, dp: int, ep: int, qat: bool = False) -> dict:
-    from k3.distributed.expert_parallel import moe_layers
+    from k3.model.moe import moe_layers
 
     meshes, model, opt = prepare(dp, ep, qat=qat)
     out = train_step(meshes, model, opt)

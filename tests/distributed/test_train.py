@@ -107,7 +107,7 @@ def test_expert_parallel_step_records_all_to_all_time_and_rows_per_rank(tmp_path
     histories = run(2, _rank_train, config, ParallelDims(dp=2, ep=2), False, True)
     model_cfg = get_preset("tiny")
     moe_layers = sum(model_cfg.ffn(i) == "moe" for i in range(model_cfg.num_hidden_layers))
-    for h in histories[0]:
+    for h in histories[0] + histories[1]:  # each rank's record (rank 0 writes them)
         rows = h["ep_rows_per_rank"]
         assert len(rows) == 2 and min(rows) > 0
         assert sum(rows) == 2 * ROWS * config.seq_len * model_cfg.moe.num_experts_per_token * moe_layers
@@ -115,7 +115,6 @@ def test_expert_parallel_step_records_all_to_all_time_and_rows_per_rank(tmp_path
         assert len(h["a2a_s_per_rank"]) == 2 and all(t > 0 for t in h["a2a_s_per_rank"])
         assert 0 < h["a2a_share"] < 1
         assert h["tokens_per_s_per_gpu"] == pytest.approx(h["tokens_per_s"] / 2)
-    assert [h["ep_rows_per_rank"] for h in histories[1]] == [h["ep_rows_per_rank"] for h in histories[0]]
     # router metrics are those of the global batch (loads all-reduced), as one process on the whole batch
     one = Trainer(cfg(tmp_path / "single", dp=2, steps=1), progress=False).run()["history"]
     step0 = [h for h in one if "maxvio" in h][0]
