@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -125,9 +126,11 @@ def main() -> None:
     one, many = out / "gpu1", out / f"gpu{a.gpus}"
     wall = {}
     if len(steps_of(read_metrics(one))) < a.steps:
+        shutil.rmtree(one, ignore_errors=True)  # a run cut short (say, by a device time limit) starts over
         wall["gpu1"] = run([sys.executable] + train_args(a, one, a.rows * a.gpus, tok) + ["--device", a.device],
                            logs / "gpu1.log", env)
     if len(steps_of(read_metrics(many))) < a.steps:
+        shutil.rmtree(many, ignore_errors=True)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
         wall[f"gpu{a.gpus}"] = run(launcher + train_args(a, many, a.rows, tok)  # torchrun -m k3 train ...
                                    + ["--dp", str(a.gpus), "--ep", str(a.gpus)], logs / f"gpu{a.gpus}.log", env)
