@@ -2,10 +2,14 @@
 ``causal_conv1d_step`` for one decode token per sequence (state pool updated in place)."""
 
 from k3.ops import backend
+from k3.ops.conv.flat import causal_conv1d as causal_conv1d_flat
 from k3.ops.conv.reference import causal_conv1d as causal_conv1d_reference
 from k3.ops.conv.reference import causal_conv1d_step
 
 backend.register("causal_conv1d", "reference", causal_conv1d_reference)
+# the flat form runs anywhere; it is the GPU path because there it saves a host sync per call (the CPU keeps
+# the reference, which the CPU tests exercise through the model)
+backend.register("causal_conv1d", "fast", causal_conv1d_flat, supports=lambda d: d.type == "cuda")
 
 
 def causal_conv1d(x, weight, *, initial_state=None, output_final_state=False, cu_seqlens=None, activation="silu"):

@@ -1,10 +1,17 @@
-"""Tests for k3.ops.conv.reference.causal_conv1d against a plain per-token loop."""
+"""The short causal conv: the reference (packed segments) and the flat form (masked shifts, the GPU path), each
+against a plain fp64 per-token loop and the segment-by-segment runs."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.conv.reference import causal_conv1d
+from k3.ops.conv.flat import causal_conv1d as flat_conv
+from k3.ops.conv.reference import causal_conv1d as reference_conv
+
+
+@pytest.fixture(params=["reference", "flat"])
+def conv(request):
+    return {"reference": reference_conv, "flat": flat_conv}[request.param]
 
 
 def rel(a, b):
@@ -49,69 +56,69 @@ def make(B, T, C, W=4, seed=0):
 
 @pytest.mark.parametrize("activation", ["silu", None])
 @pytest.mark.parametrize("with_state", [True, False])
-def test_against_loop(activation, with_state):
+def test_against_loop(activation, with_state, conv):
     x, weight, s0 = make(2, 23, 6)
     s0 = s0 if with_state else None
     y_ref, f_ref = truth_conv(x, weight, s0, activation)
-    y, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True, activation=activation)
+    y, f = conv(x, weight, initial_state=s0, output_final_state=True, activation=activation)
     assert y.dtype == x.dtype and f.shape == (2, 6, 3)
     check(f"conv y [{activation}, state={with_state}]", y, y_ref, 1e-6)
     check(f"conv final state [{activation}, state={with_state}]", f, f_ref, 1e-7)
-    assert causal_conv1d(x, weight)[1] is None
+    assert conv(x, weight)[1] is None
 
 
 @pytest.mark.parametrize("W", [2, 4, 5])
-def test_kernel_widths(W):
+def test_kernel_widths(W, conv):
     x, weight, s0 = make(1, 9, 3, W=W, seed=1)
     y_ref, f_ref = truth_conv(x, weight, s0)
-    y, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+    y, f = conv(x, weight, initial_state=s0, output_final_state=True)
     check(f"conv y [W={W}]", y, y_ref, 1e-6)
     check(f"conv final state [W={W}]", f, f_ref, 1e-7)
 
 
 @pytest.mark.parametrize("t1", [1, 2, 3, 10, 19])
-def test_state_continuation(t1):
+def test_state_continuation(t1, conv):
     x, weight, s0 = make(2, 20, 5, seed=2)
-    y_full, f_full = causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
-    y1, f1 = causal_conv1d(x[:, :t1], weight, initial_state=s0, output_final_state=True)
-    y2, f2 = causal_conv1d(x[:, t1:], weight, initial_state=f1, output_final_state=True)
+    y_full, f_full = conv(x, weight, initial_state=s0, output_final_state=True)
+    y1, f1 = conv(x[:, :t1], weight, initial_state=s0, output_final_state=True)
+    y2, f2 = conv(x[:, t1:], weight, initial_state=f1, output_final_state=True)
     check(f"continuation y [t1={t1}]", torch.cat([y1, y2], 1), y_full, 1e-7)
     check(f"continuation state [t1={t1}]", f2, f_full, 0.0)
 
 
-def test_short_sequence_keeps_old_state():
+def test_short_sequence_keeps_old_state(conv):
     x, weight, s0 = make(1, 2, 4, seed=3)  # T = 2 < W - 1 = 3
-    _, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+    _, f = conv(x, weight, initial_state=s0, output_final_state=True)
     expected = torch.cat([s0[:, :, 2:], x.transpose(1, 2)], dim=-1)
     assert torch.equal(f, expected)
 
 
-def test_cu_seqlens_equals_separate_runs():
+def test_cu_seqlens_equals_separate_runs(conv):
     lengths = [7, 1, 2, 12, 4]
     x, weight, _ = make(1, sum(lengths), 5, seed=4)
     s0 = torch.randn(len(lengths), 5, 3, generator=torch.Generator().manual_seed(5))
     cu = torch.tensor([0] + lengths).cumsum(0)
-    y, f = causal_conv1d(x, weight, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    y, f = conv(x, weight, initial_state=s0, output_final_state=True, cu_seqlens=cu)
     assert y.shape == x.shape and f.shape == (len(lengths), 5, 3)
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        y_n, f_n = causal_conv1d(x[:, a:b], weight, initial_state=s0[n : n + 1], output_final_state=True)
+        y_n, f_n = conv(x[:, a:b], weight, initial_state=s0[n : n + 1], output_final_state=True)
         check(f"varlen y [seg {n}]", y[:, a:b], y_n, 1e-7)
         check(f"varlen state [seg {n}]", f[n : n + 1], f_n, 0.0)
         y_t, f_t = truth_conv(x[:, a:b], weight, s0[n : n + 1])
         check(f"varlen y vs loop [seg {n}]", y[:, a:b], y_t, 1e-6)
 
 
-def test_dtypes():
+def test_dtypes(conv):
     x, weight, s0 = make(1, 8, 4, seed=6)
-    y, f = causal_conv1d(x.bfloat16(), weight, initial_state=s0, output_final_state=True)
+    y, f = conv(x.bfloat16(), weight, initial_state=s0, output_final_state=True)
     assert y.dtype == torch.bfloat16 and f.dtype == torch.float32
 
 
-def test_gradcheck():
+def test_gradcheck(conv):
     x, weight, s0 = (t.double().requires_grad_() for t in make(2, 6, 3, seed=7))
 
     def f(x, weight, s0):
-        return causal_conv1d(x, weight, initial_state=s0, output_final_state=True)
+        return conv(x, weight, initial_state=s0, output_final_state=True)
 
     assert torch.autograd.gradcheck(f, (x, weight, s0))
 
@@ -120,21 +127,21 @@ def test_gradcheck():
     cu = torch.tensor([0, 2, 3, 7])
 
     def g(x, weight, s0):
-        return causal_conv1d(x, weight, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+        return conv(x, weight, initial_state=s0, output_final_state=True, cu_seqlens=cu)
 
     assert torch.autograd.gradcheck(g, (x1, weight, s1))
 
 
-def test_invalid_arguments():
+def test_invalid_arguments(conv):
     x, weight, s0 = make(2, 10, 4, seed=8)
     with pytest.raises(ValueError):
-        causal_conv1d(x, weight, cu_seqlens=torch.tensor([0, 4, 10]))  # B > 1
+        conv(x, weight, cu_seqlens=torch.tensor([0, 4, 10]))  # B > 1
     with pytest.raises(ValueError):
-        causal_conv1d(x, weight, initial_state=s0[:1])  # N != B
+        conv(x, weight, initial_state=s0[:1])  # N != B
     with pytest.raises(ValueError):
-        causal_conv1d(x[:1], weight, initial_state=s0, cu_seqlens=torch.tensor([0, 3, 6, 10]))  # N != segments
+        conv(x[:1], weight, initial_state=s0, cu_seqlens=torch.tensor([0, 3, 6, 10]))  # N != segments
     with pytest.raises(ValueError):
-        causal_conv1d(x, weight, activation="relu")
+        conv(x, weight, activation="relu")
 
 
 def test_step_extends_the_pool_like_the_full_conv():
@@ -154,3 +161,21 @@ def test_step_extends_the_pool_like_the_full_conv():
     check("conv step outputs", torch.stack(ys, 1), y_ref, 1e-6)
     check("conv step state", pool[slots], final_ref, 1e-6)
     assert torch.equal(pool[[1, 3]], spare)
+
+
+def test_flat_equals_reference_on_packed_documents_without_state():
+    """The training case: documents shorter and longer than W-1 packed back to back, no history; outputs and
+    gradients of the flat form equal the reference's (fp64)."""
+    lengths = [1, 2, 9, 3, 1, 6]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1, sum(lengths), 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    grad = torch.randn(1, sum(lengths), 5, dtype=torch.float64, generator=gen)
+    results = []
+    for impl in (reference_conv, flat_conv):
+        y, f = impl(x, weight, cu_seqlens=cu, output_final_state=True)
+        gx, gw = torch.autograd.grad((y * grad).sum() + f.sum(), (x, weight))
+        results.append((y, f, gx, gw))
+    for name, a, b in zip(("y", "final state", "dx", "dweight"), results[1], results[0]):
+        check(f"flat vs reference {name}", a, b, 1e-13)
