@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, Shard
 from k3.model.moe import MoE, moe_layers
 from k3.ops.dtypes import upcast
 from k3.ops.moe import moe_experts
+from k3.train.optim import local_shard
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -145,13 +146,13 @@ class LatentAllToAll:
         self.stats.rows_sent += sum(send_splits)
         self.stats.rows_received += sum(recv_splits)
 
-        rows = z[token]  # [N*k, D], sorted by (destination, local expert)
+        rows = z.index_select(0, token)  # [N*k, D], sorted by (destination, local expert)
         received = all_to_all_rows(rows, recv_splits, send_splits, self.group, self.stats)
         local_ids = torch.arange(self.num_local, device=z.device).repeat(self.ep_size)
         local_idx = torch.repeat_interleave(local_ids, recv_counts.to(z.device))
         out = self._local_experts(moe, received, local_idx)
         back = all_to_all_rows(out, send_splits, recv_splits, self.group, self.stats)
-        weight = upcast(topk_weight.reshape(-1)[order]).unsqueeze(-1)
+        weight = upcast(topk_weight.reshape(-1).index_select(0, order)).unsqueeze(-1)
         y = torch.zeros(n, width, dtype=torch.promote_types(z.dtype, torch.float32), device=z.device)
         return y.index_add(0, token, upcast(back) * weight).to(z.dtype)
 
@@ -159,7 +160,7 @@ class LatentAllToAll:
         """E_{local_idx[i]}(rows[i]) for every received row (routing weight 1)."""
         if rows.shape[0] == 0:  # keep the graph connected: the backward all-to-all must run on every rank
             return rows * 0
-        w1, w2, w3 = (_local(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
+        w1, w2, w3 = (local_shard(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         idx = local_idx.unsqueeze(1)
         if moe.qat is None:
@@ -167,10 +168,6 @@ class LatentAllToAll:
         q = moe.qat
         return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu,
                            act_quant=q.act_quant)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def comm_stats(model: nn.Module) -> CommStats | None:

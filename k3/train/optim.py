@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
 from k3.model.moe import RoutedExperts, Router
+from k3.ops.segments import host_list
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 KINDS = ("muon_head", "muon_expert", "muon", "adamw")
@@ -185,7 +186,7 @@ class K3Muon(torch.optim.Optimizer):
         for p, g, state in self._with_grads(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            buf, g = _local(state["momentum_buffer"]), _local(g)
+            buf, g = local_shard(state["momentum_buffer"]), local_shard(g)
             buf.lerp_(g, 1 - mu)
             update = g.lerp(buf, mu) if group["nesterov"] else buf
             local_shape = update.shape
@@ -200,7 +201,7 @@ class K3Muon(torch.optim.Optimizer):
                                   group["ns_dtype"])
             if gathered:
                 ortho = _shard_like(ortho.reshape(p.shape), p)
-            p = _local(p)
+            p = local_shard(p)
             p.mul_(1 - lr * wd)
             p.add_(ortho.reshape(local_shape), alpha=-lr * muon_scale(rows, cols, group["scale_rule"]))
 
@@ -214,8 +215,8 @@ class K3Muon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             t = state["step"]
-            p, g = _local(p), _local(g)
-            m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+            p, g = local_shard(p), local_shard(g)
+            m, v = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
             p.mul_(1 - lr * wd)
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -243,7 +244,7 @@ def _is_dtensor(t: Tensor) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def _local(t: Tensor) -> Tensor:
+def local_shard(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor (a view: in-place updates reach the DTensor); plain tensors unchanged."""
     return t.to_local() if _is_dtensor(t) else t
 
@@ -438,7 +439,7 @@ def mla_max_logits(mla: MultiheadLatentAttention, x_normed: Tensor, cu_seqlens: 
     c_kv, k_pe = mla.kv_a_proj_with_mqa(x_normed).split([mla.r, dr], dim=-1)
     k_nope = mla.kv_b_proj(mla.kv_a_layernorm(c_kv)).view(n, h, dn + mla.dv)[..., :dn]
     q_nope, q_pe = q.split([dn, dr], dim=-1)
-    bounds = cu_seqlens.tolist()
+    bounds = host_list(cu_seqlens)
     if mla.rope_theta is not None:
         positions = torch.cat([torch.arange(b - a, device=x_normed.device) for a, b in zip(bounds[:-1], bounds[1:])])
         q_pe = rotate_half_rope(q_pe, positions, mla.rope_theta)
@@ -464,15 +465,14 @@ def qk_clip_(mla: MultiheadLatentAttention, max_logits_per_head: Tensor, tau: fl
 
     For every head with S_max > tau, gamma = tau / S_max: its q_nope rows (q_b_proj or q_proj) and k_nope rows
     (kv_b_proj) are scaled by sqrt(gamma), its q_pe rows by gamma; the shared k_pe (kv_a_proj_with_mqa) and the
-    v rows are untouched. Every logit of that head is thereby scaled by gamma, so its max becomes tau.
+    v rows are untouched. Every logit of that head is thereby scaled by gamma, so its max becomes tau. Every head
+    is scaled (by exactly 1 when left alone) rather than asking the host whether any needs it (a sync).
     """
     h, dn, dr, dv = mla.num_heads, mla.dn, mla.dr, mla.dv
     s = max_logits_per_head.detach().float().reshape(-1)
     if s.numel() != h:
         raise ValueError(f"max_logits_per_head has {s.numel()} values for {h} heads")
     gamma = torch.where(s > tau, tau / s, torch.ones_like(s))
-    if not bool((gamma < 1).any()):
-        return gamma
     wq = _q_weight(mla).view(h, dn + dr, -1)
     wkv = mla.kv_b_proj.weight.view(h, dn + dv, -1)
     g = gamma.to(device=wq.device)
