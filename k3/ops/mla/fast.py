@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 
 import torch
@@ -13,6 +15,7 @@ from k3.ops.segments import host_list
 
 log = logging.getLogger("k3.ops")
 _warned: list = []
+_logged: set = set()
 
 
 def masked_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int) -> Tensor:
@@ -37,10 +40,72 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return o[0].transpose(0, 1)
 
 
+@functools.cache
+def _varlen_flash():
+    """(varlen_attn, its causal keyword) from torch.nn.attention.varlen (FlashAttention-2 over cu_seqlens), or
+    None where this torch lacks it. torch 2.9 takes ``is_causal``; later versions a ``window_size`` (-1, 0)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params:
+        return None
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return varlen_attn, causal
+
+
+def _flash_dtype(q: Tensor) -> torch.dtype | None:
+    """The half dtype flash would run in: q's own, or autocast's (a custom op is not autocast for us)."""
+    if q.dtype in (torch.bfloat16, torch.float16):
+        return q.dtype
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def _log_once(kind: str, why: str = "") -> None:
+    if (kind, why) not in _logged:
+        _logged.add((kind, why))
+        log.info("MLA prefill attention: %s%s", kind, f" ({why})" if why else "")
+
+
+def _not_flash(q: Tensor, k: Tensor, v: Tensor, prefixed: bool, no_varlen: bool, no_half: bool) -> str:
+    """Why the varlen flash call cannot take these inputs ('' when it can)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if not q.is_cuda:
+        return "not on a CUDA device"
+    if no_varlen:
+        return "this torch has no torch.nn.attention.varlen.varlen_attn with a scale"
+    if prefixed:
+        return "queries after a cached prefix"
+    if no_half:
+        return "fp32 without autocast"
+    if d > 256 or d % 8 or dv > d:
+        return f"head widths {d} / {dv} (flash takes <= 256, multiples of 8)"
+    if k.shape[1] != q.shape[1]:
+        return f"{k.shape[1]} key heads for {q.shape[1]} query heads"
+    return ""
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Tensor:
-    """Same contract as :func:`k3.ops.mla.reference.attention` (one SDPA call per segment)."""
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    """Same contract as :func:`k3.ops.mla.reference.attention`. Segments with as many queries as keys (training,
+    prefill without a cache) run as one FlashAttention-2 varlen call (values zero-padded to the q/k head width,
+    which flash needs); otherwise (queries after a cached prefix, head widths over 256, fp32 without autocast,
+    a torch without varlen_attn) one SDPA call per segment. Which one runs is logged once."""
     bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
+    varlen, half, d, dv = _varlen_flash(), _flash_dtype(q), q.shape[-1], v.shape[-1]
+    why = _not_flash(q, k, v, bq != bk, varlen is None, half is None)
+    if not why:
+        _log_once("flash varlen (torch.nn.attention.varlen)")
+        lengths = [b - a for a, b in zip(bq[:-1], bq[1:])]
+        cu = cu_seqlens_q.to(torch.int32)
+        vp = F.pad(v.to(half), (0, d - dv))
+        fn, causal = varlen
+        o = fn(q.to(half), k.to(half), vp, cu, cu, max(lengths), max(lengths), scale=scale, **causal)
+        return o[..., :dv].to(q.dtype)
+    _log_once("SDPA per segment", why)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for s in range(len(bq) - 1):
         out[bq[s]:bq[s + 1]] = _sdpa(q[bq[s]:bq[s + 1]], k[bk[s]:bk[s + 1]], v[bk[s]:bk[s + 1]], scale)
     return out
