@@ -91,6 +91,18 @@ def main() -> None:
         for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:20]:
             lines.append(f"  {e.key[:60]:<60} {e.self_device_time_total / 1e3 / a.steps:8.2f} "
                          f"{e.count / a.steps:8.0f}")
+    if cuda:  # the optimizer by group kind (its whole step is one profiler range above)
+        from k3.bench.common import cuda_time
+
+        loss_sum, _, _ = trainer._forward_loss(trainer.next_batches()[0])
+        loss_sum.backward()  # gradients to step on (the timed calls move the weights; this is a profile)
+        lines += ["", "optimizer by group (device ms per call, CUDA events):"]
+        opt = trainer.optimizer
+        for group in opt.param_groups:
+            fn = opt._adamw_group if group["kind"] == "adamw" else opt._muon_group
+            ms = cuda_time(lambda: fn(group), warmup=1, iters=3) * 1e3
+            numel = sum(p.numel() for p in group["params"])
+            lines.append(f"  {group['kind']:<12} {len(group['params']):4d} tensors {numel / 1e6:8.1f}M  {ms:8.2f} ms")
     text = "\n".join(lines)
     print(text)
     if os.environ.get("K3_BENCH_OUT"):

@@ -79,7 +79,13 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     return t
 
 
-def run(out_dir: str | None = None, quick: bool = False) -> None:
+CASES = ("train", "peer", "attn_res", "prefill")
+
+
+def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise ValueError(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
     backend.set_backend("fast")
     rows = []
 
@@ -89,23 +95,33 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
                       out_dir=out_dir)
 
     batch, seq = (8, 4096)  # the peer's shapes
-    # (d) training step
-    model = K3ForCausalLM(get_preset("small-1b")).cuda()
-    torch.cuda.reset_peak_memory_stats()
-    t = train_step_time(model, batch, seq)
-    n_act = activated_matmul_params(model)
-    tps = batch * seq / t
-    rows.append({"case": f"train small-1b B{batch} T{seq}", "ms": t * 1e3, "tokens_per_s": tps,
-                 "mfu_6N": 6 * n_act * tps / PEAK, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
-    save()
-    del model
-    torch.cuda.empty_cache()
-    peer = None if quick else hf_peer_train(batch, seq)
+    t = None
+    if "train" in cases:  # (d) training step
+        model = K3ForCausalLM(get_preset("small-1b")).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        t = train_step_time(model, batch, seq)
+        n_act = activated_matmul_params(model)
+        tps = batch * seq / t
+        rows.append({"case": f"train small-1b B{batch} T{seq}", "ms": t * 1e3, "tokens_per_s": tps,
+                     "mfu_6N": 6 * n_act * tps / PEAK, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+        save()
+        del model
+        torch.cuda.empty_cache()
+    peer = None if quick or "peer" not in cases else hf_peer_train(batch, seq)
     if peer:
         rows.append({"case": f"transformers KimiLinear 1.27B B{batch} T{seq}", "ms": peer * 1e3,
                      "tokens_per_s": batch * seq / peer})
-        rows[0]["x_transformers"] = peer / t
-    # (c) AttnRes overhead: train step and decode step
+        if t is not None:
+            rows[0]["x_transformers"] = peer / t
+    if "attn_res" in cases:
+        attn_res_rows(rows, save)
+    if "prefill" in cases:
+        prefill_rows(rows, save, quick)
+    save()
+
+
+def attn_res_rows(rows: list, save) -> None:
+    """(c) AttnRes none / snapshot / full: train step (4 x 2048) and CUDA-graph decode step (B=16, 4K)."""
     for mode in ("none", "snapshot", "full"):
         m = K3ForCausalLM(get_preset("small-1b").replace(**{"attn_res.mode": mode})).cuda()
         torch.cuda.reset_peak_memory_stats()
@@ -126,7 +142,10 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
         if r["case"].startswith("AttnRes") and r is not base:
             r["train_overhead"] = r["ms"] / base["ms"] - 1
             r["decode_overhead"] = r["decode_ms"] / base["decode_ms"] - 1
-    # (f) prefill, one pass with logits at the last token only
+
+
+def prefill_rows(rows: list, save, quick: bool) -> None:
+    """(f) one-GPU prefill of 128K (and 1M) tokens, one pass with logits at the last token only."""
     for full in (False, True):
         cfg = get_preset("small-1b")
         if full:
@@ -150,4 +169,3 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
             torch.cuda.empty_cache()
         del m
         torch.cuda.empty_cache()
-    save()

@@ -13,6 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("name", choices=NAMES)
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.add_argument("--cases", default=None,
+                   help="model only: comma-separated subset of train,peer,attn_res,prefill (default all)")
     p.set_defaults(func=run)
 
 
@@ -21,5 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise ValueError("k3 bench needs a CUDA GPU")
-    importlib.import_module(f"k3.bench.{args.name}").run(out_dir=args.out, quick=args.quick)
+    kwargs = {}
+    if args.cases is not None:
+        if args.name != "model":
+            raise ValueError("--cases applies to k3 bench model only")
+        kwargs["cases"] = args.cases.split(",")
+    importlib.import_module(f"k3.bench.{args.name}").run(out_dir=args.out, quick=args.quick, **kwargs)
     return 0

@@ -121,6 +121,47 @@ def test_sdpa_attention_matches_reference():
     assert rel(got, want) <= 2e-2
 
 
+def test_flat_short_conv_matches_reference_on_gpu():
+    """The flat conv (the GPU path) vs the packed reference on the GPU, fp32, packed documents, gradients."""
+    from k3.ops.conv.flat import causal_conv1d as flat
+    from k3.ops.conv.reference import causal_conv1d as packed
+
+    torch.manual_seed(6)
+    cu = torch.tensor([0, 1, 3, 700, 701, 2048], device=DEV)
+    x = torch.randn(1, 2048, 384, device=DEV, requires_grad=True)
+    w = torch.randn(384, 4, device=DEV, requires_grad=True)
+    gy = torch.randn(1, 2048, 384, device=DEV)
+    outs = []
+    for fn in (flat, packed):
+        y, _ = fn(x, w, cu_seqlens=cu)
+        outs.append((y, *torch.autograd.grad((y * gy).sum(), (x, w))))
+    for name, a, b in zip(("y", "dx", "dw"), *outs):
+        assert rel(a, b) <= 1e-5, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_varlen_flash_prefill_matches_reference(autocast):
+    """Packed documents without a cache (training): one flash varlen call, forward and gradients."""
+    if mla_fast._varlen_flash() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen.varlen_attn with a scale")
+    torch.manual_seed(5)
+    cu = torch.tensor([0, 1, 300, 301, 1200, 2048], device=DEV)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    q, k = (torch.randn(2048, 8, 192, device=DEV, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(2048, 8, 128, device=DEV, dtype=dtype, requires_grad=True)
+    gy = torch.randn(2048, 8, 128, device=DEV)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        got = mla_fast.attention(q, k, v, scale=0.07, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    assert got.dtype == dtype
+    grads = torch.autograd.grad((got.float() * gy).sum(), (q, k, v))
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = mla_ref.attention(*ref_in, scale=0.07, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    want_grads = torch.autograd.grad((want * gy).sum(), ref_in)
+    assert rel(got, want) <= 2e-2
+    for name, a, b in zip("qkv", grads, want_grads):
+        assert rel(a, b) <= 5e-2, (name, rel(a, b))
+
+
 def test_whole_model_fast_equals_reference_and_decode_is_consistent():
     from k3.model.decoder import K3ForCausalLM
     from k3.ops import backend
