@@ -175,10 +175,22 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
 
 
+def _from_dcp(directory: Path, config):
+    """The model of a distributed training checkpoint (DCP shards + config.json), gathered into this process."""
+    from k3.distributed.checkpoint import load_into_single
+    from k3.model.decoder import K3ForCausalLM
+    from k3.model.multimodal import K3ForConditionalGeneration
+
+    model = (K3ForConditionalGeneration if config.vision is not None else K3ForCausalLM)(config)
+    load_into_single(directory, model)
+    return model
+
+
 def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", verify: bool = True, packed: str = "dequantize"):
-    """Load a checkpoint directory (ours, the K3 release layout, or transformers' Kimi-Linear) as K3ForCausalLM
-    (K3ForConditionalGeneration when it holds ``vision_tower.*`` weights).
+    """Load a checkpoint directory (ours, the K3 release layout, transformers' Kimi-Linear, or a multi-GPU
+    training run's DCP checkpoint) as K3ForCausalLM (K3ForConditionalGeneration when it holds
+    ``vision_tower.*`` weights).
 
     Packed MXFP4 experts (``quantization_config.format`` mxfp4-pack-quantized): ``packed="dequantize"`` turns
     them into high-precision weights (``dtype``; for training and inference), ``packed="keep"`` keeps the
@@ -191,6 +203,8 @@ def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.flo
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     config = read_config(directory)
+    if (directory / ".metadata").is_file():  # a multi-GPU run's torch.distributed.checkpoint
+        return _from_dcp(directory, config).cast(dtype).to(device)
     quantized = read_quantization(json.loads((directory / "config.json").read_text()))
     if packed == "keep" and quantized is None:
         raise ValueError(f"packed='keep': {directory} has no packed experts (no quantization_config); write one "

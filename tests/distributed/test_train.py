@@ -20,9 +20,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.distributed.checkpoint import load_into_single
 from k3.distributed.mesh import ParallelDims
-from k3.model.decoder import K3ForCausalLM
 from k3.train.trainer import TrainConfig, Trainer
 from tests.distributed.spawn import run
 
@@ -59,17 +57,10 @@ def _weights(ckpt):
 
 
 def dist_weights(run_dir):
+    """The run's latest DCP checkpoint through from_pretrained (config.json + shards gathered in one process)."""
     from k3.train.checkpoint import latest_checkpoint
 
-    model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=_vocab(run_dir), **{"moe.num_experts": 8}))
-    load_into_single(latest_checkpoint(run_dir), model)
-    return model.state_dict()
-
-
-def _vocab(run_dir):
-    from k3.train.tokenizer import Tokenizer
-
-    return Tokenizer.load(run_dir).vocab_size
+    return _weights(latest_checkpoint(run_dir))
 
 
 def rel(a, b):
