@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from queue import Empty
 
 import torch.multiprocessing as mp
 
@@ -34,21 +35,37 @@ def _worker(rank, world, port, fn, args, queue):
 
 def run(world: int, fn, *args, timeout: float = 300.0) -> list:
     """fn(rank, world, *args) on ``world`` processes; returns the per-rank results (must be picklable) in rank
-    order, or raises with the first failing rank's traceback."""
+    order, or raises with the first failing rank's traceback; a rank that dies without reporting, or ranks that
+    report nothing for ``timeout`` seconds (a hung collective), fail the call instead of hanging the suite."""
     ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
-    for _ in range(world):
-        rank, status, value = queue.get()
-        if status == "error":
+    try:
+        while len(results) < world:
+            waited = 0.0
+            while True:
+                try:
+                    rank, status, value = queue.get(timeout=1.0)
+                    break
+                except Empty:
+                    waited += 1.0
+                    dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) "
+                                           "without reporting") from None
+                    if waited >= timeout:
+                        raise TimeoutError(f"no rank reported for {timeout:.0f} s (ranks done: {sorted(results)})")
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        if len(results) < world:
             for p in procs:
                 p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{value}")
-        results[rank] = value
     for p in procs:
         p.join(timeout)
     return [results[r] for r in range(world)]

@@ -1,0 +1,46 @@
+"""The multi-process harness itself: results in rank order, and a hung or dead rank fails the call quickly
+instead of hanging the suite."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.distributed.spawn import run
+
+
+def _rank_times_ten(rank, world):
+    return rank * 10
+
+
+def _rank_one_hangs(rank, world):
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def _rank_one_dies(rank, world):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(30)
+    return rank
+
+
+def test_results_in_rank_order():
+    assert run(2, _rank_times_ten) == [0, 10]
+
+
+def test_a_hung_rank_times_out():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no rank reported for 3 s"):
+        run(2, _rank_one_hangs, timeout=3)
+    assert time.monotonic() - start < 15
+
+
+def test_a_dead_rank_is_reported():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        run(2, _rank_one_dies, timeout=25)
+    assert time.monotonic() - start < 15
