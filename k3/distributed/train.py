@@ -118,8 +118,13 @@ class DistributedTrainer(Trainer):
             return super()._forward_loss(batch, record)
 
     def all_sum(self, value):
-        t = torch.tensor(float(value), dtype=torch.float64, device=self.device)  # nccl: on the GPU
+        """A device tensor is summed on the device (no host sync); a number through a float64 device tensor
+        (nccl: on the GPU), made by a fill rather than a host-to-device copy, so its read is the one sync."""
+        tensor = isinstance(value, torch.Tensor)
+        t = value.clone() if tensor else torch.full((), float(value), dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.meshes.dp_cp.get_group())
+        if tensor:
+            return t
         return t.item() if isinstance(value, float) else int(round(t.item()))
 
     def data_ranks(self) -> int:
@@ -132,8 +137,8 @@ class DistributedTrainer(Trainer):
     def after_backward(self) -> None:
         reduce_expert_grads(self.model, self.meshes)
 
-    def clip(self) -> float:
-        return float(clip_grad_norm_(self.model, self.cfg.clip, self.meshes))
+    def clip(self) -> torch.Tensor:
+        return clip_grad_norm_(self.model, self.cfg.clip, self.meshes)
 
     def train_step(self) -> dict:
         """The base step; tokens and tokens/s for the global batch, tokens/s per GPU, and under expert parallelism

@@ -12,7 +12,7 @@ cutoffs*; after re-routing the cutoffs move, so the balance is approximate (and 
 
 Everything on the update paths is vectorised and free of host syncs (no ``.item()``, no ``bincount``: on CUDA
 ``torch.bincount`` reads min/max back to the host to size its output, so loads use ``scatter_add_``). Only
-:func:`balance_metrics` (a logging helper) syncs, once.
+:func:`balance_metrics` (a logging helper) syncs, once; its device half :func:`balance_metric_rows` does not.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ __all__ = [
     "dead_experts",
     "router_entropy",
     "balance_metrics",
+    "balance_metric_rows",
+    "metrics_from_rows",
     "Balancer",
     "BALANCE_METHODS",
 ]
@@ -338,6 +340,9 @@ def router_entropy(scores: Tensor) -> Tensor:
     return -torch.special.xlogy(p, p).sum(dim=-1).mean()
 
 
+METRIC_NAMES = ("maxvio", "drop_cf1.0", "drop_cf1.25", "dead", "entropy")
+
+
 def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
                     ) -> dict[str, float]:
     """Per-layer and mean MaxVio, drop fraction at cf 1.0 and 1.25, dead experts and router entropy.
@@ -347,8 +352,17 @@ def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tens
     every rank. Keys: ``maxvio/layer{L}``, ``drop_cf1.0/layer{L}``, ``drop_cf1.25/layer{L}``,
     ``dead/layer{L}``, ``entropy/layer{L}`` and the same names with ``mean`` for the mean over layers, plus
     ``maxvio/max`` and ``dead/total``. Returns Python numbers (one host sync, two with ``reduce_fn``: this is
-    for logging).
+    for logging). :func:`balance_metric_rows` and :func:`metrics_from_rows` are its device and host halves, for
+    a caller that reads the rows with other numbers in one transfer.
     """
+    layers, rows = balance_metric_rows(stats_list, reduce_fn)
+    return metrics_from_rows(layers, rows.tolist()) if layers else {}
+
+
+def balance_metric_rows(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
+                        ) -> tuple[list[int], Tensor | None]:
+    """The device half of :func:`balance_metrics`: (sorted layers, fp32 rows [L, 5] of :data:`METRIC_NAMES`),
+    or ([], None) without statistics. No host sync without ``reduce_fn`` (one with it: the token counts)."""
     loads: dict[int, Tensor] = {}
     tokens: dict[int, int] = {}
     k_of: dict[int, int] = {}
@@ -363,12 +377,12 @@ def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tens
             tokens[lay] = tokens.get(lay, 0) + n
             k_of[lay] = st.k
         if not loads:
-            return {}
+            return [], None
         layers = sorted(loads)
         if reduce_fn is not None:
             dev = loads[layers[0]].device
             packed = torch.stack([torch.cat([loads[lay].double(), ent[lay].double().reshape(1),
-                                             torch.tensor([tokens[lay]], dtype=torch.float64, device=dev)])
+                                             torch.full((1,), tokens[lay], dtype=torch.float64, device=dev)])
                                   for lay in layers])
             reduce_fn(packed)
             counts = packed[:, -1].tolist()
@@ -383,14 +397,17 @@ def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tens
                 ent[lay] / max(tokens[lay], 1),
             ])
             for lay in layers
-        ]).cpu()
-    values = rows.tolist()
-    names = ("maxvio", "drop_cf1.0", "drop_cf1.25", "dead", "entropy")
+        ])
+    return layers, rows
+
+
+def metrics_from_rows(layers: Sequence[int], values: Sequence[Sequence[float]]) -> dict[str, float]:
+    """The host half of :func:`balance_metrics`: its dict from the layers and the rows read as Python numbers."""
     out: dict[str, float] = {}
     for lay, row in zip(layers, values):
-        for name, v in zip(names, row):
+        for name, v in zip(METRIC_NAMES, row):
             out[f"{name}/layer{lay}"] = int(v) if name == "dead" else v
-    for j, name in enumerate(names):
+    for j, name in enumerate(METRIC_NAMES):
         col = [row[j] for row in values]
         out[f"{name}/mean"] = sum(col) / len(col)
     out["maxvio/max"] = max(row[0] for row in values)

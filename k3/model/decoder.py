@@ -27,7 +27,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import MoE, RoutedExperts, Router
 from k3.model.norm import RMSNorm
-from k3.ops.segments import attach_host, host_list, segment_lengths
+from k3.ops.segments import attach_host, host_list, offsets_to, segment_lengths
 
 # Parameters and buffers that stay fp32 whatever dtype the rest of the model is cast to.
 FP32_NAMES = ("e_score_correction_bias", "gate.weight", "A_log", "dt_bias")
@@ -169,9 +169,8 @@ class K3ForCausalLM(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = attach_host(torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64),
                                      list(range(0, b * t + 1, t)))
-        else:  # one host read of the offsets (none if they come on the CPU); the ops reuse it
-            host = host_list(cu_seqlens) if cu_seqlens.device.type == "cpu" else cu_seqlens.tolist()
-            cu_seqlens = attach_host(cu_seqlens.to(input_ids.device), host)
+        else:  # one host read of the offsets (none if they come on the CPU or carry a host copy); the ops reuse it
+            cu_seqlens = offsets_to(cu_seqlens, input_ids.device)
             check_cu_seqlens(cu_seqlens, b, t)
         segments = cu_seqlens.numel() - 1
         if cache is not None:

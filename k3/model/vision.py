@@ -35,7 +35,7 @@ from k3.config import K3Config, VisionConfig
 from k3.model.mla import rotate_half_rope
 from k3.model.norm import RMSNorm
 from k3.ops.dtypes import upcast
-from k3.ops.segments import attach_host, host_list
+from k3.ops.segments import host_list, offsets_to
 
 CHANNELS = 3  # RGB
 ROPE_THETA = 10000.0
@@ -177,7 +177,7 @@ class MoonViTEncoder(nn.Module):
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        cu_seqlens = attach_host(torch.tensor(cu, device=pixel_patches.device), cu)
+        cu_seqlens = offsets_to(torch.tensor(cu), pixel_patches.device)
         rows, cols = patch_positions(grids, pixel_patches.device)
         x = self.patch_embed(pixel_patches.to(self.patch_embed.weight.dtype))  # [N, D]
         x = x + self.position_embedding(grids).to(x.dtype)

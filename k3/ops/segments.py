@@ -2,7 +2,8 @@
 
 Reading ``cu_seqlens`` on the host is a device-to-host copy that waits for the GPU. The model reads it once per
 forward and attaches the host copy to the tensor (:func:`attach_host`); :func:`host_list` then answers from it,
-so the ops below need no further synchronisation.
+so the ops below need no further synchronisation. Offsets that start on the host go to the device with
+:func:`offsets_to`, which keeps their host copy and does not wait for the device.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ def host_list(t: torch.Tensor) -> list[int]:
     """The values of an int tensor as a list, from its attached host copy when it has one (no sync)."""
     values = getattr(t, "_k3_host", None)
     return t.tolist() if values is None else values
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync: on CUDA through pinned memory and an asynchronous copy (a
+    plain copy from pageable memory waits for the device to catch up). Other moves are plain ``.to``."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def offsets_to(cu_seqlens: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``cu_seqlens`` on ``device`` (moved by :func:`to_device`) with its host copy attached: the one it carries or,
+    on the CPU, its values (no sync either way; a device tensor without one is read back, a sync)."""
+    return attach_host(to_device(cu_seqlens, device), host_list(cu_seqlens))
 
 
 def segment_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:

@@ -31,9 +31,10 @@ from tqdm import tqdm
 from k3.config import get_preset
 from k3.convert.checkpoint import from_pretrained
 from k3.infer.generate import greedy_generate
-from k3.model.balance import BALANCE_METHODS, Balancer, balance_metrics
+from k3.model.balance import BALANCE_METHODS, Balancer, balance_metric_rows, metrics_from_rows
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
+from k3.ops.segments import offsets_to, to_device
 from k3.quant.mx import MODES as MX_MODES
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train import plots
@@ -203,8 +204,8 @@ class Trainer:
     def eval_batch(self, rows: list[int]):
         return self.val_data.rows_batch(rows)
 
-    def all_sum(self, value: float) -> float:
-        """Sum of a number over the processes (single process: itself)."""
+    def all_sum(self, value):
+        """Sum of a number or a device tensor over the processes (single process: itself)."""
         return value
 
     def data_ranks(self) -> int:
@@ -219,8 +220,9 @@ class Trainer:
     def after_backward(self) -> None:
         """Gradient reductions beyond the parallelism wrappers' own (single process: none)."""
 
-    def clip(self) -> float:
-        return float(clip_grad_norm(self.model, self.cfg.clip))
+    def clip(self) -> torch.Tensor:
+        """Clip the gradients; returns their norm before clipping (a device tensor, read with the step's numbers)."""
+        return clip_grad_norm(self.model, self.cfg.clip)
 
     def _setup_text(self, ckpt) -> None:
         cfg = self.cfg
@@ -278,17 +280,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, batch, record: bool = False):
-        ids = batch.input_ids.to(self.device)
-        labels = batch.labels.to(self.device)
-        cu = batch.cu_seqlens.to(self.device)
+        """(summed cross-entropy, a device tensor; valid labels, counted on the host; model output). The batch goes
+        to the device without a host sync, its offsets with their host copy (see k3.ops.segments.offsets_to)."""
+        ids = to_device(batch.input_ids, self.device)
+        labels = to_device(batch.labels, self.device)
+        cu = offsets_to(batch.cu_seqlens, self.device)
         images = {}
         if hasattr(batch, "pixel_patches"):
-            images = {"pixel_patches": batch.pixel_patches.to(self.device), "grid_hws": batch.grid_hws}
+            images = {"pixel_patches": to_device(batch.pixel_patches, self.device), "grid_hws": batch.grid_hws}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             out = self.model(ids, cu_seqlens=cu, record_attn_res=record, **images)
         loss_sum = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
-        return loss_sum, int((labels != IGNORE_INDEX).sum()), out
+        return loss_sum, int((batch.labels != IGNORE_INDEX).sum()), out
 
     def _mla_inputs_hook(self, captured: dict):
         hooks = []
@@ -302,6 +306,9 @@ class Trainer:
         return hooks
 
     def train_step(self) -> dict:
+        """One optimiser step. Everything the host needs from the device (the loss and auxiliary-loss sums, the
+        gradient norm, balance metrics, expert loads, the MLA logit maximum) comes back in one transfer, a single
+        process's one host sync outside the model; the update is then queued without waiting for the device."""
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = cfg.lr * cosine_schedule(self.step, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
@@ -311,21 +318,37 @@ class Trainer:
         valid = int(self.all_sum(sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)))
         max_logits: dict[int, torch.Tensor] = {}
         hooks = self._mla_inputs_hook(max_logits) if cfg.qk_clip else []
-        total, aux_total, stats_all = 0.0, 0.0, []
+        # float64 sums on the device, added in micro-batch order: the numbers Python floats would give
+        total = aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        stats_all = []
         try:
             for b in batches:
                 loss_sum, _, out = self._forward_loss(b)
-                aux = (self.balancer.observe(out.router_stats, b.cu_seqlens.to(self.device))
+                aux = (self.balancer.observe(out.router_stats, offsets_to(b.cu_seqlens, self.device))
                        / (cfg.grad_accum * self.data_ranks()))
                 (loss_sum / valid + aux).backward()
-                total += loss_sum.item()
-                aux_total += float(aux)
+                total = total + loss_sum.detach().double()
+                aux_total = aux_total + aux.detach().double()
                 stats_all += [dataclasses.replace(s, scores=s.scores.detach()) for s in out.router_stats]
         finally:
             for h in hooks:
                 h.remove()
         self.after_backward()
         total, aux_total = self.all_sum(total), self.all_sum(aux_total)  # every rank skips a bad step or none
+        # computed whether or not the step is skipped (a skipped step drops its gradients), so one read serves both
+        grad_norm = self.clip()
+        layers, rows = balance_metric_rows(stats_all, reduce_fn=self.reduce_fn())  # global batch over ranks
+        wanted = {"sums": torch.stack([total, aux_total]), "grad_norm": grad_norm}
+        if layers:
+            wanted["metrics"] = rows
+        if max_logits:
+            wanted["mla_max_logit"] = torch.stack([m.max() for m in max_logits.values()]).max()
+        loads: dict[int, torch.Tensor] = {}  # this rank's, per layer
+        for s in stats_all:
+            loads[s.layer] = loads[s.layer] + s.loads if s.layer in loads else s.loads
+        wanted.update({("loads", layer): ld for layer, ld in loads.items()})
+        host = to_host(wanted, self.device)
+        (total, aux_total), grad_norm = host["sums"].tolist(), host["grad_norm"].item()
         loss = total / valid
         record = {"step": self.step, "loss": loss, "lr": lr, "tokens": (self.step + 1) * cfg.batch_size *
                   cfg.grad_accum * cfg.seq_len}
@@ -337,17 +360,16 @@ class Trainer:
             log.warning("step %d: non-finite loss %s, step skipped (%d in a row)", self.step, loss, self.bad_steps)
         else:
             self.bad_steps = 0
-            grad_norm = self.clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.balancer.step(self.bias_buffers, reduce_fn=self.reduce_fn())
             if cfg.qk_clip:
                 for i, m in max_logits.items():
                     qk_clip_(self.model.model.layers[i].self_attn, m, cfg.qk_clip)
-                record["mla_max_logit"] = max(float(m.max()) for m in max_logits.values()) if max_logits else None
-            metrics = balance_metrics(stats_all, reduce_fn=self.reduce_fn())  # global batch over ranks
-            for s in stats_all:
-                self.recent_loads[s.layer] = self.recent_loads.get(s.layer, 0) + s.loads.cpu()
+                record["mla_max_logit"] = host["mla_max_logit"].item() if max_logits else None
+            metrics = metrics_from_rows(layers, host["metrics"].tolist()) if layers else {}
+            for layer in loads:
+                self.recent_loads[layer] = self.recent_loads.get(layer, 0) + host["loads", layer]
             record.update(grad_norm=grad_norm, aux_loss=aux_total, maxvio=metrics.get("maxvio/mean"),
                           maxvio_max=metrics.get("maxvio/max"), dead_experts=metrics.get("dead/total"))
         dt = time.perf_counter() - t0
@@ -358,12 +380,12 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        total, count = 0.0, 0
+        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         rows, bs = min(self.cfg.eval_rows, self.val_data.num_rows), self.cfg.batch_size
         for start in range(0, rows, bs):
             loss_sum, n, _ = self._forward_loss(self.eval_batch(list(range(start, min(start + bs, rows)))))
-            total, count = total + loss_sum.item(), count + n
-        total, count = self.all_sum(total), self.all_sum(count)
+            total, count = total + loss_sum.double(), count + n
+        total, count = self.all_sum(total).item(), self.all_sum(count)
         self.model.train()
         loss = total / max(count, 1)
         out = {"val_loss": loss, "val_bpb": loss / math.log(2) / self.val_data.bytes_per_token}
@@ -475,6 +497,14 @@ class Trainer:
         path = self.save()
         self.write_plots()
         return {"checkpoint": str(path), "history": self.history}
+
+
+def to_host(tensors: dict, device: torch.device) -> dict:
+    """{key: tensor} on the host through one copy, hence one host sync: flattened to float64 (exact for fp32 values
+    and for integers below 2^53), concatenated on ``device``, copied, and split back into their shapes and dtypes."""
+    flat = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors.values()]).cpu()
+    parts = flat.split([t.numel() for t in tensors.values()])
+    return {k: part.view(t.shape).to(t.dtype) for (k, t), part in zip(tensors.items(), parts)}
 
 
 def _text_budget(docs, budget: int):

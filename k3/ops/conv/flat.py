@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3.ops.segments import segment_lengths
+from k3.ops.segments import segment_lengths, to_device
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
@@ -43,7 +43,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
     dtype = torch.promote_types(x.dtype, torch.float32)
     dev = x.device
     flat = x.reshape(B * T, C).to(dtype)  # segments back to back
-    lens = torch.tensor(lengths, device=dev)
+    lens = to_device(torch.tensor(lengths), dev)  # no blocking host-to-device copy
     seg = torch.repeat_interleave(torch.arange(N, device=dev), lens, output_size=B * T)  # [BT] segment of t
     starts = torch.cumsum(lens, 0) - lens
     p = torch.arange(B * T, device=dev) - starts[seg]  # offset inside its segment

@@ -30,6 +30,17 @@ def _inputs(q, k, v, g, beta, initial_state):
     return q.to(dtype), k.to(dtype), v, g.float(), beta.to(dtype), state
 
 
+def _host_tensor(cu_seqlens: Tensor) -> Tensor:
+    """cu_seqlens as a CPU int64 tensor, made once per attached host copy. fla caches what it derives from its
+    arguments by their identity (``tensor_cache``), so with the same objects every layer of a forward reuses the
+    chunk indices it built (and copied to the device, a host sync) for the first."""
+    host = host_list(cu_seqlens)
+    cached = getattr(cu_seqlens, "_k3_cpu", None)
+    if cached is None or cached[0] is not host:
+        cached = cu_seqlens._k3_cpu = (host, torch.tensor(host, dtype=torch.int64))
+    return cached[1]
+
+
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
               initial_state: Tensor | None = None, output_final_state: bool = False,
               cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
@@ -37,7 +48,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
-    cu_cpu = None if cu_seqlens is None else torch.tensor(host_list(cu_seqlens), dtype=torch.int64)
+    cu_cpu = None if cu_seqlens is None else _host_tensor(cu_seqlens)
     return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu,
                          chunk_size=chunk_size if chunk_size in (32, 64) else 64)
