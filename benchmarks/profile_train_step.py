@@ -100,7 +100,8 @@ def main() -> None:
         opt = trainer.optimizer
         for group in opt.param_groups:
             fn = opt._adamw_group if group["kind"] == "adamw" else opt._muon_group
-            ms = cuda_time(lambda: fn(group), warmup=1, iters=3) * 1e3
+            with torch.no_grad():  # as in K3Muon.step
+                ms = cuda_time(lambda: fn(group), warmup=1, iters=3) * 1e3
             numel = sum(p.numel() for p in group["params"])
             lines.append(f"  {group['kind']:<12} {len(group['params']):4d} tensors {numel / 1e6:8.1f}M  {ms:8.2f} ms")
     text = "\n".join(lines)

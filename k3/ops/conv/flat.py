@@ -1,15 +1,18 @@
-"""The short causal conv on the flat token stream: W shifted, masked multiply-adds, no packing.
+"""The short causal conv on the flat token stream: one convolution over all segments back to back, then the few
+outputs that read across a segment start corrected. No padding per segment, no host sync, nothing saved for the
+backward beyond what the convolution keeps.
 
 The reference packs segments into a right-padded batch (a gather), convolves, and unpacks with a boolean mask,
 which reads its size back to the host (a sync per call on a GPU) and whose backward is a sort-based index
-accumulate. Here every token t of segment s (offset p = t - start_s) reads
+accumulate. Here, for token t of segment s at offset p = t - start_s, the reference reads
 
     y_t[c] = act( sum_{j=0}^{W-1} weight[c, W-1-j] * u_{t,j}[c] ),   u_{t,j} = x_{t-j}                if j <= p
                                                                      = initial_state[s, c, W-1-j+p] if j > p
 
-(zeros in place of the initial state when there is none), so the whole op is W element-wise passes over [T, C]
-plus, for a segment shorter than W-1, a gather of its history; nothing is read back to the host beyond the
-segment offsets (whose host copy the model attaches). Same contract and dtype rules as the reference.
+(zeros for no initial state). One causal conv over the stream computes every term with u_{t,j} = x_{t-j}; only
+the pairs j > p (at most W(W-1)/2 per segment, listed on the host from the segment lengths) differ, so those
+terms are subtracted again and the history terms added, with index_select / index_add (no sort in the backward).
+Same contract and dtype rules as the reference.
 """
 
 from __future__ import annotations
@@ -43,29 +46,35 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
     dtype = torch.promote_types(x.dtype, torch.float32)
     dev = x.device
     flat = x.reshape(B * T, C).to(dtype)  # segments back to back
-    lens = to_device(torch.tensor(lengths), dev)  # no blocking host-to-device copy
-    seg = torch.repeat_interleave(torch.arange(N, device=dev), lens, output_size=B * T)  # [BT] segment of t
-    starts = torch.cumsum(lens, 0) - lens
-    p = torch.arange(B * T, device=dev) - starts[seg]  # offset inside its segment
     history = None if initial_state is None else initial_state.to(dtype)
     w = weight.to(dtype)
-    padded = F.pad(flat, (0, 0, W - 1, 0))  # row W-1+t holds token t
-    y = flat * w[:, W - 1]
-    for j in range(1, W):
-        shifted = padded[W - 1 - j:W - 1 - j + B * T]  # x_{t-j}
-        inside = (p >= j).unsqueeze(1)
-        if history is None:
-            u = shifted * inside
-        else:  # the first j tokens of a segment read its history column W-1-j+p
-            col = (W - 1 - j + p).clamp(max=W - 2)
-            u = torch.where(inside, shifted, history[seg, :, col])
-        y = y + u * w[:, W - 1 - j]
+    y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T  # [BT, C]: x_{t-j} throughout
+    # the (token, lag) pairs that reach before their segment's start: j > p
+    cross, hist = [], []  # (t, t - j, kernel column) / (t, segment, history column, kernel column)
+    start = 0
+    for s, length in enumerate(lengths):
+        for p in range(min(W - 1, length)):
+            for j in range(p + 1, W):
+                if start + p - j >= 0:
+                    cross.append((start + p, start + p - j, W - 1 - j))
+                if history is not None:
+                    hist.append((start + p, s, W - 1 - j + p, W - 1 - j))
+        start += length
+    wt = w.T  # [W, C]
+    if cross:
+        t_i, src, col = to_device(torch.tensor(cross).T.contiguous(), dev)
+        y = y.index_add(0, t_i, flat.index_select(0, src) * wt.index_select(0, col), alpha=-1)
+    if hist:
+        t_i, seg, hcol, col = to_device(torch.tensor(hist).T.contiguous(), dev)
+        y = y.index_add(0, t_i, history[seg, :, hcol] * wt.index_select(0, col))
     if activation == "silu":
         y = F.silu(y)
     y = y.reshape(B, T, C).to(x.dtype)
 
     final_state = None
     if output_final_state:  # the last W-1 inputs of each segment, reaching into its history when shorter
+        lens = to_device(torch.tensor(lengths), dev)
+        starts = torch.cumsum(lens, 0) - lens
         m = torch.arange(W - 1, device=dev)
         ends = starts + lens
         t = ends[:, None] - (W - 1) + m[None, :]  # [N, W-1] flat positions
