@@ -121,8 +121,10 @@ def test_sdpa_attention_matches_reference():
     assert rel(got, want) <= 2e-2
 
 
-def test_flat_short_conv_matches_reference_on_gpu():
-    """The flat conv (the GPU path) vs the packed reference on the GPU, fp32, packed documents, gradients."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_flat_short_conv_matches_reference_on_gpu(autocast):
+    """The flat conv (the GPU path) vs the packed reference on the GPU, fp32 compute (also under autocast),
+    packed documents, gradients."""
     from k3.ops.conv.flat import causal_conv1d as flat
     from k3.ops.conv.reference import causal_conv1d as packed
 
@@ -133,7 +135,8 @@ def test_flat_short_conv_matches_reference_on_gpu():
     gy = torch.randn(1, 2048, 384, device=DEV)
     outs = []
     for fn in (flat, packed):
-        y, _ = fn(x, w, cu_seqlens=cu)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y, _ = fn(x, w, cu_seqlens=cu)
         outs.append((y, *torch.autograd.grad((y * gy).sum(), (x, w))))
     for name, a, b in zip(("y", "dx", "dw"), *outs):
         assert rel(a, b) <= 1e-5, (name, rel(a, b))

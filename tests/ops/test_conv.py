@@ -180,3 +180,16 @@ def test_flat_equals_reference_on_packed_documents_without_state():
         results.append((y, f, gx, gw))
     for name, a, b in zip(("y", "final state", "dx", "dweight"), results[1], results[0]):
         check(f"flat vs reference {name}", a, b, 1e-13)
+
+
+def test_autocast_keeps_the_documented_fp32_compute(conv):
+    """Under bf16 autocast (training on a GPU; the CPU has the same conv1d rule) the conv still computes in
+    promote(x.dtype, fp32): the flat form's corrections must meet an fp32 convolution, not a bf16 one."""
+    lengths = [3, 1, 9, 2]
+    x, weight, _ = make(1, sum(lengths), 6, seed=12)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    want, _ = reference_conv(x, weight, cu_seqlens=cu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = conv(x, weight, cu_seqlens=cu)
+    assert got.dtype == x.dtype
+    check("conv under autocast", got, want, 1e-6)

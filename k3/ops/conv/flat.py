@@ -20,7 +20,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3.ops.dtypes import no_autocast
 from k3.ops.segments import segment_lengths, to_device
+
+
+def _crossing_terms(lengths: list[int], W: int, with_history: bool) -> tuple[list, list]:
+    """The (token, lag j) pairs with j > p (offset in the segment), on the host: ``cross`` = (t, t - j, kernel
+    column) where the stream has a token at t - j (another segment's, to subtract), ``hist`` = (t, segment,
+    history column, kernel column) for the initial-state terms."""
+    cross, hist = [], []
+    start = 0
+    for s, length in enumerate(lengths):
+        for p in range(min(W - 1, length)):
+            for j in range(p + 1, W):
+                if start + p - j >= 0:
+                    cross.append((start + p, start + p - j, W - 1 - j))
+                if with_history:
+                    hist.append((start + p, s, W - 1 - j + p, W - 1 - j))
+        start += length
+    return cross, hist
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
@@ -43,33 +61,25 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
     if initial_state is not None and initial_state.shape != (N, C, W - 1):
         raise ValueError(f"initial_state must be [{N}, {C}, {W - 1}], got {tuple(initial_state.shape)}")
 
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    dev = x.device
-    flat = x.reshape(B * T, C).to(dtype)  # segments back to back
-    history = None if initial_state is None else initial_state.to(dtype)
-    w = weight.to(dtype)
-    y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T  # [BT, C]: x_{t-j} throughout
-    # the (token, lag) pairs that reach before their segment's start: j > p
-    cross, hist = [], []  # (t, t - j, kernel column) / (t, segment, history column, kernel column)
-    start = 0
-    for s, length in enumerate(lengths):
-        for p in range(min(W - 1, length)):
-            for j in range(p + 1, W):
-                if start + p - j >= 0:
-                    cross.append((start + p, start + p - j, W - 1 - j))
-                if history is not None:
-                    hist.append((start + p, s, W - 1 - j + p, W - 1 - j))
-        start += length
-    wt = w.T  # [W, C]
-    if cross:
-        t_i, src, col = to_device(torch.tensor(cross).T.contiguous(), dev)
-        y = y.index_add(0, t_i, flat.index_select(0, src) * wt.index_select(0, col), alpha=-1)
-    if hist:
-        t_i, seg, hcol, col = to_device(torch.tensor(hist).T.contiguous(), dev)
-        y = y.index_add(0, t_i, history[seg, :, hcol] * wt.index_select(0, col))
-    if activation == "silu":
-        y = F.silu(y)
-    y = y.reshape(B, T, C).to(x.dtype)
+    with no_autocast(x.device):  # compute in promote(x.dtype, fp32) also under autocast
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        dev = x.device
+        flat = x.reshape(B * T, C).to(dtype)  # segments back to back
+        history = None if initial_state is None else initial_state.to(dtype)
+        w = weight.to(dtype)
+        # [BT, C], reading x_{t-j} for every lag, across segment starts too
+        y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T
+        cross, hist = _crossing_terms(lengths, W, history is not None)
+        wt = w.T  # [W, C]
+        if cross:
+            t_i, src, col = to_device(torch.tensor(cross).T.contiguous(), dev)
+            y = y.index_add(0, t_i, flat.index_select(0, src) * wt.index_select(0, col), alpha=-1)
+        if hist:
+            t_i, seg, hcol, col = to_device(torch.tensor(hist).T.contiguous(), dev)
+            y = y.index_add(0, t_i, history[seg, :, hcol] * wt.index_select(0, col))
+        if activation == "silu":
+            y = F.silu(y)
+        y = y.reshape(B, T, C).to(x.dtype)
 
     final_state = None
     if output_final_state:  # the last W-1 inputs of each segment, reaching into its history when shorter

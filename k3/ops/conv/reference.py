@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3.ops.dtypes import no_autocast
 from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 
 __all__ = ["causal_conv1d", "causal_conv1d_step"]
@@ -59,15 +60,16 @@ def causal_conv1d(
     if initial_state is not None and initial_state.shape != (N, C, W - 1):
         raise ValueError(f"initial_state must be [{N}, {C}, {W - 1}], got {tuple(initial_state.shape)}")
 
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    xs = pack_segments(x.to(dtype), cu_seqlens).transpose(1, 2)  # [N, C, Tmax]
-    history = xs.new_zeros(N, C, W - 1) if initial_state is None else initial_state.to(dtype)
-    xs = torch.cat([history, xs], dim=-1)  # [N, C, W-1+Tmax]: token t sits at index W-1+t
+    with no_autocast(x.device):  # compute in promote(x.dtype, fp32) also under autocast
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xs = pack_segments(x.to(dtype), cu_seqlens).transpose(1, 2)  # [N, C, Tmax]
+        history = xs.new_zeros(N, C, W - 1) if initial_state is None else initial_state.to(dtype)
+        xs = torch.cat([history, xs], dim=-1)  # [N, C, W-1+Tmax]: token t sits at index W-1+t
 
-    y = F.conv1d(xs, weight.to(dtype).unsqueeze(1), groups=C)  # [N, C, Tmax]
-    if activation == "silu":
-        y = F.silu(y)
-    y = unpack_segments(y.transpose(1, 2), cu_seqlens, T).to(x.dtype)
+        y = F.conv1d(xs, weight.to(dtype).unsqueeze(1), groups=C)  # [N, C, Tmax]
+        if activation == "silu":
+            y = F.silu(y)
+        y = unpack_segments(y.transpose(1, 2), cu_seqlens, T).to(x.dtype)
 
     final_state = None
     if output_final_state:
