@@ -23,14 +23,12 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from k3.config.hf import to_hf_config
-from k3.convert.atomic import atomic_write_text
 from k3.distributed.checkpoint import load as dcp_load
 from k3.distributed.checkpoint import save as dcp_save
 from k3.distributed.context_parallel import apply_context_parallel, cp_context, shard_batch
@@ -38,6 +36,7 @@ from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
+from k3.train.checkpoint import publish_checkpoint
 from k3.train.data import Batch
 from k3.train.trainer import Trainer, TrainConfig
 
@@ -174,15 +173,12 @@ class DistributedTrainer(Trainer):
     def save(self) -> Path:
         """DCP state on every rank, then (rank 0) config.json + tokenizer.json beside it and the ``latest``
         pointer, so the directory counts as complete only once all of it is written."""
-        root = self.run_dir / "checkpoints"
-        path = root / f"step-{self.step:06d}"
+        path = self.run_dir / "checkpoints" / f"step-{self.step:06d}"
         dcp_save(path, self.model, self.optimizer, {**self.trainer_state(), "parallel": dataclasses.asdict(self.dims)})
         if self.is_main:
             (path / "config.json").write_text(json.dumps(to_hf_config(self.model_cfg), indent=2))
             self.tokenizer.save(path)
-            atomic_write_text(root / "latest", path.name)
-            for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-self.cfg.keep_checkpoints]:
-                shutil.rmtree(old)
+            publish_checkpoint(path, self.cfg.keep_checkpoints)
         dist.barrier()
         log.info("saved %s (DCP, %d ranks)", path, dist.get_world_size())
         return path

@@ -49,6 +49,13 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         write_pretrained(model, tmp)
         tokenizer.save(tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
+    return publish_checkpoint(target, keep)
+
+
+def publish_checkpoint(target: Path, keep: int) -> Path:
+    """Point ``checkpoints/latest`` at the complete step directory ``target`` and delete all but the newest
+    ``keep`` step directories beside it (keep <= 0: delete none)."""
+    root = target.parent
     atomic_write_text(root / "latest", target.name)
     steps = sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
     for old in steps[:-keep] if keep > 0 else []:

@@ -120,6 +120,8 @@ def test_dcp_resume_on_fewer_ranks(tmp_path):
     out = tmp_path / "dist"
     run(4, _rank_train, cfg(out, dp=1, batch_size=ROWS, steps=1), ParallelDims(dp=4, ep=2), False)
     # resume: same global batch of 4 x ROWS rows, now 2 ranks x 2 ROWS
-    run(2, _rank_train, dataclasses.replace(cfg(out, batch_size=2 * ROWS), steps=2), ParallelDims(dp=2, ep=2),
-        True)
+    run(2, _rank_train, dataclasses.replace(cfg(out, batch_size=2 * ROWS, keep_checkpoints=1), steps=2),
+        ParallelDims(dp=2, ep=2), True)
     compare(dist_weights(out), want)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["latest", "step-000002"], kept  # keep_checkpoints=1 pruned step 1
