@@ -84,8 +84,12 @@ def image_prompt(model, tokenizer, text: str, images: int) -> list[int]:
     if not hasattr(model, "vision_tower"):
         raise ValueError("--image needs a multimodal checkpoint (this one has no vision tower)")
     pad = model.config.vision.media_placeholder_token_id
-    ids = tokenizer.encode(text, allow_special=True)
-    return ids if pad in ids else [pad] * images + ids
+    marker = tokenizer.hf.id_to_token(pad)
+    parts = text.split(marker) if marker else [text]
+    ids = tokenizer.encode(parts[0])  # other special-token strings in the text stay plain text
+    for part in parts[1:]:
+        ids += [pad] + tokenizer.encode(part)
+    return ids if len(parts) > 1 else [pad] * images + ids
 
 
 def stats_line(s: dict) -> str:

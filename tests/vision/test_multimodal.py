@@ -207,3 +207,21 @@ def test_k3_generate_with_an_image(tmp_path, capsys):
     args[2] = str(tmp_path / "text")
     assert main(args) != 0
     assert "needs a multimodal checkpoint" in capsys.readouterr().err
+
+
+def test_image_prompt_recognises_only_the_media_placeholder():
+    """`k3 generate --image`: the placeholder written in the text stands where it is; any other special-token
+    string in the prompt (here the EOS) stays plain text; without one, one placeholder per image goes first."""
+    from types import SimpleNamespace
+
+    from k3.cli.generate import image_prompt
+
+    tok = task_tokenizer(400)
+    cfg = with_vision(get_preset("tiny")).replace(vocab_size=tok.vocab_size, **media_ids(tok))
+    pad = cfg.vision.media_placeholder_token_id
+    model = SimpleNamespace(config=cfg, vision_tower=None)
+    marker, eos = tok.hf.id_to_token(pad), tok.hf.id_to_token(tok.eos_id)
+    ids = image_prompt(model, tok, f" look{marker} here {eos}", 1)
+    assert ids == tok.encode(" look") + [pad] + tok.encode(f" here {eos}")
+    assert ids.count(pad) == 1 and tok.eos_id not in ids
+    assert image_prompt(model, tok, " look", 2) == [pad, pad] + tok.encode(" look")
