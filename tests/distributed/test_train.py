@@ -125,3 +125,16 @@ def test_dcp_resume_on_fewer_ranks(tmp_path):
     compare(dist_weights(out), want)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["latest", "step-000002"], kept  # keep_checkpoints=1 pruned step 1
+
+
+@pytest.mark.parametrize("balance", ["aux", "seqaux"])
+def test_auxiliary_loss_is_not_multiplied_by_the_data_ranks(tmp_path, balance):
+    """Each rank's auxiliary loss is computed on its own rows and its gradients are summed over the ranks, so it
+    is divided by the data ranks; the recorded aux_loss is the all-summed term that was backpropagated. It must
+    be about the one-process value on the same global batch (per-rank routing statistics differ a little), not
+    dp times it (the bug this guards against: 2x here)."""
+    one = Trainer(cfg(tmp_path / "single", dp=2, balance=balance), progress=False).run()["history"]
+    dist = run(2, _rank_train, cfg(tmp_path / "dist", balance=balance), ParallelDims(dp=2), False, True)[0]
+    want = [h["aux_loss"] for h in one if "aux_loss" in h][0]
+    got = [h["aux_loss"] for h in dist if "aux_loss" in h][0]
+    assert want > 0 and 0.8 < got / want < 1.25, (got, want)
