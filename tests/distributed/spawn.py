@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from queue import Empty
@@ -25,7 +26,8 @@ def _worker(rank, world, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        queue.put((rank, "ok", fn(rank, world, *args)))
+        payload = pickle.dumps(fn(rank, world, *args))  # here, not in the queue's feeder thread: errors reported
+        queue.put((rank, "ok", payload))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -61,11 +63,11 @@ def run(world: int, fn, *args, timeout: float = 300.0) -> list:
                         raise TimeoutError(f"no rank reported for {timeout:.0f} s (ranks done: {sorted(results)})")
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         if len(results) < world:
             for p in procs:
                 p.kill()
-    for p in procs:
-        p.join(timeout)
+        for p in procs:
+            p.join(timeout)
     return [results[r] for r in range(world)]

@@ -44,3 +44,10 @@ def test_a_dead_rank_is_reported():
     with pytest.raises(RuntimeError, match="rank 1 died"):
         run(2, _rank_one_dies, timeout=25)
     assert time.monotonic() - start < 15
+
+
+def test_an_unpicklable_result_is_reported_at_once():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank [01] failed(.|\n)*Can't pickle"):
+        run(2, lambda rank, world: (lambda: rank), timeout=25)
+    assert time.monotonic() - start < 15
