@@ -1,4 +1,5 @@
-"""The short causal conv: the reference (packed segments) and the flat form (masked shifts, the GPU path), each
+"""The short causal conv: the reference (packed segments) and the flat form (one conv over the stream plus
+boundary corrections, the GPU path), each
 against a plain fp64 per-token loop and the segment-by-segment runs."""
 
 import pytest
@@ -193,3 +194,22 @@ def test_autocast_keeps_the_documented_fp32_compute(conv):
         got, _ = conv(x, weight, cu_seqlens=cu)
     assert got.dtype == x.dtype
     check("conv under autocast", got, want, 1e-6)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 5])
+def test_flat_equals_reference_on_random_segmentations(W):
+    """Many random segmentations (segments shorter and longer than W-1), with and without history, fp64; the
+    boundary tables cached on cu_seqlens are reused by a second call."""
+    gen = torch.Generator().manual_seed(20 + W)
+    for _ in range(6):
+        lengths = torch.randint(1, 8, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        x = torch.randn(1, sum(lengths), 3, dtype=torch.float64, generator=gen)
+        w = torch.randn(3, W, dtype=torch.float64, generator=gen)
+        h = torch.randn(len(lengths), 3, W - 1, dtype=torch.float64, generator=gen)
+        cu = torch.tensor([0] + lengths).cumsum(0)
+        for state in (None, h):
+            want = reference_conv(x, w, initial_state=state, output_final_state=True, cu_seqlens=cu)
+            for _ in range(2):
+                got = flat_conv(x, w, initial_state=state, output_final_state=True, cu_seqlens=cu)
+                check(f"random segments W={W} y", got[0], want[0], 1e-13)
+                assert torch.equal(got[1], want[1])

@@ -10,35 +10,62 @@ accumulate. Here, for token t of segment s at offset p = t - start_s, the refere
                                                                      = initial_state[s, c, W-1-j+p] if j > p
 
 (zeros for no initial state). One causal conv over the stream computes every term with u_{t,j} = x_{t-j}; only
-the pairs j > p (at most W(W-1)/2 per segment, listed on the host from the segment lengths) differ, so those
-terms are subtracted again and the history terms added, with index_select / index_add (no sort in the backward).
-Same contract and dtype rules as the reference.
+the first W-1 tokens of each segment have terms j > p, so for those K <= N (W-1) tokens the wrong terms are
+subtracted again and the history terms added: one [K, W-1, C] gather, summed over the lags, added once per token
+(distinct targets, so the CUDA index_add is deterministic; no sort in the backward). The token / lag tables are
+built from the segment lengths with vectorised CPU ops and kept on ``cu_seqlens`` (the layers of a forward share
+it). Same contract and dtype rules as the reference.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from k3.ops.dtypes import no_autocast
-from k3.ops.segments import segment_lengths, to_device
+from k3.ops.segments import host_list, segment_lengths, to_device
 
 
-def _crossing_terms(lengths: list[int], W: int, with_history: bool) -> tuple[list, list]:
-    """The (token, lag j) pairs with j > p (offset in the segment), on the host: ``cross`` = (t, t - j, kernel
-    column) where the stream has a token at t - j (another segment's, to subtract), ``hist`` = (t, segment,
-    history column, kernel column) for the initial-state terms."""
-    cross, hist = [], []
-    start = 0
-    for s, length in enumerate(lengths):
-        for p in range(min(W - 1, length)):
-            for j in range(p + 1, W):
-                if start + p - j >= 0:
-                    cross.append((start + p, start + p - j, W - 1 - j))
-                if with_history:
-                    hist.append((start + p, s, W - 1 - j + p, W - 1 - j))
-        start += length
-    return cross, hist
+class _Boundary(NamedTuple):
+    """The first W-1 tokens of every segment (K of them) and their lags j = 1..W-1, on the device."""
+    t: torch.Tensor  # [K] flat position
+    seg: torch.Tensor  # [K] its segment
+    src: torch.Tensor  # [K, W-1] t - j, clamped to >= 0
+    from_stream: torch.Tensor  # [K, W-1] the conv read x_{t-j} of an earlier segment: subtract it
+    crosses: torch.Tensor  # [K, W-1] j > p: the reference reads the segment's history there
+    hcol: torch.Tensor  # [K, W-1] that history column, W-1-j+p (clamped where unused)
+
+
+def _boundary(lengths: list[int], W: int, device: torch.device) -> _Boundary:
+    lens = torch.tensor(lengths)
+    starts = lens.cumsum(0) - lens
+    p = torch.arange(W - 1)
+    keep = p[None, :] < lens[:, None]  # [N, W-1]: offset p exists in the segment (host tensors: no sync)
+    seg = torch.arange(len(lengths))[:, None].expand(-1, W - 1)[keep]
+    pk = p[None, :].expand(len(lengths), -1)[keep]
+    t = starts[seg] + pk
+    j = torch.arange(1, W)
+    src = t[:, None] - j[None, :]
+    crosses = j[None, :] > pk[:, None]
+    hcol = (W - 1 - j[None, :] + pk[:, None]).clamp(0, max(W - 2, 0))
+    parts = (t, seg, src.clamp(min=0), crosses & (src >= 0), crosses, hcol)
+    return _Boundary(*(to_device(part, device) for part in parts))
+
+
+def boundary_terms(lengths: list[int], W: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> _Boundary:
+    """:func:`_boundary`, cached on ``cu_seqlens`` (per kernel width and device) while its host copy is the same."""
+    if cu_seqlens is None:
+        return _boundary(lengths, W, device)
+    host = host_list(cu_seqlens)
+    cache = getattr(cu_seqlens, "_k3_conv_boundary", None)
+    if cache is None or cache[0] is not host:
+        cache = cu_seqlens._k3_conv_boundary = (host, {})
+    key = (W, str(device))
+    if key not in cache[1]:
+        cache[1][key] = _boundary(lengths, W, device)
+    return cache[1][key]
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
@@ -69,14 +96,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
         w = weight.to(dtype)
         # [BT, C], reading x_{t-j} for every lag, across segment starts too
         y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T
-        cross, hist = _crossing_terms(lengths, W, history is not None)
-        wt = w.T  # [W, C]
-        if cross:
-            t_i, src, col = to_device(torch.tensor(cross).T.contiguous(), dev)
-            y = y.index_add(0, t_i, flat.index_select(0, src) * wt.index_select(0, col), alpha=-1)
-        if hist:
-            t_i, seg, hcol, col = to_device(torch.tensor(hist).T.contiguous(), dev)
-            y = y.index_add(0, t_i, history[seg, :, hcol] * wt.index_select(0, col))
+        b = boundary_terms(lengths, W, dev, cu_seqlens)
+        if b.t.numel():
+            k = b.t.numel()
+            lag_w = w.T.flip(0)[1:]  # [W-1, C]: row j-1 is weight[:, W-1-j]
+            u = flat.index_select(0, b.src.reshape(-1)).view(k, W - 1, C) * b.from_stream.unsqueeze(-1)
+            fix = -u
+            if history is not None:
+                fix = fix + history[b.seg[:, None], :, b.hcol] * b.crosses.unsqueeze(-1)  # [K, W-1, C]
+            y = y.index_add(0, b.t, (fix * lag_w).sum(1))
         if activation == "silu":
             y = F.silu(y)
         y = y.reshape(B, T, C).to(x.dtype)
