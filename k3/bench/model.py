@@ -83,14 +83,16 @@ CASES = ("train", "peer", "attn_res", "prefill")
 
 
 def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
+    cases = [c.strip() for c in cases]
     unknown = set(cases) - set(CASES)
     if unknown:
         raise ValueError(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+    name = "model" if set(cases) == set(CASES) else "model-" + "-".join(c for c in CASES if c in cases)
     backend.set_backend("fast")
     rows = []
 
-    def save():
-        write_results("model", rows, ["case", "ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms",
+    def save():  # a subset writes model-<cases>.{json,md}, leaving the full run's model.{json,md} in place
+        write_results(name, rows, ["case", "ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms",
                                       "train_overhead", "decode_overhead", "peak_GiB", "error"], environment(),
                       out_dir=out_dir)
 

@@ -176,7 +176,9 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
 
 
 def _from_dcp(directory: Path, config):
-    """The model of a distributed training checkpoint (DCP shards + config.json), gathered into this process."""
+    """The model of a distributed training checkpoint (DCP shards + config.json), gathered into this process (DCP
+    checks its own metadata; there are no checksum files to verify). The model is built with its random init
+    first (on the CPU), then overwritten."""
     from k3.distributed.checkpoint import load_into_single
     from k3.model.decoder import K3ForCausalLM
     from k3.model.multimodal import K3ForConditionalGeneration
@@ -204,6 +206,9 @@ def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.flo
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     config = read_config(directory)
     if (directory / ".metadata").is_file():  # a multi-GPU run's torch.distributed.checkpoint
+        if packed == "keep":
+            raise ValueError(f"packed='keep': {directory} is a distributed training checkpoint (high-precision "
+                             "experts); export packed experts first with k3 convert --quantize mxfp4")
         return _from_dcp(directory, config).cast(dtype).to(device)
     quantized = read_quantization(json.loads((directory / "config.json").read_text()))
     if packed == "keep" and quantized is None:

@@ -75,6 +75,8 @@ def _not_flash(q: Tensor, k: Tensor, v: Tensor, prefixed: bool, no_varlen: bool,
     d, dv = q.shape[-1], v.shape[-1]
     if not q.is_cuda:
         return "not on a CUDA device"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "FlashAttention-2 needs compute capability 8.0 or newer"
     if no_varlen:
         return "this torch has no torch.nn.attention.varlen.varlen_attn with a scale"
     if prefixed:
