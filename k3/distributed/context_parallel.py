@@ -54,8 +54,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
 from k3.ops.conv import causal_conv1d
 from k3.ops.dtypes import upcast
-from k3.ops.kda import chunk_kda, kda_gate, l2norm
-from k3.ops.mla import attention
+from k3.ops.kda import chunk_kda
 from k3.ops.segments import attach_host, host_list
 
 __all__ = ["CPContext", "shard_batch", "apply_context_parallel", "cp_context", "kda_context_parallel"]
@@ -284,10 +283,9 @@ def _kda_forward(self: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, state=
         return type(self).forward(self, x, cu_seqlens, state, seq_ids)
     if state is not None:
         raise ValueError("context parallelism runs training forwards only (no cache)")
-    ctx, n = cp.ctx, x.shape[0]
-    h, dk, dv = self.num_heads, self.head_dim, self.v_head_dim
+    ctx = cp.ctx
     convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-    projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+    projected = self.project(x)
     width = self.q_conv1d.weight.shape[-1]
     widths = [y.shape[-1] for y in projected]
     init = [None] * 3
@@ -302,11 +300,7 @@ def _kda_forward(self: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, state=
         init = list(full.split(widths, dim=1))
     qkv = [causal_conv1d(y.unsqueeze(0), conv.weight[:, 0], cu_seqlens=cu_seqlens, initial_state=s,
                          activation="silu")[0] for conv, y, s in zip(convs, projected, init)]
-    q = l2norm(qkv[0].view(1, n, h, dk), self.l2norm_eps)
-    k = l2norm(qkv[1].view(1, n, h, dk), self.l2norm_eps)
-    v = qkv[2].view(1, n, h, dv)
-    g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, n, h, dk), self.A_log, self.dt_bias, self.lower_bound)
-    beta = torch.sigmoid(upcast(self.b_proj(x))).view(1, n, h)
+    q, k, v, g, beta = self.recurrence_inputs(x, qkv)
     o = kda_context_parallel(q, k, v, g, beta, cu_seqlens, ctx, cp.group, chunk_size=self.chunk_size)
     return self._output(x, o[0])
 
@@ -324,11 +318,8 @@ def _mla_forward(self: MultiheadLatentAttention, x: Tensor, cu_seqlens: Tensor, 
         return type(self).forward(self, x, cu_seqlens, state, seq_ids, absorb)
     if state is not None:
         raise ValueError("context parallelism runs training forwards only (no cache)")
-    ctx, n, h = cp.ctx, x.shape[0], self.num_heads
-    q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-    q_nope, q_pe = q.view(n, h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
-    c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
-    c_kv = self.kv_a_layernorm(c_kv)
+    ctx = cp.ctx
+    q_nope, q_pe, c_kv, k_pe = self.project(x)
     if self.rope_theta is not None:
         positions = ctx.positions(x.device)
         q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
@@ -336,19 +327,8 @@ def _mla_forward(self: MultiheadLatentAttention, x: Tensor, cu_seqlens: Tensor, 
     rows = _gather(torch.cat([c_kv, k_pe], dim=-1), cp.group).flatten(0, 1)  # [C*N, r + dr]
     index, cu_k = ctx.key_plan(x.device)
     keys = rows.index_select(0, index)  # [M, r + dr]: per local segment, its document's keys up to its end
-    w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
     absorb = bool(self.absorb) if absorb is None else absorb
-    if absorb:
-        q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
-        keys = keys.unsqueeze(1)
-        o_lat = attention(q_abs, keys, keys[..., :self.r], scale=self.scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_k)
-        o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
-    else:
-        c_all, pe_all = keys.split([self.r, self.dr], dim=-1)
-        k_nope, v = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv).split([self.dn, self.dv], dim=-1)
-        k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
-        o = attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale=self.scale, cu_seqlens_q=cu_seqlens,
-                      cu_seqlens_k=cu_k)
+    o = self.attend(q_nope, q_pe, keys, cu_seqlens, cu_k, absorb)
     return self._output(x, o)
 
 

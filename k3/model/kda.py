@@ -68,6 +68,21 @@ class KimiDeltaAttention(nn.Module):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, d] -> the q, k, v projections before the short convs ([N, H*dk], [N, H*dk], [N, H*dv])."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def recurrence_inputs(self, x: Tensor, qkv: list[Tensor]) -> tuple[Tensor, ...]:
+        """The convolved q, k, v ([1, N, C] each) and x [N, d] -> q, k (L2-normed), v [1, N, H, d*], the
+        forget gate g [1, N, H, dk] (log space) and beta [1, N, H] (fp32)."""
+        n, h, dk = x.shape[0], self.num_heads, self.head_dim
+        q = l2norm(qkv[0].view(1, n, h, dk), self.l2norm_eps)
+        k = l2norm(qkv[1].view(1, n, h, dk), self.l2norm_eps)
+        v = qkv[2].view(1, n, h, self.v_head_dim)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, n, h, dk), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(upcast(self.b_proj(x))).view(1, n, h)
+        return q, k, v, g, beta
+
     def forward(self, x: Tensor, cu_seqlens: Tensor, state: KDAState | None = None,
                 seq_ids: Tensor | None = None) -> Tensor:
         """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
@@ -75,22 +90,16 @@ class KimiDeltaAttention(nn.Module):
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its rows are updated).
         """
         n = x.shape[0]
-        h, dk, dv = self.num_heads, self.head_dim, self.v_head_dim
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         qkv = []
-        for i, (conv, y) in enumerate(zip(convs, projected)):
+        for i, (conv, y) in enumerate(zip(convs, self.project(x))):
             y, conv_state = causal_conv1d(y.unsqueeze(0), conv.weight[:, 0], cu_seqlens=cu_seqlens,
                                           initial_state=None if state is None else state.conv[i][seq_ids],
                                           output_final_state=state is not None, activation="silu")
             if state is not None:
                 state.conv[i].index_copy_(0, seq_ids, conv_state.to(state.conv[i].dtype))
             qkv.append(y)
-        q = l2norm(qkv[0].view(1, n, h, dk), self.l2norm_eps)
-        k = l2norm(qkv[1].view(1, n, h, dk), self.l2norm_eps)
-        v = qkv[2].view(1, n, h, dv)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, n, h, dk), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(upcast(self.b_proj(x))).view(1, n, h)
+        q, k, v, g, beta = self.recurrence_inputs(x, qkv)
 
         segments = cu_seqlens.numel() - 1
         mode = self.mode

@@ -59,21 +59,43 @@ class MultiheadLatentAttention(nn.Module):
             self.g_proj = nn.Linear(d, c.num_heads * c.v_head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, d, bias=False)
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [N, d] -> q_nope [N, H, dn], q_pe [N, H, dr] (before RoPE), c_kv [N, r] (normed), k_pe [N, dr]."""
+        n, h = x.shape[0], self.num_heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(n, h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe
+
+    def attend(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               absorb: bool) -> Tensor:
+        """Attention of the queries over key rows [M, r + dr] (latent c_kv and rotated k_pe; segment s of the
+        queries sees its key segment, queries last): absorbed (one shared latent head) or with keys and values
+        expanded through kv_b_proj. -> o [N, H, dv]."""
+        h = self.num_heads
+        w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
+        if absorb:
+            q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
+            keys = rows.unsqueeze(1)  # [M, 1, r + dr]
+            o_lat = attention(q_abs, keys, keys[..., :self.r], scale=self.scale, cu_seqlens_q=cu_seqlens_q,
+                              cu_seqlens_k=cu_seqlens_k)
+            return torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
+        c_all, pe_all = rows.split([self.r, self.dr], dim=-1)
+        k_nope, v = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv).split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
+        return attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale=self.scale, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k)
+
     def forward(self, x: Tensor, cu_seqlens: Tensor, state: MLAState | None = None, seq_ids: Tensor | None = None,
                 absorb: bool | None = None) -> Tensor:
         """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
 
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its latents are appended).
         """
-        n, h = x.shape[0], self.num_heads
+        n = x.shape[0]
         bounds = host_list(cu_seqlens)
         lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(n, h, self.dn + self.dr)
-        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-
+        q_nope, q_pe, c_kv, k_pe = self.project(x)
         ids = [] if state is None else host_list(seq_ids)
         past = [0] * len(lengths) if state is None else [state.lengths[i] for i in ids]
         if self.rope_theta is not None:
@@ -83,40 +105,27 @@ class MultiheadLatentAttention(nn.Module):
 
         if absorb is None:
             absorb = self.absorb if self.absorb is not None else (state is not None and n == len(lengths))
-        w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
+        rows = torch.cat([c_kv, k_pe], dim=-1)  # [N, r + dr]: what the cache keeps per token
         if state is not None:
-            rows = torch.cat([c_kv, k_pe], dim=-1)  # [N, r + dr]: what the cache keeps per token
             for i, a, b in zip(ids, bounds[:-1], bounds[1:]):
                 state.append(i, rows[a:b])
-        if absorb:
-            q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn])
-            q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [N, H, r + dr]
-            if state is None:
-                keys = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)  # [N, 1, r + dr]
-                o_lat = attention(q_abs, keys, keys[..., :self.r], scale=self.scale, cu_seqlens_q=cu_seqlens,
-                                  cu_seqlens_k=cu_seqlens)
-            else:
-                host_lens = [state.lengths[i] for i in ids]
-                key_lens = attach_host(torch.tensor(host_lens).to(x.device, non_blocking=True), host_lens)
-                o_lat = latent_attention(q_abs, state.kv, seq_ids=seq_ids, lengths=key_lens,
-                                         cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r,
-                                         max_length=max(host_lens))
+        if state is None:
+            o = self.attend(q_nope, q_pe, rows, cu_seqlens, cu_seqlens, absorb)
+        elif absorb:  # straight over the latent cache
+            w_kvb = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)
+            q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
+            host_lens = [state.lengths[i] for i in ids]
+            key_lens = attach_host(torch.tensor(host_lens).to(x.device, non_blocking=True), host_lens)
+            o_lat = latent_attention(q_abs, state.kv, seq_ids=seq_ids, lengths=key_lens, cu_seqlens_q=cu_seqlens,
+                                     scale=self.scale, v_dim=self.r, max_length=max(host_lens))
             o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
         else:
-            if state is None:
-                c_all, pe_all, cu_k = c_kv, k_pe, cu_seqlens
-            else:
-                rows = torch.cat([state.rows(i) for i in ids]).to(x.dtype)
-                c_all, pe_all = rows.split([self.r, self.dr], dim=-1)
-                offsets = [0]
-                for i in ids:
-                    offsets.append(offsets[-1] + state.lengths[i])
-                cu_k = attach_host(torch.tensor(offsets, dtype=cu_seqlens.dtype).to(x.device), offsets)
-            kv = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv)
-            k_nope, v = kv.split([self.dn, self.dv], dim=-1)
-            k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
-            o = attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale=self.scale, cu_seqlens_q=cu_seqlens,
-                          cu_seqlens_k=cu_k)
+            offsets = [0]
+            for i in ids:
+                offsets.append(offsets[-1] + state.lengths[i])
+            cu_k = attach_host(torch.tensor(offsets, dtype=cu_seqlens.dtype).to(x.device), offsets)
+            o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), cu_seqlens, cu_k,
+                            False)
         return self._output(x, o)
 
     def step(self, x: Tensor, state: MLAState, slots: Tensor, positions: Tensor) -> Tensor:
