@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.dtypes import no_autocast
-from k3.ops.segments import host_list, segment_lengths, to_device
+from k3.ops.conv.reference import check_arguments
+from k3.ops.segments import host_list, to_device
 
 
 class _Boundary(NamedTuple):
@@ -72,21 +73,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
                   activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
     """See :func:`k3.ops.conv.reference.causal_conv1d` (x [B, T, C], weight [C, W] -> y [B, T, C], state)."""
-    if activation not in ("silu", None):
-        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-    B, T, C = x.shape
-    if weight.dim() != 2 or weight.shape[0] != C:
-        raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
-    W = weight.shape[1]
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        lengths = segment_lengths(cu_seqlens, T)
-    else:
-        lengths = [T] * B
+    B, T, C, W, lengths = check_arguments(x, weight, initial_state, cu_seqlens, activation)
     N = len(lengths)
-    if initial_state is not None and initial_state.shape != (N, C, W - 1):
-        raise ValueError(f"initial_state must be [{N}, {C}, {W - 1}], got {tuple(initial_state.shape)}")
 
     with no_autocast(x.device):  # compute in promote(x.dtype, fp32) also under autocast
         dtype = torch.promote_types(x.dtype, torch.float32)

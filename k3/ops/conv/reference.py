@@ -21,6 +21,28 @@ from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 __all__ = ["causal_conv1d", "causal_conv1d_step"]
 
 
+def check_arguments(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
+                    cu_seqlens: torch.Tensor | None, activation: str | None) -> tuple[int, int, int, int, list[int]]:
+    """Validate :func:`causal_conv1d`'s arguments (one ValueError each); returns B, T, C, W and the N segment
+    lengths (the B rows when ``cu_seqlens`` is None)."""
+    if activation not in ("silu", None):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    B, T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
+        lengths = segment_lengths(cu_seqlens, T)
+    else:
+        lengths = [T] * B
+    N = len(lengths)
+    if initial_state is not None and initial_state.shape != (N, C, W - 1):
+        raise ValueError(f"initial_state must be [{N}, {C}, {W - 1}], got {tuple(initial_state.shape)}")
+    return B, T, C, W, lengths
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -44,21 +66,8 @@ def causal_conv1d(
     Returns:
         y: [B, T, C] in x.dtype; final_state: [N, C, W-1] in promote(x.dtype, float32), or None.
     """
-    if activation not in ("silu", None):
-        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
-    B, T, C = x.shape
-    if weight.dim() != 2 or weight.shape[0] != C:
-        raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
-    W = weight.shape[1]
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        lengths = segment_lengths(cu_seqlens, T)
-    else:
-        lengths = [T] * B
+    B, T, C, W, lengths = check_arguments(x, weight, initial_state, cu_seqlens, activation)
     N = len(lengths)
-    if initial_state is not None and initial_state.shape != (N, C, W - 1):
-        raise ValueError(f"initial_state must be [{N}, {C}, {W - 1}], got {tuple(initial_state.shape)}")
 
     with no_autocast(x.device):  # compute in promote(x.dtype, fp32) also under autocast
         dtype = torch.promote_types(x.dtype, torch.float32)
