@@ -107,7 +107,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if os.environ.get("K3_BENCH_OUT"):
-        Path(os.environ["K3_BENCH_OUT"], "profile_train_step.txt").write_text(text + "\n")
+        out = Path(os.environ["K3_BENCH_OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile_train_step.txt").write_text(text + "\n")
 
 
 if __name__ == "__main__":
