@@ -7,9 +7,10 @@ from k3.ops.conv.reference import causal_conv1d as causal_conv1d_reference
 from k3.ops.conv.reference import causal_conv1d_step
 
 backend.register("causal_conv1d", "reference", causal_conv1d_reference)
-# the flat form runs anywhere; it is the GPU path because there it saves a host sync per call (the CPU keeps
-# the reference, which the CPU tests exercise through the model)
-backend.register("causal_conv1d", "fast", causal_conv1d_flat, supports=lambda d: d.type == "cuda")
+# the flat form runs anywhere and is the default everywhere: on a GPU it saves the reference's host sync and
+# padding; on 2 CPU cores a [2048, 256] conv over 6 documents with backward takes 6 ms instead of 24 (a small
+# preset training step: within noise). The reference stays the independent check (tests/ops/test_conv.py).
+backend.register("causal_conv1d", "fast", causal_conv1d_flat, supports=lambda d: True)
 
 
 def causal_conv1d(x, weight, *, initial_state=None, output_final_state=False, cu_seqlens=None, activation="silu"):

@@ -9,12 +9,12 @@ accumulate. Here, for token t of segment s at offset p = t - start_s, the refere
     y_t[c] = act( sum_{j=0}^{W-1} weight[c, W-1-j] * u_{t,j}[c] ),   u_{t,j} = x_{t-j}                if j <= p
                                                                      = initial_state[s, c, W-1-j+p] if j > p
 
-(zeros for no initial state). One causal conv over the stream computes every term with u_{t,j} = x_{t-j}; only
-the first W-1 tokens of each segment have terms j > p, so for those K <= N (W-1) tokens the wrong terms are
-subtracted again and the history terms added: one [K, W-1, C] gather, summed over the lags, added once per token
-(distinct targets, so the CUDA index_add is deterministic; no sort in the backward). The token / lag tables are
-built from the segment lengths with vectorised CPU ops and kept on ``cu_seqlens`` (the layers of a forward share
-it). Same contract and dtype rules as the reference.
+(zeros for no initial state). One causal conv over the stream computes every output with u_{t,j} = x_{t-j};
+that is right except at the first W-1 tokens of each segment (K <= N (W-1) tokens), whose outputs are computed
+again from their own inputs and history ([K, W, C] gathered) and written over the conv's (distinct targets, so
+deterministic on CUDA; no sort in the backward; no cancellation, unlike subtracting the wrong terms). The token
+and lag tables are built from the segment lengths with vectorised CPU ops and kept on ``cu_seqlens`` (the
+layers of a forward share it). Same contract and dtype rules as the reference.
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ from k3.ops.segments import host_list, to_device
 
 
 class _Boundary(NamedTuple):
-    """The first W-1 tokens of every segment (K of them) and their lags j = 1..W-1, on the device."""
+    """The first W-1 tokens of every segment (K of them) and their lags j = 0..W-1, on the device."""
     t: torch.Tensor  # [K] flat position
     seg: torch.Tensor  # [K] its segment
-    src: torch.Tensor  # [K, W-1] t - j, clamped to >= 0
-    from_stream: torch.Tensor  # [K, W-1] the conv read x_{t-j} of an earlier segment: subtract it
-    crosses: torch.Tensor  # [K, W-1] j > p: the reference reads the segment's history there
-    hcol: torch.Tensor  # [K, W-1] that history column, W-1-j+p (clamped where unused)
+    src: torch.Tensor  # [K, W] t - j, clamped to >= 0
+    own: torch.Tensor  # [K, W] j <= p: the input is the segment's own token t - j, else its history
+    hcol: torch.Tensor  # [K, W] that history column, W-1-j+p (clamped where unused)
 
 
 def _boundary(lengths: list[int], W: int, device: torch.device) -> _Boundary:
@@ -47,11 +46,10 @@ def _boundary(lengths: list[int], W: int, device: torch.device) -> _Boundary:
     seg = torch.arange(len(lengths))[:, None].expand(-1, W - 1)[keep]
     pk = p[None, :].expand(len(lengths), -1)[keep]
     t = starts[seg] + pk
-    j = torch.arange(1, W)
-    src = t[:, None] - j[None, :]
-    crosses = j[None, :] > pk[:, None]
+    j = torch.arange(W)
+    own = j[None, :] <= pk[:, None]
     hcol = (W - 1 - j[None, :] + pk[:, None]).clamp(0, max(W - 2, 0))
-    parts = (t, seg, src.clamp(min=0), crosses & (src >= 0), crosses, hcol)
+    parts = (t, seg, (t[:, None] - j[None, :]).clamp(min=0), own, hcol)
     return _Boundary(*(to_device(part, device) for part in parts))
 
 
@@ -85,14 +83,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
         # [BT, C], reading x_{t-j} for every lag, across segment starts too
         y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T
         b = boundary_terms(lengths, W, dev, cu_seqlens)
-        if b.t.numel():
+        if b.t.numel():  # the first W-1 outputs of every segment, from their own inputs and history
             k = b.t.numel()
-            lag_w = w.T.flip(0)[1:]  # [W-1, C]: row j-1 is weight[:, W-1-j]
-            u = flat.index_select(0, b.src.reshape(-1)).view(k, W - 1, C) * b.from_stream.unsqueeze(-1)
-            fix = -u
+            lag_w = w.T.flip(0)  # [W, C]: row j is weight[:, W-1-j]
+            u = flat.index_select(0, b.src.reshape(-1)).view(k, W, C) * b.own.unsqueeze(-1)
             if history is not None:
-                fix = fix + history[b.seg[:, None], :, b.hcol] * b.crosses.unsqueeze(-1)  # [K, W-1, C]
-            y = y.index_add(0, b.t, (fix * lag_w).sum(1))
+                u = u + history[b.seg[:, None], :, b.hcol] * (~b.own).unsqueeze(-1)  # [K, W, C]
+            y = y.index_copy(0, b.t, (u * lag_w).sum(1))
         if activation == "silu":
             y = F.silu(y)
         y = y.reshape(B, T, C).to(x.dtype)

@@ -17,21 +17,16 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     topk_weight [N, k] (fp32 routing weights); w1, w3 [E, I, D]; w2 [E, D, I]. Returns [N, D] in x.dtype.
     """
     num_experts = w1.shape[0]
-    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     flat_idx = topk_idx.reshape(-1)
     flat_token = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_idx.shape[1])
-    flat_weight = topk_weight.reshape(-1)
     counts = torch.bincount(flat_idx, minlength=num_experts).tolist()
-    order = torch.argsort(flat_idx, stable=True)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel = order[start:start + n]
-        start += n
-        tokens = flat_token[sel]
-        xe = x[tokens]
-        h = glu(xe @ w1[e].t(), xe @ w3[e].t())
-        out = upcast(h @ w2[e].t()) * upcast(flat_weight[sel]).unsqueeze(-1)
-        y = y.index_add(0, tokens, out)
+    order = torch.argsort(flat_idx, stable=True)  # (token, slot) pairs grouped by expert
+    tokens = flat_token[order]
+    # one gather, one split into the experts' rows, one concatenation of their outputs: the backward is a
+    # scatter, a concatenation and a split (per-expert gathers would each build a full-size gradient)
+    outs = [glu(xe @ w1[e].t(), xe @ w3[e].t()) @ w2[e].t()
+            for e, xe in enumerate(x.index_select(0, tokens).split(counts)) if counts[e]]
+    weight = upcast(topk_weight.reshape(-1).index_select(0, order)).unsqueeze(-1)
+    y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    y = y.index_add(0, tokens, upcast(torch.cat(outs)) * weight) if outs else y
     return y.to(x.dtype)
