@@ -1,9 +1,10 @@
-"""Backend selection for ops: ``reference`` (pure PyTorch, any device) or ``fast`` (GPU paths, when present).
+"""Backend selection for ops: ``reference`` (pure PyTorch, any device) or ``fast`` (the faster path, where one
+is registered: GPU kernels, or pure-PyTorch forms that run everywhere, like the short conv's and the AttnRes
+mix's).
 
 ``auto`` picks ``fast`` where a fast path is registered and supports the device, else ``reference``.
-``fast`` insists: an op whose fast path cannot run on the device raises (ops that have no fast path at all,
-like the short conv and the AttnRes mix today, run their reference). Nothing falls back silently: each op
-logs the backend it runs the first time it runs it.
+``fast`` insists: an op whose fast path cannot run on the device raises (ops with no fast path at all run their
+reference). Nothing falls back silently: each op logs the backend it runs the first time it runs it.
 """
 
 from __future__ import annotations
