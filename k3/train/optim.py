@@ -50,7 +50,7 @@ from k3.model.moe import RoutedExperts, Router
 from k3.ops.segments import host_list
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_BATCH_ELEMENTS = 2**27  # most elements orthogonalised in one batched Newton-Schulz call (256 MiB in bf16)
+NS_BATCH_BYTES = 256 << 20  # most bytes (in the NS dtype) orthogonalised in one batched Newton-Schulz call
 KINDS = ("muon_head", "muon_expert", "muon", "adamw")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}
@@ -183,19 +183,20 @@ class K3Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict) -> None:
         """Momentum, then Newton-Schulz on every matrix block, batched over the group's parameters whose blocks
-        have the same shape (up to NS_BATCH_ELEMENTS per call: one call orthogonalises many small matrices), then
-        the decoupled weight decay and the scaled update."""
+        have the same shape and device (up to NS_BATCH_BYTES per call: one call orthogonalises many small
+        matrices), then the decoupled weight decay and the scaled update."""
         lr = group["lr"] * group["lr_scale"]
         wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
         ns_dtype = _DTYPES[group["ns_dtype"]]
-        pending: dict[tuple, list] = {}  # block shape -> [(param, local shape, gathered, blocks in ns_dtype)]
+        budget = NS_BATCH_BYTES // torch.empty((), dtype=ns_dtype).element_size()  # elements per call
+        pending: dict[tuple, list] = {}  # (device, rows, cols) -> [(param, local shape, gathered, blocks)]
 
         def flush(key) -> None:
             items = pending.pop(key)
-            flat = [b.reshape(-1, *key) for *_, b in items]
+            _, rows, cols = key
+            flat = [b.reshape(-1, rows, cols) for *_, b in items]
             blocks = torch.cat(flat) if len(flat) > 1 else flat[0]
             ortho = newton_schulz(blocks, group["ns_steps"], group["ns_coefficients"], group["eps"], ns_dtype)
-            rows, cols = key
             for (p, local_shape, gathered, b), o in zip(items, ortho.split([b.numel() // (rows * cols)
                                                                              for *_, b in items])):
                 if gathered:
@@ -217,9 +218,9 @@ class K3Muon(torch.optim.Optimizer):
             if kind == "muon_head":
                 hd = group["head_dim"]
                 update = update.reshape(update.shape[0] // hd, hd, update.shape[1])
-            key = tuple(update.shape[-2:])
+            key = (update.device, *update.shape[-2:])
             queued = pending.setdefault(key, [])
-            if queued and sum(b.numel() for *_, b in queued) + update.numel() > NS_BATCH_ELEMENTS:
+            if queued and sum(b.numel() for *_, b in queued) + update.numel() > budget:
                 flush(key)
                 queued = pending.setdefault(key, [])
             queued.append((p, local_shape, gathered, update.to(ns_dtype)))

@@ -212,3 +212,20 @@ def test_flat_equals_reference_on_random_segmentations(W):
                 got = flat_conv(x, w, initial_state=state, output_final_state=True, cu_seqlens=cu)
                 check(f"random segments W={W} y", got[0], want[0], 1e-13)
                 assert torch.equal(got[1], want[1])
+
+
+def test_flat_boundary_cache_follows_the_offsets_and_inf_stays_in_its_document():
+    """The boundary tables cached on cu_seqlens are rebuilt when its (host) offsets change, even in place; a
+    non-finite input in one document does not reach the next one's outputs (the reference keeps them finite)."""
+    from k3.ops.segments import attach_host
+
+    x, weight, _ = make(1, 12, 4, seed=30)
+    cu = attach_host(torch.tensor([0, 5, 12]), [0, 5, 12])
+    flat_conv(x, weight, cu_seqlens=cu)
+    cu.copy_(torch.tensor([0, 2, 12]))
+    cu._k3_host[:] = [0, 2, 12]  # edited in place: the same list object
+    check("conv after the offsets changed", flat_conv(x, weight, cu_seqlens=cu)[0],
+          reference_conv(x, weight, cu_seqlens=torch.tensor([0, 2, 12]))[0], 1e-7)
+    x[0, 1] = float("inf")  # the last token of the first document
+    y = flat_conv(x, weight, cu_seqlens=cu)[0]
+    assert torch.isfinite(y[0, 2:]).all()

@@ -341,7 +341,7 @@ def test_qk_clip(q_lora, rope):
 
 def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     """A step on the tiny model with Newton-Schulz batched over same-shape blocks (the default) equals the step
-    with every parameter orthogonalised alone (a budget of one element forces that)."""
+    with every parameter orthogonalised alone (a budget of one byte forces that)."""
     import k3.train.optim as optim
 
     torch.manual_seed(0)
@@ -352,7 +352,7 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     for p, q in zip(model.parameters(), twin.parameters()):
         q.grad = p.grad.clone()
     K3Muon(param_groups_for(model, 1e-2), lr=1e-2).step()
-    monkeypatch.setattr(optim, "NS_BATCH_ELEMENTS", 1)
+    monkeypatch.setattr(optim, "NS_BATCH_BYTES", 1)
     K3Muon(param_groups_for(twin, 1e-2), lr=1e-2).step()
     worst = max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), twin.parameters()))
     assert worst <= 1e-6, worst  # fp32; batched and single GEMMs may block their sums differently

@@ -54,13 +54,13 @@ def _boundary(lengths: list[int], W: int, device: torch.device) -> _Boundary:
 
 
 def boundary_terms(lengths: list[int], W: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> _Boundary:
-    """:func:`_boundary`, cached on ``cu_seqlens`` (per kernel width and device) while its host copy is the same."""
+    """:func:`_boundary`, cached on ``cu_seqlens`` (per kernel width and device) while its offsets are the same."""
     if cu_seqlens is None:
         return _boundary(lengths, W, device)
-    host = host_list(cu_seqlens)
+    offsets = tuple(host_list(cu_seqlens))  # compared by value: a host copy edited in place must not hit
     cache = getattr(cu_seqlens, "_k3_conv_boundary", None)
-    if cache is None or cache[0] is not host:
-        cache = cu_seqlens._k3_conv_boundary = (host, {})
+    if cache is None or cache[0] != offsets:
+        cache = cu_seqlens._k3_conv_boundary = (offsets, {})
     key = (W, str(device))
     if key not in cache[1]:
         cache[1][key] = _boundary(lengths, W, device)
@@ -86,9 +86,9 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
         if b.t.numel():  # the first W-1 outputs of every segment, from their own inputs and history
             k = b.t.numel()
             lag_w = w.T.flip(0)  # [W, C]: row j is weight[:, W-1-j]
-            u = flat.index_select(0, b.src.reshape(-1)).view(k, W, C) * b.own.unsqueeze(-1)
-            if history is not None:
-                u = u + history[b.seg[:, None], :, b.hcol] * (~b.own).unsqueeze(-1)  # [K, W, C]
+            own_x = flat.index_select(0, b.src.reshape(-1)).view(k, W, C)
+            past = 0.0 if history is None else history[b.seg[:, None], :, b.hcol]  # [K, W, C]
+            u = torch.where(b.own.unsqueeze(-1), own_x, past)  # select, not mask-multiply: inf * 0 is NaN
             y = y.index_copy(0, b.t, (u * lag_w).sum(1))
         if activation == "silu":
             y = F.silu(y)
