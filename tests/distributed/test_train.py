@@ -125,6 +125,9 @@ def test_dcp_resume_on_fewer_ranks(tmp_path):
     compare(dist_weights(out), want)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["latest", "step-000002"], kept  # keep_checkpoints=1 pruned step 1
+    from k3.cli.main import main  # one process serves the distributed run directory as it is
+
+    assert main(["generate", "--ckpt", str(out), "--prompt", "def f", "--max-tokens", "3", "--temperature", "0"]) == 0
 
 
 @pytest.mark.parametrize("balance", ["aux", "seqaux"])
