@@ -39,6 +39,18 @@ def offsets_to(cu_seqlens: torch.Tensor, device: torch.device | str) -> torch.Te
     return attach_host(to_device(cu_seqlens, device), host_list(cu_seqlens))
 
 
+def derived(cu_seqlens: torch.Tensor, key, build):
+    """``build()`` (something computed from the offsets), made once per ``key`` and kept on the tensor while its
+    offsets stay the same (compared by value), so the layers of one forward share it."""
+    offsets = tuple(host_list(cu_seqlens))
+    cache = getattr(cu_seqlens, "_k3_derived", None)
+    if cache is None or cache[0] != offsets:
+        cache = cu_seqlens._k3_derived = (offsets, {})
+    if key not in cache[1]:
+        cache[1][key] = build()
+    return cache[1][key]
+
+
 def segment_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """Validate ``cu_seqlens`` ([N+1], 0 = c_0 < ... < c_N = T) and return the N lengths."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():

@@ -1,6 +1,6 @@
-"""The short causal conv: the reference (packed segments) and the flat form (one conv over the stream plus
-boundary corrections, the GPU path), each
-against a plain fp64 per-token loop and the segment-by-segment runs."""
+"""The short causal conv: the reference (packed segments) and the flat form (one conv over the stream, the first
+outputs of each segment recomputed; the default path), each against a plain fp64 per-token loop and the
+segment-by-segment runs."""
 
 import pytest
 import torch
@@ -8,22 +8,12 @@ import torch.nn.functional as F
 
 from k3.ops.conv.flat import causal_conv1d as flat_conv
 from k3.ops.conv.reference import causal_conv1d as reference_conv
+from tests.ops.test_kda_reference import check
 
 
 @pytest.fixture(params=["reference", "flat"])
 def conv(request):
     return {"reference": reference_conv, "flat": flat_conv}[request.param]
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def check(name, a, b, tol):
-    err = rel(a, b)
-    print(f"{name}: rel err {err:.3e} (tol {tol:.0e})")
-    assert err <= tol, f"{name}: rel err {err:.3e} > {tol:.0e}"
 
 
 def truth_conv(x, weight, initial_state=None, activation="silu"):

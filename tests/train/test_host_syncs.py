@@ -65,7 +65,8 @@ def test_offsets_to_carries_the_host_copy():
 
 
 def test_fla_host_tensor_is_reused_per_host_copy():
-    """fla keys its derived chunk indices on the identity of cu_seqlens_cpu: one object per attached host copy."""
+    """fla keys its derived chunk indices on the identity of cu_seqlens_cpu: one object per offsets (new offsets,
+    a new object)."""
     cu = attach_host(torch.tensor([0, 5, 9]))
     first = _host_tensor(cu)
     assert _host_tensor(cu) is first and first.tolist() == [0, 5, 9]

@@ -1,5 +1,5 @@
 """The short causal conv on the flat token stream: one convolution over all segments back to back, then the few
-outputs that read across a segment start corrected. No padding per segment, no host sync, nothing saved for the
+outputs that read across a segment start recomputed. No padding per segment, no host sync, nothing saved for the
 backward beyond what the convolution keeps.
 
 The reference packs segments into a right-padded batch (a gather), convolves, and unpacks with a boolean mask,
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from k3.ops.dtypes import no_autocast
 from k3.ops.conv.reference import check_arguments
-from k3.ops.segments import host_list, to_device
+from k3.ops.segments import derived, to_device
 
 
 class _Boundary(NamedTuple):
@@ -53,20 +53,6 @@ def _boundary(lengths: list[int], W: int, device: torch.device) -> _Boundary:
     return _Boundary(*(to_device(part, device) for part in parts))
 
 
-def boundary_terms(lengths: list[int], W: int, device: torch.device, cu_seqlens: torch.Tensor | None) -> _Boundary:
-    """:func:`_boundary`, cached on ``cu_seqlens`` (per kernel width and device) while its offsets are the same."""
-    if cu_seqlens is None:
-        return _boundary(lengths, W, device)
-    offsets = tuple(host_list(cu_seqlens))  # compared by value: a host copy edited in place must not hit
-    cache = getattr(cu_seqlens, "_k3_conv_boundary", None)
-    if cache is None or cache[0] != offsets:
-        cache = cu_seqlens._k3_conv_boundary = (offsets, {})
-    key = (W, str(device))
-    if key not in cache[1]:
-        cache[1][key] = _boundary(lengths, W, device)
-    return cache[1][key]
-
-
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
                   activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -82,7 +68,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
         w = weight.to(dtype)
         # [BT, C], reading x_{t-j} for every lag, across segment starts too
         y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T
-        b = boundary_terms(lengths, W, dev, cu_seqlens)
+        b = (_boundary(lengths, W, dev) if cu_seqlens is None  # the layers of a forward share the tables
+             else derived(cu_seqlens, ("conv", W, str(dev)), lambda: _boundary(lengths, W, dev)))
         if b.t.numel():  # the first W-1 outputs of every segment, from their own inputs and history
             k = b.t.numel()
             lag_w = w.T.flip(0)  # [W, C]: row j is weight[:, W-1-j]

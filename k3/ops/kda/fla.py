@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from k3.ops.segments import host_list
+from k3.ops.segments import derived, host_list
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
@@ -31,14 +31,10 @@ def _inputs(q, k, v, g, beta, initial_state):
 
 
 def _host_tensor(cu_seqlens: Tensor) -> Tensor:
-    """cu_seqlens as a CPU int64 tensor, made once per attached host copy. fla caches what it derives from its
-    arguments by their identity (``tensor_cache``), so with the same objects every layer of a forward reuses the
-    chunk indices it built (and copied to the device, a host sync) for the first."""
-    host = host_list(cu_seqlens)
-    cached = getattr(cu_seqlens, "_k3_cpu", None)
-    if cached is None or cached[0] is not host:
-        cached = cu_seqlens._k3_cpu = (host, torch.tensor(host, dtype=torch.int64))
-    return cached[1]
+    """cu_seqlens as a CPU int64 tensor, one object per offsets. fla caches what it derives from its arguments by
+    their identity (``tensor_cache``), so with the same objects every layer of a forward reuses the chunk indices
+    it built (and copied to the device, a host sync) for the first."""
+    return derived(cu_seqlens, "fla_cpu", lambda: torch.tensor(host_list(cu_seqlens), dtype=torch.int64))
 
 
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,

@@ -14,7 +14,6 @@ from torch.nn.attention.bias import causal_lower_right
 from k3.ops.segments import host_list
 
 log = logging.getLogger("k3.ops")
-_warned: list = []
 _logged: set = set()
 
 
@@ -64,10 +63,10 @@ def _flash_dtype(q: Tensor) -> torch.dtype | None:
     return None
 
 
-def _log_once(kind: str, why: str = "") -> None:
-    if (kind, why) not in _logged:
-        _logged.add((kind, why))
-        log.info("MLA prefill attention: %s%s", kind, f" ({why})" if why else "")
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.log(level, message)
 
 
 def _not_flash(q: Tensor, k: Tensor, v: Tensor, prefixed: bool, no_varlen: bool, no_half: bool) -> str:
@@ -99,14 +98,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Te
     varlen, half, d, dv = _varlen_flash(), _flash_dtype(q), q.shape[-1], v.shape[-1]
     why = _not_flash(q, k, v, bq != bk, varlen is None, half is None)
     if not why:
-        _log_once("flash varlen (torch.nn.attention.varlen)")
+        _log_once(logging.INFO, "MLA prefill attention: flash varlen (torch.nn.attention.varlen)")
         lengths = [b - a for a, b in zip(bq[:-1], bq[1:])]
         cu = cu_seqlens_q.to(torch.int32)
         vp = F.pad(v.to(half), (0, d - dv))
         fn, causal = varlen
         o = fn(q.to(half), k.to(half), vp, cu, cu, max(lengths), max(lengths), scale=scale, **causal)
         return o[..., :dv].to(q.dtype)
-    _log_once("SDPA per segment", why)
+    _log_once(logging.INFO, f"MLA prefill attention: SDPA per segment ({why})")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for s in range(len(bq) - 1):
         out[bq[s]:bq[s + 1]] = _sdpa(q[bq[s]:bq[s + 1]], k[bk[s]:bk[s + 1]], v[bk[s]:bk[s + 1]], scale)
@@ -122,10 +121,8 @@ def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor,
 
         if supported(v_dim, q.shape[-1] - v_dim):
             return mla_decode(q, kv, seq_ids, lengths, scale, v_dim, max_length)
-        if not _warned:
-            _warned.append(True)
-            log.warning("MLA decode: r=%d, dr=%d do not fit the Triton kernel (powers of two, dr >= 16); running "
-                        "masked dense attention over the whole cache capacity instead", v_dim, q.shape[-1] - v_dim)
+        _log_once(logging.WARNING, f"MLA decode: r={v_dim}, dr={q.shape[-1] - v_dim} do not fit the Triton kernel "
+                  "(powers of two, dr >= 16); running masked dense attention over the whole cache capacity instead")
         return masked_decode(q, kv, seq_ids, lengths, scale, v_dim)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bq = host_list(cu_seqlens_q)
