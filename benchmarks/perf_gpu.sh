@@ -6,13 +6,13 @@
 # Usage (device, repo root, .whl and .triton carried):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton bash benchmarks/perf_gpu.sh [steps...]
-# steps (default: tests profile train attn_res decode, ~8.5 minutes at most; kernels on request)
+# steps (default: tests profile train decode profile_decode, ~9 minutes at most; attn_res and kernels on request)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BENCH_OUT=$LOGS
-steps=${*:-tests profile train attn_res decode}
+steps=${*:-tests profile train decode profile_decode}
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   case " $steps " in *" $name "*) ;; *) return ;; esac
@@ -21,11 +21,12 @@ step() {  # name, seconds, command...
   echo "$name: exit $? after $((SECONDS - t0)) s" | tee -a "$OUTD/summary.txt"
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
-step tests 90 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider
-step profile 120 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
-step train 100 python -m k3 bench model --cases train,peer
-step attn_res 90 python -m k3 bench model --cases attn_res
+step tests 130 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
+step train 260 python -m k3 bench model --cases train,peer
+step attn_res 80 python -m k3 bench model --cases attn_res
 step decode 90 python -m k3 bench decode --quick
+step profile_decode 60 python benchmarks/profile_decode.py
 step kernels 150 python -m k3 bench kernels --quick
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"
 [ -n "${TRITON_CACHE_DIR:-}" ] && (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 |

@@ -25,6 +25,7 @@ class _Op:
     name: str
     impls: dict[str, Callable] = field(default_factory=dict)
     supports: dict[str, Callable[[torch.device], bool]] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
     logged: set = field(default_factory=set)
 
 
@@ -32,13 +33,17 @@ _OPS: dict[str, _Op] = {}
 _choice: str = os.environ.get("K3_BACKEND", "auto")
 
 
-def register(op: str, backend: str, fn: Callable, supports: Callable[[torch.device], bool] = lambda d: True) -> None:
-    """Register an implementation of ``op`` under ``backend`` ('reference' or 'fast')."""
+def register(op: str, backend: str, fn: Callable, supports: Callable[[torch.device], bool] = lambda d: True,
+             label: str | None = None) -> None:
+    """Register an implementation of ``op`` under ``backend`` ('reference' or 'fast'); ``label`` (e.g. what
+    runs it) is added to the log line that names the backend."""
     if backend not in ("reference", "fast"):
         raise ValueError(f"backend {backend!r} must be 'reference' or 'fast'")
     entry = _OPS.setdefault(op, _Op(op))
     entry.impls[backend] = fn
     entry.supports[backend] = supports
+    if label:
+        entry.labels[backend] = label
 
 
 def set_backend(choice: str) -> None:
@@ -63,7 +68,8 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     name = "fast" if (_choice in ("fast", "auto") and fast_ok) else "reference"
     if (name, device.type) not in entry.logged:
         entry.logged.add((name, device.type))
-        log.info("op %s runs backend %s on %s", op, name, device.type)
+        label = f" ({entry.labels[name]})" if name in entry.labels else ""
+        log.info("op %s runs backend %s%s on %s", op, name, label, device.type)
     return name, entry.impls[name]
 
 

@@ -8,11 +8,15 @@ token per sequence from the raw projections, updating a state pool in place (CUD
 from k3.ops import backend
 from k3.ops.kda.reference import chunk_kda as chunk_kda_reference
 from k3.ops.kda.reference import kda_decode_step as kda_decode_step_reference
-from k3.ops.kda.reference import kda_gate, l2norm
+from k3.ops.fused import fused
+from k3.ops.kda.reference import kda_gate as kda_gate_reference
+from k3.ops.kda.reference import l2norm as l2norm_reference
 from k3.ops.kda.reference import recurrent_kda as recurrent_kda_reference
 
 from k3.ops.kda import fla as _fla
 
+kda_gate = fused(kda_gate_reference)  # one kernel on CUDA (k3.ops.fused)
+l2norm = fused(l2norm_reference)
 backend.register("chunk_kda", "reference", chunk_kda_reference)
 backend.register("recurrent_kda", "reference", recurrent_kda_reference)
 backend.register("chunk_kda", "fast", _fla.chunk_kda, _fla.available)

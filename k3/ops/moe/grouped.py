@@ -24,6 +24,12 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _pad(t: Tensor, pad: tuple[int, ...]) -> Tensor:
+    """F.pad, but t itself when nothing is padded: F.pad copies even then, which at decode was a copy of every
+    expert's weights per layer and step (1.1 of 4.5 ms per step of the decode benchmark's B=1 case)."""
+    return F.pad(t, pad) if any(pad) else t
+
+
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                 glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """Same contract as :func:`k3.ops.moe.reference.moe_experts`. Under QAT the weights, inputs and GLU output
@@ -43,9 +49,9 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     rows = n * k + ALIGN * e
     bf = torch.bfloat16
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
-    xb = F.pad(x.to(bf), (0, pd))
-    w1b, w3b = (F.pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
-    w2b = F.pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
+    xb = _pad(x.to(bf), (0, pd))
+    w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
+    w2b = _pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
     # index_select / index_copy / index_add, not x[idx]: the backward of advanced indexing is a sort-based
     # accumulate (index_put), ~136 ms of a small-1b step on an H200; index_select's is an index_add
     xs = xb.new_zeros(rows, d + pd).index_copy(0, dest, xb.index_select(0, tokens))

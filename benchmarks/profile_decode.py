@@ -1,0 +1,101 @@
+"""Where a decode step's time goes: the model of ``k3 bench decode`` (Kimi-Linear-shaped, random bf16 weights, a cache
+filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
+
+    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3]
+
+For each (batch, context): the graph's time per step and the limit (bytes / copy bandwidth, as in the benchmark);
+then, over eager steps under torch.profiler, the kernels per step and the device time of each part of the model
+(KDA / MLA mixers, MoE, dense FFN, lm_head, the rest) and of the top kernels. A graph replays the same kernels
+back to back, so the eager device time per step is what a graph cannot go below: if it is far above the limit the
+kernels are slow or too many, if close to it the step is launch-bound only eagerly.
+Writes $K3_BENCH_OUT/profile_decode.txt when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from k3.bench.common import copy_bandwidth, cuda_time
+from k3.bench.decode import fill_cache, peer_config, step_bytes
+from k3.infer.graphs import GraphedDecoder
+from k3.model.decoder import K3ForCausalLM
+from k3.ops import backend
+from profile_train_step import phase  # this folder is on sys.path when the script runs
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="1x4096,64x32768")
+    p.add_argument("--steps", type=int, default=3)
+    a = p.parse_args()
+    backend.set_backend("fast")
+    bw = copy_bandwidth()
+    model = K3ForCausalLM(peer_config()).cuda().to(torch.bfloat16).eval()
+    cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",")]
+    graphed = {}
+    for batch, context in cases:  # graph times first: the profiler ranges below stay out of the captures
+        cache = fill_cache(model, batch, context, 64)
+        ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
+        graph = GraphedDecoder(model, cache)
+        graphed[batch, context] = cuda_time(lambda: graph(ids, list(range(batch))), warmup=2, iters=16)
+        del graph, cache
+        torch.cuda.empty_cache()
+    for layer in model.model.layers:
+        phase(layer.self_attn, "step", f"part: {layer.mixer} mixer")
+        if hasattr(layer, "mlp"):
+            phase(layer.mlp, "forward", "part: dense ffn")
+        else:
+            phase(layer.block_sparse_moe, "forward", "part: moe")
+    phase(model.lm_head, "forward", "part: lm_head")
+    lines = []
+    for batch, context in cases:
+        limit = step_bytes(model, batch, context) / bw
+        cache = fill_cache(model, batch, context, 64)
+        ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
+        seq = list(range(batch))
+        eager = cuda_time(lambda: model.decode(ids, cache, seq), warmup=1, iters=a.steps)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.steps):
+                model.decode(ids, cache, seq)
+            torch.cuda.synchronize()
+        events = prof.events()  # kernels; the parts' GPU-side annotations span idle gaps too: left out
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.startswith("part:")]
+        busy = sum(e.device_time for e in kernels) / 1e3 / a.steps
+        block = ["", f"B={batch} context={context}: graph {graphed[batch, context] * 1e3:.2f} ms/step, "
+                 f"eager {eager * 1e3:.2f} ms/step, limit {limit * 1e3:.3f} ms "
+                 f"({limit / graphed[batch, context]:.1%} of it in the graph)",
+                 f"  kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.2f} ms/step (eager)"]
+        parts = defaultdict(float)  # device time of the kernels each part's CPU range launched
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("part:"):
+                parts[e.name] += e.device_time_total / 1e3 / a.steps
+        for key, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            block.append(f"  {key:<28} {ms:8.3f} ms/step device")
+        block.append(f"  {'part: the rest':<28} {busy - sum(parts.values()):8.3f} ms/step device")
+        by_kernel = defaultdict(lambda: [0.0, 0])
+        for e in kernels:
+            by_kernel[e.name][0] += e.device_time / 1e3 / a.steps
+            by_kernel[e.name][1] += 1
+        block.append("  top kernels (ms per step, launches per step):")
+        for name, (ms, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:15]:
+            block.append(f"    {name[:70]:<70} {ms:7.3f} {n / a.steps:6.0f}")
+        print("\n".join(block), flush=True)
+        lines += block
+        del cache
+        torch.cuda.empty_cache()
+    if os.environ.get("K3_BENCH_OUT"):
+        out = Path(os.environ["K3_BENCH_OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile_decode.txt").write_text("\n".join(lines).lstrip() + "\n")
+
+
+if __name__ == "__main__":
+    main()

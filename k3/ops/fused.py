@@ -1,0 +1,70 @@
+"""Pointwise chains (norms, gated activations, KDA's gate and L2 norm) fused by ``torch.compile`` on CUDA.
+
+Written eagerly, each of these functions is a chain of small kernels that upcast to fp32, and autograd keeps
+every fp32 intermediate for the backward pass: on a GPU they were most of a training step's elementwise time
+and memory (``benchmarks/results/profile_train_step.txt``). ``@fused`` registers the eager function as the op's
+``reference`` backend and ``torch.compile(fn)`` (TorchInductor: one Triton kernel forward, one backward, inputs
+saved instead of intermediates) as its ``fast`` backend on CUDA devices where Triton is installed; the decorated
+name dispatches like every other op (k3.ops.backend: chosen by ``auto|reference|fast`` and logged once per
+device). The reference is ``fn.reference``. Shapes start static and become dynamic on the first change
+(torch.compile's automatic dynamic shapes), so packed batches of new lengths do not recompile every step.
+Compilation happens on the first call of each (dtype, grad mode, widths) combination: CUDA-graph capture
+(k3.infer.graphs) warms up before it records, so it never compiles under capture. One model already needs more
+than dynamo's default 8 versions of ``rms_norm`` (four widths, training and inference, a decode batch of 1), and
+with ``fullgraph=True`` hitting the limit is an error, not a slow path: the first compilation raises dynamo's
+``recompile_limit`` to at least RECOMPILE_LIMIT for the process (logged).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from k3.ops import backend
+
+RECOMPILE_LIMIT = 64
+
+
+def _cuda_with_triton(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def _raise_recompile_limit() -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if config.recompile_limit < RECOMPILE_LIMIT:
+        backend.log.info("torch._dynamo recompile_limit %d -> %d (k3.ops.fused)", config.recompile_limit,
+                         RECOMPILE_LIMIT)
+        config.recompile_limit = RECOMPILE_LIMIT
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+
+
+def fused(fn: Callable) -> Callable:
+    """Register ``fn`` (first argument a tensor) as op ``fn.__name__`` with a compiled fast path on CUDA; return the
+    dispatcher, which carries the eager function as ``.reference``."""
+    name = fn.__name__
+    compiled = None
+
+    def fast(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:  # compile lazily: importing k3 must not import dynamo
+            _raise_recompile_limit()
+            compiled = torch.compile(fn, fullgraph=True)
+        return compiled(*args, **kwargs)
+
+    backend.register(name, "reference", fn)
+    backend.register(name, "fast", fast, _cuda_with_triton, label="torch.compile (inductor)")
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return backend.dispatch(name, args[0].device, *args, **kwargs)
+
+    run.reference = fn
+    return run

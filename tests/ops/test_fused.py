@@ -1,0 +1,59 @@
+"""k3.ops.fused: the pointwise ops dispatch like every op; on CPU they run their eager reference.
+
+(The compiled fast path is checked against the reference on a GPU: tests/gpu/test_fast_paths.py.)"""
+
+import logging
+
+import pytest
+import torch
+
+from k3.model.activation import situ_glu, swiglu
+from k3.model.norm import gated_rms_norm, rms_norm
+from k3.ops import backend
+from k3.ops.fused import fused
+from k3.ops.kda import kda_gate, l2norm
+
+OPS = [situ_glu, swiglu, rms_norm, gated_rms_norm, kda_gate, l2norm]
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+def test_cpu_runs_the_reference(op):
+    name, fn = backend.resolve(op.__name__, torch.device("cpu"))
+    assert (name, fn) == ("reference", op.reference)
+
+
+def test_dispatcher_returns_the_reference_result_and_logs_the_backend(caplog):
+    calls = []
+
+    @fused
+    def scaled_tanh_test_op(x, s: float):
+        calls.append(x.shape)
+        return torch.tanh(x) * s
+
+    x = torch.randn(5, 3)
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        y = scaled_tanh_test_op(x, 2.0)
+    assert torch.equal(y, torch.tanh(x) * 2.0) and calls == [(5, 3)]
+    assert "op scaled_tanh_test_op runs backend reference on cpu" in caplog.text
+
+
+def test_fast_on_cpu_is_refused_not_silently_downgraded():
+    before = backend.get_backend()
+    backend.set_backend("fast")
+    try:
+        with pytest.raises(RuntimeError, match="rms_norm"):
+            rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+    finally:
+        backend.set_backend(before)
+
+
+def test_first_compilation_raises_dynamos_recompile_limit():
+    """A model needs more than dynamo's default 8 versions of rms_norm; with fullgraph=True the limit is an error."""
+    import torch._dynamo
+
+    from k3.ops.fused import RECOMPILE_LIMIT, _raise_recompile_limit
+
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=8):
+        _raise_recompile_limit()
+        assert config.recompile_limit == RECOMPILE_LIMIT >= 32
