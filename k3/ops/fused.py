@@ -27,12 +27,18 @@ from k3.ops import backend
 RECOMPILE_LIMIT = 64
 
 
-def _cuda_with_triton(device: torch.device) -> bool:
+def compilable(device: torch.device) -> bool:
+    """A CUDA device, Triton installed and torch.compile not disabled (TORCH_COMPILE_DISABLE=1 then runs, and logs,
+    the reference instead of an eager "compiled" function)."""
     if device.type != "cuda":
         return False
     from torch.utils._triton import has_triton
 
-    return has_triton()
+    if not has_triton():
+        return False
+    import torch._dynamo
+
+    return not torch._dynamo.config.disable
 
 
 def _raise_recompile_limit() -> None:
@@ -60,7 +66,7 @@ def fused(fn: Callable) -> Callable:
         return compiled(*args, **kwargs)
 
     backend.register(name, "reference", fn)
-    backend.register(name, "fast", fast, _cuda_with_triton, label="torch.compile (inductor)")
+    backend.register(name, "fast", fast, compilable, label="torch.compile (inductor)")
 
     @functools.wraps(fn)
     def run(*args, **kwargs):

@@ -57,3 +57,20 @@ def test_first_compilation_raises_dynamos_recompile_limit():
     with config.patch(recompile_limit=8):
         _raise_recompile_limit()
         assert config.recompile_limit == RECOMPILE_LIMIT >= 32
+
+
+def test_compiled_path_needs_cuda_triton_and_compile_enabled(monkeypatch):
+    import torch._dynamo
+    import torch.utils._triton
+
+    from k3.ops.fused import compilable
+
+    assert not compilable(torch.device("cpu"))
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
+    cuda = torch.device("cuda")
+    assert compilable(cuda)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # TORCH_COMPILE_DISABLE=1
+    assert not compilable(cuda)
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    assert not compilable(cuda)
