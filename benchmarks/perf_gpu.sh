@@ -6,13 +6,14 @@
 # Usage (device, repo root, .whl and .triton carried):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton bash benchmarks/perf_gpu.sh [steps...]
-# steps (default: tests profile train decode profile_decode, ~9 minutes at most; attn_res and kernels on request)
+# steps (default: tests train decode profile_decode, 9 minutes at most, inside one call's 10; profile, attn_res and
+# kernels on request)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BENCH_OUT=$LOGS
-steps=${*:-tests profile train decode profile_decode}
+steps=${*:-tests train decode profile_decode}
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   case " $steps " in *" $name "*) ;; *) return ;; esac

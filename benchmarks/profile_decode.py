@@ -7,7 +7,9 @@ For each (batch, context): the graph's time per step and the limit (bytes / copy
 then, over eager steps under torch.profiler, the kernels per step and the device time of each part of the model
 (KDA / MLA mixers, MoE, dense FFN, lm_head, the rest) and of the top kernels. A graph replays the same kernels
 back to back, so the eager device time per step is what a graph cannot go below: if it is far above the limit the
-kernels are slow or too many, if close to it the step is launch-bound only eagerly.
+kernels are slow or too many, if close to it the step is launch-bound only eagerly. A part's time counts the
+kernels its CPU range launched through the runtime API; Triton kernels (fla's KDA step, the MLA decode kernel) are
+launched through the driver API and land in "the rest" (they are named in the kernel list).
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 

@@ -240,10 +240,10 @@ class K3Muon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            p = local_shard(p)
-            lists = batches.setdefault((state["step"], p.device, p.dtype), ([], [], [], []))
-            for dst, t in zip(lists, (p, g, state["exp_avg"], state["exp_avg_sq"])):
-                dst.append(local_shard(t))
+            tensors = [local_shard(t) for t in (p, g, state["exp_avg"], state["exp_avg_sq"])]
+            lists = batches.setdefault((state["step"], tensors[0].device, tensors[0].dtype), ([], [], [], []))
+            for dst, t in zip(lists, tensors):
+                dst.append(t)
         for (t, _, _), (ps, gs, ms, vs) in batches.items():
             torch._foreach_mul_(ps, 1 - lr * wd)
             torch._foreach_lerp_(ms, gs, 1 - beta1)
