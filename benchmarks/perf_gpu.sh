@@ -2,18 +2,20 @@
 # One device call for issues 5 / 6 on one H200: the GPU tests, then the training-step profile and
 # the benchmarks that re-measure this code, each under its own time limit so one slow step cannot take the
 # others' time; results and logs land in $OUT (at most 8 files come back, hence one tar of the logs), Triton's
-# autotune results in $OUT/autotune.tgz (unpack into .triton so later calls skip fla's autotuning).
+# cache in $OUT/autotune.tgz (unpack into .triton so later calls skip fla's autotuning): the whole cache with
+# TorchInductor's (.inductor, compiled kernels) when both fit in 40 MB, else the autotune results alone.
 # Usage (device, repo root, .whl and .triton carried):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-#   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton bash benchmarks/perf_gpu.sh [steps...]
-# steps (default: tests train decode profile_decode, 9 minutes at most, inside one call's 10; profile, attn_res and
-# kernels on request)
+#   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
+#     bash benchmarks/perf_gpu.sh [steps...]
+# steps (default: tests train decode, 9.8 minutes at most, inside one call's 10; profile, attn_res,
+# profile_decode, kernels and tune_mla on request)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BENCH_OUT=$LOGS
-steps=${*:-tests train decode profile_decode}
+steps=${*:-tests train decode}
 step() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   case " $steps " in *" $name "*) ;; *) return ;; esac
@@ -22,14 +24,20 @@ step() {  # name, seconds, command...
   echo "$name: exit $? after $((SECONDS - t0)) s" | tee -a "$OUTD/summary.txt"
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
-step tests 130 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+step tests 240 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step train 260 python -m k3 bench model --cases train,peer
-step attn_res 80 python -m k3 bench model --cases attn_res
+step attn_res 240 python -m k3 bench model --cases attn_res
 step decode 90 python -m k3 bench decode --quick
 step profile_decode 60 python benchmarks/profile_decode.py
 step kernels 150 python -m k3 bench kernels --quick
+step tune_mla 90 python benchmarks/tune_mla_decode.py
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"
-[ -n "${TRITON_CACHE_DIR:-}" ] && (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 |
-  tar czf "$OUTD/autotune.tgz" --null -T -)
+if [ -n "${TRITON_CACHE_DIR:-}" ]; then
+  if [ -n "${TORCHINDUCTOR_CACHE_DIR:-}" ] && [ "$(du -smc "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" | tail -1 | cut -f1)" -le 40 ]; then
+    tar czf "$OUTD/autotune.tgz" -C "$TRITON_CACHE_DIR" . && tar czf "$OUTD/inductor.tgz" -C "$TORCHINDUCTOR_CACHE_DIR" .
+  else
+    (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" -print0 | tar czf "$OUTD/autotune.tgz" --null -T -)
+  fi
+fi
 cat "$OUTD/summary.txt"

@@ -4,7 +4,7 @@ The number of depth sources each mix sees is taken from ``k3.model.attn_res.Resi
 with 1-wide dummy vectors), so the counts follow the model's own bookkeeping:
 - live vectors: the most d-vectors a token keeps alive for later mixes (none: the residual r only);
 - stacked for backward: sum over mixes of S, the [S, d] stacks a stack-then-mix implementation saves for the
-  backward pass (the two-phase / online-softmax form can avoid materialising them);
+  backward pass (the model's two-phase form keeps only the sources and one phase-1 output o per mix);
 - FLOPs: 4 S d per mix (logits 2 S d against the folded query, weighted sum 2 S d; each source's rms is
   computed once and reused);
 - pipeline bytes: the d-vectors that must cross a pipeline-stage boundary per token (bank + running state).
@@ -28,14 +28,15 @@ def source_counts(config: K3Config, mode: str | None = None) -> dict:
     mode = mode or config.attn_res.mode
     norm, proj = RMSNorm(1), nn.Linear(1, 1, bias=False)
     one = torch.ones(1, 1)
-    stream = ResidualStream(mode, config.attn_res.block_size, one)
+    mixers = [(norm, proj)] * (2 * config.num_hidden_layers + 1)
+    stream = ResidualStream(mode, config.attn_res.block_size, one, mixers)
     mixes: list[tuple[int, str, int]] = []
     crossing: list[int] = []  # d-vectors of state before layer i (what a stage boundary there must carry)
     with torch.no_grad():
         for i in range(config.num_hidden_layers):
             crossing.append(len(stream.sources()))
             for sub in ("attn", "mlp"):
-                stream.input(i, sub, norm, proj)
+                stream.input(i, sub)
                 mixes.append((i, sub, len(stream.sources())))
                 stream.add(one)
         if mode != "none":

@@ -313,7 +313,8 @@ def _attn_res(a: dict) -> list[str]:
     out = ["## 7. AttnRes overhead", "",
            "Per token, from the model's own residual bookkeeping (`ResidualStream`). *Live*: d-vectors a token keeps "
            "for later mixes (inference). *Stacked*: sum over mixes of the sources S, what a stack-then-mix "
-           "implementation (ours) saves for the backward pass. *FLOPs*: 4 S d per mix (logits and weighted sum; "
+           "implementation (the reference) saves for the backward pass (ours, two-phase, keeps the sources and one "
+           "phase-1 output per mix). *FLOPs*: 4 S d per mix (logits and weighted sum; "
            "each source's rms reused), as a share of the forward FLOPs without AttnRes. *Stage boundary*: d-vectors "
            "that cross a pipeline-stage boundary (the bank of block summaries + the running state), worst boundary "
            "for an even split into PP stages. bf16 activations.", ""]

@@ -13,10 +13,12 @@ and the sub-layer then applies its own pre-norm to h. The four modes differ only
 A final mix with ``output_attn_res_{norm,proj}`` precedes the final norm in every mode but ``none``.
 Blocks are counted in decoder layers (K3: 12, so 7 full blocks and a 9-layer block over 93 layers).
 
-Inference (no autograd) keeps the sources that stay fixed during the pass (the bank, every output in ``full``)
-stacked in fp32 with their inverse RMS while the stack fits in STACK_BYTES (decode steps, short prefill chunks),
-so a mix costs a few kernels whatever its depth (``k3.ops.attn_res.stacked``); training, and passes whose stack
-would outgrow the budget (from that depth on), mix the source list as is (no fp32 copy of S x N x d).
+Every mix runs in the two-phase form (k3.ops.attn_res.two_phase): when a block starts, phase 1 scores the
+block's mixes (2 per layer, and the output mix after the last block) against the sources that stay fixed for
+the block: the bank (snapshot, block_sum) or the outputs before the block (full); each mix then merges its live
+sources (r; the partial sum; the block's own outputs) by online softmax. Phase 1 materialises o [M, N, d] for M
+mixes; it covers as many of the block's mixes at once as fit in TWO_PHASE_BYTES (at least one), so long passes
+(1M-token prefill) do it mix by mix. Recording the depth weights (audit) mixes with the reference instead.
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from k3.model.norm import RMSNorm
-from k3.ops.attn_res import FixedSources, depth_mix, depth_mix_stacked
-from k3.ops.attn_res.reference import depth_weights
+from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix, depth_weights
 
-STACK_BYTES = 1 << 30  # inference stacks fixed sources in fp32 while S x N x d x 4 bytes stays within this
+TWO_PHASE_BYTES = 1 << 30  # phase 1 computes at most this many bytes of o [M, N, d] at once (at least one mix)
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -39,18 +40,17 @@ def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> Non
     setattr(module, f"{prefix}_proj", proj)
 
 
-def mix(sources: list[Tensor], norm: nn.Module, proj: nn.Linear) -> Tensor:
-    """Depth-mix a list of [N, d] sources with the query norm.weight * proj.weight -> [N, d]."""
-    if len(sources) == 1:
-        return sources[0]
-    return depth_mix(sources, norm.weight * proj.weight[0], norm.eps)
-
-
 class ResidualStream:
-    """The residual bookkeeping of one forward pass. Call ``input`` before each sub-layer, ``add`` after it."""
+    """The residual bookkeeping of one forward pass. Call ``input`` before each sub-layer, ``add`` after it,
+    ``output`` at the end. ``mixers``: the (key norm, pseudo-query proj) of every mix in order (attn and mlp of
+    each layer, then the output mix); unused in mode ``none``."""
 
-    def __init__(self, mode: str, block_size: int, embedding: Tensor, record: bool = False):
-        self.mode, self.block_size = mode, block_size
+    def __init__(self, mode: str, block_size: int, embedding: Tensor,
+                 mixers: list[tuple[nn.Module, nn.Linear]] | None = None, record: bool = False):
+        if mode != "none" and (mixers is None or len(mixers) % 2 != 1):
+            raise ValueError(f"AttnRes mode {mode!r} needs 2 mixers per layer plus the output mixer")
+        self.mode, self.block_size, self.mixers = mode, block_size, mixers
+        self.num_layers = len(mixers) // 2 if mixers else 0
         # when recording: (layer, sub-layer, depth weights averaged over tokens [S]) for every mix
         self.records: list[tuple[int, str, Tensor]] | None = [] if record else None
         self.r = embedding  # running residual (none / snapshot)
@@ -59,19 +59,24 @@ class ResidualStream:
         self.outputs: list[Tensor] = [embedding]  # full: embedding + every sub-layer output
         if mode == "block_sum":
             self.bank = [embedding]
-        stack = mode != "none" and not record and not torch.is_grad_enabled()
-        self.fixed = FixedSources() if stack else None
+        self.block_start = 1  # full: outputs[:block_start] are fixed for the current block
+        self.block_end = 0  # mixes before this index belong to the current block
+        self.phase1: tuple[int, Tensor, Tensor] | None = None  # (first mix, o [M, N, d], lse [M, N]) of phase 1
+        self._queries: Tensor | None = None
+
+    def queries(self) -> Tensor:
+        """Every mix's folded query, key-norm weight * pseudo-query: [2 * layers + 1, d], computed once per pass
+        (three kernels, not one per mix)."""
+        if self._queries is None:
+            norms = torch.stack([norm.weight for norm, _ in self.mixers])
+            self._queries = norms * torch.stack([proj.weight[0] for _, proj in self.mixers])
+        return self._queries
 
     def sources(self) -> list[Tensor]:
-        if self.mode == "snapshot":
-            return self.bank + [self.r]
-        if self.mode == "block_sum":
-            return self.bank + ([] if self.partial is None else [self.partial])
-        if self.mode == "full":
-            return self.outputs
-        return [self.r]
+        fixed, live = self._fixed_and_live()
+        return fixed + live
 
-    def input(self, layer: int, sublayer: str, norm: nn.Module | None, proj: nn.Linear | None) -> Tensor:
+    def input(self, layer: int, sublayer: str) -> Tensor:
         """The input h of sub-layer ``sublayer`` ('attn' or 'mlp') of decoder layer ``layer``."""
         if sublayer == "attn" and layer % self.block_size == 0:
             if self.mode == "snapshot":
@@ -79,34 +84,47 @@ class ResidualStream:
             elif self.mode == "block_sum" and self.partial is not None:
                 self.bank.append(self.partial)
                 self.partial = None
+            self.block_start, self.phase1 = len(self.outputs), None
+            end = 2 * min(layer + self.block_size, self.num_layers)
+            self.block_end = end + 1 if end == 2 * self.num_layers else end  # the last block has the output mix
         if self.mode == "none":
             return self.r
-        return self._mix(layer, sublayer, norm, proj)
+        return self._mix(2 * layer + (sublayer == "mlp"), layer, sublayer)
 
     def _fixed_and_live(self) -> tuple[list[Tensor], list[Tensor]]:
-        """The sources split into those fixed for the rest of the pass and the live ones (in source order)."""
+        """The sources split into those fixed for the current block and the live ones (in source order)."""
         if self.mode == "snapshot":
             return self.bank, [self.r]
         if self.mode == "block_sum":
             return self.bank, [] if self.partial is None else [self.partial]
-        return self.outputs, []
+        if self.mode == "full":
+            return self.outputs[:self.block_start], self.outputs[self.block_start:]
+        return [self.r], []
 
-    def _mix(self, layer: int, sublayer: str, norm: nn.Module, proj: nn.Linear) -> Tensor:
-        if self.fixed is not None:
-            fixed, live = self._fixed_and_live()
-            if len(fixed) * fixed[0].numel() * 4 > STACK_BYTES:
-                self.fixed = None  # the stack would outgrow its budget: the source list from here on
-            else:
-                if len(fixed) + len(live) == 1:
-                    return (fixed + live)[0]
-                self.fixed.sync(fixed, norm.eps)
-                return depth_mix_stacked(self.fixed, live, norm.weight * proj.weight[0], norm.eps, self.r.dtype)
-        sources = self.sources()
+    def _mix(self, j: int, layer: int, sublayer: str) -> Tensor:
+        """Mix number j (2 * layer + (sublayer == 'mlp'); the output mix is 2 * num_layers)."""
+        fixed, live = self._fixed_and_live()
+        if len(fixed) + len(live) == 1:
+            return (fixed + live)[0]
+        q, eps = self.queries()[j], self.mixers[j][0].eps
         if self.records is not None:
             with torch.no_grad():
-                w = depth_weights(sources, norm.weight * proj.weight[0], norm.eps)
+                w = depth_weights(fixed + live, q, eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
-        return mix(sources, norm, proj)
+            return depth_mix(fixed + live, q, eps)
+        if self.phase1 is None or j >= self.phase1[0] + self.phase1[1].shape[0]:
+            self._phase1(j, fixed)
+        first, o, lse = self.phase1
+        if not live:
+            return o[j - first]
+        return attn_res_merge(o[j - first], lse[j - first], live, q, eps)
+
+    def _phase1(self, j: int, fixed: list[Tensor]) -> None:
+        """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""
+        eps = self.mixers[j][0].eps
+        count = max(1, min(self.block_end - j, TWO_PHASE_BYTES // (fixed[0].numel() * fixed[0].element_size())))
+        count = next((k for k in range(1, count) if self.mixers[j + k][0].eps != eps), count)
+        self.phase1 = (j, *attn_res_phase1(self.queries()[j:j + count], fixed, eps))
 
     def add(self, out: Tensor) -> None:
         """Record a sub-layer output [N, d]."""
@@ -117,8 +135,8 @@ class ResidualStream:
         else:
             self.outputs.append(out)
 
-    def output(self, norm: nn.Module | None, proj: nn.Linear | None) -> Tensor:
+    def output(self) -> Tensor:
         """The final hidden state before the final norm."""
         if self.mode == "none":
             return self.r
-        return self._mix(-1, "output", norm, proj)
+        return self._mix(2 * self.num_layers, -1, "output")

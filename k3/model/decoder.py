@@ -62,8 +62,7 @@ class DecoderLayer(nn.Module):
     def forward(self, stream: ResidualStream, cu_seqlens: Tensor | None, state=None, seq_ids=None,
                 positions: Tensor | None = None) -> RouterStats | None:
         """With ``positions`` (decode: one token per sequence, cu_seqlens unused) the mixer runs its step form."""
-        h = stream.input(self.layer_idx, "attn", getattr(self, "self_attention_res_norm", None),
-                         getattr(self, "self_attention_res_proj", None))
+        h = stream.input(self.layer_idx, "attn")
         x = self.input_layernorm(h)
         if positions is None:
             stream.add(self.self_attn(x, cu_seqlens, state, seq_ids))
@@ -71,7 +70,7 @@ class DecoderLayer(nn.Module):
             stream.add(self.self_attn.step(x, state, seq_ids))
         else:
             stream.add(self.self_attn.step(x, state, seq_ids, positions))
-        h = stream.input(self.layer_idx, "mlp", getattr(self, "mlp_res_norm", None), getattr(self, "mlp_res_proj", None))
+        h = stream.input(self.layer_idx, "mlp")
         h = self.post_attention_layernorm(h)
         if hasattr(self, "mlp"):
             stream.add(self.mlp(h))
@@ -91,6 +90,14 @@ class K3Model(nn.Module):
         if config.attn_res.mode != "none":
             make_mix_params(self, "output_attn_res", config.hidden_size, config.rms_norm_eps)
 
+    def mixers(self) -> list[tuple[RMSNorm, nn.Linear]] | None:
+        """The AttnRes (key norm, pseudo-query) of every mix: attn and mlp of each layer, then the output mix."""
+        if self.config.attn_res.mode == "none":
+            return None
+        pairs = [(getattr(layer, f"{sub}_res_norm"), getattr(layer, f"{sub}_res_proj"))
+                 for layer in self.layers for sub in ("self_attention", "mlp")]
+        return pairs + [(self.output_attn_res_norm, self.output_attn_res_proj)]
+
     def forward(self, tokens: Tensor, cu_seqlens: Tensor | None, cache: K3Cache | None = None,
                 seq_ids: Tensor | None = None, record_attn_res: bool = False,
                 positions: Tensor | None = None, inputs_embeds: Tensor | None = None) -> tuple[Tensor, list, list | None]:
@@ -98,13 +105,14 @@ class K3Model(nn.Module):
         Decode step: ``positions`` [N] given, one token per cached sequence ``seq_ids`` (see decode_step).
         ``inputs_embeds`` [N, d]: the token embeddings to use (images spliced in), instead of embedding ``tokens``."""
         x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
-        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, x, record=record_attn_res)
+        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, x, self.mixers(),
+                                record=record_attn_res)
         stats = []
         for i, layer in enumerate(self.layers):
             s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids, positions)
             if s is not None:
                 stats.append(s)
-        h = stream.output(getattr(self, "output_attn_res_norm", None), getattr(self, "output_attn_res_proj", None))
+        h = stream.output()
         return self.norm(h), stats, stream.records
 
 

@@ -341,3 +341,35 @@ def test_compiled_pointwise_ops_match_reference(dtype):
             for i, (a, b) in enumerate(zip(leaves, ref_leaves)):
                 if isinstance(a, torch.Tensor):
                     assert rel(a.grad, b.grad) <= tol, (op.__name__, n, i, rel(a.grad, b.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_two_phase_attn_res_matches_reference(dtype):
+    """AttnRes phase 1 (four queries) + merge, compiled, against the reference depth mix of the whole source list
+    on fp64 copies: outputs and gradients of sources and query, for two fixed / live splits. fp32 1e-5 (reduction
+    order); bf16 rounds o and h once more: 1e-2."""
+    from k3.ops import backend
+    from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix
+
+    assert backend.resolve("attn_res_phase1", torch.device(DEV))[0] == "fast"
+    assert backend.resolve("attn_res_merge", torch.device(DEV))[0] == "fast"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    g = torch.Generator(device=DEV).manual_seed(9)
+    for n in (1000,):  # each (S, L) compiles once per dtype; dynamic token counts: the pointwise test's
+        for n_fixed, n_live in ((3, 1), (2, 3)):
+            src = [(torch.randn(n, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_()
+                   for i in range(n_fixed + n_live)]
+            queries = torch.randn(4, 256, device=DEV, generator=g).requires_grad_()
+            ref_src = [s.detach().double().requires_grad_() for s in src]
+            ref_q = queries.detach().double().requires_grad_()
+            o, lse = attn_res_phase1(queries, src[:n_fixed], 1e-6)
+            out = attn_res_merge(o[2], lse[2], src[n_fixed:], queries[2], 1e-6) if n_live else o[2]
+            ref = depth_mix(ref_src, ref_q[2], 1e-6)
+            w = torch.randn_like(ref)
+            (out.double() * w).sum().backward()
+            (ref * w).sum().backward()
+            assert rel(out, ref) <= tol, (n, n_fixed, n_live, rel(out, ref))
+            for i, (a, b) in enumerate(zip(src + [queries], ref_src + [ref_q])):
+                gb = b.grad[2] if b is ref_q else b.grad
+                ga = a.grad[2] if a is queries else a.grad
+                assert rel(ga, gb) <= tol, (n, n_fixed, n_live, i, rel(ga, gb))

@@ -22,8 +22,7 @@ def depth_mix(sources: Sequence[Tensor], query: Tensor, eps: float) -> Tensor:
 
     sources: S tensors [N, d] (raw values v_i); query [d] = key-norm weight * pseudo-query (the checkpoint's
     ``*_res_norm.weight * *_res_proj.weight``). No 1/sqrt(d); logits, softmax and the mix in fp32.
-    Returns [N, d] in the sources' dtype. Autograd keeps the stacked sources: see lean.py for the form that
-    does not.
+    Returns [N, d] in the sources' dtype. The model uses the equal two-phase form (two_phase.py).
     """
     weights = depth_weights(sources, query, eps)
     return (weights.unsqueeze(-1) * upcast(torch.stack(list(sources)))).sum(0).to(sources[0].dtype)

@@ -69,9 +69,14 @@ def supported(r: int, dr: int) -> bool:
 
 
 def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int,
-               max_length: int | None = None) -> Tensor:
+               max_length: int | None = None, block_n: int = 32, num_stages: int = 3, num_warps: int | None = None,
+               programs_per_sm: int = 8) -> Tensor:
     """q [B, H, r + dr] (one token per sequence); kv [slots, capacity, r + dr]; seq_ids, lengths [B] (int);
-    -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once."""
+    -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once.
+    Launch: block_n rows per iteration, num_stages / num_warps (default 8 for 32-head groups, else 4), and
+    sequences split until about programs_per_sm programs per SM (splits of at least 256 rows); on an H200, 8
+    instead of 2 took B=64 / 32K from 68% to 89% of the bandwidth limit (benchmarks/results/tune_mla_decode.md,
+    measured by benchmarks/tune_mla_decode.py)."""
     B, H, D = q.shape
     R, DR = v_dim, D - v_dim
     if not supported(R, DR):
@@ -79,10 +84,9 @@ def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: f
     q = q.to(kv.dtype).contiguous()
     max_length = int(lengths.max()) if max_length is None else max_length
     block_h = min(32, max(16, triton.next_power_of_2(H)))
-    block_n = 32
     groups = triton.cdiv(H, block_h)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(max_length, 256), triton.cdiv(2 * sms, B * groups)))
+    splits = max(1, min(triton.cdiv(max_length, 256), triton.cdiv(programs_per_sm * sms, B * groups)))
     split_rows = triton.cdiv(triton.cdiv(max_length, splits), block_n) * block_n
     splits = triton.cdiv(max_length, split_rows)
     o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
@@ -91,6 +95,7 @@ def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: f
         q, kv, seq_ids.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous(), o, lse,
         scale * math.log2(math.e), q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
-        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=8 if block_h > 16 else 4)
+        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages,
+        num_warps=num_warps or (8 if block_h > 16 else 4))
     weights = torch.softmax(lse * math.log(2.0), dim=1)  # [B, splits, H]; empty splits have weight 0
     return (weights.unsqueeze(-1) * o).sum(1).to(q.dtype)

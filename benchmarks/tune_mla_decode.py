@@ -1,0 +1,76 @@
+"""Launch choices of the absorbed-MLA decode kernel (k3/ops/mla/triton_decode.py) on the decode benchmark's shapes.
+
+For each (batch, context) and each (block_n, num_stages, num_warps, programs_per_sm): time of one whole
+``mla_decode`` call (kernel + split merge; CUDA events, median of 20) and its fraction of the bytes-moved limit
+(the latent rows B * L * (r + dr) * 2 bytes at the measured copy bandwidth). Every output is checked against the
+default launch's (relative error <= 1e-2, bf16). Prints the table sorted per shape, writes JSON + markdown.
+Usage: python benchmarks/tune_mla_decode.py [--heads 16] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from k3.bench.common import copy_bandwidth, cuda_time
+from k3.ops.mla.triton_decode import mla_decode
+
+SHAPES = [(64, 32768), (16, 32768), (64, 4096), (1, 4096), (1, 131072)]
+CHOICES = list(itertools.product((32, 64), (2, 3, 4), (4, 8), (2, 4, 8, 16)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--out", default=os.environ.get("K3_BENCH_OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    r, dr, h = 512, 64, args.heads
+    bw = copy_bandwidth()
+    rows = []
+    for b, length in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        kv = torch.randn(b, length, r + dr, device="cuda", generator=g).to(torch.bfloat16)
+        q = torch.randn(b, h, r + dr, device="cuda", generator=g).to(torch.bfloat16)
+        slots = torch.arange(b, device="cuda")
+        lengths = torch.full((b,), length, device="cuda")
+        want = mla_decode(q, kv, slots, lengths, 0.07, r, length).float()
+        limit = b * length * (r + dr) * 2 / bw
+        for block_n, stages, warps, per_sm in CHOICES:
+            kw = dict(block_n=block_n, num_stages=stages, num_warps=warps, programs_per_sm=per_sm)
+            try:
+                got = mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw).float()
+                err = ((got - want).norm() / want.norm()).item()
+                t = cuda_time(lambda: mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw), 3, 20)
+                rows.append({"batch": b, "context": length, **kw, "us": t * 1e6, "of_limit": limit / t,
+                             "rel_err": err})
+            except Exception as e:  # noqa: BLE001 (a launch that does not fit shared memory is a result too)
+                rows.append({"batch": b, "context": length, **kw, "error": f"{type(e).__name__}: {e}"[:80]})
+        del kv
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_mla_decode.json").write_text(json.dumps({"bandwidth_GBps": bw / 1e9, "rows": rows}, indent=1))
+    lines = ["| batch | context | block_n | stages | warps | programs/SM | us | of limit | rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, length in SHAPES:
+        ok = sorted((x for x in rows if x["batch"] == b and x["context"] == length and "us" in x),
+                    key=lambda x: x["us"])
+        default = next(x for x in ok if (x["block_n"], x["num_stages"], x["num_warps"], x["programs_per_sm"])
+                       == (32, 3, 4, 2))
+        for x in ok[:4] + [default]:
+            lines.append(f"| {b} | {length} | {x['block_n']} | {x['num_stages']} | {x['num_warps']} | "
+                         f"{x['programs_per_sm']} | {x['us']:.1f} | {x['of_limit']:.1%} | {x['rel_err']:.1e} |")
+    text = "\n".join(lines)
+    (out / "tune_mla_decode.md").write_text("# MLA decode kernel launch choices (fastest 4 + default per shape)\n\n"
+                                           + text + "\n")
+    print(text)
+    assert all(x.get("rel_err", 0) <= 1e-2 for x in rows), "a launch choice changed the result"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The two-phase form of the AttnRes depth mix (the paper's Algorithm 1; spec §5, notes/attnres_moe.md A.4).
+
+The pseudo-queries are parameters, not functions of the input, so every mix of a block can be scored against
+the sources that stay fixed during the block (the bank of snapshots or block sums, the earlier outputs in
+``full`` mode) at once:
+- phase 1, once per block: for M queries q_m and S fixed sources v_i [N, d] with inverse RMS r_i,
+      s_mi = r_i (v_i . q_m),  lse_m = log sum_i exp(s_mi),  o_m = sum_i exp(s_mi - lse_m) v_i
+  (o_m is a convex combination: it is stored in the sources' dtype);
+- phase 2, per mix: the live sources u_j (the running residual, a block's partial sum, the block's own outputs)
+  are scored against the mix's query and merged with the online-softmax rule, o_m carrying weight exp(lse_m):
+      h = (e^{lse_m} o_m + sum_j e^{t_j} u_j) / (e^{lse_m} + sum_j e^{t_j}),   t_j = (u_j . q_m) / rms(u_j).
+Each fixed source is read once per block instead of twice per mix. The result equals
+:func:`k3.ops.attn_res.reference.depth_mix` over [fixed..., live...] (same temperature, no 1/sqrt(d); logits,
+softmax and sums in fp32, or fp64 for fp64 inputs). Both phases are ``@fused``: eager is their reference,
+``torch.compile`` their fast path on CUDA (a few Triton kernels per call, forward and backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3.ops.dtypes import upcast
+from k3.ops.fused import fused
+
+
+@fused
+def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    """queries [M, d] (key-norm weight * pseudo-query, one per mix), sources S x [N, d] -> (o [M, N, d] in the
+    sources' dtype, lse [M, N] in fp32 (fp64 for fp64 inputs)): each query's depth mix of the sources and the
+    log-sum-exp of its logits."""
+    q = upcast(queries)
+    logits = []
+    for v in sources:
+        v32 = upcast(v)
+        logits.append((v32 @ q.T) * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps))  # [N, M]
+    s = torch.stack(logits)  # [S, N, M]
+    lse = torch.logsumexp(s, 0)  # [N, M]
+    a = torch.exp(s - lse)
+    o = a[0].T.unsqueeze(-1) * upcast(sources[0])
+    for i in range(1, len(sources)):
+        o = o + a[i].T.unsqueeze(-1) * upcast(sources[i])
+    return o.to(sources[0].dtype), lse.T.contiguous()
+
+
+@fused
+def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> Tensor:
+    """One mix's phase-1 result o [N, d], lse [N] merged with L >= 1 live sources [N, d] under its query [d]
+    -> h [N, d] in o's dtype."""
+    q = upcast(query)
+    logits = [upcast(lse)]
+    for u in live:
+        u32 = upcast(u)
+        logits.append((u32 @ q) * torch.rsqrt(u32.pow(2).mean(-1) + eps))  # [N]
+    a = torch.stack(logits).softmax(0)  # [1 + L, N]
+    h = a[0].unsqueeze(-1) * upcast(o)
+    for j, u in enumerate(live):
+        h = h + a[j + 1].unsqueeze(-1) * upcast(u)
+    return h.to(o.dtype)
