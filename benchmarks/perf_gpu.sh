@@ -9,7 +9,7 @@
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests train decode, 9.8 minutes at most, inside one call's 10; profile, attn_res,
-# profile_decode, kernels and tune_mla on request)
+# profile_decode, kernels, tune_mla and profile_kernels on request)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -32,6 +32,7 @@ step decode 90 python -m k3 bench decode --quick
 step profile_decode 60 python benchmarks/profile_decode.py
 step kernels 150 python -m k3 bench kernels --quick
 step tune_mla 90 python benchmarks/tune_mla_decode.py
+step profile_kernels 120 python benchmarks/profile_kernels.py
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"
 if [ -n "${TRITON_CACHE_DIR:-}" ]; then
   if [ -n "${TORCHINDUCTOR_CACHE_DIR:-}" ] && [ "$(du -smc "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" | tail -1 | cut -f1)" -le 40 ]; then

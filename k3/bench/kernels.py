@@ -27,18 +27,24 @@ def _fwd_bwd(module_fn, x):
     return cuda_time(fwd, 1, 3), cuda_time(fwd_bwd, 1, 3)
 
 
-def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, head_dim=128) -> None:
+def kda_layers(hidden=1024, heads=8, head_dim=128, device="cuda") -> tuple:
+    """Our KDA layer and fla's ``KimiDeltaAttention`` (None, reason printed, when fla is missing) of one shape."""
     cfg = get_preset("small").replace(hidden_size=hidden, **{"kda.num_heads": heads, "kda.head_dim": head_dim,
                                                             "kda.v_head_dim": head_dim, "kda.forget_gate_rank": head_dim,
-                                                            "kda.output_gate_rank": head_dim, "moe.latent_size": 1024})
-    ours = KimiDeltaAttention(cfg).cuda()
+                                                            "kda.output_gate_rank": head_dim, "moe.latent_size": min(1024, hidden)})
+    ours = KimiDeltaAttention(cfg).to(device)
     try:
         from fla.layers import KimiDeltaAttention as FlaKDA
         theirs = FlaKDA(hidden_size=hidden, head_dim=head_dim, num_heads=heads, mode="chunk", safe_gate=True,
-                        lower_bound=-5.0).cuda()
+                        lower_bound=-5.0).to(device)
     except Exception as e:  # reported, not hidden
         print(f"fla layer unavailable: {e!r}")
         theirs = None
+    return ours, theirs
+
+
+def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, head_dim=128) -> None:
+    ours, theirs = kda_layers(hidden, heads, head_dim)
     for t in lengths:
         x = torch.randn(t, hidden, device="cuda", requires_grad=True)
         cu = torch.tensor([0, t], device="cuda")
@@ -53,14 +59,20 @@ def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, he
         rows.append(row)
 
 
-def moe_layer(rows: list, tokens=(4096, 16384, 65536), hidden=2048, latent=1024, width=768, roof=None) -> None:
+def moe_block(hidden=2048, latent=1024, width=768, device="cuda") -> MoE:
+    """The benchmark's LatentMoE layer (E=896, k=16, 2 shared experts), bf16, weights N(0, 0.02)."""
     cfg = get_preset("small").replace(hidden_size=hidden, **{"moe.num_experts": 896, "moe.num_experts_per_token": 16,
                                                             "moe.latent_size": latent, "moe.moe_intermediate_size": width,
                                                             "moe.num_shared_experts": 2})
-    moe = MoE(cfg, layer_idx=1).cuda().to(torch.bfloat16)
+    moe = MoE(cfg, layer_idx=1).to(device).to(torch.bfloat16)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.02)
+    return moe
+
+
+def moe_layer(rows: list, tokens=(4096, 16384, 65536), hidden=2048, latent=1024, width=768, roof=None) -> None:
+    moe = moe_block(hidden, latent, width)
     flops_per_token = 16 * 3 * 2 * latent * width
     for n in tokens:
         x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
