@@ -16,14 +16,12 @@ Writes $K3_BENCH_OUT/profile_decode.txt when set.
 from __future__ import annotations
 
 import argparse
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3.bench.common import copy_bandwidth, cuda_time
+from k3.bench.common import copy_bandwidth, cuda_time, write_profile
 from k3.bench.decode import fill_cache, peer_config, step_bytes
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
@@ -93,11 +91,7 @@ def main() -> None:
         lines += block
         del cache
         torch.cuda.empty_cache()
-    if os.environ.get("K3_BENCH_OUT"):
-        out = Path(os.environ["K3_BENCH_OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "profile_decode.txt").write_text("\n".join(lines).lstrip() + "\n")
-
+    write_profile("profile_decode", "\n".join(lines), echo=False)  # printed block by block above
 
 if __name__ == "__main__":
     main()

@@ -14,13 +14,12 @@ Writes $K3_BENCH_OUT/profile_kernels.txt when set.
 from __future__ import annotations
 
 import argparse
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from k3.bench.common import write_profile
 from k3.bench.kernels import kda_layers, moe_block
 from k3.ops import backend
 from k3.ops.moe import moe_experts
@@ -111,13 +110,7 @@ def main() -> None:
         roof = matmul_flops()
         lines.append(f"  roof {roof / 1e12:.0f} TFLOP/s: GEMM kernels at {flops / (gemm / 1e3) / roof:.1%}, whole "
                      f"call at {flops / (busy / 1e3) / roof:.1%}")
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("K3_BENCH_OUT"):
-        out = Path(os.environ["K3_BENCH_OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "profile_kernels.txt").write_text(text + "\n")
-
+    write_profile("profile_kernels", "\n".join(lines))
 
 if __name__ == "__main__":
     main()

@@ -12,13 +12,12 @@ faster kernels do not.
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from k3.bench.common import write_profile
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -104,13 +103,7 @@ def main() -> None:
                 ms = cuda_time(lambda: fn(group), warmup=1, iters=3) * 1e3
             numel = sum(p.numel() for p in group["params"])
             lines.append(f"  {group['kind']:<12} {len(group['params']):4d} tensors {numel / 1e6:8.1f}M  {ms:8.2f} ms")
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("K3_BENCH_OUT"):
-        out = Path(os.environ["K3_BENCH_OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "profile_train_step.txt").write_text(text + "\n")
-
+    write_profile("profile_train_step", "\n".join(lines))
 
 if __name__ == "__main__":
     main()

@@ -70,3 +70,13 @@ def write_results(name: str, rows: list[dict], columns: list[str], meta: dict, n
     (out / f"{name}.md").write_text(md)
     print(md, flush=True)
     return out
+
+
+def write_profile(name: str, text: str, echo: bool = True) -> None:
+    """A profile script's report: printed (unless ``echo`` is off), and $K3_BENCH_OUT/NAME.txt when that is set."""
+    if echo:
+        print(text, flush=True)
+    if os.environ.get("K3_BENCH_OUT"):
+        out = Path(os.environ["K3_BENCH_OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.txt").write_text(text.lstrip("\n") + "\n")
