@@ -9,7 +9,7 @@
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests train decode, 9.8 minutes at most, inside one call's 10; profile, attn_res,
-# profile_decode, kernels, tune_mla and profile_kernels on request)
+# train_ac, profile_decode, kernels, tune_mla and profile_kernels on request)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -28,6 +28,7 @@ step tests 240 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durati
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step train 260 python -m k3 bench model --cases train,peer
 step attn_res 240 python -m k3 bench model --cases attn_res
+step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 90 python -m k3 bench decode --quick
 step profile_decode 60 python benchmarks/profile_decode.py
 step kernels 150 python -m k3 bench kernels --quick

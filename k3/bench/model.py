@@ -1,5 +1,5 @@
 """Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
-peer's shapes; (c) AttnRes none / snapshot / full overhead in training and decode, peak memory; (f) one-GPU
+peer's shapes (and, case train_ac, with activation checkpointing: its time and peak memory); (c) AttnRes none / snapshot / full overhead in training and decode, peak memory; (f) one-GPU
 prefill of 128K and 1M tokens, hybrid vs a full-MLA twin (time, peak memory)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from k3.infer.graphs import GraphedDecoder
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
+from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train.optim import K3Muon, param_groups_for
 
 PEAK = 790e12  # measured bf16 matmul rate on this H200 class (spec)
@@ -79,7 +80,7 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     return t
 
 
-CASES = ("train", "peer", "attn_res", "prefill")
+CASES = ("train", "train_ac", "peer", "attn_res", "prefill")
 
 
 def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
@@ -98,14 +99,20 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
 
     batch, seq = (8, 4096)  # the peer's shapes
     t = None
-    if "train" in cases:  # (d) training step
+    for case in ("train", "train_ac"):  # (d) training step; with activation checkpointing: the memory it saves
+        if case not in cases:
+            continue
         model = K3ForCausalLM(get_preset("small-1b")).cuda()
+        if case == "train_ac":
+            apply_activation_checkpointing(model)
         torch.cuda.reset_peak_memory_stats()
-        t = train_step_time(model, batch, seq)
+        tc = train_step_time(model, batch, seq)
         n_act = activated_matmul_params(model)
-        tps = batch * seq / t
-        rows.append({"case": f"train small-1b B{batch} T{seq}", "ms": t * 1e3, "tokens_per_s": tps,
+        tps = batch * seq / tc
+        label = " activation checkpointing" if case == "train_ac" else ""
+        rows.append({"case": f"train small-1b B{batch} T{seq}{label}", "ms": tc * 1e3, "tokens_per_s": tps,
                      "mfu_6N": 6 * n_act * tps / PEAK, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+        t = tc if case == "train" else t
         save()
         del model
         torch.cuda.empty_cache()

@@ -65,6 +65,8 @@ def add_parser(sub) -> None:
                    help="quantisation-aware training of the routed experts: mxfp4 = MXFP4 weights + MXFP8 "
                         "activations (K3), mxfp4-weights = weights only")
     p.add_argument("--qat-scale-mode", choices=MX_MODES, default=d.qat_scale_mode, help="MX scale rule for --qat")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each mixer and FFN in the backward pass: less activation memory, ~1/3 more compute")
     p.add_argument("--eval-every", type=int, default=None, help=f"steps between evaluations (default {d.eval_every})")
     p.add_argument("--eval-rows", type=int, default=None,
                    help=f"validation rows (vision: questions) per evaluation (default {d.eval_rows})")

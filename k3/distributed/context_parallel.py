@@ -358,6 +358,21 @@ def apply_context_parallel(model, cp_group) -> None:
         attn.forward = types.MethodType(impl, attn)
 
 
+def recompute_context(model):
+    """A ``context_fn`` for activation checkpointing (k3.train.activation_checkpoint) of a CP-prepared model: a
+    sub-layer recomputed in the backward pass (which runs after :func:`cp_context` has exited) runs inside the CP
+    context its forward ran in."""
+    state = getattr(model, "_k3_cp", None)
+    if state is None:
+        raise ValueError("call apply_context_parallel(model, cp_group) before recompute_context")
+
+    def context_fn():
+        ctx = state.ctx
+        return contextlib.nullcontext(), cp_context(model, ctx) if ctx is not None else contextlib.nullcontext()
+
+    return context_fn
+
+
 @contextlib.contextmanager
 def cp_context(model, ctx: CPContext):
     """Within the block, forwards of ``model`` (prepared by :func:`apply_context_parallel`) treat their input as

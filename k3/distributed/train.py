@@ -31,7 +31,7 @@ import torch.distributed as dist
 from k3.config.hf import to_hf_config
 from k3.distributed.checkpoint import load as dcp_load
 from k3.distributed.checkpoint import save as dcp_save
-from k3.distributed.context_parallel import apply_context_parallel, cp_context, shard_batch
+from k3.distributed.context_parallel import apply_context_parallel, cp_context, recompute_context, shard_batch
 from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
@@ -83,6 +83,9 @@ class DistributedTrainer(Trainer):
         if self.dims.cp > 1:
             apply_context_parallel(model, self.meshes.cp.get_group())
         return apply_fsdp(model, self.meshes)
+
+    def recompute_context(self):
+        return recompute_context(self.model) if self.dims.cp > 1 else None
 
     def load_state(self, ckpt) -> dict:
         return dcp_load(ckpt, self.model, self.optimizer)

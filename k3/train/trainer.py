@@ -37,6 +37,7 @@ from k3.model.mla import MultiheadLatentAttention
 from k3.ops.segments import offsets_to, to_device
 from k3.quant.mx import MODES as MX_MODES
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
+from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train import plots
 from k3.train.checkpoint import STATE_FILE, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from k3.train.data import IGNORE_INDEX, PackedDataset, load_corpus
@@ -78,6 +79,7 @@ class TrainConfig:
     qk_clip: float | None = None  # tau for QK-Clip on MLA layers (K2 used 100); None = off
     qat: str | None = None  # k3.quant.qat.RECIPES key: fake-quantised routed experts (MXFP4 / MXFP8); None = off
     qat_scale_mode: str = "floor"  # MX scale rule for QAT: floor (OCP) or rceil
+    activation_checkpointing: bool = False  # recompute each mixer / FFN in the backward pass (less memory)
     eval_every: int = 20
     eval_rows: int = 32  # validation rows per evaluation (all if fewer)
     save_every: int = 0  # 0: only at the end
@@ -146,6 +148,8 @@ class Trainer:
             self._setup_text(ckpt)
         self.model_cfg = self.model.config
         self.model = self.parallelize(self.model)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(self.model, self.recompute_context())
         if cfg.qat:
             weights, acts = QAT_RECIPES[cfg.qat]
             enable_qat(self.model, weights, acts, cfg.qat_scale_mode)
@@ -190,6 +194,10 @@ class Trainer:
     def parallelize(self, model):
         """Applied to the built model before the optimiser is made (single process: nothing)."""
         return model
+
+    def recompute_context(self):
+        """The ``context_fn`` activation checkpointing recomputes under (single process: none)."""
+        return None
 
     def load_state(self, ckpt) -> dict:
         """Optimizer state loaded from ``ckpt``; returns the trainer state (step, data, rng)."""

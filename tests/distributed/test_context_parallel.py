@@ -21,10 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3.config import get_preset
-from k3.distributed.context_parallel import apply_context_parallel, cp_context, kda_context_parallel, shard_batch
+from k3.distributed.context_parallel import (apply_context_parallel, cp_context, kda_context_parallel,
+                                             recompute_context, shard_batch)
 from k3.model.decoder import K3ForCausalLM
 from k3.ops.kda import kda_gate, l2norm
 from k3.ops.kda.reference import recurrent_kda
+from k3.train.activation_checkpoint import apply_activation_checkpointing
 from tests.conftest import _perturb
 from tests.distributed.spawn import run
 
@@ -66,9 +68,11 @@ def reference(model, ids, labels, cu):
     return loss.detach(), grads
 
 
-def model_worker(rank, world, models, cases):
+def model_worker(rank, world, models, cases, ac=False):
     for model in models.values():
         apply_context_parallel(model, dist.group.WORLD)
+        if ac:  # recomputation in the backward pass, after cp_context has exited
+            apply_activation_checkpointing(model, recompute_context(model))
     errors = []
     for dtype, ids, labels, cu, ref_loss, ref_grads in cases:
         model = models[dtype]
@@ -101,20 +105,33 @@ def test_model_loss_and_grads_match_single_process(world, overrides):
     """fp64: exact up to fp64 rounding, every parameter. fp32: loss and the whole gradient within 1e-5 (a few
     parameters whose gradient is a cancelling sum over all tokens, e.g. A_log, differ by up to ~3e-5 in fp32,
     as much as the fp32 single-process gradient itself differs from fp64 - measured up to 4e-5)."""
+    check_model(world, overrides)
+
+
+def test_activation_checkpointing_under_context_parallelism():
+    """Sub-layers recomputed in the backward pass re-enter the CP context their forward ran in
+    (recompute_context; without it the recomputation runs unsharded and torch.utils.checkpoint raises): fp64 loss
+    and every gradient as one process without checkpointing, 2 ranks."""
+    check_model(2, {}, ac=True, dtypes=("fp64",))
+
+
+def check_model(world, overrides, ac=False, dtypes=("fp32", "fp64")):
     models = {"fp32": build_model(**overrides)}
     models["fp64"] = copy.deepcopy(models["fp32"]).double()
+    models = {k: m for k, m in models.items() if k in dtypes}
+    vocab = models[dtypes[0]].config.vocab_size
     cases = []
     gen = torch.Generator().manual_seed(1)
     for b, t, cu in BATCHES:
         if t % world:
             continue
-        ids = torch.randint(0, models["fp32"].config.vocab_size, (b, t), generator=gen)
-        labels = torch.randint(0, models["fp32"].config.vocab_size, (b, t), generator=gen)
+        ids = torch.randint(0, vocab, (b, t), generator=gen)
+        labels = torch.randint(0, vocab, (b, t), generator=gen)
         cu = torch.tensor(cu, dtype=torch.int64)
         for dtype, model in models.items():
             if dtype == "fp64" or b > 1:  # fp32: not on the 8-token batch (large, ill-conditioned gradients)
                 cases.append((dtype, ids, labels, cu, *reference(model, ids, labels, cu)))
-    for dtype, loss_err, worst_param, total in run(world, model_worker, models, cases)[0]:  # all-reduced: equal
+    for dtype, loss_err, worst_param, total in run(world, model_worker, models, cases, ac)[0]:  # all-reduced: equal
         print(f"world={world} {dtype}: loss {loss_err:.1e}, gradients {total:.1e} (worst parameter {worst_param:.1e})")
         if dtype == "fp64":
             assert loss_err <= 1e-10 and worst_param <= 1e-10

@@ -82,12 +82,17 @@ def compare(got, want, tol=1e-5):
         assert want[k].abs().max() > 0  # one QB update happened
 
 
-@pytest.mark.parametrize("world,dims", [(2, ParallelDims(dp=2)), (2, ParallelDims(dp=2, ep=2)),
-                                        (2, ParallelDims(dp=1, cp=2)), (4, ParallelDims(dp=2, ep=2, cp=2))],
-                         ids=["dp2", "ep2", "cp2", "dp2-ep2-cp2"])
-def test_one_step_equals_single_process(tmp_path, world, dims):
+@pytest.mark.parametrize("world,dims,ac", [(2, ParallelDims(dp=2), False), (2, ParallelDims(dp=2, ep=2), False),
+                                           (2, ParallelDims(dp=1, cp=2), False),
+                                           (4, ParallelDims(dp=2, ep=2, cp=2), False),
+                                           (4, ParallelDims(dp=2, ep=2, cp=2), True)],
+                         ids=["dp2", "ep2", "cp2", "dp2-ep2-cp2", "dp2-ep2-cp2-activation-checkpointing"])
+def test_one_step_equals_single_process(tmp_path, world, dims, ac):
+    """The last case recomputes every mixer and FFN in the backward pass (FSDP-sharded parameters, expert
+    all-to-alls and CP exchanges repeated) and is compared with the single process without recomputation."""
     want_loss, want = single(tmp_path, "single", dp=dims.dp)
-    losses = run(world, _rank_train, cfg(tmp_path / "dist", dp=1, batch_size=ROWS), dims, False)
+    losses = run(world, _rank_train, cfg(tmp_path / "dist", dp=1, batch_size=ROWS, activation_checkpointing=ac),
+                 dims, False)
     assert all(abs(loss[0] - want_loss[0]) <= 1e-6 * want_loss[0] for loss in losses), (losses, want_loss)
     compare(dist_weights(tmp_path / "dist"), want, tol=1e-4 if dims.cp > 1 else 1e-5)
 
