@@ -18,6 +18,7 @@ Expert-parallel all-to-alls run again in the recomputation (the same order on ev
 from __future__ import annotations
 
 import logging
+import types
 from typing import Callable
 
 import torch
@@ -28,19 +29,15 @@ log = logging.getLogger("k3.train")
 SUBLAYERS = ("self_attn", "mlp", "block_sparse_moe")
 
 
-def _checkpointed(module: nn.Module, context_fn: Callable | None, state_arg: int | None) -> None:
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        has_state = state_arg is not None and (kwargs.get("state") is not None
-                                               or (len(args) > state_arg and args[state_arg] is not None))
-        if not torch.is_grad_enabled() or has_state:
-            return inner(*args, **kwargs)
-        extra = {} if context_fn is None else {"context_fn": context_fn}
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
-
-    forward.k3_checkpointed = True
-    module.forward = forward
+def _checkpointed_forward(self, *args, **kwargs):
+    """The forward of a checkpointed sub-layer (bound to it, so copies of the model stay consistent)."""
+    inner, context_fn, state_arg = self._k3_checkpointed
+    has_state = state_arg is not None and (kwargs.get("state") is not None
+                                           or (len(args) > state_arg and args[state_arg] is not None))
+    if not torch.is_grad_enabled() or has_state:
+        return inner(*args, **kwargs)
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, context_fn: Callable | None = None) -> int:
@@ -50,9 +47,11 @@ def apply_activation_checkpointing(model: nn.Module, context_fn: Callable | None
     for layer in model.model.layers:
         for name in SUBLAYERS:
             module = getattr(layer, name, None)
-            if module is None or getattr(module.forward, "k3_checkpointed", False):
+            if module is None or hasattr(module, "_k3_checkpointed"):
                 continue
-            _checkpointed(module, context_fn, 2 if name == "self_attn" else None)  # mixers: (x, cu, state, ...)
+            state_arg = 2 if name == "self_attn" else None  # mixers: (x, cu_seqlens, state, seq_ids)
+            module._k3_checkpointed = (module.forward, context_fn, state_arg)
+            module.forward = types.MethodType(_checkpointed_forward, module)
             wrapped += 1
     log.info("activation checkpointing: %d sub-layers recomputed in the backward pass", wrapped)
     return wrapped

@@ -49,6 +49,9 @@ def test_same_loss_and_gradients_with_fewer_saved_bytes(mode, perturb):
         scale = g.norm() if g.norm() > 0 else 1
         assert ((grads[n] - g).norm() / scale).item() <= 1e-12, n
     assert nbytes <= 0.5 * ref_bytes, (nbytes, ref_bytes)
+    copied = copy.deepcopy(ckpt)  # a copy's sub-layers recompute (and put gradients on) its own parameters
+    loss, grads, _ = loss_grads_saved(copied, ids, cu)
+    assert grads.keys() == ref_grads.keys() and ((loss - ref_loss).abs() / ref_loss.abs()).item() <= 1e-12
 
 
 def test_no_grad_and_cached_passes_keep_the_plain_forward(monkeypatch):
