@@ -66,7 +66,8 @@ class ResidualStream:
 
     def queries(self) -> Tensor:
         """Every mix's folded query, key-norm weight * pseudo-query: [2 * layers + 1, d], computed once per pass
-        (three kernels, not one per mix)."""
+        (three kernels, not one per mix). It reads every layer's AttnRes parameters at the first mix: FSDP keeps
+        them in the root unit (k3.distributed.fsdp), unsharded for the whole forward."""
         if self._queries is None:
             norms = torch.stack([norm.weight for norm, _ in self.mixers])
             self._queries = norms * torch.stack([proj.weight[0] for _, proj in self.mixers])
