@@ -54,16 +54,35 @@ def _raise_recompile_limit() -> None:
 
 def fused(fn: Callable) -> Callable:
     """Register ``fn`` (first argument a tensor) as op ``fn.__name__`` with a compiled fast path on CUDA; return the
-    dispatcher, which carries the eager function as ``.reference``."""
+    dispatcher, which carries the eager function as ``.reference``.
+
+    If compiling fails (a dynamo / inductor error, e.g. under another torch version), the call is answered by the
+    reference and, when that succeeds (the inputs were fine), the op logs the error once and runs its reference
+    from then on; with ``K3_BACKEND=fast`` the error is raised instead."""
     name = fn.__name__
     compiled = None
+    failed: Exception | None = None
 
     def fast(*args, **kwargs):
-        nonlocal compiled
+        nonlocal compiled, failed
+        if failed is not None:
+            return fn(*args, **kwargs)
         if compiled is None:  # compile lazily: importing k3 must not import dynamo
             _raise_recompile_limit()
             compiled = torch.compile(fn, fullgraph=True)
-        return compiled(*args, **kwargs)
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            return compiled(*args, **kwargs)
+        except TorchDynamoException as e:
+            if backend.get_backend() == "fast":
+                raise
+            out = fn(*args, **kwargs)  # raises the plain error if the inputs are at fault
+            failed = e
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            backend.log.error("op %s: torch.compile failed (%s: %s); its reference runs from now on "
+                              "(K3_BACKEND=fast raises instead)", name, type(e).__name__, first)
+            return out
 
     backend.register(name, "reference", fn)
     backend.register(name, "fast", fast, compilable, label="torch.compile (inductor)")

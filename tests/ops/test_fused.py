@@ -69,8 +69,44 @@ def test_compiled_path_needs_cuda_triton_and_compile_enabled(monkeypatch):
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: True)
     cuda = torch.device("cuda")
     assert compilable(cuda)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # TORCH_COMPILE_DISABLE=1
-    assert not compilable(cuda)
+    with torch._dynamo.config.patch(disable=True):  # TORCH_COMPILE_DISABLE=1 (config.patch restores it cleanly)
+        assert not compilable(cuda)
     monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
     assert not compilable(cuda)
+
+
+def test_a_failed_compilation_answers_with_the_reference_and_says_so(monkeypatch, caplog):
+    """A compile error (here: a graph break under fullgraph=True, forced onto the CPU) is logged once and the
+    op's reference answers this call and the later ones; K3_BACKEND=fast raises it instead."""
+    import torch._dynamo
+
+    import k3.ops.fused as fused_module
+
+    monkeypatch.setattr(fused_module, "compilable", lambda device: True)
+
+    @fused_module.fused
+    def broken_compile_test_op(x):
+        torch._dynamo.graph_break()
+        return x * 3
+
+    x = torch.randn(4, 2)
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        assert torch.equal(broken_compile_test_op(x), x * 3)
+        assert torch.equal(broken_compile_test_op(x + 1), (x + 1) * 3)
+    assert "op broken_compile_test_op runs backend fast" in caplog.text
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "torch.compile failed" in errors[0].getMessage()
+
+    @fused_module.fused
+    def strict_compile_test_op(x):
+        torch._dynamo.graph_break()
+        return x * 3
+
+    before = backend.get_backend()
+    backend.set_backend("fast")
+    try:
+        with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+            strict_compile_test_op(x)
+    finally:
+        backend.set_backend(before)
+        torch._dynamo.reset()
