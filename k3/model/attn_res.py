@@ -26,10 +26,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k3.model.norm import RMSNorm
+from k3.model.norm import RMSNorm, rms_norm
 from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix, depth_weights
+from k3.ops.fused import fused
 
 TWO_PHASE_BYTES = 1 << 30  # phase 1 computes at most this many bytes of o [M, N, d] at once (at least one mix)
+
+
+@fused
+def attn_res_merge_norm(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float, weight: Tensor,
+                        norm_eps: float) -> Tensor:
+    """The phase-2 merge (k3.ops.attn_res.two_phase.attn_res_merge) followed by the sub-layer's pre-norm
+    (rms_norm with ``weight``, ``norm_eps``), compiled as one graph on CUDA so the norm is fused into the merge
+    rather than a pass of its own over h. [N, d] -> [N, d]."""
+    return rms_norm.reference(attn_res_merge.reference(o, lse, live, query, eps), weight, norm_eps)
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -77,8 +87,9 @@ class ResidualStream:
         fixed, live = self._fixed_and_live()
         return fixed + live
 
-    def input(self, layer: int, sublayer: str) -> Tensor:
-        """The input h of sub-layer ``sublayer`` ('attn' or 'mlp') of decoder layer ``layer``."""
+    def input(self, layer: int, sublayer: str, norm: RMSNorm | None = None) -> Tensor:
+        """The input h of sub-layer ``sublayer`` ('attn' or 'mlp') of decoder layer ``layer``, passed through the
+        sub-layer's pre-``norm`` when given (fused with the merge)."""
         if sublayer == "attn" and layer % self.block_size == 0:
             if self.mode == "snapshot":
                 self.bank.append(self.r)
@@ -89,8 +100,8 @@ class ResidualStream:
             end = 2 * min(layer + self.block_size, self.num_layers)
             self.block_end = end + 1 if end == 2 * self.num_layers else end  # the last block has the output mix
         if self.mode == "none":
-            return self.r
-        return self._mix(2 * layer + (sublayer == "mlp"), layer, sublayer)
+            return self.r if norm is None else norm(self.r)
+        return self._mix(2 * layer + (sublayer == "mlp"), layer, sublayer, norm)
 
     def _fixed_and_live(self) -> tuple[list[Tensor], list[Tensor]]:
         """The sources split into those fixed for the current block and the live ones (in source order)."""
@@ -102,23 +113,26 @@ class ResidualStream:
             return self.outputs[:self.block_start], self.outputs[self.block_start:]
         return [self.r], []
 
-    def _mix(self, j: int, layer: int, sublayer: str) -> Tensor:
-        """Mix number j (2 * layer + (sublayer == 'mlp'); the output mix is 2 * num_layers)."""
+    def _mix(self, j: int, layer: int, sublayer: str, norm: RMSNorm | None) -> Tensor:
+        """Mix number j (2 * layer + (sublayer == 'mlp'); the output mix is 2 * num_layers), then ``norm``."""
         fixed, live = self._fixed_and_live()
+        normed = (lambda h: h) if norm is None else norm
         if len(fixed) + len(live) == 1:
-            return (fixed + live)[0]
+            return normed((fixed + live)[0])
         q, eps = self.queries()[j], self.mixers[j][0].eps
         if self.records is not None:
             with torch.no_grad():
                 w = depth_weights(fixed + live, q, eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
-            return depth_mix(fixed + live, q, eps)
+            return normed(depth_mix(fixed + live, q, eps))
         if self.phase1 is None or j >= self.phase1[0] + self.phase1[1].shape[0]:
             self._phase1(j, fixed)
         first, o, lse = self.phase1
         if not live:
-            return o[j - first]
-        return attn_res_merge(o[j - first], lse[j - first], live, q, eps)
+            return normed(o[j - first])
+        if norm is None:
+            return attn_res_merge(o[j - first], lse[j - first], live, q, eps)
+        return attn_res_merge_norm(o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps)
 
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
         """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""
@@ -136,8 +150,8 @@ class ResidualStream:
         else:
             self.outputs.append(out)
 
-    def output(self) -> Tensor:
-        """The final hidden state before the final norm."""
+    def output(self, norm: RMSNorm | None = None) -> Tensor:
+        """The final hidden state, through the final ``norm`` when given."""
         if self.mode == "none":
-            return self.r
-        return self._mix(2 * self.num_layers, -1, "output")
+            return self.r if norm is None else norm(self.r)
+        return self._mix(2 * self.num_layers, -1, "output", norm)

@@ -2,7 +2,8 @@
 
 One decoder layer:   h = AttnRes_in(layer, 'attn');  out = mixer(input_layernorm(h));  record(out)
                      h = AttnRes_in(layer, 'mlp');   out = ffn(post_attention_layernorm(h));  record(out)
-With ``attn_res.mode == 'none'`` this is the usual pre-norm residual block (Kimi Linear, K2).
+With ``attn_res.mode == 'none'`` this is the usual pre-norm residual block (Kimi Linear, K2). The residual
+stream applies each pre-norm (and the final norm) itself, fused with the depth mix that precedes it.
 
 Inputs are packed: ``input_ids`` [B, T] is flattened to B*T tokens and ``cu_seqlens`` (FlashAttention
 convention, over the flattened tokens) marks sequence boundaries; without it every row is one sequence.
@@ -62,16 +63,14 @@ class DecoderLayer(nn.Module):
     def forward(self, stream: ResidualStream, cu_seqlens: Tensor | None, state=None, seq_ids=None,
                 positions: Tensor | None = None) -> RouterStats | None:
         """With ``positions`` (decode: one token per sequence, cu_seqlens unused) the mixer runs its step form."""
-        h = stream.input(self.layer_idx, "attn")
-        x = self.input_layernorm(h)
+        x = stream.input(self.layer_idx, "attn", self.input_layernorm)
         if positions is None:
             stream.add(self.self_attn(x, cu_seqlens, state, seq_ids))
         elif self.mixer == "kda":
             stream.add(self.self_attn.step(x, state, seq_ids))
         else:
             stream.add(self.self_attn.step(x, state, seq_ids, positions))
-        h = stream.input(self.layer_idx, "mlp")
-        h = self.post_attention_layernorm(h)
+        h = stream.input(self.layer_idx, "mlp", self.post_attention_layernorm)
         if hasattr(self, "mlp"):
             stream.add(self.mlp(h))
             return None
@@ -112,8 +111,7 @@ class K3Model(nn.Module):
             s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids, positions)
             if s is not None:
                 stats.append(s)
-        h = stream.output()
-        return self.norm(h), stats, stream.records
+        return stream.output(self.norm), stats, stream.records
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> None:

@@ -373,3 +373,33 @@ def test_compiled_two_phase_attn_res_matches_reference(dtype):
                 gb = b.grad[2] if b is ref_q else b.grad
                 ga = a.grad[2] if a is queries else a.grad
                 assert rel(ga, gb) <= tol, (n, n_fixed, n_live, i, rel(ga, gb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_merge_with_pre_norm_matches_reference(dtype):
+    """The merge fused with the sub-layer's RMSNorm (k3.model.attn_res.attn_res_merge_norm), compiled, against
+    rms_norm(reference depth mix) on fp64 copies: output and gradients of sources, query and norm weight.
+    Tolerances as the two-phase test's."""
+    from k3.model.attn_res import attn_res_merge_norm
+    from k3.model.norm import rms_norm
+    from k3.ops import backend
+    from k3.ops.attn_res import attn_res_phase1, depth_mix
+
+    assert backend.resolve("attn_res_merge_norm", torch.device(DEV))[0] == "fast"
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    g = torch.Generator(device=DEV).manual_seed(10)
+    src = [(torch.randn(1000, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_()
+           for i in range(3)]
+    queries = torch.randn(2, 256, device=DEV, generator=g).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(256, device=DEV, generator=g)).requires_grad_()
+    leaves = src + [queries, weight]
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    o, lse = attn_res_phase1(queries, src[:2], 1e-6)
+    out = attn_res_merge_norm(o[1], lse[1], src[2:], queries[1], 1e-6, weight, 1e-5)
+    ref = rms_norm.reference(depth_mix(refs[:3], refs[3][1], 1e-6), refs[4], 1e-5)
+    w = torch.randn_like(ref)
+    (out.double() * w).sum().backward()
+    (ref * w).sum().backward()
+    assert rel(out, ref) <= tol, rel(out, ref)
+    for i, (a, b) in enumerate(zip(leaves, refs)):
+        assert rel(a.grad, b.grad) <= tol, (i, rel(a.grad, b.grad))
