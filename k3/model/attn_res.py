@@ -19,6 +19,8 @@ the block: the bank (snapshot, block_sum) or the outputs before the block (full)
 sources (r; the partial sum; the block's own outputs) by online softmax. Phase 1 materialises o [M, N, d] for M
 mixes; it covers as many of the block's mixes at once as fit in TWO_PHASE_BYTES (at least one), so long passes
 (1M-token prefill) do it mix by mix. Recording the depth weights (audit) mixes with the reference instead.
+The stream also applies the sub-layer's pre-norm (and the final norm) to the mix, compiled together with the
+merge (``attn_res_merge_norm``).
 """
 
 from __future__ import annotations
