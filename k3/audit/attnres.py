@@ -36,7 +36,7 @@ def source_counts(config: K3Config, mode: str | None = None) -> dict:
         for i in range(config.num_hidden_layers):
             crossing.append(len(stream.sources()))
             for sub in ("attn", "mlp"):
-                stream.input(i, sub)
+                stream.input(i, sub, norm)
                 mixes.append((i, sub, len(stream.sources())))
                 stream.add(one)
         if mode != "none":

@@ -1,6 +1,7 @@
 """Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
-peer's shapes (and, case train_ac, with activation checkpointing: its time and peak memory); (c) AttnRes none / snapshot / full overhead in training and decode, peak memory; (f) one-GPU
-prefill of 128K and 1M tokens, hybrid vs a full-MLA twin (time, peak memory)."""
+peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory); (c) AttnRes
+none / snapshot / full overhead in training and decode, peak memory; (f) one-GPU prefill of 128K and 1M tokens,
+hybrid vs a full-MLA twin (time, peak memory)."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ from k3.ops.dtypes import upcast
 from k3.ops.kda import chunk_kda
 from k3.ops.segments import attach_host, host_list
 
-__all__ = ["CPContext", "shard_batch", "apply_context_parallel", "cp_context", "kda_context_parallel"]
+__all__ = ["CPContext", "shard_batch", "apply_context_parallel", "cp_context", "kda_context_parallel",
+           "recompute_context"]
 
 
 @dataclass

@@ -89,9 +89,9 @@ class ResidualStream:
         fixed, live = self._fixed_and_live()
         return fixed + live
 
-    def input(self, layer: int, sublayer: str, norm: RMSNorm | None = None) -> Tensor:
-        """The input h of sub-layer ``sublayer`` ('attn' or 'mlp') of decoder layer ``layer``, passed through the
-        sub-layer's pre-``norm`` when given (fused with the merge)."""
+    def input(self, layer: int, sublayer: str, norm: RMSNorm) -> Tensor:
+        """The input of sub-layer ``sublayer`` ('attn' or 'mlp') of decoder layer ``layer``: its depth mix h
+        through the sub-layer's pre-``norm`` (compiled together with the merge)."""
         if sublayer == "attn" and layer % self.block_size == 0:
             if self.mode == "snapshot":
                 self.bank.append(self.r)
@@ -102,7 +102,7 @@ class ResidualStream:
             end = 2 * min(layer + self.block_size, self.num_layers)
             self.block_end = end + 1 if end == 2 * self.num_layers else end  # the last block has the output mix
         if self.mode == "none":
-            return self.r if norm is None else norm(self.r)
+            return norm(self.r)
         return self._mix(2 * layer + (sublayer == "mlp"), layer, sublayer, norm)
 
     def _fixed_and_live(self) -> tuple[list[Tensor], list[Tensor]]:
@@ -115,25 +115,22 @@ class ResidualStream:
             return self.outputs[:self.block_start], self.outputs[self.block_start:]
         return [self.r], []
 
-    def _mix(self, j: int, layer: int, sublayer: str, norm: RMSNorm | None) -> Tensor:
+    def _mix(self, j: int, layer: int, sublayer: str, norm: RMSNorm) -> Tensor:
         """Mix number j (2 * layer + (sublayer == 'mlp'); the output mix is 2 * num_layers), then ``norm``."""
         fixed, live = self._fixed_and_live()
-        normed = (lambda h: h) if norm is None else norm
         if len(fixed) + len(live) == 1:
-            return normed((fixed + live)[0])
+            return norm((fixed + live)[0])
         q, eps = self.queries()[j], self.mixers[j][0].eps
         if self.records is not None:
             with torch.no_grad():
                 w = depth_weights(fixed + live, q, eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
-            return normed(depth_mix(fixed + live, q, eps))
+            return norm(depth_mix(fixed + live, q, eps))
         if self.phase1 is None or j >= self.phase1[0] + self.phase1[1].shape[0]:
             self._phase1(j, fixed)
         first, o, lse = self.phase1
         if not live:
-            return normed(o[j - first])
-        if norm is None:
-            return attn_res_merge(o[j - first], lse[j - first], live, q, eps)
+            return norm(o[j - first])
         return attn_res_merge_norm(o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps)
 
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
@@ -152,8 +149,8 @@ class ResidualStream:
         else:
             self.outputs.append(out)
 
-    def output(self, norm: RMSNorm | None = None) -> Tensor:
-        """The final hidden state, through the final ``norm`` when given."""
+    def output(self, norm: RMSNorm) -> Tensor:
+        """The final hidden state through the final ``norm``."""
         if self.mode == "none":
-            return self.r if norm is None else norm(self.r)
+            return norm(self.r)
         return self._mix(2 * self.num_layers, -1, "output", norm)

@@ -67,19 +67,28 @@ class MultiheadLatentAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
         return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe
 
+    def absorbed_query(self, q_nope: Tensor, q_pe: Tensor) -> Tensor:
+        """q_nope [N, H, dn] folded through kv_b_proj's key half into the latent space, q_pe appended:
+        [N, H, r + dr], a query against the cache rows [c_kv, k_pe] themselves."""
+        w_k = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)[:, :self.dn]
+        return torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_k), q_pe], dim=-1)
+
+    def absorbed_output(self, o_lat: Tensor) -> Tensor:
+        """Latent attention output [N, H, r] through kv_b_proj's value half -> [N, H, dv]."""
+        w_v = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)[:, self.dn:]
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_v)
+
     def attend(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                absorb: bool) -> Tensor:
         """Attention of the queries over key rows [M, r + dr] (latent c_kv and rotated k_pe; segment s of the
         queries sees its key segment, queries last): absorbed (one shared latent head) or with keys and values
         expanded through kv_b_proj. -> o [N, H, dv]."""
         h = self.num_heads
-        w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
         if absorb:
-            q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
             keys = rows.unsqueeze(1)  # [M, 1, r + dr]
-            o_lat = attention(q_abs, keys, keys[..., :self.r], scale=self.scale, cu_seqlens_q=cu_seqlens_q,
-                              cu_seqlens_k=cu_seqlens_k)
-            return torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
+            o_lat = attention(self.absorbed_query(q_nope, q_pe), keys, keys[..., :self.r], scale=self.scale,
+                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            return self.absorbed_output(o_lat)
         c_all, pe_all = rows.split([self.r, self.dr], dim=-1)
         k_nope, v = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv).split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
@@ -112,13 +121,12 @@ class MultiheadLatentAttention(nn.Module):
         if state is None:
             o = self.attend(q_nope, q_pe, rows, cu_seqlens, cu_seqlens, absorb)
         elif absorb:  # straight over the latent cache
-            w_kvb = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)
-            q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
             host_lens = [state.lengths[i] for i in ids]
             key_lens = attach_host(torch.tensor(host_lens).to(x.device, non_blocking=True), host_lens)
-            o_lat = latent_attention(q_abs, state.kv, seq_ids=seq_ids, lengths=key_lens, cu_seqlens_q=cu_seqlens,
-                                     scale=self.scale, v_dim=self.r, max_length=max(host_lens))
-            o = torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:])
+            o_lat = latent_attention(self.absorbed_query(q_nope, q_pe), state.kv, seq_ids=seq_ids, lengths=key_lens,
+                                     cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r,
+                                     max_length=max(host_lens))
+            o = self.absorbed_output(o_lat)
         else:
             offsets = [0]
             for i in ids:
@@ -132,21 +140,16 @@ class MultiheadLatentAttention(nn.Module):
         """Decode, absorbed: x [N, d], one new token for each cached sequence ``slots[i]`` whose row goes to
         ``positions[i]`` (its current length) -> [N, d]. The rows fit the cache's capacity (the caller reserves
         it); nothing is read back to the host (CUDA-graph safe). The caller advances the host lengths."""
-        n, h = x.shape[0], self.num_heads
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(n, h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
+        n = x.shape[0]
+        q_nope, q_pe, c_kv, k_pe = self.project(x)
         if self.rope_theta is not None:
             q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
             k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
         state.kv[slots, positions] = torch.cat([c_kv, k_pe], dim=-1).to(state.kv.dtype)
-        w_kvb = self.kv_b_proj.weight.view(h, self.dn + self.dv, self.r)
-        q_abs = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_kvb[:, :self.dn]), q_pe], dim=-1)
         cu_q = attach_host(torch.arange(n + 1, device=x.device), list(range(n + 1)))
-        o_lat = latent_attention(q_abs, state.kv, seq_ids=slots, lengths=positions + 1, cu_seqlens_q=cu_q,
-                                 scale=self.scale, v_dim=self.r, max_length=state.kv.shape[1])
-        return self._output(x, torch.einsum("nhr,hvr->nhv", o_lat, w_kvb[:, self.dn:]))
+        o_lat = latent_attention(self.absorbed_query(q_nope, q_pe), state.kv, seq_ids=slots, lengths=positions + 1,
+                                 cu_seqlens_q=cu_q, scale=self.scale, v_dim=self.r, max_length=state.kv.shape[1])
+        return self._output(x, self.absorbed_output(o_lat))
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:
         """Output gate (when configured) and o_proj: o [N, H, dv] -> [N, d]."""

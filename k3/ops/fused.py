@@ -61,24 +61,25 @@ def fused(fn: Callable) -> Callable:
     from then on; with ``K3_BACKEND=fast`` the error is raised instead."""
     name = fn.__name__
     compiled = None
-    failed: Exception | None = None
+    compile_error: type[Exception] = Exception  # dynamo's base class, once imported
+    failed = False  # a flag, not the exception: its traceback would keep the failing call's tensors alive
 
     def fast(*args, **kwargs):
-        nonlocal compiled, failed
-        if failed is not None:
+        nonlocal compiled, compile_error, failed
+        if failed:
             return fn(*args, **kwargs)
         if compiled is None:  # compile lazily: importing k3 must not import dynamo
-            _raise_recompile_limit()
-            compiled = torch.compile(fn, fullgraph=True)
-        from torch._dynamo.exc import TorchDynamoException
+            from torch._dynamo.exc import TorchDynamoException
 
+            _raise_recompile_limit()
+            compiled, compile_error = torch.compile(fn, fullgraph=True), TorchDynamoException
         try:
             return compiled(*args, **kwargs)
-        except TorchDynamoException as e:
+        except compile_error as e:
             if backend.get_backend() == "fast":
                 raise
             out = fn(*args, **kwargs)  # raises the plain error if the inputs are at fault
-            failed = e
+            failed = True
             first = (str(e).strip().splitlines() or [""])[0][:300]
             backend.log.error("op %s: torch.compile failed (%s: %s); its reference runs from now on "
                               "(K3_BACKEND=fast raises instead)", name, type(e).__name__, first)
