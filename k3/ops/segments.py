@@ -51,6 +51,14 @@ def derived(cu_seqlens: torch.Tensor, key, build):
     return cache[1][key]
 
 
+def host_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` as a CPU int64 tensor, one object per offsets (see :func:`derived`). fla caches what it
+    derives from its arguments by their identity (``tensor_cache``), so with the same objects every layer of a
+    forward reuses the chunk indices it built (and copied to the device) for the first; passed as fla's
+    ``cu_seqlens_cpu``, it also spares fla reading the offsets back from the device (a host sync)."""
+    return derived(cu_seqlens, "host_offsets", lambda: torch.tensor(host_list(cu_seqlens), dtype=torch.int64))
+
+
 def segment_lengths(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """Validate ``cu_seqlens`` ([N+1], 0 = c_0 < ... < c_N = T) and return the N lengths."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():

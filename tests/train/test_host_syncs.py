@@ -9,7 +9,7 @@ import torch
 import k3.train.trainer as trainer_module
 from k3.config import get_preset
 from k3.model.mla import MultiheadLatentAttention
-from k3.ops.kda.fla import _host_tensor
+from k3.ops.segments import host_offsets
 from k3.ops.segments import attach_host, host_list, offsets_to
 from k3.train.optim import mla_max_logits, qk_clip_
 from k3.train.trainer import Trainer, to_host
@@ -68,10 +68,10 @@ def test_fla_host_tensor_is_reused_per_host_copy():
     """fla keys its derived chunk indices on the identity of cu_seqlens_cpu: one object per offsets (new offsets,
     a new object)."""
     cu = attach_host(torch.tensor([0, 5, 9]))
-    first = _host_tensor(cu)
-    assert _host_tensor(cu) is first and first.tolist() == [0, 5, 9]
+    first = host_offsets(cu)
+    assert host_offsets(cu) is first and first.tolist() == [0, 5, 9]
     attach_host(cu, [0, 4, 9])  # a new host copy: a new CPU tensor
-    assert _host_tensor(cu) is not first and _host_tensor(cu).tolist() == [0, 4, 9]
+    assert host_offsets(cu) is not first and host_offsets(cu).tolist() == [0, 4, 9]
 
 
 def test_qk_clip_below_tau_leaves_weights_bit_identical():

@@ -1,0 +1,38 @@
+"""The short causal conv on the GPU through fla-core's Triton kernel (``pip install k3[gpu]``): one fused kernel
+for the convolution and the SiLU, forward and backward, over the packed segments (``cu_seqlens``), computing in
+fp32 and storing in x's dtype, like the reference.
+
+fla keeps W columns of history per sequence ([N, C, W], the newest last) where the reference keeps W-1; the
+kernel never reads the oldest column (the outputs need W-1 past inputs), so the reference's initial state
+enters with a zero column in front and the final state leaves without its first column.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from k3.ops.conv.reference import check_arguments
+from k3.ops.segments import host_offsets
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
+                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                  activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See :func:`k3.ops.conv.reference.causal_conv1d` (x [B, T, C], weight [C, W] -> y [B, T, C], state)."""
+    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+
+    check_arguments(x, weight, initial_state, cu_seqlens, activation)
+    state = None
+    if initial_state is not None:
+        state = torch.nn.functional.pad(initial_state.to(x.dtype), (1, 0)).contiguous()  # [N, C, W]
+    cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    y, final = fla_causal_conv1d(x.contiguous(), weight, initial_state=state, output_final_state=output_final_state,
+                                 activation=activation, backend="triton", cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_cpu)
+    return y, None if final is None else final[..., 1:]
