@@ -24,7 +24,7 @@ from k3.config import K3Config
 from k3.model.cache import KDAState
 from k3.model.norm import GatedRMSNorm
 from k3.ops.conv import causal_conv1d, causal_conv1d_step
-from k3.ops.kda import chunk_kda, kda_decode_step, kda_gate, l2norm, recurrent_kda
+from k3.ops.kda import chunk_kda_raw, kda_decode_step, kda_gate, l2norm, recurrent_kda
 from k3.ops.dtypes import upcast
 
 
@@ -72,16 +72,21 @@ class KimiDeltaAttention(nn.Module):
         """x [N, d] -> the q, k, v projections before the short convs ([N, H*dk], [N, H*dk], [N, H*dv])."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def recurrence_inputs(self, x: Tensor, qkv: list[Tensor]) -> tuple[Tensor, ...]:
-        """The convolved q, k, v ([1, N, C] each) and x [N, d] -> q, k (L2-normed), v [1, N, H, d*], the
-        forget gate g [1, N, H, dk] (log space) and beta [1, N, H] (fp32)."""
+    def raw_inputs(self, x: Tensor, qkv: list[Tensor]) -> tuple[Tensor, ...]:
+        """The convolved q, k, v ([1, N, C] each) and x [N, d] -> q, k (before their L2 norms), v [1, N, H, d*],
+        the raw forget projection f [1, N, H, dk] and beta logits b [1, N, H]."""
         n, h, dk = x.shape[0], self.num_heads, self.head_dim
-        q = l2norm(qkv[0].view(1, n, h, dk), self.l2norm_eps)
-        k = l2norm(qkv[1].view(1, n, h, dk), self.l2norm_eps)
-        v = qkv[2].view(1, n, h, self.v_head_dim)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(1, n, h, dk), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(upcast(self.b_proj(x))).view(1, n, h)
-        return q, k, v, g, beta
+        q, k = (t.view(1, n, h, dk) for t in qkv[:2])
+        f = self.f_b_proj(self.f_a_proj(x)).view(1, n, h, dk)
+        return q, k, qkv[2].view(1, n, h, self.v_head_dim), f, self.b_proj(x).view(1, n, h)
+
+    def recurrence_inputs(self, x: Tensor, qkv: list[Tensor]) -> tuple[Tensor, ...]:
+        """As :meth:`raw_inputs`, with q, k L2-normed, the forget gate g [1, N, H, dk] (log space) in place of f
+        and beta [1, N, H] (fp32) in place of b."""
+        q, k, v, f, b = self.raw_inputs(x, qkv)
+        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(upcast(b))
+        return l2norm(q, self.l2norm_eps), l2norm(k, self.l2norm_eps), v, g, beta
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, state: KDAState | None = None,
                 seq_ids: Tensor | None = None) -> Tensor:
@@ -99,7 +104,6 @@ class KimiDeltaAttention(nn.Module):
             if state is not None:
                 state.conv[i].index_copy_(0, seq_ids, conv_state.to(state.conv[i].dtype))
             qkv.append(y)
-        q, k, v, g, beta = self.recurrence_inputs(x, qkv)
 
         segments = cu_seqlens.numel() - 1
         mode = self.mode
@@ -107,10 +111,12 @@ class KimiDeltaAttention(nn.Module):
             mode = "recurrent" if n == segments else "chunk"  # one new token per sequence: decode
         kwargs = dict(initial_state=None if state is None else state.recurrent[seq_ids],
                       output_final_state=state is not None, cu_seqlens=cu_seqlens)
-        if mode == "chunk":
-            o, final = chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, **kwargs)
+        if mode == "chunk":  # the norms, gate and sigmoid inside the op (fused into fla's kernels)
+            o, final = chunk_kda_raw(*self.raw_inputs(x, qkv), A_log=self.A_log, dt_bias=self.dt_bias,
+                                     lower_bound=self.lower_bound, l2norm_eps=self.l2norm_eps,
+                                     chunk_size=self.chunk_size, **kwargs)
         elif mode == "recurrent":
-            o, final = recurrent_kda(q, k, v, g, beta, **kwargs)
+            o, final = recurrent_kda(*self.recurrence_inputs(x, qkv), **kwargs)
         else:
             raise ValueError(f"KDA mode={mode!r} must be 'auto', 'chunk' or 'recurrent'")
         if state is not None:

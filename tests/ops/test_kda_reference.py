@@ -290,3 +290,37 @@ def test_decode_step_updates_the_pool_in_place(lower_bound):
     check("decode step states", pool[slots], final, 1e-6)
     untouched = torch.tensor([1, 2])
     assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_kda_raw_equals_the_truth_on_normalised_inputs(lower_bound):
+    """chunk_kda_raw from raw projections (two segments, initial states) == the fp64 truth per segment on
+    L2-normalised q/k (eps 1e-12, the same as F.normalize's to 1e-13), the gate and sigmoid(b); its gradients reach A_log and dt_bias (gradcheck)."""
+    from k3.ops.kda.reference import chunk_kda_raw
+
+    gen = torch.Generator().manual_seed(11)
+    T, H, K, V, cut = 13, 2, 4, 3, 6
+    q, k, f = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    v, b = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64), torch.randn(1, T, H, generator=gen,
+                                                                                      dtype=torch.float64)
+    A_log = (torch.randn(H, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+    dt_bias = torch.randn(H * K, generator=gen, dtype=torch.float64).requires_grad_()
+    s0 = torch.randn(2, H, K, V, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, cut, T])
+    o, s = chunk_kda_raw(q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_eps=1e-12,
+                         initial_state=s0,
+                         output_final_state=True, cu_seqlens=cu, chunk_size=4)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    for i, (a, e) in enumerate(((0, cut), (cut, T))):
+        o_ref, s_ref = truth_kda(F.normalize(q[:, a:e], dim=-1), F.normalize(k[:, a:e], dim=-1), v[:, a:e],
+                                 g[:, a:e], torch.sigmoid(b[:, a:e]), initial_state=s0[i:i + 1])
+        check(f"raw chunk output, segment {i}", o[:, a:e], o_ref, 1e-10)
+        check(f"raw chunk state, segment {i}", s[i:i + 1], s_ref, 1e-10)
+
+    def fn(A, dt, ff, bb):
+        o, s = chunk_kda_raw(q, k, v, ff, bb, A_log=A, dt_bias=dt, lower_bound=lower_bound, l2norm_eps=1e-12,
+                             initial_state=s0,
+                             output_final_state=True, cu_seqlens=cu, chunk_size=4)
+        return o, s
+
+    assert torch.autograd.gradcheck(fn, (A_log, dt_bias, f.requires_grad_(), b.requires_grad_()))

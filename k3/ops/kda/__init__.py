@@ -1,12 +1,14 @@
 """Kimi Delta Attention ops, fla-compatible signatures (time-major [B, T, H, K]; cu_seqlens needs B == 1).
 
-``chunk_kda`` (training / prefill) and ``recurrent_kda`` (decode) return ``(o, final_state)``;
+``chunk_kda`` (training / prefill; ``chunk_kda_raw`` takes the layer's raw projections instead) and
+``recurrent_kda`` (decode) return ``(o, final_state)``;
 ``kda_gate`` turns the raw forget projection into the log-space decay g; ``kda_decode_step`` runs one decode
 token per sequence from the raw projections, updating a state pool in place (CUDA-graph safe).
 """
 
 from k3.ops import backend
 from k3.ops.kda.reference import chunk_kda as chunk_kda_reference
+from k3.ops.kda.reference import chunk_kda_raw as chunk_kda_raw_reference
 from k3.ops.kda.reference import kda_decode_step as kda_decode_step_reference
 from k3.ops.fused import fused
 from k3.ops.kda.reference import kda_gate as kda_gate_reference
@@ -21,6 +23,8 @@ backend.register("chunk_kda", "reference", chunk_kda_reference)
 backend.register("recurrent_kda", "reference", recurrent_kda_reference)
 backend.register("chunk_kda", "fast", _fla.chunk_kda, _fla.available)
 backend.register("recurrent_kda", "fast", _fla.recurrent_kda, _fla.available)
+backend.register("chunk_kda_raw", "reference", chunk_kda_raw_reference)
+backend.register("chunk_kda_raw", "fast", _fla.chunk_kda_raw, _fla.available)
 backend.register("kda_decode_step", "reference", kda_decode_step_reference)
 backend.register("kda_decode_step", "fast", _fla.kda_decode_step, _fla.available)
 
@@ -29,6 +33,14 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
               chunk_size=64):
     """See :func:`k3.ops.kda.reference.chunk_kda`."""
     return backend.dispatch("chunk_kda", q.device, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+
+
+def chunk_kda_raw(q, k, v, f, b, *, A_log, dt_bias, lower_bound, l2norm_eps=1e-6, scale=None, initial_state=None,
+                  output_final_state=False, cu_seqlens=None, chunk_size=64):
+    """See :func:`k3.ops.kda.reference.chunk_kda_raw`."""
+    return backend.dispatch("chunk_kda_raw", q.device, q, k, v, f, b, A_log=A_log, dt_bias=dt_bias,
+                            lower_bound=lower_bound, l2norm_eps=l2norm_eps, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
@@ -44,4 +56,4 @@ def kda_decode_step(q, k, v, f, b, *, A_log, dt_bias, lower_bound, state, slots,
                             lower_bound=lower_bound, state=state, slots=slots, l2norm_eps=l2norm_eps, scale=scale)
 
 
-__all__ = ["chunk_kda", "recurrent_kda", "kda_decode_step", "kda_gate", "l2norm"]
+__all__ = ["chunk_kda", "chunk_kda_raw", "recurrent_kda", "kda_decode_step", "kda_gate", "l2norm"]

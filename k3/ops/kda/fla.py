@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from k3.ops.segments import derived, host_list
+from k3.ops.segments import host_offsets
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
@@ -30,13 +30,6 @@ def _inputs(q, k, v, g, beta, initial_state):
     return q.to(dtype), k.to(dtype), v, g.float(), beta.to(dtype), state
 
 
-def _host_tensor(cu_seqlens: Tensor) -> Tensor:
-    """cu_seqlens as a CPU int64 tensor, one object per offsets. fla caches what it derives from its arguments by
-    their identity (``tensor_cache``), so with the same objects every layer of a forward reuses the chunk indices
-    it built (and copied to the device, a host sync) for the first."""
-    return derived(cu_seqlens, "fla_cpu", lambda: torch.tensor(host_list(cu_seqlens), dtype=torch.int64))
-
-
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
               initial_state: Tensor | None = None, output_final_state: bool = False,
               cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
@@ -44,10 +37,38 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
-    cu_cpu = None if cu_seqlens is None else _host_tensor(cu_seqlens)
+    cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
     return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu,
                          chunk_size=chunk_size if chunk_size in (32, 64) else 64)
+
+
+def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
+                  lower_bound: float | None, l2norm_eps: float = 1e-6, scale: float | None = None,
+                  initial_state: Tensor | None = None, output_final_state: bool = False,
+                  cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
+    """Same contract as :func:`k3.ops.kda.reference.chunk_kda_raw`, the way fla's own KDA layer calls its kernels:
+    the L2 norms (when eps is the kernel's 1e-6), the gate (fused with its chunk cumsum; gradients for A_log and
+    dt_bias included) and beta's sigmoid inside fla's autograd function; with K3's bounded gate, fla's
+    ``safe_gate`` path (16-row tensor-core blocks for gates in [lower_bound, 0)); the state in fla's V-first
+    layout ([N, H, V, K], transposed here on the way in and out)."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from k3.ops.kda import l2norm
+
+    dtype = v.dtype
+    fused_norm = l2norm_eps == 1e-6  # the kernel's own epsilon
+    if not fused_norm:
+        q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
+    state = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
+    cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    o, final = fla_chunk_kda(q.to(dtype), k.to(dtype), v, f, b.to(dtype), A_log=A_log, dt_bias=dt_bias,
+                             scale=scale, initial_state=state, output_final_state=output_final_state,
+                             use_qk_l2norm_in_kernel=fused_norm, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                             lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu_seqlens,
+                             cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size if chunk_size in (32, 64) else 64)
+    return o, None if final is None else final.transpose(-1, -2)
 
 
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,

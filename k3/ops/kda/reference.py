@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 
-__all__ = ["kda_gate", "l2norm", "recurrent_kda", "chunk_kda", "kda_decode_step"]
+__all__ = ["kda_gate", "l2norm", "recurrent_kda", "chunk_kda", "chunk_kda_raw", "kda_decode_step"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,6 +182,41 @@ def kda_decode_step(
                              beta[:, None], scale=scale, initial_state=state[slots], output_final_state=True)
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[:, 0]
+
+
+def chunk_kda_raw(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    l2norm_eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_kda` from the raw projections, as a KDA layer has them (training / prefill): the L2 norms,
+    the gate and beta's sigmoid are part of the op, so a fast path can fuse them into its kernels.
+
+    Args:
+        q, k: [B, T, H, K] before L2 normalisation; v: [B, T, H, V].
+        f: [B, T, H, K] raw forget projection (see :func:`kda_gate`); b: [B, T, H] raw beta logits.
+        The rest as in :func:`kda_gate`, :func:`l2norm` and :func:`chunk_kda`.
+
+    Returns:
+        As :func:`chunk_kda`; differentiable in every tensor argument, A_log and dt_bias included.
+    """
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
+    return chunk_kda(l2norm(q, l2norm_eps), l2norm(k, l2norm_eps), v, g, beta, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     chunk_size=chunk_size)
 
 
 # --------------------------------------------------------------------------------------------
