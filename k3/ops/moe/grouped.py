@@ -2,8 +2,9 @@
 
 Token-expert pairs are sorted by expert; each expert's group of rows is padded to a multiple of 8 (grouped_mm
 needs 16-byte-aligned groups; misaligned ones give silently wrong results), all with tensor ops of static
-shape: the padded buffer has N*k + 8E rows whatever the routing. Three grouped GEMMs (w1, w3, then w2 after the
-GLU) and a weighted scatter-add back to the tokens. Expert weights are used in bf16 (as under autocast).
+shape: the padded buffer has N*k + 8E rows whatever the routing. The tokens' rows are gathered into it, three
+grouped GEMMs run (w1, w3, then w2 after the GLU), and each token sums its k weighted output rows; the backward
+is gathers too (no scatter-add: no atomics, deterministic). Expert weights are used in bf16 (as under autocast).
 grouped_mm also needs the model and expert widths to be multiples of 8 (16-byte strides); other widths (e.g. the
 matched plain experts of an ablation, I' = 85) are zero-padded: the padded GLU columns are act(0) * 0 = 0 and the
 padded output columns are cut off, so the result is the unpadded one.
@@ -11,11 +12,13 @@ padded output columns are cut off, so the result is the unpadded one.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from k3.ops.fused import fused
 
 ALIGN = 8
 
@@ -30,35 +33,108 @@ def _pad(t: Tensor, pad: tuple[int, ...]) -> Tensor:
     return F.pad(t, pad) if any(pad) else t
 
 
+class _Routing(NamedTuple):
+    """Where each token-expert pair's row is in the padded, expert-sorted buffer, and back."""
+    pair_rows: Tensor  # [N, k] int64: the buffer row of pair (token n, choice j)
+    src_pair: Tensor  # [R] int64: the pair n*k + j a buffer row holds, -1 for padding rows
+    offs: Tensor  # [E] int32: each expert's end row (grouped_mm's offsets)
+
+
+def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
+    """Sort the N*k pairs by expert (stable) and give each expert a group of rows padded to a multiple of ALIGN,
+    in a buffer of R = N*k + ALIGN*E rows whatever the routing (static shapes, no host sync)."""
+    n, k = topk_idx.shape
+    dev = topk_idx.device
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    pad_end = padded.cumsum(0)
+    rank = torch.arange(n * k, device=dev) - (counts.cumsum(0) - counts)[sorted_e]
+    dest = (pad_end - padded)[sorted_e] + rank  # the row of the i-th sorted pair
+    pair_rows = torch.empty_like(dest).scatter_(0, order, dest).view(n, k)
+    src_pair = torch.full((n * k + ALIGN * num_experts,), -1, dtype=torch.int64, device=dev).scatter_(0, dest, order)
+    return _Routing(pair_rows, src_pair, pad_end.to(torch.int32))
+
+
+# Moving rows between tokens and the buffer. Every direction is a gather (no atomics, no sort, deterministic):
+# out[n] = sum_j w[n, j] y[pair_rows[n, j]] reads the k rows of each token (compiled: one kernel, the gathered
+# rows never stored), and the buffer's rows read their token through src_pair.
+
+
+@fused
+def gather_rows_sum(y: Tensor, rows: Tensor, weight: Tensor | None = None) -> Tensor:
+    """y [R, D], rows [N, k], weight [N, k] or None (ones) -> sum_j weight[n, j] y[rows[n, j]], [N, D] in
+    promote(y.dtype, fp32), as are the two below."""
+    dtype = torch.promote_types(y.dtype, torch.float32)
+    picked = y[rows].to(dtype)
+    return (picked if weight is None else picked * weight.to(dtype).unsqueeze(-1)).sum(1)
+
+
+@fused
+def spread_rows(g: Tensor, weight: Tensor, src_pair: Tensor, k: int) -> Tensor:
+    """The transpose of :func:`gather_rows_sum`: g [N, D], weight [N, k], src_pair [R] -> [R, D] fp32, row r =
+    weight of its pair * g[its token], 0 for padding rows."""
+    dtype = torch.promote_types(g.dtype, torch.float32)
+    p = src_pair.clamp(min=0)
+    return g[p // k].to(dtype) * (weight.reshape(-1)[p].to(dtype) * (src_pair >= 0)).unsqueeze(-1)
+
+
+@fused
+def gather_rows_dot(y: Tensor, rows: Tensor, g: Tensor) -> Tensor:
+    """y [R, D], rows [N, k], g [N, D] -> <y[rows[n, j]], g[n]>, [N, k] (the combine weights' gradient)."""
+    dtype = torch.promote_types(y.dtype, torch.float32)
+    return (y[rows].to(dtype) * g.to(dtype).unsqueeze(1)).sum(-1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """x [N, D] -> the buffer [R, D]: row r holds x of its pair's token; padding rows hold token 0 and their
+    gradient is dropped (moe_experts never reads their outputs, so it is 0 there)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, route: _Routing, k: int) -> Tensor:
+        ctx.rows = route.pair_rows
+        return x.index_select(0, route.src_pair.clamp(min=0) // k)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return gather_rows_sum(g, ctx.rows).to(g.dtype), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The buffer's outputs y [R, D] and the routing weights [N, k] -> sum_j w[n, j] y[pair_rows[n, j]], [N, D]
+    in promote(y.dtype, fp32)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, weight: Tensor, route: _Routing, k: int) -> Tensor:
+        ctx.save_for_backward(y, weight)
+        ctx.route, ctx.k = route, k
+        return gather_rows_sum(y, route.pair_rows, weight)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        y, weight = ctx.saved_tensors
+        route = ctx.route
+        dy = spread_rows(g, weight, route.src_pair, ctx.k).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dw = gather_rows_dot(y, route.pair_rows, g).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dy, dw, None, None
+
+
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                 glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """Same contract as :func:`k3.ops.moe.reference.moe_experts`. Under QAT the weights, inputs and GLU output
     arrive fake-quantised (k3.ops.moe.moe_experts composes them), so this is the emulated MX path:
     dequantised values through bf16 grouped GEMMs, with no host synchronisation."""
     n, d = x.shape
-    e, k = w1.shape[0], topk_idx.shape[1]
-    flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
-    pad_end = padded.cumsum(0)
-    rank = torch.arange(n * k, device=x.device) - (counts.cumsum(0) - counts)[sorted_e]
-    dest = (pad_end - padded)[sorted_e] + rank  # each sorted pair's row in the padded buffer
-    tokens = order // k
-    rows = n * k + ALIGN * e
+    k = topk_idx.shape[1]
+    route = _route(topk_idx, w1.shape[0])
     bf = torch.bfloat16
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
-    xb = _pad(x.to(bf), (0, pd))
     w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
     w2b = _pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
-    # index_select / index_copy / index_add, not x[idx]: the backward of advanced indexing is a sort-based
-    # accumulate (index_put), ~136 ms of a small-1b step on an H200; index_select's is an index_add
-    xs = xb.new_zeros(rows, d + pd).index_copy(0, dest, xb.index_select(0, tokens))
-    offs = pad_end.to(torch.int32)
-    h = glu(torch._grouped_mm(xs, w1b.transpose(1, 2), offs=offs),
-            torch._grouped_mm(xs, w3b.transpose(1, 2), offs=offs))
-    y = torch._grouped_mm(h.to(bf), w2b.transpose(1, 2), offs=offs)[:, :d]  # [rows, D]
-    weighted = y.index_select(0, dest).float() * topk_weight.reshape(-1).index_select(0, order).float().unsqueeze(-1)
-    out = torch.zeros(n, w2.shape[1], dtype=torch.float32, device=x.device).index_add(0, tokens, weighted)
-    return out.to(x.dtype)
+    xs = _Dispatch.apply(_pad(x.to(bf), (0, pd)), route, k)  # [R, D+pd]
+    h = glu(torch._grouped_mm(xs, w1b.transpose(1, 2), offs=route.offs),
+            torch._grouped_mm(xs, w3b.transpose(1, 2), offs=route.offs))
+    y = torch._grouped_mm(h.to(bf), w2b.transpose(1, 2), offs=route.offs)  # [R, D+pd]
+    return _Combine.apply(y, topk_weight, route, k)[:, :d].to(x.dtype)
