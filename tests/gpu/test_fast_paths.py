@@ -142,6 +142,59 @@ def test_flat_short_conv_matches_reference_on_gpu(autocast):
         assert rel(a, b) <= 1e-5, (name, rel(a, b))
 
 
+def test_fla_short_conv_matches_reference():
+    """fla's conv kernel (bf16 activations, fp32 weight, as under autocast) vs the reference in fp32: packed
+    documents of 1..1345 tokens, the initial state (fla's extra history column) and final state, gradients for
+    x, the weight and the initial state. bf16 output rounding: 1e-2."""
+    from k3.ops.conv import fla as conv_fla
+    from k3.ops.conv.reference import causal_conv1d as packed
+
+    torch.manual_seed(6)
+    cu = torch.tensor([0, 1, 3, 700, 701, 2048], device=DEV)
+    x = torch.randn(1, 2048, 384, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(384, 4, device=DEV, requires_grad=True)
+    h0 = torch.randn(5, 384, 3, device=DEV, requires_grad=True)
+    gy, gs = torch.randn(1, 2048, 384, device=DEV), torch.randn(5, 384, 3, device=DEV)
+    outs = []
+    for fn, xx in ((conv_fla.causal_conv1d, x), (packed, x.float())):
+        y, state = fn(xx, w, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        assert state.shape == (5, 384, 3)
+        outs.append((y, state, *torch.autograd.grad((y.float() * gy).sum() + (state.float() * gs).sum(),
+                                                    (x, w, h0))))
+    for name, a, b in zip(("y", "state", "dx", "dw", "dh0"), *outs):
+        assert rel(a, b) <= 1e-2, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("lower_bound,eps", [(-5.0, 1e-6), (-5.0, 1e-5), (None, 1e-6)])
+def test_fla_chunk_kda_raw_forward_and_gradients(lower_bound, eps):
+    """fla's fused-input chunk KDA (in-kernel L2 norms, gate, sigmoid; safe_gate with K3's bound; V-first
+    state) vs the reference from the same raw projections: outputs, final states and the gradients of every
+    input, A_log and dt_bias included. bf16: 2e-2 / 5e-2 as above."""
+    from k3.ops.kda import fla
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    T, H, K = 1000, 8, 128  # the benchmark's heads: fla's autotuning (minutes per new shape) is shared
+    q, k, v, f = (torch.randn(1, T, H, K, device=DEV, generator=g) for _ in range(4))
+    b = torch.randn(1, T, H, device=DEV, generator=g)
+    A_log = torch.rand(H, device=DEV, generator=g).log1p()
+    dt_bias = torch.randn(H * K, device=DEV, generator=g) - (0 if lower_bound else 3)
+    h0 = torch.randn(3, H, K, K, device=DEV, generator=g) * 0.1
+    cu = torch.tensor([0, 300, 301, T], device=DEV)
+    runs = []
+    for fn, dtype in ((fla.chunk_kda_raw, torch.bfloat16), (kda_ref.chunk_kda_raw, torch.float32)):
+        leaves = [t.detach().clone().to(dtype if t.dim() > 2 else torch.float32).requires_grad_()
+                  for t in (q, k, v, f, b)] + [t.detach().clone().requires_grad_() for t in (A_log, dt_bias, h0)]
+        o, s = fn(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], lower_bound=lower_bound, l2norm_eps=eps,
+                  initial_state=leaves[7], output_final_state=True, cu_seqlens=cu)
+        gen = torch.Generator(device=DEV).manual_seed(9)  # the same output weights for both runs
+        w_o, w_s = torch.randn(o.shape, device=DEV, generator=gen), torch.randn(s.shape, device=DEV, generator=gen)
+        ((o.float() * w_o).sum() + (s.float() * w_s).sum()).backward()
+        runs.append((o, s, *[t.grad for t in leaves]))
+    for name, a, r in zip("o state q k v f b A_log dt_bias h0".split(), *runs):
+        tol = 2e-2 if name in ("o", "state") else 5e-2
+        assert rel(a, r) <= tol, (name, rel(a, r))
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_varlen_flash_prefill_matches_reference(autocast):
     """Packed documents without a cache (training): one flash varlen call, forward and gradients."""
