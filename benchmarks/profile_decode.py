@@ -4,12 +4,13 @@ filled with random latents and states), timed replayed from a CUDA graph and pro
     python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3]
 
 For each (batch, context): the graph's time per step and the limit (bytes / copy bandwidth, as in the benchmark);
-then, over eager steps under torch.profiler, the kernels per step and the device time of each part of the model
-(KDA / MLA mixers, MoE, dense FFN, lm_head, the rest) and of the top kernels. A graph replays the same kernels
-back to back, so the eager device time per step is what a graph cannot go below: if it is far above the limit the
-kernels are slow or too many, if close to it the step is launch-bound only eagerly. A part's time counts the
-kernels its CPU range launched through the runtime API; Triton kernels (fla's KDA step, the MLA decode kernel) are
-launched through the driver API and land in "the rest" (they are named in the kernel list).
+then, over eager steps under torch.profiler, the kernels per step and the device time of each part of the model (KDA
+/ MLA mixers, MoE, dense FFN, lm_head, the residual stream: AttnRes mixes and pre-norms, the rest) and of the top
+kernels. A graph replays the same kernels back to back, so the eager device time per step is what a graph cannot go
+below: if it is far above the limit the kernels are slow or too many, if close to it the step is launch-bound only
+eagerly. A part's time counts the kernels its CPU range launched through the runtime API; Triton kernels (fla's KDA
+step, the MLA decode kernel) are launched through the driver API and land in "the rest" (they are named in the
+kernel list).
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
@@ -24,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from k3.bench.common import copy_bandwidth, cuda_time, write_profile
 from k3.bench.decode import fill_cache, peer_config, step_bytes
 from k3.infer.graphs import GraphedDecoder
+from k3.model.attn_res import ResidualStream
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
 from profile_train_step import phase  # this folder is on sys.path when the script runs
@@ -54,6 +56,8 @@ def main() -> None:
         else:
             phase(layer.block_sparse_moe, "forward", "part: moe")
     phase(model.lm_head, "forward", "part: lm_head")
+    for name in ("input", "add", "output"):  # the AttnRes mixes (or plain residual adds) + pre-norms; not nested
+        phase(ResidualStream, name, "part: residual stream")
     lines = []
     for batch, context in cases:
         limit = step_bytes(model, batch, context) / bw
