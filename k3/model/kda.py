@@ -141,5 +141,7 @@ class KimiDeltaAttention(nn.Module):
         """Gated per-head RMSNorm and o_proj: o [N, H, V] -> [N, d]."""
         n, h, dv = x.shape[0], self.num_heads, self.v_head_dim
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
-        o = self.o_norm(o, gate.view(n, h, dv))
-        return self.o_proj(o.reshape(n, h * dv).to(x.dtype))
+        o = self.o_norm(o, gate.view(n, h, dv)).reshape(n, h * dv)
+        if not torch.is_autocast_enabled(o.device.type):  # under autocast o_proj casts (o in x's fp32: 2 more passes)
+            o = o.to(self.o_proj.weight.dtype)
+        return self.o_proj(o)

@@ -295,7 +295,8 @@ def test_decode_step_updates_the_pool_in_place(lower_bound):
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_chunk_kda_raw_equals_the_truth_on_normalised_inputs(lower_bound):
     """chunk_kda_raw from raw projections (two segments, initial states) == the fp64 truth per segment on
-    L2-normalised q/k (eps 1e-12, the same as F.normalize's to 1e-13), the gate and sigmoid(b); its gradients reach A_log and dt_bias (gradcheck)."""
+    L2-normalised q/k (eps 1e-12, the same as F.normalize's to 1e-13), the gate and sigmoid(b); its gradients
+    reach A_log and dt_bias (gradcheck)."""
     from k3.ops.kda.reference import chunk_kda_raw
 
     gen = torch.Generator().manual_seed(11)

@@ -77,3 +77,25 @@ def test_forward_matches_the_loop_on_cpu():
         pytest.skip(f"torch._grouped_mm does not run on this CPU: {err}")
     want = moe_ref.moe_experts(x.float(), idx, w, w1, w2, w3, situ_glu)
     assert got.dtype == x.dtype and rel(got, want) <= 1.5e-2  # bf16 inputs, weights and GLU output
+
+
+def test_spread_rows_selects_not_multiplies():
+    """A non-finite gradient row does not leak into padding rows (a mask-multiply would give inf * 0 = NaN)."""
+    e, k = 6, 3
+    idx = routing(e=e, k=k)
+    route = grouped._route(idx, e)
+    g = torch.randn(idx.shape[0], 4)
+    g[0] = float("inf")
+    w = torch.rand(idx.shape[0], k)
+    dy = grouped.spread_rows(g, w, route.src_pair, k, torch.bfloat16)
+    assert dy.dtype == torch.bfloat16
+    pad = route.src_pair < 0
+    assert bool((dy[pad] == 0).all()) and bool(dy[~pad][route.src_pair[~pad] // k != 0].isfinite().all())
+
+
+def test_no_tokens():
+    """Zero tokens give an empty output, as the loop does (the dispatch would otherwise read token 0)."""
+    out = grouped.moe_experts(torch.randn(0, 8, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.int64),
+                              torch.rand(0, 2), torch.randn(4, 16, 8), torch.randn(4, 8, 16), torch.randn(4, 16, 8),
+                              situ_glu)
+    assert out.shape == (0, 8) and out.dtype == torch.bfloat16

@@ -18,6 +18,7 @@ from torch import Tensor
 from k3.ops.segments import host_offsets
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+SAFE_GATE_BOUND = -5.0  # the lowest gate lower bound fla's safe_gate path accepts
 
 
 def available(device: torch.device) -> bool:
@@ -50,8 +51,9 @@ def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_lo
     """Same contract as :func:`k3.ops.kda.reference.chunk_kda_raw`, the way fla's own KDA layer calls its kernels:
     the L2 norms (when eps is the kernel's 1e-6), the gate (fused with its chunk cumsum; gradients for A_log and
     dt_bias included) and beta's sigmoid inside fla's autograd function; with K3's bounded gate, fla's
-    ``safe_gate`` path (16-row tensor-core blocks for gates in [lower_bound, 0)); the state in fla's V-first
-    layout ([N, H, V, K], transposed here on the way in and out)."""
+    ``safe_gate`` path (16-row tensor-core blocks for gates in [lower_bound, 0); fla takes it for bounds in
+    [-5, 0) and computes lower bounds below -5 without it); the state in fla's V-first layout ([N, H, V, K],
+    transposed here on the way in and out)."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from k3.ops.kda import l2norm
@@ -62,10 +64,11 @@ def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_lo
         q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
     state = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
     cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    safe = lower_bound is not None and SAFE_GATE_BOUND <= lower_bound < 0  # fla rejects safe_gate below -5
     o, final = fla_chunk_kda(q.to(dtype), k.to(dtype), v, f, b.to(dtype), A_log=A_log, dt_bias=dt_bias,
                              scale=scale, initial_state=state, output_final_state=output_final_state,
                              use_qk_l2norm_in_kernel=fused_norm, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=safe,
                              lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu_seqlens,
                              cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size if chunk_size in (32, 64) else 64)
     return o, None if final is None else final.transpose(-1, -2)

@@ -64,28 +64,31 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
 
 
 @fused
-def gather_rows_sum(y: Tensor, rows: Tensor, weight: Tensor | None = None) -> Tensor:
-    """y [R, D], rows [N, k], weight [N, k] or None (ones) -> sum_j weight[n, j] y[rows[n, j]], [N, D] in
-    promote(y.dtype, fp32), as are the two below."""
-    dtype = torch.promote_types(y.dtype, torch.float32)
-    picked = y[rows].to(dtype)
-    return (picked if weight is None else picked * weight.to(dtype).unsqueeze(-1)).sum(1)
+def gather_rows_sum(y: Tensor, rows: Tensor, weight: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """y [R, D], rows [N, k], weight [N, k] or None (ones) -> sum_j weight[n, j] y[rows[n, j]], [N, D], summed in
+    promote(y.dtype, fp32) and returned in ``dtype`` (default: that)."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    picked = y[rows].to(acc)
+    out = (picked if weight is None else picked * weight.to(acc).unsqueeze(-1)).sum(1)
+    return out if dtype is None else out.to(dtype)
 
 
 @fused
-def spread_rows(g: Tensor, weight: Tensor, src_pair: Tensor, k: int) -> Tensor:
-    """The transpose of :func:`gather_rows_sum`: g [N, D], weight [N, k], src_pair [R] -> [R, D] fp32, row r =
-    weight of its pair * g[its token], 0 for padding rows."""
-    dtype = torch.promote_types(g.dtype, torch.float32)
+def spread_rows(g: Tensor, weight: Tensor, src_pair: Tensor, k: int, dtype: torch.dtype) -> Tensor:
+    """The transpose of :func:`gather_rows_sum`: g [N, D], weight [N, k], src_pair [R] -> [R, D] in ``dtype``,
+    row r = weight of its pair * g[its token] (in promote(g.dtype, fp32)), 0 for padding rows."""
+    acc = torch.promote_types(g.dtype, torch.float32)
     p = src_pair.clamp(min=0)
-    return g[p // k].to(dtype) * (weight.reshape(-1)[p].to(dtype) * (src_pair >= 0)).unsqueeze(-1)
+    rows = g[p // k].to(acc) * weight.reshape(-1)[p].to(acc).unsqueeze(-1)
+    return torch.where((src_pair >= 0).unsqueeze(-1), rows, 0.0).to(dtype)  # select: inf * 0 would be NaN
 
 
 @fused
 def gather_rows_dot(y: Tensor, rows: Tensor, g: Tensor) -> Tensor:
-    """y [R, D], rows [N, k], g [N, D] -> <y[rows[n, j]], g[n]>, [N, k] (the combine weights' gradient)."""
-    dtype = torch.promote_types(y.dtype, torch.float32)
-    return (y[rows].to(dtype) * g.to(dtype).unsqueeze(1)).sum(-1)
+    """y [R, D], rows [N, k], g [N, D] -> <y[rows[n, j]], g[n]>, [N, k] in promote(y.dtype, fp32) (the combine
+    weights' gradient)."""
+    acc = torch.promote_types(y.dtype, torch.float32)
+    return (y[rows].to(acc) * g.to(acc).unsqueeze(1)).sum(-1)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -99,7 +102,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return gather_rows_sum(g, ctx.rows).to(g.dtype), None, None
+        return gather_rows_sum(g, ctx.rows, None, g.dtype), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -116,7 +119,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         y, weight = ctx.saved_tensors
         route = ctx.route
-        dy = spread_rows(g, weight, route.src_pair, ctx.k).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dy = spread_rows(g, weight, route.src_pair, ctx.k, y.dtype) if ctx.needs_input_grad[0] else None
         dw = gather_rows_dot(y, route.pair_rows, g).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dy, dw, None, None
 
@@ -128,6 +131,8 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     dequantised values through bf16 grouped GEMMs, with no host synchronisation."""
     n, d = x.shape
     k = topk_idx.shape[1]
+    if n == 0:  # no token: nothing to route (the dispatch would read token 0)
+        return x.new_zeros(0, w2.shape[1])  # as the loop
     route = _route(topk_idx, w1.shape[0])
     bf = torch.bfloat16
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
