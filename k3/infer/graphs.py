@@ -37,13 +37,18 @@ class _Captured:
 
 class GraphedDecoder:
     """``GraphedDecoder(model, cache)(input_ids [N] on the GPU, seq_ids list[int]) -> logits [N, V]``, equal to
-    ``model.decode`` (the returned tensor is the graph's buffer: valid until the next call)."""
+    ``model.decode`` (the returned tensor is the graph's buffer: valid until the next call). ``compile=True``
+    records a ``torch.compile``d decode_step (one compilation per batch size and cache capacity)."""
 
-    def __init__(self, model, cache: K3Cache, headroom: int = 1024):
+    def __init__(self, model, cache: K3Cache, headroom: int = 1024, compile: bool = False):
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need the model on a CUDA device, not {device}")
         self.model, self.cache, self.device, self.headroom = model, cache, device, headroom
+        self.step = model.decode_step
+        if compile:  # inductor fuses the step's pointwise chains; compiled in the warm-up, never under capture
+            self.step = torch.compile(model.decode_step, dynamic=False)
+            log.info("decode graphs: decode_step compiled by torch.compile (inductor) before each capture")
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}
         self.bound = self._tensors()
@@ -93,11 +98,11 @@ class GraphedDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.model.decode_step(input_ids, self.cache, slots, positions)
+                self.step(input_ids, self.cache, slots, positions)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.decode_step(input_ids, self.cache, slots, positions)
+            logits = self.step(input_ids, self.cache, slots, positions)
         self._restore_states(slots, saved)
         log.info("decode graphs: captured batch size %d (capacity %d rows)", n, self.cache.capacity)
         return _Captured(graph, input_ids, slots, positions, logits)

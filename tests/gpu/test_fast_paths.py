@@ -286,9 +286,11 @@ def test_fla_decode_step_matches_reference(lower_bound, eps):
     assert torch.equal(pool[others], ref_pool[others])
 
 
-def test_cuda_graph_decode_equals_eager_and_survives_cache_growth():
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     """GraphedDecoder replays == eager decode (bf16, fast backend) over 40 steps with changing batches and an MLA
-    cache that grows (so graphs are recaptured); both stay close to the full forward."""
+    cache that grows (so graphs are recaptured); both stay close to the full forward. compile=True records a
+    torch.compile'd step (inductor keeps fp32 between fused ops where eager rounds to bf16: 2e-2)."""
     from k3.infer.graphs import GraphedDecoder
     from k3.model.decoder import K3ForCausalLM
     from k3.ops import backend
@@ -305,7 +307,7 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth():
             eager, graphed = model.new_cache(3, capacity=48), model.new_cache(3, capacity=48)
             for c in (eager, graphed):
                 model(ids[:, :40], cache=c)
-            runner = GraphedDecoder(model, graphed, headroom=16)
+            runner = GraphedDecoder(model, graphed, headroom=16, compile=compile)
             errs, full_errs = [], []
             for t in range(40, 80):
                 seqs = [0, 1, 2] if t % 3 else [2, 0]  # batch sizes 3 and 2, slots out of order
@@ -324,7 +326,7 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth():
     finally:
         backend.set_backend("auto")
     assert len(runner.graphs) >= 2 and graphed.capacity > 48  # grew past 48 rows: recaptured
-    assert max(errs) <= 1e-2, errs
+    assert max(errs) <= (2e-2 if compile else 1e-2), errs
     assert max(full_errs) <= 5e-2, full_errs
 
 
