@@ -9,8 +9,9 @@
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests, up to 7 minutes: 31 GPU tests, mostly compilation, plus fla's autotuning of any new
-# kernel variant, about a minute per kernel); train, decode, profile, attn_res, train_ac, profile_decode, kernels,
-# tune_mla and profile_kernels on request, each under its own limit below (one call runs at most 10 minutes)
+# kernel variant, about a minute per kernel); train, decode, profile, attn_res, attn_res_compiled, train_ac,
+# profile_decode, kernels, tune_mla and profile_kernels on request, each under its own limit below (one call runs
+# at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -29,6 +30,7 @@ step tests 420 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durati
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step train 260 python -m k3 bench model --cases train,peer
 step attn_res 240 python -m k3 bench model --cases attn_res
+step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 240 python -m k3 bench decode --quick  # with the compiled-step cases
 step profile_decode 60 python benchmarks/profile_decode.py

@@ -1,6 +1,7 @@
 """Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
 peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory); (c) AttnRes
-none / snapshot / full overhead in training and decode, peak memory; (f) one-GPU prefill of 128K and 1M tokens,
+none / snapshot / full overhead in training and decode, peak memory (case attn_res_compiled: the decode step
+compiled by torch.compile before its CUDA-graph capture); (f) one-GPU prefill of 128K and 1M tokens,
 hybrid vs a full-MLA twin (time, peak memory)."""
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     return t
 
 
-CASES = ("train", "train_ac", "peer", "attn_res", "prefill")
+CASES = ("train", "train_ac", "peer", "attn_res", "attn_res_compiled", "prefill")
 
 
 def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
@@ -125,32 +126,39 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
             rows[0]["x_transformers"] = peer / t
     if "attn_res" in cases:
         attn_res_rows(rows, save)
+    if "attn_res_compiled" in cases:
+        attn_res_rows(rows, save, compiled=True)
     if "prefill" in cases:
         prefill_rows(rows, save, quick)
     save()
 
 
-def attn_res_rows(rows: list, save) -> None:
-    """(c) AttnRes none / snapshot / full: train step (4 x 2048) and CUDA-graph decode step (B=16, 4K)."""
+def attn_res_rows(rows: list, save, compiled: bool = False) -> None:
+    """(c) AttnRes none / snapshot / full: train step (4 x 2048) and CUDA-graph decode step (B=16, 4K); with
+    ``compiled``, the decode step alone, torch.compile'd before its capture (GraphedDecoder(compile=True))."""
+    label = " compiled decode" if compiled else ""
     for mode in ("none", "snapshot", "full"):
         m = K3ForCausalLM(get_preset("small-1b").replace(**{"attn_res.mode": mode})).cuda()
-        torch.cuda.reset_peak_memory_stats()
-        tt = train_step_time(m, 4, 2048)
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        row = {"case": f"AttnRes {mode}{label}"}
+        if not compiled:
+            torch.cuda.reset_peak_memory_stats()
+            row["ms"] = train_step_time(m, 4, 2048) * 1e3
+            row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
         m = m.to(torch.bfloat16).eval()
         cache = fill_cache(m, 16, 4096, 16)
         ids = torch.randint(0, 32768, (16,), device="cuda")
         with torch.no_grad():
-            graphed = GraphedDecoder(m, cache)
-            td = cuda_time(lambda: graphed(ids, list(range(16))), 2, 10)
-        rows.append({"case": f"AttnRes {mode}", "ms": tt * 1e3, "decode_ms": td * 1e3, "peak_GiB": peak})
+            graphed = GraphedDecoder(m, cache, compile=compiled)
+            row["decode_ms"] = cuda_time(lambda: graphed(ids, list(range(16))), 2, 10) * 1e3
+        rows.append(row)
         save()
         del m, cache, graphed
         torch.cuda.empty_cache()
-    base = next(r for r in rows if r["case"] == "AttnRes none")
+    base = next(r for r in rows if r["case"] == f"AttnRes none{label}")
     for r in rows:
-        if r["case"].startswith("AttnRes") and r is not base:
-            r["train_overhead"] = r["ms"] / base["ms"] - 1
+        if r["case"] in (f"AttnRes snapshot{label}", f"AttnRes full{label}"):
+            if "ms" in r:
+                r["train_overhead"] = r["ms"] / base["ms"] - 1
             r["decode_overhead"] = r["decode_ms"] / base["decode_ms"] - 1
 
 

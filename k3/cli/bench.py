@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
     p.add_argument("--cases", default=None,
-                   help="model only: comma-separated subset of train,train_ac,peer,attn_res,prefill (default all)")
+                   help="model only: comma-separated subset of train,train_ac,peer,attn_res,attn_res_compiled,prefill "
+                        "(default all)")
     p.set_defaults(func=run)
 
 
