@@ -25,6 +25,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
+@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
                   activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -31,6 +31,7 @@ def _inputs(q, k, v, g, beta, initial_state):
     return q.to(dtype), k.to(dtype), v, g.float(), beta.to(dtype), state
 
 
+@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
               initial_state: Tensor | None = None, output_final_state: bool = False,
               cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
@@ -44,6 +45,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
                          chunk_size=chunk_size if chunk_size in (32, 64) else 64)
 
 
+@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
                   lower_bound: float | None, l2norm_eps: float = 1e-6, scale: float | None = None,
                   initial_state: Tensor | None = None, output_final_state: bool = False,
@@ -74,6 +76,7 @@ def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_lo
     return o, None if final is None else final.transpose(-1, -2)
 
 
+@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                   initial_state: Tensor | None = None, output_final_state: bool = False,
                   cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -87,6 +90,7 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
                     lower_bound: float | None, state: Tensor, slots: Tensor, l2norm_eps: float = 1e-6,
                     scale: float | None = None) -> Tensor:

@@ -68,6 +68,20 @@ def supported(r: int, dr: int) -> bool:
     return r > 0 and dr >= 16 and not r & (r - 1) and not dr & (dr - 1)
 
 
+@torch.compiler.disable  # the launch stays out of traced graphs; the split combine below may be fused
+def _launch(q, kv, slots, lengths, scale, splits, split_rows, groups, R, DR, block_h, block_n, num_stages,
+            num_warps) -> tuple[Tensor, Tensor]:
+    """Run the kernel: -> per-split outputs o [B, splits, H, R] and log2-sum-exps lse [B, splits, H] (fp32)."""
+    B, H = q.shape[:2]
+    o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, splits, H, device=q.device, dtype=torch.float32)
+    _mla_decode_kernel[(B, splits, groups)](
+        q, kv, slots, lengths, o, lse, scale * math.log2(math.e), q.stride(0), q.stride(1), kv.stride(0),
+        kv.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
+        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages, num_warps=num_warps)
+    return o, lse
+
+
 def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int,
                max_length: int | None = None, block_n: int = 32, num_stages: int = 3, num_warps: int | None = None,
                programs_per_sm: int = 8) -> Tensor:
@@ -89,13 +103,8 @@ def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: f
     splits = max(1, min(triton.cdiv(max_length, 256), triton.cdiv(programs_per_sm * sms, B * groups)))
     split_rows = triton.cdiv(triton.cdiv(max_length, splits), block_n) * block_n
     splits = triton.cdiv(max_length, split_rows)
-    o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B, splits, H, device=q.device, dtype=torch.float32)
-    _mla_decode_kernel[(B, splits, groups)](
-        q, kv, seq_ids.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous(), o, lse,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
-        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages,
-        num_warps=num_warps or (8 if block_h > 16 else 4))
+    o, lse = _launch(q, kv, seq_ids.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous(), scale,
+                     splits, split_rows, groups, R, DR, block_h, block_n, num_stages,
+                     num_warps or (8 if block_h > 16 else 4))
     weights = torch.softmax(lse * math.log(2.0), dim=1)  # [B, splits, H]; empty splits have weight 0
     return (weights.unsqueeze(-1) * o).sum(1).to(q.dtype)
