@@ -177,13 +177,16 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
 
 def _from_dcp(directory: Path, config):
     """The model of a distributed training checkpoint (DCP shards + config.json), gathered into this process (DCP
-    checks its own metadata; there are no checksum files to verify). The model is built with its random init
-    first (on the CPU), then overwritten."""
+    checks its own metadata; there are no checksum files to verify). The model is built on the meta device and
+    given uninitialised CPU storage, which the load overwrites whole (DCP raises on any tensor the checkpoint
+    lacks, and the model has no tensors outside its state dict): no random init is computed and thrown away."""
     from k3.distributed.checkpoint import load_into_single
     from k3.model.decoder import K3ForCausalLM
     from k3.model.multimodal import K3ForConditionalGeneration
 
-    model = (K3ForConditionalGeneration if config.vision is not None else K3ForCausalLM)(config)
+    with torch.device("meta"):
+        model = (K3ForConditionalGeneration if config.vision is not None else K3ForCausalLM)(config)
+    model.to_empty(device="cpu")
     load_into_single(directory, model)
     return model
 

@@ -87,14 +87,26 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata)")
     if optimizer is None:
         model_sd = get_model_state_dict(model)
-        dcp.load({"model": model_sd}, checkpoint_id=path, no_dist=no_dist)
+        _dcp_load({"model": model_sd}, path, no_dist)
         set_model_state_dict(model, model_sd)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)  # creates the optimizer state if it has none
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+        _dcp_load(state, path, no_dist)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return torch.load(path / EXTRA_FILE, weights_only=False)
+
+
+def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
+    """dcp.load, its failures (a CheckpointException, which is a BaseException carrying every rank's traceback)
+    turned into one ValueError naming the first: a missing tensor or a shape that does not match."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except CheckpointException as e:
+        rank, (exc, _) = next(iter(e.failures.items()))
+        raise ValueError(f"{path} does not match the model (rank {rank}): {type(exc).__name__}: {exc}") from None
 
 
 def load_into_single(path: str | os.PathLike, model: nn.Module,

@@ -223,3 +223,29 @@ def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
     atomic_write_text(target, "step-000002")
     assert target.read_text() == "step-000002"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temp files left behind
+
+
+def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
+    """A distributed-training (DCP) checkpoint saved in one process loads through from_pretrained bit-exactly
+    (the model is built on meta and every tensor comes from the load); one whose config has more layers than its
+    tensors raises one ValueError instead of leaving uninitialised weights."""
+    from k3.config.hf import to_hf_config
+    from k3.distributed.checkpoint import save
+    from k3.train.optim import K3Muon, param_groups_for
+
+    torch.manual_seed(0)
+    cfg = get_preset("tiny")
+    model = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    path = save(tmp_path / "step", model, K3Muon(param_groups_for(model, lr=1e-3)))
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    loaded = ckpt.from_pretrained(path)
+    want = model.state_dict()
+    assert loaded.state_dict().keys() == want.keys()
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    (path / "config.json").write_text(json.dumps(to_hf_config(cfg.replace(num_hidden_layers=cfg.num_hidden_layers + 4))))
+    with pytest.raises(ValueError, match="does not match the model .*Missing key"):
+        ckpt.from_pretrained(path)
