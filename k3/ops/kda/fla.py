@@ -19,6 +19,7 @@ from k3.ops.segments import host_offsets
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 SAFE_GATE_BOUND = -5.0  # the lowest gate lower bound fla's safe_gate path accepts
+L2NORM_EPS = 1e-6  # the epsilon of fla's in-kernel q / k L2 norm
 
 
 def available(device: torch.device) -> bool:
@@ -32,6 +33,21 @@ def _inputs(q, k, v, g, beta, initial_state):
 
 
 @torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
+def _norms_outside(q: Tensor, k: Tensor, eps: float) -> tuple[Tensor, Tensor, bool]:
+    """(q, k, whether fla's kernel normalises them): fla's kernels take only their own epsilon; with another,
+    q and k are normalised here (k3.ops.kda.l2norm) and passed on as they are."""
+    if eps == L2NORM_EPS:
+        return q, k, True
+    from k3.ops.kda import l2norm
+
+    return l2norm(q, eps), l2norm(k, eps), False
+
+
+def _chunk(chunk_size: int) -> int:
+    """fla's KDA chunk: 32 or 64 (the chunked form is exact, so any other size runs at 64)."""
+    return chunk_size if chunk_size in (32, 64) else 64
+
+
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
               initial_state: Tensor | None = None, output_final_state: bool = False,
               cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
@@ -41,8 +57,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
     cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
     return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu,
-                         chunk_size=chunk_size if chunk_size in (32, 64) else 64)
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, chunk_size=_chunk(chunk_size))
 
 
 @torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
@@ -58,12 +73,8 @@ def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_lo
     transposed here on the way in and out)."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
-    from k3.ops.kda import l2norm
-
     dtype = v.dtype
-    fused_norm = l2norm_eps == 1e-6  # the kernel's own epsilon
-    if not fused_norm:
-        q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
+    q, k, fused_norm = _norms_outside(q, k, l2norm_eps)
     state = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
     cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
     safe = lower_bound is not None and SAFE_GATE_BOUND <= lower_bound < 0  # fla rejects safe_gate below -5
@@ -72,7 +83,7 @@ def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_lo
                              use_qk_l2norm_in_kernel=fused_norm, use_gate_in_kernel=True,
                              use_beta_sigmoid_in_kernel=True, safe_gate=safe,
                              lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu_seqlens,
-                             cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size if chunk_size in (32, 64) else 64)
+                             cu_seqlens_cpu=cu_cpu, chunk_size=_chunk(chunk_size))
     return o, None if final is None else final.transpose(-1, -2)
 
 
@@ -98,12 +109,8 @@ def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_
     computes the gate and beta, reads each sequence's state from the pool by slot and writes it back in place."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    from k3.ops.kda.reference import l2norm
-
     dtype = v.dtype
-    fused_norm = l2norm_eps == 1e-6  # the kernel's own epsilon
-    if not fused_norm:
-        q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
+    q, k, fused_norm = _norms_outside(q, k, l2norm_eps)
     o, _ = fused_recurrent_kda_fwd(
         q=q[:, None].to(dtype).contiguous(), k=k[:, None].to(dtype).contiguous(), v=v[:, None].contiguous(),
         g=f[:, None].float().contiguous(), beta=b[:, None].float().contiguous(), A_log=A_log.float(),

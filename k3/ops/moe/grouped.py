@@ -96,30 +96,31 @@ class _Dispatch(torch.autograd.Function):
     gradient is dropped (moe_experts never reads their outputs, so it is 0 there)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, route: _Routing, k: int) -> Tensor:
+    def forward(ctx, x: Tensor, route: _Routing) -> Tensor:
         ctx.rows = route.pair_rows
-        return x.index_select(0, route.src_pair.clamp(min=0) // k)
+        return x.index_select(0, route.src_pair.clamp(min=0) // route.pair_rows.shape[1])
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return gather_rows_sum(g, ctx.rows, None, g.dtype), None, None
+        return gather_rows_sum(g, ctx.rows, None, g.dtype), None
 
 
 class _Combine(torch.autograd.Function):
     """The buffer's outputs y [R, D] and the routing weights [N, k] -> sum_j w[n, j] y[pair_rows[n, j]], [N, D]
-    in promote(y.dtype, fp32)."""
+    summed in promote(y.dtype, fp32) and returned in ``dtype``."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, weight: Tensor, route: _Routing, k: int) -> Tensor:
+    def forward(ctx, y: Tensor, weight: Tensor, route: _Routing, dtype: torch.dtype) -> Tensor:
         ctx.save_for_backward(y, weight)
-        ctx.route, ctx.k = route, k
-        return gather_rows_sum(y, route.pair_rows, weight)
+        ctx.route = route
+        return gather_rows_sum(y, route.pair_rows, weight, dtype)
 
     @staticmethod
     def backward(ctx, g: Tensor):
         y, weight = ctx.saved_tensors
         route = ctx.route
-        dy = spread_rows(g, weight, route.src_pair, ctx.k, y.dtype) if ctx.needs_input_grad[0] else None
+        k = route.pair_rows.shape[1]
+        dy = spread_rows(g, weight, route.src_pair, k, y.dtype) if ctx.needs_input_grad[0] else None
         dw = gather_rows_dot(y, route.pair_rows, g).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dy, dw, None, None
 
@@ -130,7 +131,6 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     arrive fake-quantised (k3.ops.moe.moe_experts composes them), so this is the emulated MX path:
     dequantised values through bf16 grouped GEMMs, with no host synchronisation."""
     n, d = x.shape
-    k = topk_idx.shape[1]
     if n == 0:  # no token: nothing to route (the dispatch would read token 0)
         return x.new_zeros(0, w2.shape[1])  # as the loop
     route = _route(topk_idx, w1.shape[0])
@@ -138,8 +138,8 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
     w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
     w2b = _pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
-    xs = _Dispatch.apply(_pad(x.to(bf), (0, pd)), route, k)  # [R, D+pd]
+    xs = _Dispatch.apply(_pad(x.to(bf), (0, pd)), route)  # [R, D+pd]
     h = glu(torch._grouped_mm(xs, w1b.transpose(1, 2), offs=route.offs),
             torch._grouped_mm(xs, w3b.transpose(1, 2), offs=route.offs))
     y = torch._grouped_mm(h.to(bf), w2b.transpose(1, 2), offs=route.offs)  # [R, D+pd]
-    return _Combine.apply(y, topk_weight, route, k)[:, :d].to(x.dtype)
+    return _Combine.apply(y, topk_weight, route, x.dtype)[:, :d]
