@@ -39,7 +39,7 @@ class Router(nn.Module):
         """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64, topk_weight [N, k] fp32."""
         scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
         bias = upcast(self.e_score_correction_bias)
-        topk_idx = torch.topk(scores.detach() + bias, self.top_k, dim=-1).indices
+        topk_idx = torch.topk(scores.detach() + bias, self.top_k, dim=-1, sorted=False).indices  # any order: no sort
         weight = scores.gather(1, topk_idx)
         if self.renormalize:
             weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)

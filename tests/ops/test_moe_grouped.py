@@ -22,9 +22,12 @@ def routing(n=37, e=6, k=3, seed=0):
     return idx
 
 
-def test_route_layout():
+@pytest.mark.parametrize("ranks", ["counted", "sorted"])
+def test_route_layout(ranks, monkeypatch):
     """Each expert's pairs sit in one contiguous group starting at a multiple of ALIGN, in token order;
-    pair_rows and src_pair are inverse maps; the rest is padding (-1)."""
+    pair_rows and src_pair are inverse maps; the rest is padding (-1). Both ways of ranking pairs (counting up to
+    COUNT_PAIRS pairs, a stable sort above)."""
+    monkeypatch.setattr(grouped, "COUNT_PAIRS", 1 << 20 if ranks == "counted" else 0)
     e, k = 6, 3
     idx = routing(e=e, k=k)
     n = idx.shape[0]
@@ -41,6 +44,22 @@ def test_route_layout():
         want = starts[ex] + torch.arange(pairs.numel())
         assert torch.equal(rows[pairs], want), ex  # stable: token order inside the group
         assert ends[ex] - starts[ex] == (pairs.numel() + grouped.ALIGN - 1) // grouped.ALIGN * grouped.ALIGN
+
+
+def test_counted_and_sorted_ranks_route_alike(monkeypatch):
+    """Random top-k routings of several sizes (idle experts, every pair on one expert): the counted ranks (small
+    batches) and the sorted ones give the same buffer."""
+    gen = torch.Generator().manual_seed(3)
+    cases = [torch.randint(0, 64, (n, 8), generator=gen) for n in (1, 5, 64)]
+    cases += [torch.zeros(7, 1, dtype=torch.int64), torch.rand(33, 96, generator=gen).topk(16).indices]
+    for idx in cases:
+        e = int(idx.max()) + 1 + 3
+        monkeypatch.setattr(grouped, "COUNT_PAIRS", 1 << 20)
+        counted = grouped._route(idx, e)
+        monkeypatch.setattr(grouped, "COUNT_PAIRS", 0)
+        sorted_ = grouped._route(idx, e)
+        for a, b in zip(counted, sorted_, strict=True):
+            assert torch.equal(a, b), tuple(idx.shape)
 
 
 def test_dispatch_and_combine_match_their_definitions_with_gradients():
