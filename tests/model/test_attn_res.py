@@ -79,10 +79,15 @@ def two_phase(fixed, live, q, eps):
     return o[1] if not live else attn_res_merge.reference(o[1], lse[1], live, q, eps)
 
 
+@pytest.mark.parametrize("scores", ["rowwise", "gemm"])
 @pytest.mark.parametrize("n_fixed,n_live", [(1, 0), (1, 1), (3, 0), (3, 1), (2, 3)])
-def test_two_phase_equals_reference_with_gradients(n_fixed, n_live):
+def test_two_phase_equals_reference_with_gradients(n_fixed, n_live, scores, monkeypatch):
     """Phase 1 over the fixed sources + online-softmax merge of the live ones == the reference mix of the whole
-    list, values and gradients (fp64: equal to rounding); gradcheck of the two phases."""
+    list, values and gradients (fp64: equal to rounding); gradcheck of the two phases. Phase 1 scoring both ways
+    (multiply-and-sum for few tokens, GEMMs above ROWWISE_TOKENS)."""
+    from k3.ops.attn_res import two_phase as tp
+
+    monkeypatch.setattr(tp, "ROWWISE_TOKENS", 1 << 20 if scores == "rowwise" else 0)
     torch.manual_seed(n_fixed * 10 + n_live)
     src = [(torch.randn(9, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(n_fixed + n_live)]
     q = torch.randn(16, dtype=torch.float64, requires_grad=True)

@@ -24,6 +24,9 @@ from k3.ops.dtypes import upcast
 from k3.ops.fused import fused
 
 
+ROWWISE_TOKENS = 2048  # phase 1 of up to this many tokens (decode) scores by multiply-and-sum, fused; above, GEMMs
+
+
 @fused
 def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """queries [M, d] (key-norm weight * pseudo-query, one per mix), sources S x [N, d] -> (o [M, N, d] in the
@@ -33,7 +36,8 @@ def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple
     logits = []
     for v in sources:
         v32 = upcast(v)
-        logits.append((v32 @ q.T) * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps))  # [N, M]
+        dots = (v32.unsqueeze(1) * q).sum(-1) if v.shape[0] <= ROWWISE_TOKENS else v32 @ q.T  # [N, M]
+        logits.append(dots * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps))
     s = torch.stack(logits)  # [S, N, M]
     lse = torch.logsumexp(s, 0)  # [N, M]
     a = torch.exp(s - lse)
@@ -46,14 +50,23 @@ def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple
 @fused
 def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> Tensor:
     """One mix's phase-1 result o [N, d], lse [N] merged with L >= 1 live sources [N, d] under its query [d]
-    -> h [N, d] in o's dtype."""
+    -> h [N, d] in o's dtype, as h = o + sum_j a_j (u_j - o) with a_j the softmax weight of u_j among the 1 + L
+    logits: a convex combination equal to the module docstring's, exact when a source repeats o (snapshot's first
+    mix: then the query's gradient is exactly 0, as the reference's). Written row by row (dot products as
+    multiply-and-sum, the softmax by hand) so that, compiled, it is one kernel fused with the residual add before
+    it and the pre-norm after it (k3.model.attn_res.attn_res_merge_norm)."""
     q = upcast(query)
     logits = [upcast(lse)]
     for u in live:
         u32 = upcast(u)
-        logits.append((u32 @ q) * torch.rsqrt(u32.pow(2).mean(-1) + eps))  # [N]
-    a = torch.stack(logits).softmax(0)  # [1 + L, N]
-    h = a[0].unsqueeze(-1) * upcast(o)
-    for j, u in enumerate(live):
-        h = h + a[j + 1].unsqueeze(-1) * upcast(u)
+        logits.append((u32 * q).sum(-1) * torch.rsqrt(u32.pow(2).mean(-1) + eps))  # [N]
+    m = logits[0]
+    for t in logits[1:]:
+        m = torch.maximum(m, t)
+    w = [torch.exp(t - m) for t in logits]
+    z = sum(w)
+    o32 = upcast(o)
+    h = o32
+    for wj, u in zip(w[1:], live):
+        h = h + (wj / z).unsqueeze(-1) * (upcast(u) - o32)
     return h.to(o.dtype)
