@@ -10,7 +10,7 @@
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests, up to 7 minutes: 31 GPU tests, mostly compilation, plus fla's autotuning of any new
 # kernel variant, about a minute per kernel); train, decode, profile, attn_res, attn_res_compiled, train_ac,
-# profile_decode, kernels, tune_mla and profile_kernels on request, each under its own limit below (one call runs
+# profile_decode, profile_attn_res, kernels, tune_mla and profile_kernels on request, each under its own limit below (one call runs
 # at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
@@ -32,8 +32,10 @@ step train 260 python -m k3 bench model --cases train,peer
 step attn_res 240 python -m k3 bench model --cases attn_res
 step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac
-step decode 240 python -m k3 bench decode --quick  # with the compiled-step cases
-step profile_decode 60 python benchmarks/profile_decode.py
+step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
+step profile_decode 130 python benchmarks/profile_decode.py --compiled
+step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
+  --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 150 python -m k3 bench kernels --quick
 step tune_mla 90 python benchmarks/tune_mla_decode.py
 step profile_kernels 120 python benchmarks/profile_kernels.py

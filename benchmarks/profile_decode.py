@@ -1,7 +1,11 @@
 """Where a decode step's time goes: the model of ``k3 bench decode`` (Kimi-Linear-shaped, random bf16 weights, a cache
 filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
 
-    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3]
+    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled]
+    python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
+
+The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
+``--attn-res`` sets its AttnRes mode (the ``attn_res_compiled`` case of ``k3 bench model`` is small-1b at 16 x 4K).
 
 For each (batch, context): the graph's time per step and the limit (bytes / copy bandwidth, as in the benchmark);
 then, over eager steps under torch.profiler, the kernels per step and the device time of each part of the model (KDA
@@ -11,6 +15,8 @@ below: if it is far above the limit the kernels are slow or too many, if close t
 eagerly. A part's time counts the kernels its CPU range launched through the runtime API; Triton kernels (fla's KDA
 step, the MLA decode kernel) are launched through the driver API and land in "the rest" (they are named in the
 kernel list).
+``--compiled`` also profiles the torch.compile'd step replayed from its CUDA graph (GraphedDecoder(compile=True)):
+the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count.
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
@@ -24,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from k3.bench.common import copy_bandwidth, cuda_time, write_profile
 from k3.bench.decode import fill_cache, peer_config, step_bytes
+from k3.config import get_preset
 from k3.infer.graphs import GraphedDecoder
 from k3.model.attn_res import ResidualStream
 from k3.model.decoder import K3ForCausalLM
@@ -36,18 +43,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="1x4096,64x32768")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--preset", default=None, help="a k3 preset instead of the decode benchmark's model")
+    p.add_argument("--attn-res", default=None, help="AttnRes mode of --preset's model")
+    p.add_argument("--compiled", action="store_true", help="also profile the compiled step's CUDA graph")
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()
-    model = K3ForCausalLM(peer_config()).cuda().to(torch.bfloat16).eval()
+    config = peer_config() if a.preset is None else get_preset(a.preset)
+    if a.attn_res is not None:
+        config = config.replace(**{"attn_res.mode": a.attn_res})
+    model = K3ForCausalLM(config).cuda().to(torch.bfloat16).eval()
+    print(f"model {config.name}, AttnRes {config.attn_res.mode}", flush=True)
     cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",")]
-    graphed = {}
+    graphed, lines = {}, []
     for batch, context in cases:  # graph times first: the profiler ranges below stay out of the captures
         cache = fill_cache(model, batch, context, 64)
         ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
         graph = GraphedDecoder(model, cache)
         graphed[batch, context] = cuda_time(lambda: graph(ids, list(range(batch))), warmup=2, iters=16)
-        del graph, cache
+        del graph
+        if a.compiled:
+            lines += compiled_block(model, cache, ids, batch, context, step_bytes(model, batch, context) / bw)
+        del cache
         torch.cuda.empty_cache()
     for layer in model.model.layers:
         phase(layer.self_attn, "step", f"part: {layer.mixer} mixer")
@@ -58,7 +75,6 @@ def main() -> None:
     phase(model.lm_head, "forward", "part: lm_head")
     for name in ("input", "add", "output"):  # the AttnRes mixes (or plain residual adds) + pre-norms; not nested
         phase(ResidualStream, name, "part: residual stream")
-    lines = []
     for batch, context in cases:
         limit = step_bytes(model, batch, context) / bw
         cache = fill_cache(model, batch, context, 64)
@@ -84,18 +100,45 @@ def main() -> None:
         for key, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
             block.append(f"  {key:<28} {ms:8.3f} ms/step device")
         block.append(f"  {'part: the rest':<28} {busy - sum(parts.values()):8.3f} ms/step device")
-        by_kernel = defaultdict(lambda: [0.0, 0])
-        for e in kernels:
-            by_kernel[e.name][0] += e.device_time / 1e3 / a.steps
-            by_kernel[e.name][1] += 1
-        block.append("  top kernels (ms per step, launches per step):")
-        for name, (ms, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:15]:
-            block.append(f"    {name[:70]:<70} {ms:7.3f} {n / a.steps:6.0f}")
+        block += kernel_table(kernels, a.steps, 15)
         print("\n".join(block), flush=True)
         lines += block
         del cache
         torch.cuda.empty_cache()
-    write_profile("profile_decode", "\n".join(lines), echo=False)  # printed block by block above
+    name = "profile_decode" + ("" if a.preset is None else f"_{config.name}_{config.attn_res.mode}")
+    write_profile(name, "\n".join(lines), echo=False)  # printed block by block above
+
+
+def kernel_table(kernels: list, steps: int, top: int) -> list[str]:
+    """The ``top`` kernels by device time: ms per step and launches per step."""
+    by_kernel = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_kernel[e.name][0] += e.device_time / 1e3 / steps
+        by_kernel[e.name][1] += 1
+    block = ["  top kernels (ms per step, launches per step):"]
+    for name, (ms, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        block.append(f"    {name[:70]:<70} {ms:7.3f} {n / steps:6.0f}")
+    return block
+
+
+def compiled_block(model, cache, ids, batch: int, context: int, limit: float, steps: int = 3) -> list[str]:
+    """Time and profile the compiled step replayed from its CUDA graph."""
+    graph = GraphedDecoder(model, cache, compile=True)
+    seq = list(range(batch))
+    t = cuda_time(lambda: graph(ids, seq), warmup=2, iters=16)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph(ids, seq)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower()]  # the graph's kernels, not the input copies
+    busy = sum(e.device_time for e in kernels) / 1e3 / steps
+    block = ["", f"B={batch} context={context} compiled + CUDA graph: {t * 1e3:.2f} ms/step, limit "
+             f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "
+             f"{busy:.2f} ms/step"] + kernel_table(kernels, steps, 40)
+    print("\n".join(block), flush=True)
+    return block
+
 
 if __name__ == "__main__":
     main()

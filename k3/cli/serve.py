@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="torch.compile the decode step before its CUDA-graph capture (GPU; compiles once per "
+                        "batch size, and reserves the MLA cache for --max-context up front)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
     p.set_defaults(func=run)
 
@@ -49,7 +52,7 @@ def build_engine(args: argparse.Namespace):
     model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_context=args.max_context,
-                    cuda_graphs=False if args.no_cuda_graphs else None,
+                    cuda_graphs=False if args.no_cuda_graphs else None, compile_decode=args.compile_decode,
                     prefill_chunk=args.prefill_chunk, memory_budget=budget,
                     prefix_cache_bytes=int(args.prefix_cache_gb * GIB))
     return engine, tokenizer, path

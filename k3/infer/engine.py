@@ -77,7 +77,8 @@ class Media:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch: int = 16, max_context: int | None = None,
                  prefill_chunk: int = 256, memory_budget: int | None = None, prefix_cache_bytes: int = 0,
-                 block_size: int = 64, state_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None):
+                 block_size: int = 64, state_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None,
+                 compile_decode: bool = False):
         cfg = model.config
         if prefill_chunk < 1 or max_batch < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} and max_batch={max_batch} must be positive")
@@ -96,8 +97,15 @@ class Engine:
         self.prefix = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes else None
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self.graphs = GraphedDecoder(model, self.cache) if cuda_graphs else None
-        log.info("engine: decode steps run %s", "in CUDA graphs" if cuda_graphs else "eagerly")
+        if compile_decode and not cuda_graphs:
+            raise ValueError("compile_decode compiles the decode step replayed from CUDA graphs: it needs "
+                             "cuda_graphs on a CUDA device")
+        if compile_decode:  # one compilation per batch size: the MLA capacity is reserved whole, so never grows
+            self.cache.reserve(self.max_context + 1)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, max_batch + 8)
+        self.graphs = GraphedDecoder(model, self.cache, compile=compile_decode) if cuda_graphs else None
+        log.info("engine: decode steps run %s", ("compiled, in CUDA graphs" if compile_decode else "in CUDA graphs")
+                 if cuda_graphs else "eagerly")
         self.free_slots = list(range(max_batch))
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []

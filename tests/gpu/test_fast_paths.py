@@ -330,8 +330,10 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     assert max(full_errs) <= 5e-2, full_errs
 
 
-def test_engine_with_cuda_graphs_equals_eager_engine():
-    """Continuous batching with graph-replayed decode steps gives the eager engine's greedy tokens."""
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_engine_with_cuda_graphs_equals_eager_engine(compile_decode):
+    """Continuous batching with graph-replayed decode steps (compiled or not) gives the eager engine's greedy
+    tokens."""
     from k3.infer.engine import Engine
     from k3.infer.sampling import SamplingParams
     from k3.model.decoder import K3ForCausalLM
@@ -351,7 +353,8 @@ def test_engine_with_cuda_graphs_equals_eager_engine():
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (12, 20, 7, 15)]
     outs = []
     for graphs in (True, False):
-        engine = Engine(model, Ids(), max_batch=3, prefill_chunk=16, cuda_graphs=graphs)
+        engine = Engine(model, Ids(), max_batch=3, prefill_chunk=16, cuda_graphs=graphs,
+                        compile_decode=compile_decode and graphs)
         outs.append([r["token_ids"] for r in engine.generate(prompts, params)])
     assert outs[0] == outs[1]
 

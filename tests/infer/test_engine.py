@@ -131,6 +131,11 @@ def test_memory_budget_admits_or_queues(model):
         eng.add([1, 2], SamplingParams(temperature=-1))
 
 
+def test_compiled_decode_needs_cuda_graphs(model):
+    with pytest.raises(ValueError, match="compile_decode .* needs cuda_graphs"):
+        Engine(model, IdTokenizer(), max_batch=2, cuda_graphs=False, compile_decode=True)
+
+
 def test_seeded_sampling_is_batch_independent(model):
     torch.manual_seed(5)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (9, 30, 17)]
