@@ -105,7 +105,8 @@ def main() -> None:
         lines += block
         del cache
         torch.cuda.empty_cache()
-    name = "profile_decode" + ("" if a.preset is None else f"_{config.name}_{config.attn_res.mode}")
+    custom = a.preset is not None or a.attn_res is not None
+    name = "profile_decode" + (f"_{config.name}_{config.attn_res.mode}" if custom else "")
     write_profile(name, "\n".join(lines), echo=False)  # printed block by block above
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.infer.graphs import GraphedDecoder
+from k3.ops.fused import raise_recompile_limit
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import SamplingParams, sample_next
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
@@ -101,8 +102,13 @@ class Engine:
             raise ValueError("compile_decode compiles the decode step replayed from CUDA graphs: it needs "
                              "cuda_graphs on a CUDA device")
         if compile_decode:  # one compilation per batch size: the MLA capacity is reserved whole, so never grows
+            whole = max_batch * self.context_bytes(self.max_context)
+            if memory_budget is not None and whole > memory_budget:
+                raise ValueError(f"compile_decode reserves the cache of max_batch={max_batch} sequences of "
+                                 f"max_context={self.max_context} tokens up front ({whole / 2**30:.2f} GiB), more "
+                                 f"than memory_budget ({memory_budget / 2**30:.2f} GiB): lower either")
             self.cache.reserve(self.max_context + 1)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, max_batch + 8)
+            raise_recompile_limit(max_batch + 8, "k3.infer.engine: compiled decode, one version per batch size")
         self.graphs = GraphedDecoder(model, self.cache, compile=compile_decode) if cuda_graphs else None
         log.info("engine: decode steps run %s", ("compiled, in CUDA graphs" if compile_decode else "in CUDA graphs")
                  if cuda_graphs else "eagerly")

@@ -41,15 +41,16 @@ def compilable(device: torch.device) -> bool:
     return not torch._dynamo.config.disable
 
 
-def _raise_recompile_limit() -> None:
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT, who: str = "k3.ops.fused") -> None:
+    """Let dynamo compile a function at least ``limit`` times (per-function limit, and 4x that in all) before it
+    runs new shapes uncompiled; logged when raised."""
     import torch._dynamo
 
     config = torch._dynamo.config
-    if config.recompile_limit < RECOMPILE_LIMIT:
-        backend.log.info("torch._dynamo recompile_limit %d -> %d (k3.ops.fused)", config.recompile_limit,
-                         RECOMPILE_LIMIT)
-        config.recompile_limit = RECOMPILE_LIMIT
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+    if config.recompile_limit < limit:
+        backend.log.info("torch._dynamo recompile_limit %d -> %d (%s)", config.recompile_limit, limit, who)
+        config.recompile_limit = limit
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * limit)
 
 
 def fused(fn: Callable) -> Callable:
@@ -71,7 +72,7 @@ def fused(fn: Callable) -> Callable:
         if compiled is None:  # compile lazily: importing k3 must not import dynamo
             from torch._dynamo.exc import TorchDynamoException
 
-            _raise_recompile_limit()
+            raise_recompile_limit()
             compiled, compile_error = torch.compile(fn, fullgraph=True), TorchDynamoException
         try:
             return compiled(*args, **kwargs)

@@ -131,9 +131,13 @@ def test_memory_budget_admits_or_queues(model):
         eng.add([1, 2], SamplingParams(temperature=-1))
 
 
-def test_compiled_decode_needs_cuda_graphs(model):
+def test_compiled_decode_needs_cuda_graphs_and_its_whole_cache_in_the_budget(model):
     with pytest.raises(ValueError, match="compile_decode .* needs cuda_graphs"):
         Engine(model, IdTokenizer(), max_batch=2, cuda_graphs=False, compile_decode=True)
+    per_sequence = Engine(model, IdTokenizer(), max_batch=2, max_context=256).context_bytes(256)
+    with pytest.raises(ValueError, match="more than memory_budget"):  # checked before any CUDA graph
+        Engine(model, IdTokenizer(), max_batch=2, max_context=256, memory_budget=per_sequence, cuda_graphs=True,
+               compile_decode=True)
 
 
 def test_seeded_sampling_is_batch_independent(model):

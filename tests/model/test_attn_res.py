@@ -60,6 +60,23 @@ def plain_loop(model, tokens, cu):
     return model.lm_head(model.model.norm(h))
 
 
+@pytest.mark.parametrize("tokens", [9, 3000])
+def test_compiled_phase1_scores_rowwise_or_by_gemm(tokens):
+    """Traced by torch.compile, phase 1 scores few tokens (<= ROWWISE_TOKENS) by multiply-and-sum and more by
+    GEMMs: both equal the reference mix with its gradients (fp64)."""
+    torch.manual_seed(tokens)
+    src = [(torch.randn(tokens, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(4)]
+    q = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(tokens, 16, dtype=torch.float64)
+    out = two_phase(src[:3], src[3:], q, 1e-5, compiled=True)
+    ours = torch.autograd.grad((out * g).sum(), [q, *src])
+    ref = depth_mix(src, q, 1e-5)
+    want = torch.autograd.grad((ref * g).sum(), [q, *src])
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-12
+    for a, b in zip(ours, want):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-10
+
+
 def test_zero_init_gives_uniform_depth_weights():
     model = K3ForCausalLM(get_preset("tiny"))
     projs = [p for n, p in model.named_parameters() if n.endswith("_res_proj.weight")]
@@ -70,24 +87,23 @@ def test_zero_init_gives_uniform_depth_weights():
     assert torch.allclose(out, src.mean(0), atol=1e-6)
 
 
-def two_phase(fixed, live, q, eps):
-    """phase 1 for q and two other queries (they must not disturb q's row), then the merge."""
+def two_phase(fixed, live, q, eps, compiled=False):
+    """phase 1 for q and two other queries (they must not disturb q's row), then the merge; ``compiled``: traced
+    by torch.compile (aot_eager: no code generation), which takes phase 1's multiply-and-sum scoring."""
     from k3.ops.attn_res.two_phase import attn_res_merge, attn_res_phase1
 
     others = torch.randn(2, q.shape[0], dtype=q.dtype)
-    o, lse = attn_res_phase1.reference(torch.stack([others[0], q, others[1]]), fixed, eps)
+    phase1 = attn_res_phase1.reference
+    if compiled:
+        phase1 = torch.compile(phase1, backend="aot_eager", fullgraph=True, dynamic=False)
+    o, lse = phase1(torch.stack([others[0], q, others[1]]), fixed, eps)
     return o[1] if not live else attn_res_merge.reference(o[1], lse[1], live, q, eps)
 
 
-@pytest.mark.parametrize("scores", ["rowwise", "gemm"])
 @pytest.mark.parametrize("n_fixed,n_live", [(1, 0), (1, 1), (3, 0), (3, 1), (2, 3)])
-def test_two_phase_equals_reference_with_gradients(n_fixed, n_live, scores, monkeypatch):
+def test_two_phase_equals_reference_with_gradients(n_fixed, n_live):
     """Phase 1 over the fixed sources + online-softmax merge of the live ones == the reference mix of the whole
-    list, values and gradients (fp64: equal to rounding); gradcheck of the two phases. Phase 1 scoring both ways
-    (multiply-and-sum for few tokens, GEMMs above ROWWISE_TOKENS)."""
-    from k3.ops.attn_res import two_phase as tp
-
-    monkeypatch.setattr(tp, "ROWWISE_TOKENS", 1 << 20 if scores == "rowwise" else 0)
+    list, values and gradients (fp64: equal to rounding); gradcheck of the two phases."""
     torch.manual_seed(n_fixed * 10 + n_live)
     src = [(torch.randn(9, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(n_fixed + n_live)]
     q = torch.randn(16, dtype=torch.float64, requires_grad=True)

@@ -51,12 +51,16 @@ def test_first_compilation_raises_dynamos_recompile_limit():
     """A model needs more than dynamo's default 8 versions of rms_norm; with fullgraph=True the limit is an error."""
     import torch._dynamo
 
-    from k3.ops.fused import RECOMPILE_LIMIT, _raise_recompile_limit
+    from k3.ops.fused import RECOMPILE_LIMIT, raise_recompile_limit
 
     config = torch._dynamo.config
     with config.patch(recompile_limit=8, accumulated_recompile_limit=256):
-        _raise_recompile_limit()
+        raise_recompile_limit()
         assert config.recompile_limit == RECOMPILE_LIMIT >= 32
+        raise_recompile_limit(200, "a test")  # e.g. the compiled decode of an engine with max_batch 192
+        assert config.recompile_limit == 200 and config.accumulated_recompile_limit == 800
+        raise_recompile_limit(16)  # never lowered
+        assert config.recompile_limit == 200 and config.accumulated_recompile_limit == 800
 
 
 def test_compiled_path_needs_cuda_triton_and_compile_enabled(monkeypatch):

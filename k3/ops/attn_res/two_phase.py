@@ -24,7 +24,8 @@ from k3.ops.dtypes import upcast
 from k3.ops.fused import fused
 
 
-ROWWISE_TOKENS = 2048  # phase 1 of up to this many tokens (decode) scores by multiply-and-sum, fused; above, GEMMs
+ROWWISE_TOKENS = 2048  # compiled phase 1 of up to this many tokens (decode) scores by multiply-and-sum, fused
+# into one kernel; above, and always eagerly (an [N, M, d] product is slow uncompiled), by GEMMs
 
 
 @fused
@@ -36,7 +37,8 @@ def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple
     logits = []
     for v in sources:
         v32 = upcast(v)
-        dots = (v32.unsqueeze(1) * q).sum(-1) if v.shape[0] <= ROWWISE_TOKENS else v32 @ q.T  # [N, M]
+        rowwise = torch.compiler.is_compiling() and v.shape[0] <= ROWWISE_TOKENS
+        dots = (v32.unsqueeze(1) * q).sum(-1) if rowwise else v32 @ q.T  # [N, M]
         logits.append(dots * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps))
     s = torch.stack(logits)  # [S, N, M]
     lse = torch.logsumexp(s, 0)  # [N, M]
@@ -51,10 +53,12 @@ def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple
 def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> Tensor:
     """One mix's phase-1 result o [N, d], lse [N] merged with L >= 1 live sources [N, d] under its query [d]
     -> h [N, d] in o's dtype, as h = o + sum_j a_j (u_j - o) with a_j the softmax weight of u_j among the 1 + L
-    logits: a convex combination equal to the module docstring's, exact when a source repeats o (snapshot's first
-    mix: then the query's gradient is exactly 0, as the reference's). Written row by row (dot products as
-    multiply-and-sum, the softmax by hand) so that, compiled, it is one kernel fused with the residual add before
-    it and the pre-norm after it (k3.model.attn_res.attn_res_merge_norm)."""
+    logits: the module docstring's convex combination, exact where a live source repeats o (snapshot's first mix,
+    the embedding twice: the query's gradient is then exactly 0, as the reference's). The price: rounding of
+    order eps * max(|o|, |u_j|) instead of eps * |h| (they differ when |o| >> |h|; AttnRes's live residual is
+    usually the largest source). Written row by row (dot products as multiply-and-sum, the softmax by hand) so
+    that, compiled, it is one kernel fused with the residual add before it and the pre-norm after it
+    (k3.model.attn_res.attn_res_merge_norm)."""
     q = upcast(query)
     logits = [upcast(lse)]
     for u in live:
