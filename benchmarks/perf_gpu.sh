@@ -8,9 +8,9 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
-# steps (default: tests, up to 7 minutes: 31 GPU tests, mostly compilation, plus fla's autotuning of any new
+# steps (default: tests, up to 8.7 minutes: 34 GPU tests, mostly compilation, plus fla's autotuning of any new
 # kernel variant, about a minute per kernel); train, decode, profile, attn_res, attn_res_compiled, train_ac,
-# profile_decode, profile_attn_res, kernels, tune_mla and profile_kernels on request, each under its own limit below (one call runs
+# profile_decode, profile_attn_res, kernels, moe_decode, tune_mla and profile_kernels on request, each under its own limit below (one call runs
 # at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
@@ -26,7 +26,7 @@ step() {  # name, seconds, command...
   echo "$name: exit $? after $((SECONDS - t0)) s" | tee -a "$OUTD/summary.txt"
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
-step tests 420 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8
+step tests 520 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step train 260 python -m k3 bench model --cases train,peer
 step attn_res 240 python -m k3 bench model --cases attn_res
@@ -37,6 +37,7 @@ step profile_decode 130 python benchmarks/profile_decode.py --compiled
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 150 python -m k3 bench kernels --quick
+step moe_decode 150 python benchmarks/moe_decode_mm.py  # grouped_mm vs the Triton small-groups kernel
 step tune_mla 90 python benchmarks/tune_mla_decode.py
 step profile_kernels 120 python benchmarks/profile_kernels.py
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"

@@ -12,12 +12,14 @@ padded output columns are cut off, so the result is the unpadded one.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3.ops import backend
 from k3.ops.fused import fused
 
 ALIGN = 8
@@ -135,6 +137,35 @@ class _Combine(torch.autograd.Function):
         return dy, dw, None, None
 
 
+SMALL_GROUPS = ("grouped_mm", "triton")  # K3_MOE_SMALL_GROUPS: the expert matmuls of small no-grad batches (decode)
+
+
+def _small_groups_kernel(n_pairs: int, needs_grad: bool) -> str:
+    """Which matmul runs the experts: 'triton' (k3.ops.moe.small_groups, forward only) when K3_MOE_SMALL_GROUPS
+    asks for it, no gradient is needed and there are at most COUNT_PAIRS pairs; else 'grouped_mm'. Logged once."""
+    choice = os.environ.get("K3_MOE_SMALL_GROUPS", "grouped_mm")
+    if choice not in SMALL_GROUPS:
+        raise ValueError(f"K3_MOE_SMALL_GROUPS={choice!r} must be one of {', '.join(SMALL_GROUPS)}")
+    kernel = choice if not needs_grad and n_pairs <= COUNT_PAIRS else "grouped_mm"
+    if kernel not in _logged:
+        _logged.add(kernel)
+        backend.log.info("moe_experts: expert matmuls by %s", "Triton small-groups kernel (k3.ops.moe.small_groups)"
+                         if kernel == "triton" else "torch._grouped_mm")
+    return kernel
+
+
+_logged: set[str] = set()
+
+
+def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """x [R, K] bf16, w [E, N, K] bf16 -> [R, N]: each group of rows times its expert's w^T."""
+    if kernel == "triton":
+        from k3.ops.moe.small_groups import small_groups_mm  # Triton: imported on use (GPUs only)
+
+        return small_groups_mm(x, w, offs)
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
                 glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """Same contract as :func:`k3.ops.moe.reference.moe_experts`. Under QAT the weights, inputs and GLU output
@@ -144,12 +175,13 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     if n == 0:  # no token: nothing to route (the dispatch would read token 0)
         return x.new_zeros(0, w2.shape[1])  # as the loop
     route = _route(topk_idx, w1.shape[0])
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w1, w2, w3))
+    kernel = _small_groups_kernel(topk_idx.numel(), needs_grad)
     bf = torch.bfloat16
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
     w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
     w2b = _pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
     xs = _Dispatch.apply(_pad(x.to(bf), (0, pd)), route)  # [R, D+pd]
-    h = glu(torch._grouped_mm(xs, w1b.transpose(1, 2), offs=route.offs),
-            torch._grouped_mm(xs, w3b.transpose(1, 2), offs=route.offs))
-    y = torch._grouped_mm(h.to(bf), w2b.transpose(1, 2), offs=route.offs)  # [R, D+pd]
+    h = glu(_matmul(kernel, xs, w1b, route.offs), _matmul(kernel, xs, w3b, route.offs))
+    y = _matmul(kernel, h.to(bf), w2b, route.offs)  # [R, D+pd]
     return _Combine.apply(y, topk_weight, route, x.dtype)[:, :d]
