@@ -32,7 +32,6 @@ def _inputs(q, k, v, g, beta, initial_state):
     return q.to(dtype), k.to(dtype), v, g.float(), beta.to(dtype), state
 
 
-@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def _norms_outside(q: Tensor, k: Tensor, eps: float) -> tuple[Tensor, Tensor, bool]:
     """(q, k, whether fla's kernel normalises them): fla's kernels take only their own epsilon; with another,
     q and k are normalised here (k3.ops.kda.l2norm) and passed on as they are."""
@@ -101,20 +100,30 @@ def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
 def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
                     lower_bound: float | None, state: Tensor, slots: Tensor, l2norm_eps: float = 1e-6,
                     scale: float | None = None) -> Tensor:
     """Same contract as :func:`k3.ops.kda.reference.kda_decode_step`: one fla kernel that normalises q and k,
-    computes the gate and beta, reads each sequence's state from the pool by slot and writes it back in place."""
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
+    computes the gate and beta, reads each sequence's state from the pool by slot and writes it back in place.
+    The inputs are laid out here, where a compiled decode step fuses the casts and copies into its own kernels;
+    only the launch is kept out of traced graphs."""
     dtype = v.dtype
     q, k, fused_norm = _norms_outside(q, k, l2norm_eps)
+    return _decode_launch(q[:, None].to(dtype).contiguous(), k[:, None].to(dtype).contiguous(),
+                          v[:, None].contiguous(), f[:, None].float().contiguous(), b[:, None].float().contiguous(),
+                          A_log.float(), dt_bias.float(), state, slots.to(torch.int32), fused_norm, lower_bound,
+                          scale)
+
+
+@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
+def _decode_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+                   state: Tensor, slots: Tensor, fused_norm: bool, lower_bound: float | None,
+                   scale: float | None) -> Tensor:
+    """fla's fused recurrent KDA forward on [N, 1, H, *] inputs, the state pool updated in place -> o [N, H, dv]."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
     o, _ = fused_recurrent_kda_fwd(
-        q=q[:, None].to(dtype).contiguous(), k=k[:, None].to(dtype).contiguous(), v=v[:, None].contiguous(),
-        g=f[:, None].float().contiguous(), beta=b[:, None].float().contiguous(), A_log=A_log.float(),
-        dt_bias=dt_bias.float(), scale=scale, initial_state=state, inplace_final_state=True,
-        ssm_state_indices=slots.to(torch.int32), use_qk_l2norm_in_kernel=fused_norm, use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
+        inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=fused_norm,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
     return o[:, 0]
