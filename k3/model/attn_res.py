@@ -18,7 +18,9 @@ block's mixes (2 per layer, and the output mix after the last block) against the
 the block: the bank (snapshot, block_sum) or the outputs before the block (full); each mix then merges its live
 sources (r; the partial sum; the block's own outputs) by online softmax. Phase 1 materialises o [M, N, d] for M
 mixes; it covers as many of the block's mixes at once as fit in TWO_PHASE_BYTES (at least one), so long passes
-(1M-token prefill) do it mix by mix. Recording the depth weights (audit) mixes with the reference instead.
+(1M-token prefill) do it mix by mix. Passes of at most DIRECT_TOKENS tokens (decode steps) skip phase 1: each mix
+reads all its sources in one pass (``attn_res_mix_norm``: compiled, one kernel per mix). Recording the depth
+weights (audit) mixes with the reference instead.
 The stream also applies the sub-layer's pre-norm (and the final norm) to the mix, compiled together with the
 merge (``attn_res_merge_norm``).
 """
@@ -30,9 +32,11 @@ from torch import Tensor, nn
 
 from k3.model.norm import RMSNorm, rms_norm
 from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix, depth_weights
+from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
 
 TWO_PHASE_BYTES = 1 << 30  # phase 1 computes at most this many bytes of o [M, N, d] at once (at least one mix)
+DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix every source in one pass, no phase 1
 
 
 @fused
@@ -42,6 +46,15 @@ def attn_res_merge_norm(o: Tensor, lse: Tensor, live: list[Tensor], query: Tenso
     (rms_norm with ``weight``, ``norm_eps``), compiled as one graph on CUDA so the norm is fused into the merge
     rather than a pass of its own over h. [N, d] -> [N, d]."""
     return rms_norm.reference(attn_res_merge.reference(o, lse, live, query, eps), weight, norm_eps)
+
+
+@fused
+def attn_res_mix_norm(query: Tensor, sources: list[Tensor], eps: float, weight: Tensor, norm_eps: float) -> Tensor:
+    """A whole mix of S >= 2 sources [N, d] in one pass, then the sub-layer's pre-norm: the phase-2 merge with the
+    first source in the place of phase 1's result (its own logit as the log-sum-exp), which is the depth mix of
+    all S. For passes of few tokens (a decode step): compiled, one kernel per mix and no phase 1. -> [N, d]."""
+    lse = source_logit(sources[0], query, eps)
+    return rms_norm.reference(attn_res_merge.reference(sources[0], lse, sources[1:], query, eps), weight, norm_eps)
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -126,6 +139,8 @@ class ResidualStream:
                 w = depth_weights(fixed + live, q, eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
             return norm(depth_mix(fixed + live, q, eps))
+        if fixed[0].shape[0] <= DIRECT_TOKENS:
+            return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps)
         if self.phase1 is None or j >= self.phase1[0] + self.phase1[1].shape[0]:
             self._phase1(j, fixed)
         first, o, lse = self.phase1

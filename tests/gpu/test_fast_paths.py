@@ -489,6 +489,27 @@ def test_compiled_merge_with_pre_norm_matches_reference(dtype):
         assert rel(a.grad, b.grad) <= tol, (i, rel(a.grad, b.grad))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_one_pass_mix_with_pre_norm_matches_reference(dtype):
+    """The one-pass mix of short passes (k3.model.attn_res.attn_res_mix_norm: decode steps), compiled, against
+    rms_norm(reference depth mix) on fp64 copies, 16 tokens (a decode batch), four sources, no gradients (decode).
+    Tolerances as the two-phase test's."""
+    from k3.model.attn_res import attn_res_mix_norm
+    from k3.model.norm import rms_norm
+    from k3.ops import backend
+    from k3.ops.attn_res import depth_mix
+
+    assert backend.resolve("attn_res_mix_norm", torch.device(DEV))[0] == "fast"
+    g = torch.Generator(device=DEV).manual_seed(11)
+    src = [(torch.randn(16, 1024, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype) for i in range(4)]
+    query = torch.randn(1024, device=DEV, generator=g)
+    weight = 1 + 0.1 * torch.randn(1024, device=DEV, generator=g)
+    with torch.no_grad():
+        out = attn_res_mix_norm(query, src, 1e-6, weight, 1e-5)
+        ref = rms_norm.reference(depth_mix([s.double() for s in src], query.double(), 1e-6), weight.double(), 1e-5)
+    assert rel(out, ref) <= (1e-5 if dtype == torch.float32 else 1e-2), rel(out, ref)
+
+
 def test_activation_checkpointing_with_fast_paths_keeps_loss_and_gradients():
     """Recomputing every mixer and FFN (fla chunk_kda, varlen flash MLA, grouped-GEMM experts, compiled ops) in
     the backward pass under bf16 autocast gives the loss and gradients of the plain step: the recomputation runs

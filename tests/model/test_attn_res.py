@@ -135,8 +135,14 @@ def test_two_phase_low_precision(dtype, tol):
     assert err <= tol, err
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "two_phase"])
 @pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
-def test_mode_equals_plain_loop(mode, perturb):
+def test_mode_equals_plain_loop(mode, direct, perturb, monkeypatch):
+    """Each mode's logits == a plain loop over the reference mixes (fp64), with the mixes computed in one pass
+    (few tokens: DIRECT_TOKENS) or in two phases."""
+    import k3.model.attn_res as attn_res
+
+    monkeypatch.setattr(attn_res, "DIRECT_TOKENS", 1 << 20 if direct else 0)
     cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
     torch.manual_seed(0)
     model = perturb(K3ForCausalLM(cfg).double().eval(), query_std=1.0, bias_std=0)
@@ -166,12 +172,15 @@ def test_none_mode_is_the_plain_residual():
     assert ((ours - ref).norm() / ref.norm()).item() <= 1e-12
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["two_phase", "direct"])
 @pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
-def test_two_phase_model_equals_reference_mixes_with_gradients(mode, perturb, monkeypatch):
+def test_two_phase_model_equals_reference_mixes_with_gradients(mode, direct, perturb, monkeypatch):
     """The model's two-phase mixes (phase 1 batched per block, then one mix per phase 1 with a zero budget, then
     three) give the logits and every gradient of the reference mixes (the recording path), fp64; one mix with its
-    own norm eps cuts a batch."""
+    own norm eps cuts a batch. Also the one-pass mixes of short passes (DIRECT_TOKENS)."""
     import k3.model.attn_res as attn_res
+
+    monkeypatch.setattr(attn_res, "DIRECT_TOKENS", 1 << 20 if direct else 0)
 
     cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
     torch.manual_seed(0)

@@ -49,6 +49,12 @@ def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple
     return o.to(sources[0].dtype), lse.T.contiguous()
 
 
+def source_logit(u: Tensor, query: Tensor, eps: float) -> Tensor:
+    """A source's depth logit, row by row: u [N, d], query [d] -> (u . q) / rms(u), [N] in fp32 (fp64 for fp64)."""
+    u32 = upcast(u)
+    return (u32 * upcast(query)).sum(-1) * torch.rsqrt(u32.pow(2).mean(-1) + eps)
+
+
 @fused
 def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> Tensor:
     """One mix's phase-1 result o [N, d], lse [N] merged with L >= 1 live sources [N, d] under its query [d]
@@ -59,11 +65,7 @@ def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, ep
     usually the largest source). Written row by row (dot products as multiply-and-sum, the softmax by hand) so
     that, compiled, it is one kernel fused with the residual add before it and the pre-norm after it
     (k3.model.attn_res.attn_res_merge_norm)."""
-    q = upcast(query)
-    logits = [upcast(lse)]
-    for u in live:
-        u32 = upcast(u)
-        logits.append((u32 * q).sum(-1) * torch.rsqrt(u32.pow(2).mean(-1) + eps))  # [N]
+    logits = [upcast(lse)] + [source_logit(u, query, eps) for u in live]
     m = logits[0]
     for t in logits[1:]:
         m = torch.maximum(m, t)
