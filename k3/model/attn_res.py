@@ -18,8 +18,9 @@ block's mixes (2 per layer, and the output mix after the last block) against the
 the block: the bank (snapshot, block_sum) or the outputs before the block (full); each mix then merges its live
 sources (r; the partial sum; the block's own outputs) by online softmax. Phase 1 materialises o [M, N, d] for M
 mixes; it covers as many of the block's mixes at once as fit in TWO_PHASE_BYTES (at least one), so long passes
-(1M-token prefill) do it mix by mix. Passes of at most DIRECT_TOKENS tokens (decode steps) skip phase 1: each mix
-reads all its sources in one pass (``attn_res_mix_norm``: compiled, one kernel per mix). Recording the depth
+(1M-token prefill) do it mix by mix. Passes of at most DIRECT_TOKENS tokens (decode steps) skip phase 1 in modes
+snapshot and block_sum: each mix reads all its sources in one pass (``attn_res_mix_norm``: compiled, one kernel per
+mix). Recording the depth
 weights (audit) mixes with the reference instead.
 The stream also applies the sub-layer's pre-norm (and the final norm) to the mix, compiled together with the
 merge (``attn_res_merge_norm``).
@@ -36,7 +37,9 @@ from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
 
 TWO_PHASE_BYTES = 1 << 30  # phase 1 computes at most this many bytes of o [M, N, d] at once (at least one mix)
-DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix every source in one pass, no phase 1
+DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix every source in one pass, no phase 1,
+# in modes snapshot and block_sum: their few sources (the bank + 1) are cheap to re-read at every mix, and the
+# compiled mix is one version per source count (mode full has a count per layer: it keeps the two phases)
 
 
 @fused
@@ -139,7 +142,7 @@ class ResidualStream:
                 w = depth_weights(fixed + live, q, eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
             return norm(depth_mix(fixed + live, q, eps))
-        if fixed[0].shape[0] <= DIRECT_TOKENS:
+        if fixed[0].shape[0] <= DIRECT_TOKENS and self.mode != "full":
             return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps)
         if self.phase1 is None or j >= self.phase1[0] + self.phase1[1].shape[0]:
             self._phase1(j, fixed)

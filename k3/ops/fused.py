@@ -62,7 +62,7 @@ def fused(fn: Callable) -> Callable:
     from then on; with ``K3_BACKEND=fast`` the error is raised instead."""
     name = fn.__name__
     compiled = None
-    compile_error: type[Exception] = Exception  # dynamo's base class, once imported
+    compile_error: tuple[type[Exception], ...] = (Exception,)  # dynamo's error classes, once imported
     failed = False  # a flag, not the exception: its traceback would keep the failing call's tensors alive
 
     def fast(*args, **kwargs):
@@ -70,10 +70,13 @@ def fused(fn: Callable) -> Callable:
         if failed:
             return fn(*args, **kwargs)
         if compiled is None:  # compile lazily: importing k3 must not import dynamo
-            from torch._dynamo.exc import TorchDynamoException
+            import torch._dynamo.exc as exc
 
             raise_recompile_limit()
-            compiled, compile_error = torch.compile(fn, fullgraph=True), TorchDynamoException
+            # FailOnRecompileLimitHit (too many input shapes for fullgraph) derives from Exception alone
+            errors = tuple(getattr(exc, n) for n in ("TorchDynamoException", "FailOnRecompileLimitHit")
+                           if hasattr(exc, n))
+            compiled, compile_error = torch.compile(fn, fullgraph=True), errors
         try:
             return compiled(*args, **kwargs)
         except compile_error as e:

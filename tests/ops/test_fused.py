@@ -114,3 +114,34 @@ def test_a_failed_compilation_answers_with_the_reference_and_says_so(monkeypatch
     finally:
         backend.set_backend(before)
         torch._dynamo.reset()
+
+
+def test_too_many_input_shapes_answer_with_the_reference(monkeypatch, caplog):
+    """Past dynamo's recompile limit a fullgraph compile raises FailOnRecompileLimitHit, which is not a
+    TorchDynamoException: it too is logged once and answered by the reference (dynamo's eager backend here, the
+    limit lowered to 2, so the third list length hits it)."""
+    import functools
+
+    import torch._dynamo
+
+    import k3.ops.fused as fused_module
+
+    monkeypatch.setattr(fused_module, "compilable", lambda device: True)
+    monkeypatch.setattr(fused_module, "raise_recompile_limit", lambda *a, **k: None)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+
+    @fused_module.fused
+    def list_length_test_op(x, parts):
+        return x + sum(parts)
+
+    x = torch.randn(3)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2), caplog.at_level(logging.INFO, logger="k3.ops"):
+            for n in range(1, 5):
+                parts = [torch.full((3,), float(i)) for i in range(n)]
+                assert torch.equal(list_length_test_op(x, parts), x + sum(parts))
+    finally:
+        torch._dynamo.reset()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "FailOnRecompileLimitHit" in errors[0], errors
+
