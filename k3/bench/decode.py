@@ -13,6 +13,7 @@ conv state + every cached latent row.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -148,8 +149,9 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     bw = copy_bandwidth()
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
                "x_transformers", "hybrid_speedup", "error"]
+    experts = os.environ.get("K3_MOE_SMALL_GROUPS", "grouped_mm")
     meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda in place "
-                            "by slot, Triton split-K MLA decode, grouped_mm experts), decode_step in CUDA graphs"}
+                            f"by slot, Triton split-K MLA decode, {experts} experts), decode_step in CUDA graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
     if quick:
