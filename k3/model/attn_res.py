@@ -20,8 +20,7 @@ sources (r; the partial sum; the block's own outputs) by online softmax. Phase 1
 mixes; it covers as many of the block's mixes at once as fit in TWO_PHASE_BYTES (at least one), so long passes
 (1M-token prefill) do it mix by mix. Passes of at most DIRECT_TOKENS tokens (decode steps) skip phase 1 in modes
 snapshot and block_sum: each mix reads all its sources in one pass (``attn_res_mix_norm``: compiled, one kernel per
-mix). Recording the depth
-weights (audit) mixes with the reference instead.
+mix). Recording the depth weights (audit) mixes with the reference instead.
 The stream also applies the sub-layer's pre-norm (and the final norm) to the mix, compiled together with the
 merge (``attn_res_merge_norm``).
 """
