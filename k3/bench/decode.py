@@ -173,7 +173,8 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
             limit = step_bytes(model, batch, context) / bw
             name = "full-MLA twin" if full else "hybrid 3:1"
             for mode in modes(batch, context, full):
-                row = {"model": name + MODES[mode], "mode": mode, "batch": batch, "context": context, "limit_ms": limit * 1e3}
+                row = {"model": name + MODES[mode], "mode": mode, "batch": batch, "context": context,
+                       "limit_ms": limit * 1e3}
                 try:
                     t = ours(model, batch, context, mode=mode)
                     row |= {"tokens_per_s": batch / t, "ms_per_step": t * 1e3, "fraction_of_limit": limit / t}

@@ -112,7 +112,7 @@ def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
     wt = torch.rand(n, topk, device=DEV)
     with torch.no_grad():
         monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
-        assert grouped._small_groups_kernel(idx.numel(), needs_grad=False) == "triton"
+        assert grouped._experts_matmul(idx.numel(), needs_grad=False) == "triton"
         y = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)
         monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "grouped_mm")
         y_mm = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)

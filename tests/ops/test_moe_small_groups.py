@@ -54,14 +54,14 @@ def test_selection(monkeypatch):
     """grouped_mm unless asked for; the Triton kernel only without gradients and for at most COUNT_PAIRS pairs; a
     bad value is one clear error."""
     monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
-    assert grouped._small_groups_kernel(64, needs_grad=False) == "grouped_mm"
+    assert grouped._experts_matmul(64, needs_grad=False) == "grouped_mm"
     monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
-    assert grouped._small_groups_kernel(64, needs_grad=False) == "triton"
-    assert grouped._small_groups_kernel(64, needs_grad=True) == "grouped_mm"
-    assert grouped._small_groups_kernel(grouped.COUNT_PAIRS + 1, needs_grad=False) == "grouped_mm"
+    assert grouped._experts_matmul(64, needs_grad=False) == "triton"
+    assert grouped._experts_matmul(64, needs_grad=True) == "grouped_mm"
+    assert grouped._experts_matmul(grouped.COUNT_PAIRS + 1, needs_grad=False) == "grouped_mm"
     monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "cutlass")
     with pytest.raises(ValueError, match="K3_MOE_SMALL_GROUPS='cutlass' must be one of grouped_mm, triton"):
-        grouped._small_groups_kernel(64, needs_grad=False)
+        grouped._experts_matmul(64, needs_grad=False)
 
 
 def test_rejects_mismatched_inputs():

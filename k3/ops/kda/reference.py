@@ -149,6 +149,14 @@ def recurrent_kda(
     return o, (S if output_final_state else None)
 
 
+def _from_raw(q, k, f, b, A_log, dt_bias, lower_bound, l2norm_eps):
+    """The raw projections -> the recurrence's inputs: q, k L2-normed, the gate g (log space), beta = sigmoid(b) in
+    promote(b.dtype, fp32)."""
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
+    return l2norm(q, l2norm_eps), l2norm(k, l2norm_eps), g, beta
+
+
 def kda_decode_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -176,10 +184,9 @@ def kda_decode_step(
         o: [N, H, V] in v.dtype; ``state[slots]`` holds the new states (in state.dtype). Reads nothing back to
         the host, so it can be captured in a CUDA graph.
     """
-    g = kda_gate(f, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
-    o, final = recurrent_kda(l2norm(q, l2norm_eps)[:, None], l2norm(k, l2norm_eps)[:, None], v[:, None], g[:, None],
-                             beta[:, None], scale=scale, initial_state=state[slots], output_final_state=True)
+    q, k, g, beta = _from_raw(q, k, f, b, A_log, dt_bias, lower_bound, l2norm_eps)
+    o, final = recurrent_kda(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
+                             initial_state=state[slots], output_final_state=True)
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[:, 0]
 
@@ -212,11 +219,9 @@ def chunk_kda_raw(
     Returns:
         As :func:`chunk_kda`; differentiable in every tensor argument, A_log and dt_bias included.
     """
-    g = kda_gate(f, A_log, dt_bias, lower_bound)
-    beta = torch.sigmoid(b.to(torch.promote_types(b.dtype, torch.float32)))
-    return chunk_kda(l2norm(q, l2norm_eps), l2norm(k, l2norm_eps), v, g, beta, scale=scale,
-                     initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     chunk_size=chunk_size)
+    q, k, g, beta = _from_raw(q, k, f, b, A_log, dt_bias, lower_bound, l2norm_eps)
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
 
 # --------------------------------------------------------------------------------------------

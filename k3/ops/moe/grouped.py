@@ -138,9 +138,10 @@ class _Combine(torch.autograd.Function):
 
 
 SMALL_GROUPS = ("grouped_mm", "triton")  # K3_MOE_SMALL_GROUPS: the expert matmuls of small no-grad batches (decode)
+_logged: set[str] = set()
 
 
-def _small_groups_kernel(n_pairs: int, needs_grad: bool) -> str:
+def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     """Which matmul runs the experts: 'triton' (k3.ops.moe.small_groups, forward only) when K3_MOE_SMALL_GROUPS
     asks for it, no gradient is needed and there are at most COUNT_PAIRS pairs; else 'grouped_mm'. Logged once."""
     choice = os.environ.get("K3_MOE_SMALL_GROUPS", "grouped_mm")
@@ -152,9 +153,6 @@ def _small_groups_kernel(n_pairs: int, needs_grad: bool) -> str:
         backend.log.info("moe_experts: expert matmuls by %s", "Triton small-groups kernel (k3.ops.moe.small_groups)"
                          if kernel == "triton" else "torch._grouped_mm")
     return kernel
-
-
-_logged: set[str] = set()
 
 
 def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -176,7 +174,7 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
         return x.new_zeros(0, w2.shape[1])  # as the loop
     route = _route(topk_idx, w1.shape[0])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w1, w2, w3))
-    kernel = _small_groups_kernel(topk_idx.numel(), needs_grad)
+    kernel = _experts_matmul(topk_idx.numel(), needs_grad)
     bf = torch.bfloat16
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
     w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
