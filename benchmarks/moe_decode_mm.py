@@ -1,5 +1,5 @@
-"""The expert matmuls of a decode step: torch._grouped_mm (the default) vs the Triton small-groups kernel
-(k3.ops.moe.small_groups, K3_MOE_SMALL_GROUPS=triton), both replayed from CUDA graphs, against the bandwidth limit.
+"""The expert matmuls of a decode step: torch._grouped_mm (K3_MOE_SMALL_GROUPS=grouped_mm) vs the Triton
+small-groups kernel (k3.ops.moe.small_groups, the default), both replayed from CUDA graphs, against the bandwidth limit.
 
     python benchmarks/moe_decode_mm.py
 

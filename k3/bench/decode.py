@@ -13,7 +13,6 @@ conv state + every cached latent row.
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -25,6 +24,7 @@ from k3.config.config import AttnResConfig
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
+from k3.ops.moe.grouped import _experts_matmul
 
 
 def peer_config(full_mla: bool = False) -> K3Config:
@@ -149,7 +149,7 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     bw = copy_bandwidth()
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
                "x_transformers", "hybrid_speedup", "error"]
-    experts = os.environ.get("K3_MOE_SMALL_GROUPS", "grouped_mm")
+    experts = _experts_matmul(1, needs_grad=False)  # what the decode steps below run (K3_MOE_SMALL_GROUPS)
     meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda in place "
                             f"by slot, Triton split-K MLA decode, {experts} experts), decode_step in CUDA graphs"}
     torch.manual_seed(0)

@@ -96,7 +96,7 @@ def test_grouped_mm_moe_matches_the_loop(d, i):
 
 @pytest.mark.parametrize("n", [5, 64])
 def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
-    """K3_MOE_SMALL_GROUPS=triton at decode (no grad): the Triton small-groups kernel against the per-expert loop
+    """At decode (no grad) the Triton small-groups kernel (the default) against the per-expert loop
     (fp32; bf16 weights and activations: 2e-2) and against torch._grouped_mm (same bf16 inputs: 1e-2, fp32
     accumulation in both). The decode benchmark's expert shapes (its autotuning cache); a hot expert holds more
     rows than one pass of the kernel, most others few or none."""

@@ -51,14 +51,23 @@ def test_kernel_in_triton_interpreter():
 
 
 def test_selection(monkeypatch):
-    """grouped_mm unless asked for; the Triton kernel only without gradients and for at most COUNT_PAIRS pairs; a
-    bad value is one clear error."""
+    """Unset: the Triton kernel where Triton is installed (else grouped_mm), only without gradients and for at most
+    COUNT_PAIRS pairs; grouped_mm when asked for; a bad value, or triton without Triton, is one clear error."""
     monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
+    for have in (True, False):
+        monkeypatch.setattr(grouped, "_have_triton", lambda: have)
+        assert grouped._experts_matmul(64, needs_grad=False) == ("triton" if have else "grouped_mm")
+        assert grouped._experts_matmul(64, needs_grad=True) == "grouped_mm"
+        assert grouped._experts_matmul(grouped.COUNT_PAIRS + 1, needs_grad=False) == "grouped_mm"
+    monkeypatch.setattr(grouped, "_have_triton", lambda: True)
+    monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "grouped_mm")
     assert grouped._experts_matmul(64, needs_grad=False) == "grouped_mm"
     monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
     assert grouped._experts_matmul(64, needs_grad=False) == "triton"
     assert grouped._experts_matmul(64, needs_grad=True) == "grouped_mm"
-    assert grouped._experts_matmul(grouped.COUNT_PAIRS + 1, needs_grad=False) == "grouped_mm"
+    monkeypatch.setattr(grouped, "_have_triton", lambda: False)
+    with pytest.raises(ValueError, match="K3_MOE_SMALL_GROUPS=triton needs Triton, which is not installed"):
+        grouped._experts_matmul(64, needs_grad=False)
     monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "cutlass")
     with pytest.raises(ValueError, match="K3_MOE_SMALL_GROUPS='cutlass' must be one of grouped_mm, triton"):
         grouped._experts_matmul(64, needs_grad=False)
