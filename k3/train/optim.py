@@ -165,7 +165,9 @@ class K3Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        # the largest groups first: their GPU work (the experts' Newton-Schulz) runs while the host launches the
+        # many small kernels of the rest; every group's update is independent of the others'
+        for group in sorted(self.param_groups, key=lambda g: -sum(p.numel() for p in g["params"])):
             if group["kind"] == "adamw":
                 self._adamw_group(group)
             else:
@@ -184,48 +186,44 @@ class K3Muon(torch.optim.Optimizer):
     def _muon_group(self, group: dict) -> None:
         """Momentum, then Newton-Schulz on every matrix block, batched over the group's parameters whose blocks
         have the same shape and device (up to NS_BATCH_BYTES per call: one call orthogonalises many small
-        matrices), then the decoupled weight decay and the scaled update."""
+        matrices), then the decoupled weight decay and the scaled update. The element-wise steps run as foreach
+        kernels per batch: a few launches per batch, not a few per parameter (small-1b's 'muon' group holds 114
+        matrices; launched one by one, its step was host-bound on a GPU)."""
         lr = group["lr"] * group["lr_scale"]
         wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
         ns_dtype = _DTYPES[group["ns_dtype"]]
         budget = NS_BATCH_BYTES // torch.empty((), dtype=ns_dtype).element_size()  # elements per call
-        pending: dict[tuple, list] = {}  # (device, rows, cols) -> [(param, local shape, gathered, blocks)]
-
-        def flush(key) -> None:
-            items = pending.pop(key)
-            _, rows, cols = key
-            flat = [b.reshape(-1, rows, cols) for *_, b in items]
-            blocks = torch.cat(flat) if len(flat) > 1 else flat[0]
-            ortho = newton_schulz(blocks, group["ns_steps"], group["ns_coefficients"], group["eps"], ns_dtype)
-            for (p, local_shape, gathered, b), o in zip(items, ortho.split([b.numel() // (rows * cols)
-                                                                             for *_, b in items])):
-                if gathered:
-                    o = _shard_like(o.reshape(p.shape), p)
-                p = local_shard(p)
-                p.mul_(1 - lr * wd)
-                p.add_(o.reshape(local_shape), alpha=-lr * muon_scale(rows, cols, group["scale_rule"]))
-
+        batches: dict[tuple, list[list]] = {}  # (device, rows, cols) -> batches of (param, grad, state, gathered,
+        #                                        the shape Newton-Schulz sees)
         for p, g, state in self._with_grads(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            buf, g = local_shard(state["momentum_buffer"]), local_shard(g)
-            buf.lerp_(g, 1 - mu)
-            update = g.lerp(buf, mu) if group["nesterov"] else buf
-            local_shape = update.shape
             gathered = _is_dtensor(p) and not (kind == "muon_expert" and _sharded_only_on_dim0(p))
-            if gathered:  # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard
-                update = _full(update, p)
-            if kind == "muon_head":
-                hd = group["head_dim"]
-                update = update.reshape(update.shape[0] // hd, hd, update.shape[1])
-            key = (update.device, *update.shape[-2:])
-            queued = pending.setdefault(key, [])
-            if queued and sum(b.numel() for *_, b in queued) + update.numel() > budget:
-                flush(key)
-                queued = pending.setdefault(key, [])
-            queued.append((p, local_shape, gathered, update.to(ns_dtype)))
-        for key in list(pending):
-            flush(key)
+            shape = p.shape if gathered else local_shard(g).shape  # gathered: NS sees the whole matrix
+            rows, cols = (group["head_dim"], shape[1]) if kind == "muon_head" else shape[-2:]
+            queue = batches.setdefault((local_shard(g).device, rows, cols), [[]])
+            if queue[-1] and sum(math.prod(q[-1]) for q in queue[-1]) + math.prod(shape) > budget:
+                queue.append([])
+            queue[-1].append((p, g, state, gathered, shape))
+        for (_, rows, cols), queue in batches.items():
+            scale = muon_scale(rows, cols, group["scale_rule"])
+            for batch in queue:
+                params = [local_shard(p) for p, *_ in batch]
+                grads = [local_shard(g) for _, g, *_ in batch]
+                bufs = [local_shard(state["momentum_buffer"]) for _, _, state, *_ in batch]
+                torch._foreach_lerp_(bufs, grads, 1 - mu)
+                updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+                # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard (below)
+                updates = [_full(u, p) if gathered else u for u, (p, _, _, gathered, _) in zip(updates, batch)]
+                counts = [u.numel() // (rows * cols) for u in updates]
+                blocks = torch.empty(sum(counts), rows, cols, dtype=ns_dtype, device=params[0].device)
+                torch.cat([u.reshape(-1, rows, cols) for u in updates], out=blocks)
+                del updates
+                ortho = newton_schulz(blocks, group["ns_steps"], group["ns_coefficients"], group["eps"], ns_dtype)
+                ortho = [_shard_like(o.reshape(p.shape), p) if gathered else o.reshape(q.shape)
+                         for o, q, (p, _, _, gathered, _) in zip(ortho.split(counts), params, batch)]
+                torch._foreach_mul_(params, 1 - lr * wd)
+                torch._foreach_add_(params, ortho, alpha=-lr * scale)
 
     def _adamw_group(self, group: dict) -> None:
         """AdamW with foreach kernels: a few launches per group instead of a few per tensor (the group holds every
