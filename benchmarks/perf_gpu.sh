@@ -9,7 +9,7 @@
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests, up to 8.7 minutes: 34 GPU tests, mostly compilation, plus fla's autotuning of any new
-# kernel variant, about a minute per kernel); train, decode, profile, attn_res, attn_res_compiled, train_ac,
+# kernel variant, about a minute per kernel); train, decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
 # profile_decode, profile_attn_res, kernels, moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call runs
 # at most 10 minutes)
 set -u
@@ -28,6 +28,8 @@ step() {  # name, seconds, command...
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 step tests 520 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
+step profile_stacks 170 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048 \
+  --steps 2 --stacks
 step train 260 python -m k3 bench model --cases train,peer
 step attn_res 240 python -m k3 bench model --cases attn_res
 step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled

@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler over a few steps of ``k3.train.trainer.Trainer``.
 
-    python benchmarks/profile_train_step.py [--preset small] [--batch-size 16] [--seq-len 512] [--steps 3]
+    python benchmarks/profile_train_step.py [--preset small] [--batch-size 16] [--seq-len 512] [--steps 3] [--stacks]
 
 Prints (and writes to $K3_BENCH_OUT/profile_train_step.txt when set) the step time with and without the profiler,
 the phases of one step (forward + loss, backward, optimizer, balancer), the number of kernels launched per step,
@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from k3.bench.common import write_profile
+from k3.bench.common import cuda_time, write_profile
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/profile-train-step")
+    p.add_argument("--stacks", action="store_true", help="also device time by k3 call site (forward, optimizer) "
+                   "and by autograd node (backward); records Python stacks, so the profiled step runs slower")
     a = p.parse_args()
 
     cfg = TrainConfig(preset=a.preset, steps=1000, batch_size=a.batch_size, seq_len=a.seq_len, out=a.out,
@@ -66,7 +68,8 @@ def main() -> None:
     phase(trainer.balancer, "observe", "phase: balancer observe")
     phase(trainer.balancer, "step", "phase: balancer update")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True) if a.stacks else None  # (else no stacks, 2.x)
+    with profile(activities=activities, with_stack=a.stacks, experimental_config=stacks) as prof:
         profiled = steps(a.steps)
     ev = prof.key_averages()
     lines = [f"preset {a.preset}, batch {a.batch_size} x {a.seq_len}, device {trainer.device}",
@@ -90,9 +93,64 @@ def main() -> None:
         for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:20]:
             lines.append(f"  {e.key[:60]:<60} {e.self_device_time_total / 1e3 / a.steps:8.2f} "
                          f"{e.count / a.steps:8.0f}")
-    if cuda:  # the optimizer by group kind (its whole step is one profiler range above)
-        from k3.bench.common import cuda_time
+    if cuda and a.stacks:
+        lines += ["", "device time by (operator, innermost k3 call site), forward and optimizer (ms per step):"]
+        sites: dict[tuple[str, str], float] = {}
+        for e in prof.key_averages(group_by_stack_n=16):
+            frame = next((f for f in e.stack if "k3/" in f and "k3/ops/backend.py" not in f
+                          and "k3/ops/fused.py" not in f), None)  # (the dispatchers: their callers say more)
+            if frame is not None and not e.key.startswith("phase:"):
+                sites[e.key, frame] = sites.get((e.key, frame), 0.0) + e.self_device_time_total
+        for (key, frame), t in sorted(sites.items(), key=lambda kv: -kv[1])[:30]:
+            lines.append(f"  {key[:24]:<24} {frame[-64:]:<64} {t / 1e3 / a.steps:8.2f}")
+        lines += ["", "device time by autograd node, backward (ms per step, calls per step):"]
+        nodes: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.name.startswith("autograd::engine::evaluate_function: "):
+                acc = nodes.setdefault(e.name.split(": ", 1)[1], [0.0, 0])
+                acc[0] += e.device_time_total
+                acc[1] += 1
+        for name, (t, n) in sorted(nodes.items(), key=lambda kv: -kv[1][0])[:25]:
+            lines.append(f"  {name[:60]:<60} {t / 1e3 / a.steps:8.2f} {n / a.steps:6.0f}")
+    if cuda and a.stacks:  # which tensors the copy-like backward nodes handle (they carry no Python stack)
+        loss_sum, _, _ = trainer._forward_loss(trainer.next_batches()[0])
+        lines += ["", "autograd nodes of one micro-batch (count, node, input shape / dtype when saved):"]
+        census: dict[str, int] = {}
+        seen, todo = set(), [loss_sum.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            key = type(node).__name__
+            if key == "SelectBackward0":
+                key += f" {tuple(node._saved_self_sym_sizes)} dim {node._saved_dim}"
+            elif key == "ToCopyBackward0":  # saves nothing: name what it feeds
+                nxt = node.next_functions[0][0] if node.next_functions else None
+                var = getattr(nxt, "variable", None)
+                key += f" -> {type(nxt).__name__}" + ("" if var is None else f" {tuple(var.shape)} {var.dtype}")
+            census[key] = census.get(key, 0) + 1
+            todo += [n for n, _ in node.next_functions]
+        for key, n in sorted(census.items(), key=lambda kv: -kv[1])[:40]:
+            lines.append(f"  {n:6d}  {key[:100]}")
+        del loss_sum
+        from k3.train.optim import newton_schulz
 
+        lines += ["", "Newton-Schulz alone per group and block shape (device ms, CUDA events; random blocks):"]
+        for group in trainer.optimizer.param_groups:
+            if group["kind"] == "adamw":
+                continue
+            shapes: dict[tuple[int, int], int] = {}
+            for p in group["params"]:
+                rows, cols = (group["head_dim"], p.shape[1]) if group["kind"] == "muon_head" else p.shape[-2:]
+                shapes[rows, cols] = shapes.get((rows, cols), 0) + p.numel() // (rows * cols)
+            for (rows, cols), n in shapes.items():
+                x = torch.randn(n, rows, cols, device=trainer.device, dtype=torch.bfloat16)
+                ms = cuda_time(lambda: newton_schulz(x, dtype=torch.bfloat16), warmup=1, iters=3) * 1e3
+                tflop = n * 5 * (4 * min(rows, cols) ** 2 * max(rows, cols) + 2 * min(rows, cols) ** 3) / 1e12
+                lines.append(f"  {group['kind']:<12} {n:5d} x [{rows:4d}, {cols:4d}]  {ms:7.2f} ms  "
+                             f"{tflop / ms * 1e3:6.0f} TFLOP/s")
+    if cuda:  # the optimizer by group kind (its whole step is one profiler range above)
         loss_sum, _, _ = trainer._forward_loss(trainer.next_batches()[0])
         loss_sum.backward()  # gradients to step on (the timed calls move the weights; this is a profile)
         lines += ["", "optimizer by group (device ms per call, CUDA events):"]
