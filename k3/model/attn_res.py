@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k3.model.norm import RMSNorm, rms_norm
+from k3.model.norm import RMSNorm, matmul_dtype, rms_norm
 from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix, depth_weights
 from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
@@ -43,20 +43,22 @@ DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix eve
 
 @fused
 def attn_res_merge_norm(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float, weight: Tensor,
-                        norm_eps: float) -> Tensor:
+                        norm_eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
     """The phase-2 merge (k3.ops.attn_res.two_phase.attn_res_merge) followed by the sub-layer's pre-norm
-    (rms_norm with ``weight``, ``norm_eps``), compiled as one graph on CUDA so the norm is fused into the merge
-    rather than a pass of its own over h. [N, d] -> [N, d]."""
-    return rms_norm.reference(attn_res_merge.reference(o, lse, live, query, eps), weight, norm_eps)
+    (rms_norm with ``weight``, ``norm_eps``, ``out_dtype``), compiled as one graph on CUDA so the norm is fused
+    into the merge rather than a pass of its own over h. [N, d] -> [N, d]."""
+    return rms_norm.reference(attn_res_merge.reference(o, lse, live, query, eps), weight, norm_eps, out_dtype)
 
 
 @fused
-def attn_res_mix_norm(query: Tensor, sources: list[Tensor], eps: float, weight: Tensor, norm_eps: float) -> Tensor:
+def attn_res_mix_norm(query: Tensor, sources: list[Tensor], eps: float, weight: Tensor, norm_eps: float,
+                      out_dtype: torch.dtype | None = None) -> Tensor:
     """A whole mix of S >= 2 sources [N, d] in one pass, then the sub-layer's pre-norm: the phase-2 merge with the
     first source in the place of phase 1's result (its own logit as the log-sum-exp), which is the depth mix of
     all S. For passes of few tokens (a decode step): compiled, one kernel per mix and no phase 1. -> [N, d]."""
     lse = source_logit(sources[0], query, eps)
-    return rms_norm.reference(attn_res_merge.reference(sources[0], lse, sources[1:], query, eps), weight, norm_eps)
+    h = attn_res_merge.reference(sources[0], lse, sources[1:], query, eps)
+    return rms_norm.reference(h, weight, norm_eps, out_dtype)
 
 
 def make_mix_params(module: nn.Module, prefix: str, dim: int, eps: float) -> None:
@@ -88,7 +90,8 @@ class ResidualStream:
             self.bank = [embedding]
         self.block_start = 1  # full: outputs[:block_start] are fixed for the current block
         self.block_end = 0  # mixes before this index belong to the current block
-        self.phase1: tuple[int, Tensor, Tensor] | None = None  # (first mix, o [M, N, d], lse [M, N]) of phase 1
+        self.phase1: tuple[int, tuple[Tensor, ...], tuple[Tensor, ...]] | None = None  # (first mix, M x o [N, d],
+        #                                                                            M x lse [N]) of phase 1
         self._queries: Tensor | None = None
 
     def queries(self) -> Tensor:
@@ -142,20 +145,24 @@ class ResidualStream:
             self.records.append((layer, sublayer, w.mean(1).cpu()))
             return norm(depth_mix(fixed + live, q, eps))
         if fixed[0].shape[0] <= DIRECT_TOKENS and self.mode != "full":
-            return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps)
-        if self.phase1 is None or j >= self.phase1[0] + self.phase1[1].shape[0]:
+            return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps, matmul_dtype(fixed[0]))
+        if self.phase1 is None or j >= self.phase1[0] + len(self.phase1[1]):
             self._phase1(j, fixed)
         first, o, lse = self.phase1
         if not live:
             return norm(o[j - first])
-        return attn_res_merge_norm(o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps)
+        return attn_res_merge_norm(o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps,
+                                   matmul_dtype(o[j - first]))
 
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
         """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""
         eps = self.mixers[j][0].eps
         count = max(1, min(self.block_end - j, TWO_PHASE_BYTES // (fixed[0].numel() * fixed[0].element_size())))
         count = next((k for k in range(1, count) if self.mixers[j + k][0].eps != eps), count)
-        self.phase1 = (j, *attn_res_phase1(self.queries()[j:j + count], fixed, eps))
+        o, lse = attn_res_phase1(self.queries()[j:j + count], fixed, eps)
+        # unbound once: indexing o [M, N, d] per mix would make each mix's backward a zero-filled [M, N, d]
+        # gradient, summed M times; unbind's backward stacks the M gradients once
+        self.phase1 = (j, o.unbind(0), lse.unbind(0))
 
     def add(self, out: Tensor) -> None:
         """Record a sub-layer output [N, d]."""

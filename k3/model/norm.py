@@ -1,5 +1,6 @@
 """RMSNorm (weights multiply after the fp32 normalisation is cast back, like the HF checkpoints expect) and KDA's
-gated per-head RMSNorm; both fused into one kernel on CUDA (k3.ops.fused)."""
+gated per-head RMSNorm; both fused into one kernel on CUDA (k3.ops.fused). Every norm of the model feeds matmuls:
+under autocast the modules return autocast's dtype (:func:`matmul_dtype`), the cast inside the norm's kernel."""
 
 from __future__ import annotations
 
@@ -10,19 +11,32 @@ from k3.ops.fused import fused
 
 
 @fused
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """x [..., D] -> x / rms(x) * weight, normalised in fp32, returned in x.dtype."""
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [..., D] -> x / rms(x) * weight, normalised in fp32 and cast back to x.dtype before the weight multiplies;
+    the result in ``out_dtype`` (None: the promoted dtype of x and weight)."""
     x32 = upcast(x)
     y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y if weight is None else weight * y
+    y = y if weight is None else weight * y
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 @fused
-def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x, gate [..., D] -> RMSNorm(x) * weight * sigmoid(gate), all in fp32, returned in x.dtype."""
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x, gate [..., D] -> RMSNorm(x) * weight * sigmoid(gate), all in fp32, returned in ``out_dtype`` (None:
+    x.dtype)."""
     x32 = upcast(x)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * upcast(weight)
-    return (y * torch.sigmoid(upcast(gate))).to(x.dtype)
+    return (y * torch.sigmoid(upcast(gate))).to(x.dtype if out_dtype is None else out_dtype)
+
+
+def matmul_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast would cast x to for a matmul (its dtype where autocast is on for x's device and x is a
+    float below fp64), else None. Norms whose outputs feed matmuls return it, the cast fused into the norm's
+    kernel: one cast per norm instead of one per consumer (a KDA layer's input feeds six projections), and the
+    consumers' gradients summed in that dtype before the one cast back."""
+    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -32,14 +46,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        """Under autocast the result is in autocast's dtype (every RMSNorm here feeds matmuls: matmul_dtype)."""
+        return rms_norm(x, self.weight, self.eps, matmul_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * sigmoid(gate), all in fp32 (KDA's per-head output norm). x, gate [..., D] -> x.dtype."""
+    """RMSNorm(x) * sigmoid(gate), all in fp32 (KDA's per-head output norm). x, gate [..., D] -> x.dtype, or
+    autocast's dtype under autocast (it feeds o_proj)."""
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps)
+        return gated_rms_norm(x, gate, self.weight, self.eps, matmul_dtype(x))
