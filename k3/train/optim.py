@@ -186,9 +186,9 @@ class K3Muon(torch.optim.Optimizer):
     def _muon_group(self, group: dict) -> None:
         """Momentum, then Newton-Schulz on every matrix block, batched over the group's parameters whose blocks
         have the same shape and device (up to NS_BATCH_BYTES per call: one call orthogonalises many small
-        matrices), then the decoupled weight decay and the scaled update. The element-wise steps run as foreach
-        kernels per batch: a few launches per batch, not a few per parameter (small-1b's 'muon' group holds 114
-        matrices; launched one by one, its step was host-bound on a GPU)."""
+        matrices), then the decoupled weight decay and the scaled update. The momentum, weight decay and update run
+        as foreach kernels per batch (small-1b's 'muon' group holds 114 matrices; launched one by one, its step
+        was host-bound on a GPU); each Nesterov update is written straight into the batch in the NS dtype."""
         lr = group["lr"] * group["lr_scale"]
         wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
         ns_dtype = _DTYPES[group["ns_dtype"]]
@@ -212,13 +212,16 @@ class K3Muon(torch.optim.Optimizer):
                 grads = [local_shard(g) for _, g, *_ in batch]
                 bufs = [local_shard(state["momentum_buffer"]) for _, _, state, *_ in batch]
                 torch._foreach_lerp_(bufs, grads, 1 - mu)
-                updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
-                # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard (below)
-                updates = [_full(u, p) if gathered else u for u, (p, _, _, gathered, _) in zip(updates, batch)]
-                counts = [u.numel() // (rows * cols) for u in updates]
+                counts = [math.prod(shape) // (rows * cols) for *_, shape in batch]
                 blocks = torch.empty(sum(counts), rows, cols, dtype=ns_dtype, device=params[0].device)
-                torch.cat([u.reshape(-1, rows, cols) for u in updates], out=blocks)
-                del updates
+                for (p, _, _, gathered, shape), g, buf, dst in zip(batch, grads, bufs, blocks.split(counts)):
+                    dst = dst.view(shape)  # the update goes straight into the batch, in the NS dtype
+                    if gathered:  # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard
+                        dst.copy_(_full(g.lerp(buf, mu) if group["nesterov"] else buf, p))
+                    elif group["nesterov"]:
+                        torch.lerp(g, buf, mu, out=dst)
+                    else:
+                        dst.copy_(buf)
                 ortho = newton_schulz(blocks, group["ns_steps"], group["ns_coefficients"], group["eps"], ns_dtype)
                 ortho = [_shard_like(o.reshape(p.shape), p) if gathered else o.reshape(q.shape)
                          for o, q, (p, _, _, gathered, _) in zip(ortho.split(counts), params, batch)]
