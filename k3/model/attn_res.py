@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k3.model.norm import RMSNorm, matmul_dtype, rms_norm
+from k3.model.norm import RMSNorm, rms_norm
 from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix, depth_weights
 from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
@@ -145,14 +145,14 @@ class ResidualStream:
             self.records.append((layer, sublayer, w.mean(1).cpu()))
             return norm(depth_mix(fixed + live, q, eps))
         if fixed[0].shape[0] <= DIRECT_TOKENS and self.mode != "full":
-            return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps, matmul_dtype(fixed[0]))
+            return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps, norm.out_dtype(fixed[0]))
         if self.phase1 is None or j >= self.phase1[0] + len(self.phase1[1]):
             self._phase1(j, fixed)
         first, o, lse = self.phase1
         if not live:
             return norm(o[j - first])
         return attn_res_merge_norm(o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps,
-                                   matmul_dtype(o[j - first]))
+                                   norm.out_dtype(o[j - first]))
 
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
         """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""

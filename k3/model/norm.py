@@ -1,6 +1,6 @@
 """RMSNorm (weights multiply after the fp32 normalisation is cast back, like the HF checkpoints expect) and KDA's
-gated per-head RMSNorm; both fused into one kernel on CUDA (k3.ops.fused). Every norm of the model feeds matmuls:
-under autocast the modules return autocast's dtype (:func:`matmul_dtype`), the cast inside the norm's kernel."""
+gated per-head RMSNorm; both fused into one kernel on CUDA (k3.ops.fused). Norms that feed only matmuls return
+autocast's dtype under autocast (:func:`matmul_dtype`), the cast inside the norm's kernel."""
 
 from __future__ import annotations
 
@@ -40,22 +40,30 @@ def matmul_dtype(x: Tensor) -> torch.dtype | None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """``cast``: the output feeds only matmuls, so under autocast it is returned in autocast's dtype
+    (:func:`matmul_dtype`); False where it also feeds something else (the image embeddings spliced into the text
+    stream, a plain MoE's routed sum, which is returned in its input's dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, cast: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cast = cast
+
+    def out_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The ``out_dtype`` of this norm of x (rms_norm's argument)."""
+        return matmul_dtype(x) if self.cast else None
 
     def forward(self, x: Tensor) -> Tensor:
-        """Under autocast the result is in autocast's dtype (every RMSNorm here feeds matmuls: matmul_dtype)."""
-        return rms_norm(x, self.weight, self.eps, matmul_dtype(x))
+        return rms_norm(x, self.weight, self.eps, self.out_dtype(x))
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + ("" if self.cast else ", cast=False")
 
 
 class GatedRMSNorm(RMSNorm):
     """RMSNorm(x) * sigmoid(gate), all in fp32 (KDA's per-head output norm). x, gate [..., D] -> x.dtype, or
-    autocast's dtype under autocast (it feeds o_proj)."""
+    autocast's dtype under autocast when ``cast`` (it feeds o_proj)."""
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
-        return gated_rms_norm(x, gate, self.weight, self.eps, matmul_dtype(x))
+        return gated_rms_norm(x, gate, self.weight, self.eps, self.out_dtype(x))

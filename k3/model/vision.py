@@ -210,7 +210,7 @@ class VisionProjector(nn.Module):
         merged = v.merge_size ** 2 * v.hidden_size
         self.fc1 = nn.Linear(merged, merged, bias=False)
         self.fc2 = nn.Linear(merged, text_hidden, bias=False)
-        self.norm = RMSNorm(text_hidden, eps=eps)
+        self.norm = RMSNorm(text_hidden, eps=eps, cast=False)  # its output is spliced into the text embeddings
 
     def forward(self, x: Tensor, grids: Sequence[tuple[int, int]]) -> Tensor:
         m2 = self.merge ** 2
