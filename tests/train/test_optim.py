@@ -358,3 +358,19 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     assert worst <= 1e-6, worst  # fp32; batched and single GEMMs may block their sums differently
     moved = [rel(p.detach(), b.detach()) for p, b in zip(model.parameters(), before.parameters())]
     assert max(moved) > 1e-3  # the step did move the weights
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw"])
+def test_weight_decay_of_bf16_parameters_multiplies_in_fp32(kind):
+    """With zero gradients a step is the decay alone (Muon: NS(0) = 0; AdamW: 0 / (0 + eps) = 0): every bf16
+    parameter must equal the eager ``p.mul_(1 - lr * wd)``, which multiplies in fp32 (foreach would round the
+    factor 0.998 to bf16's 0.99609 first on CPU)."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(16, 24, dtype=torch.bfloat16) + 3) for _ in range(3)]
+    params.append(nn.Parameter(torch.randn(16, 24) + 3))  # an fp32 one in the same group
+    want = [p.detach().clone().mul_(1 - LR * WD) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    K3Muon([dict(params=params, kind=kind)], lr=LR, weight_decay=WD).step()
+    for p, w in zip(params, want):
+        assert torch.equal(p.detach(), w), (p.dtype, (p.detach().float() - w.float()).abs().max().item())
