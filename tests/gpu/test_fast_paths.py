@@ -111,8 +111,9 @@ def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
     idx[:, 0] = 7  # every token: a group of n rows (64: several passes of BLOCK_M rows)
     wt = torch.rand(n, topk, device=DEV)
     with torch.no_grad():
+        monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
+        assert grouped._experts_matmul(idx.numel(), needs_grad=False) == "triton"  # the default on a GPU
         monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
-        assert grouped._experts_matmul(idx.numel(), needs_grad=False) == "triton"
         y = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)
         monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "grouped_mm")
         y_mm = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)

@@ -13,7 +13,6 @@ padded output columns are cut off, so the result is the unpadded one.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from typing import Callable, NamedTuple
 
@@ -152,24 +151,27 @@ _logged: set[str] = set()
 
 @functools.cache
 def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Triton installed, importable and with a GPU it supports (torch's own check)."""
+    from torch.utils._triton import has_triton
+
+    return has_triton()
 
 
 def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     """Which matmul runs the experts: 'triton' (k3.ops.moe.small_groups, forward only) when no gradient is needed
     and there are at most COUNT_PAIRS pairs (decode), unless K3_MOE_SMALL_GROUPS=grouped_mm; else 'grouped_mm'.
-    Unset, the Triton kernel is the default where Triton is installed (1.3-2x grouped_mm's speed at decode on an
-    H200, benchmarks/results/moe_decode_mm.md); without Triton, grouped_mm, and the log says why. Logged once."""
+    Unset, the Triton kernel is the default where Triton is usable (1.3-2x grouped_mm's speed at decode on an
+    H200, benchmarks/results/moe_decode_mm.md); without it, grouped_mm, and the log says why. Logged once each."""
     choice = os.environ.get("K3_MOE_SMALL_GROUPS")
     if choice is not None and choice not in SMALL_GROUPS:
         raise ValueError(f"K3_MOE_SMALL_GROUPS={choice!r} must be one of {', '.join(SMALL_GROUPS)}")
     if choice == "triton" and not _have_triton():
-        raise ValueError("K3_MOE_SMALL_GROUPS=triton needs Triton, which is not installed")
+        raise ValueError("K3_MOE_SMALL_GROUPS=triton needs Triton, which is not installed or has no GPU it supports")
     wanted = choice or ("triton" if _have_triton() else "grouped_mm")
     kernel = wanted if not needs_grad and n_pairs <= COUNT_PAIRS else "grouped_mm"
-    if kernel not in _logged:
-        _logged.add(kernel)
-        why = " (Triton is not installed)" if choice is None and not needs_grad and not _have_triton() else ""
+    why = " (Triton not usable here)" if choice is None and not needs_grad and not _have_triton() else ""
+    if kernel + why not in _logged:
+        _logged.add(kernel + why)
         backend.log.info("moe_experts: expert matmuls by %s%s", "Triton small-groups kernel (k3.ops.moe.small_groups)"
                          if kernel == "triton" else "torch._grouped_mm", why)
     return kernel
