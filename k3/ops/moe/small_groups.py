@@ -9,7 +9,7 @@ a time (one pass when the group fits BLOCK_M, the decode case): E * N / BLOCK_N 
 weights once. Groups as in grouped.py: expert e owns rows [offs[e-1], offs[e]) (offs[-1] = 0), in any number,
 possibly none; rows after offs[E-1] are not written.
 
-The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is installed (``K3_MOE_SMALL_GROUPS=
+The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usable (``K3_MOE_SMALL_GROUPS=
 grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200 (benchmarks/results/moe_decode_mm.md).
 moe_experts logs which one runs.
 """
