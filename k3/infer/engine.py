@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.infer.graphs import GraphedDecoder
-from k3.ops.fused import raise_recompile_limit
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import SamplingParams, sample_next
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
+from k3.ops.fused import raise_recompile_limit
 
 log = logging.getLogger("k3.infer")
 

@@ -40,6 +40,7 @@ import functools
 import math
 from collections.abc import Iterable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -193,8 +194,7 @@ class K3Muon(torch.optim.Optimizer):
         wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
         ns_dtype = _DTYPES[group["ns_dtype"]]
         budget = NS_BATCH_BYTES // torch.empty((), dtype=ns_dtype).element_size()  # elements per call
-        batches: dict[tuple, list[list]] = {}  # (device, rows, cols) -> batches of (param, grad, state, gathered,
-        #                                        the shape Newton-Schulz sees)
+        batches: dict[tuple, list[list[_Queued]]] = {}  # (device, rows, cols) -> batches
         for p, g, state in self._with_grads(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
@@ -202,29 +202,27 @@ class K3Muon(torch.optim.Optimizer):
             shape = p.shape if gathered else local_shard(g).shape  # gathered: NS sees the whole matrix
             rows, cols = (group["head_dim"], shape[1]) if kind == "muon_head" else shape[-2:]
             queue = batches.setdefault((local_shard(g).device, rows, cols), [[]])
-            if queue[-1] and sum(math.prod(q[-1]) for q in queue[-1]) + math.prod(shape) > budget:
+            if queue[-1] and sum(math.prod(q.shape) for q in queue[-1]) + math.prod(shape) > budget:
                 queue.append([])
-            queue[-1].append((p, g, state, gathered, shape))
+            queue[-1].append(_Queued(p, local_shard(g), local_shard(state["momentum_buffer"]), gathered, shape))
         for (_, rows, cols), queue in batches.items():
             scale = muon_scale(rows, cols, group["scale_rule"])
             for batch in queue:
-                params = [local_shard(p) for p, *_ in batch]
-                grads = [local_shard(g) for _, g, *_ in batch]
-                bufs = [local_shard(state["momentum_buffer"]) for _, _, state, *_ in batch]
-                torch._foreach_lerp_(bufs, grads, 1 - mu)
-                counts = [math.prod(shape) // (rows * cols) for *_, shape in batch]
+                params = [local_shard(q.param) for q in batch]
+                torch._foreach_lerp_([q.buf for q in batch], [q.grad for q in batch], 1 - mu)
+                counts = [math.prod(q.shape) // (rows * cols) for q in batch]
                 blocks = torch.empty(sum(counts), rows, cols, dtype=ns_dtype, device=params[0].device)
-                for (p, _, _, gathered, shape), g, buf, dst in zip(batch, grads, bufs, blocks.split(counts)):
-                    dst = dst.view(shape)  # the update goes straight into the batch, in the NS dtype
-                    if gathered:  # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard
-                        dst.copy_(_full(g.lerp(buf, mu) if group["nesterov"] else buf, p))
+                for q, dst in zip(batch, blocks.split(counts)):
+                    dst = dst.view(q.shape)  # the update goes straight into the batch, in the NS dtype
+                    if q.gathered:  # whole matrices: gather the update, orthogonalise it whole, keep this rank's shard
+                        dst.copy_(_full(q.grad.lerp(q.buf, mu) if group["nesterov"] else q.buf, q.param))
                     elif group["nesterov"]:
-                        torch.lerp(g, buf, mu, out=dst)
+                        torch.lerp(q.grad, q.buf, mu, out=dst)
                     else:
-                        dst.copy_(buf)
+                        dst.copy_(q.buf)
                 ortho = newton_schulz(blocks, group["ns_steps"], group["ns_coefficients"], group["eps"], ns_dtype)
-                ortho = [_shard_like(o.reshape(p.shape), p) if gathered else o.reshape(q.shape)
-                         for o, q, (p, _, _, gathered, _) in zip(ortho.split(counts), params, batch)]
+                ortho = [_shard_like(o.reshape(q.param.shape), q.param) if q.gathered else o.reshape(p.shape)
+                         for o, p, q in zip(ortho.split(counts), params, batch)]
                 _mul_(params, 1 - lr * wd)
                 torch._foreach_add_(params, ortho, alpha=-lr * scale)
 
@@ -254,6 +252,16 @@ class K3Muon(torch.optim.Optimizer):
             torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
             torch._foreach_add_(denom, eps)
             torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - beta1 ** t))
+
+
+class _Queued(NamedTuple):
+    """A parameter waiting for its batched Newton-Schulz: grad and momentum buffer are this rank's shards; shape is
+    what Newton-Schulz sees (the whole matrix when gathered)."""
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    gathered: bool
+    shape: torch.Size
 
 
 def _mul_(tensors: list[Tensor], c: float) -> None:

@@ -14,10 +14,6 @@ from k3.model.multimodal import K3ForConditionalGeneration
 from k3.model.norm import GatedRMSNorm, RMSNorm, gated_rms_norm, rms_norm
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_norms_return_autocast_dtype_with_the_fp32_values():
     torch.manual_seed(0)
     x, gate = torch.randn(2, 64, 48), torch.randn(2, 64, 48)

@@ -144,4 +144,3 @@ def test_too_many_input_shapes_answer_with_the_reference(monkeypatch, caplog):
         torch._dynamo.reset()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "FailOnRecompileLimitHit" in errors[0], errors
-

@@ -51,7 +51,7 @@ def test_kernel_in_triton_interpreter():
 
 
 def test_selection(monkeypatch):
-    """Unset: the Triton kernel where Triton is installed (else grouped_mm), only without gradients and for at most
+    """Unset: the Triton kernel where Triton is usable (else grouped_mm), only without gradients and for at most
     COUNT_PAIRS pairs; grouped_mm when asked for; a bad value, or triton without Triton, is one clear error."""
     monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
     for have in (True, False):
