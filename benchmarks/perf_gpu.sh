@@ -10,7 +10,7 @@
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests, up to 8.7 minutes: 34 GPU tests, mostly compilation, plus fla's autotuning of any new
 # kernel variant, about a minute per kernel); train, decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
-# profile_decode, profile_attn_res, kernels, moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call runs
+# profile_decode, profile_attn_res, kernels (full), moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call runs
 # at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
@@ -38,7 +38,7 @@ step decode 260 python -m k3 bench decode --quick  # with the compiled-step case
 step profile_decode 130 python benchmarks/profile_decode.py --compiled
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
-step kernels 150 python -m k3 bench kernels --quick
+step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 64K tokens
 step moe_decode 150 python benchmarks/moe_decode_mm.py  # grouped_mm vs the Triton small-groups kernel
 step decode_grouped_mm 260 env K3_MOE_SMALL_GROUPS=grouped_mm python -m k3 bench decode --quick --out "$LOGS/grouped_mm"
 step tune_mla 90 python benchmarks/tune_mla_decode.py
