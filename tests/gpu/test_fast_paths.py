@@ -313,19 +313,26 @@ def test_fla_decode_step_matches_reference(lower_bound, eps):
     assert torch.equal(pool[others], ref_pool[others])
 
 
+def _decode_model(seed: int):
+    """A tiny bf16 model whose decode step runs every Triton kernel: fla's KDA step (8 heads x 128), the MLA
+    decode (r=64, dr=16) and the small-groups experts."""
+    from k3.model.decoder import K3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = get_preset("tiny").replace(**{"kda.num_heads": 8, "kda.head_dim": 128, "kda.v_head_dim": 128,
+                                        "mla.num_heads": 16, "mla.kv_lora_rank": 64, "mla.qk_rope_head_dim": 16})
+    return K3ForCausalLM(cfg).to(DEV).cast(torch.bfloat16).eval()
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     """GraphedDecoder replays == eager decode (bf16, fast backend) over 40 steps with changing batches and an MLA
     cache that grows (so graphs are recaptured); both stay close to the full forward. compile=True records a
     torch.compile'd step (inductor keeps fp32 between fused ops where eager rounds to bf16: 2e-2)."""
     from k3.infer.graphs import GraphedDecoder
-    from k3.model.decoder import K3ForCausalLM
     from k3.ops import backend
 
-    torch.manual_seed(6)
-    cfg = get_preset("tiny").replace(**{"kda.num_heads": 8, "kda.head_dim": 128, "kda.v_head_dim": 128,
-                                        "mla.num_heads": 16, "mla.kv_lora_rank": 64, "mla.qk_rope_head_dim": 16})
-    model = K3ForCausalLM(cfg).to(DEV).cast(torch.bfloat16).eval()
+    model = _decode_model(seed=6)
     ids = torch.randint(0, 512, (3, 80), device=DEV)
     backend.set_backend("fast")
     try:
@@ -355,6 +362,30 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     assert len(runner.graphs) >= 2 and graphed.capacity > 48  # grew past 48 rows: recaptured
     assert max(errs) <= (2e-2 if compile else 1e-2), errs
     assert max(full_errs) <= 5e-2, full_errs
+
+
+def test_compiled_decode_step_is_one_graph():
+    """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul)
+    are custom ops, so torch.compile traces the whole step as one graph with all three inside (a
+    torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer)."""
+    from k3.ops import backend
+
+    model = _decode_model(seed=9)
+    ids = torch.randint(0, 512, (3, 24), device=DEV)
+    backend.set_backend("fast")
+    try:
+        with torch.no_grad():
+            cache = model.new_cache(3, capacity=64)
+            model(ids[:, :20], cache=cache)
+            model.decode(ids[:, 20], cache, [0, 1, 2])  # eager first: the backends' one-time log lines
+            slots, positions = torch.arange(3, device=DEV), torch.full((3,), 21, device=DEV)
+            explained = torch._dynamo.explain(model.decode_step)(ids[:, 21], cache, slots, positions)
+    finally:
+        backend.set_backend("auto")
+    assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
+    code = "\n".join(g.code for g in explained.graphs)
+    for op in ("k3.kda_decode_launch", "k3.mla_decode_splits", "k3.small_groups_mm"):
+        assert op in code, op
 
 
 @pytest.mark.parametrize("compile_decode", [False, True])

@@ -2,7 +2,8 @@
 
 On a machine with Triton but no GPU, the kernel runs in Triton's interpreter (in a subprocess: TRITON_INTERPRET is
 read when the kernel is defined) against a float64 per-group product, for several block shapes: groups larger than
-one pass of BLOCK_M rows, empty groups, widths that are not multiples of the blocks. The interpreter mishandles
+one pass of BLOCK_M rows, empty groups, widths that are not multiples of the blocks; then the custom op's fake
+function (torch.library.opcheck) and a compiled caller without graph breaks. The interpreter mishandles
 bf16 dot products, so this check runs in fp16; bf16 on the GPU: tests/gpu/test_fast_paths.py."""
 
 import subprocess
@@ -39,6 +40,16 @@ INTERPRETED = textwrap.dedent("""
                 err = ((y[a:b].double() - want).norm() / want.norm()).item()
                 assert err <= 1e-3, (bm, bn, bk, g, err)  # fp16 output rounding: 2^-11 per element; NaN fails
         assert y[int(ends[-1]):].isnan().all()  # rows after the last group are not written
+    # the custom op: its fake (meta) function agrees with the kernel, and a compiled caller keeps it in its graph
+    import triton
+    sg._small_groups_kernel = triton.autotune([triton.Config({"BLOCK_N": 32, "BLOCK_K": 64})], key=["N"])(
+        sg._small_groups_kernel.fn)  # one config: the interpreter cannot benchmark the autotuner's
+    xs = x[:int(ends[-1])]  # every row written (the op's checks compare whole outputs)
+    checks = torch.library.opcheck(torch.ops.k3.small_groups_mm.default, (xs, w, route.offs))
+    assert all(v == "SUCCESS" for v in checks.values()), checks
+    caller = lambda a: sg.small_groups_mm(a * 2, w, route.offs).float().sum(-1)  # noqa: E731
+    assert torch._dynamo.explain(caller)(xs).graph_break_count == 0
+    assert torch.equal(torch.compile(caller, backend="aot_eager")(xs), caller(xs))
     print("ok")
 """)
 

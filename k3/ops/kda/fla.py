@@ -105,8 +105,7 @@ def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_
                     scale: float | None = None) -> Tensor:
     """Same contract as :func:`k3.ops.kda.reference.kda_decode_step`: one fla kernel that normalises q and k,
     computes the gate and beta, reads each sequence's state from the pool by slot and writes it back in place.
-    The inputs are laid out here, where a compiled decode step fuses the casts and copies into its own kernels;
-    only the launch is kept out of traced graphs."""
+    The inputs are laid out here, where a compiled decode step fuses the casts and copies into its own kernels."""
     dtype = v.dtype
     q, k, fused_norm = _norms_outside(q, k, l2norm_eps)
     return _decode_launch(q[:, None].to(dtype).contiguous(), k[:, None].to(dtype).contiguous(),
@@ -115,15 +114,23 @@ def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_
                           scale)
 
 
-@torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
+@torch.library.custom_op("k3::kda_decode_launch", mutates_args=("state",))
 def _decode_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
                    state: Tensor, slots: Tensor, fused_norm: bool, lower_bound: float | None,
                    scale: float | None) -> Tensor:
-    """fla's fused recurrent KDA forward on [N, 1, H, *] inputs, the state pool updated in place -> o [N, H, dv]."""
+    """fla's fused recurrent KDA forward on [N, 1, H, *] inputs, the state pool updated in place -> o [N, H, dv].
+    A custom op that mutates ``state``: a compiled decode step keeps it inside its graph (inductor calls it on
+    the cache's own tensor, no copy), where a ``torch.compiler.disable``d launch cut the graph at every KDA layer."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     o, _ = fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
         inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=fused_norm,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
+        out=torch.empty_like(v))  # every element is written: no zero fill
     return o[:, 0]
+
+
+@_decode_launch.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, state, slots, fused_norm, lower_bound, scale):
+    return v.new_empty(v.shape[0], v.shape[2], v.shape[3])

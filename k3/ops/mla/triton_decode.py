@@ -68,10 +68,12 @@ def supported(r: int, dr: int) -> bool:
     return r > 0 and dr >= 16 and not r & (r - 1) and not dr & (dr - 1)
 
 
-@torch.compiler.disable  # the launch stays out of traced graphs; the split combine below may be fused
-def _launch(q, kv, slots, lengths, scale, splits, split_rows, groups, R, DR, block_h, block_n, num_stages,
-            num_warps) -> tuple[Tensor, Tensor]:
-    """Run the kernel: -> per-split outputs o [B, splits, H, R] and log2-sum-exps lse [B, splits, H] (fp32)."""
+@torch.library.custom_op("k3::mla_decode_splits", mutates_args=())
+def _launch(q: Tensor, kv: Tensor, slots: Tensor, lengths: Tensor, scale: float, splits: int, split_rows: int,
+            groups: int, R: int, DR: int, block_h: int, block_n: int, num_stages: int,
+            num_warps: int) -> tuple[Tensor, Tensor]:
+    """Run the kernel: -> per-split outputs o [B, splits, H, R] and log2-sum-exps lse [B, splits, H] (fp32).
+    A custom op: a compiled decode step keeps it inside its graph (the split combine below fuses there)."""
     B, H = q.shape[:2]
     o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q.device, dtype=torch.float32)
@@ -80,6 +82,12 @@ def _launch(q, kv, slots, lengths, scale, splits, split_rows, groups, R, DR, blo
         kv.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
         R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages, num_warps=num_warps)
     return o, lse
+
+
+@_launch.register_fake
+def _(q, kv, slots, lengths, scale, splits, split_rows, groups, R, DR, block_h, block_n, num_stages, num_warps):
+    B, H = q.shape[:2]
+    return q.new_empty(B, splits, H, R, dtype=torch.float32), q.new_empty(B, splits, H, dtype=torch.float32)
 
 
 def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int,

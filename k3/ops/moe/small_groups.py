@@ -54,21 +54,32 @@ def block_m(rows: int, groups: int) -> int:
     return min(64, max(16, triton.next_power_of_2(-(-rows // max(groups, 1)))))
 
 
-@torch.compiler.disable  # the launch (and its autotuner) stays out of traced graphs, as the MLA decode kernel's
+@torch.library.custom_op("k3::small_groups_mm", mutates_args=())
 def small_groups_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """x [R, K], w [E, N, K] (same dtype, bf16 or fp16), offs [E] int32 group ends -> y [R, N] with
-    y[r] = w[e] @ x[r] for the rows of group e (fp32 accumulation; rows after offs[-1] unwritten)."""
-    R, K = x.shape
-    E, N, K2 = w.shape
-    if K2 != K or offs.shape != (E,) or x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"small_groups_mm: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} and offs "
-                         f"{tuple(offs.shape)} do not match")
+    y[r] = w[e] @ x[r] for the rows of group e (fp32 accumulation; rows after offs[-1] unwritten).
+    A custom op (``torch.ops.k3.small_groups_mm``): a compiled decode step calls it inside its graph, where a
+    ``torch.compiler.disable``d launch cut every MoE layer's graph in four."""
+    _check(x, w, offs)
     x = x.contiguous()
     if w.stride(2) != 1:
         w = w.contiguous()
-    y = torch.empty(R, N, device=x.device, dtype=x.dtype)
-    _run(_small_groups_kernel, x, w, offs.to(torch.int32), y, block_m(R, E))
+    y = torch.empty(x.shape[0], w.shape[1], device=x.device, dtype=x.dtype)
+    _run(_small_groups_kernel, x, w, offs.to(torch.int32), y, block_m(x.shape[0], w.shape[0]))
     return y
+
+
+@small_groups_mm.register_fake
+def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    _check(x, w, offs)
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
+    if (x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or tuple(offs.shape) != (w.shape[0],)
+            or x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"small_groups_mm: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} and offs "
+                         f"{tuple(offs.shape)} do not match")
 
 
 def _run(kernel, x: Tensor, w: Tensor, offs: Tensor, y: Tensor, bm: int, **meta) -> None:
