@@ -27,6 +27,7 @@ class _Op:
     supports: dict[str, Callable[[torch.device], bool]] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     logged: set = field(default_factory=set)
+    fast_ok: dict[tuple, bool] = field(default_factory=dict)  # (device type, index) -> the fast path runs there
 
 
 _OPS: dict[str, _Op] = {}
@@ -42,6 +43,7 @@ def register(op: str, backend: str, fn: Callable, supports: Callable[[torch.devi
     entry = _OPS.setdefault(op, _Op(op))
     entry.impls[backend] = fn
     entry.supports[backend] = supports
+    entry.fast_ok.clear()
     if label:
         entry.labels[backend] = label
 
@@ -62,7 +64,10 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     """The (backend name, function) that runs ``op`` on ``device`` under the current choice."""
     entry = _OPS[op]
     has_fast = "fast" in entry.impls
-    fast_ok = has_fast and entry.supports["fast"](device)
+    key = (device.type, device.index)
+    fast_ok = entry.fast_ok.get(key)
+    if fast_ok is None:  # asked once per device: traced into a compiled step, a capability query cut its graph
+        fast_ok = entry.fast_ok[key] = has_fast and entry.supports["fast"](device)
     if _choice == "fast" and has_fast and not fast_ok:
         raise RuntimeError(f"backend 'fast' was requested but op {op!r}'s fast path cannot run on {device}")
     name = "fast" if (_choice in ("fast", "auto") and fast_ok) else "reference"

@@ -144,3 +144,30 @@ def test_too_many_input_shapes_answer_with_the_reference(monkeypatch, caplog):
         torch._dynamo.reset()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "FailOnRecompileLimitHit" in errors[0], errors
+
+
+def test_fast_path_support_is_asked_once_per_device():
+    """resolve asks an op's ``supports`` once per device and remembers the answer: traced into a compiled decode
+    step, a support check (a CUDA capability query) cut the step's graph at every layer. Here the check itself
+    breaks graphs; after the first eager call a compiled caller has none."""
+    calls = []
+
+    def supports(device):
+        calls.append(device)
+        torch._dynamo.graph_break()
+        return True
+
+    backend.register("doubling_test_op", "reference", lambda x: x + x)
+    backend.register("doubling_test_op", "fast", lambda x: x * 2, supports)
+    try:
+        def caller(x):
+            return backend.dispatch("doubling_test_op", x.device, x.sin()).cos()
+
+        x = torch.randn(4)
+        assert torch.equal(caller(x), (x.sin() * 2).cos())
+        assert torch._dynamo.explain(caller)(x).graph_break_count == 0
+        assert calls == [torch.device("cpu")]
+        backend.register("doubling_test_op", "fast", lambda x: x * 2, lambda d: False)  # re-registered: asked again
+        assert backend.resolve("doubling_test_op", x.device)[0] == "reference"
+    finally:
+        backend._OPS.pop("doubling_test_op")
