@@ -8,8 +8,9 @@ capacity is reserved ahead), so the whole step can be recorded once and replayed
 A graph is bound to the addresses it was captured with: the cache tensors and this runner's input buffers.
 When the MLA cache has to grow (a sequence outruns the capacity, here or in a prefill), every graph is dropped
 and recaptured against the new tensors; the runner grows the capacity by ``headroom`` rows so this is rare.
-Capturing runs the step eagerly twice on a side stream first (Triton autotuning, lazy initialisation); those
-runs write into the cache, so the KDA and conv states of the slots involved are saved before and restored
+Capturing runs the step twice on a side stream first (Triton autotuning, lazy initialisation), the first time
+eagerly (a compiled step then traces ops whose backends are resolved and logged already: a first resolution inside
+the trace, with its log line, would cut the graph for good); those runs write into the cache, so the KDA and conv states of the slots involved are saved before and restored
 after (the MLA rows they write lie past each slot's length and are overwritten by the real step).
 """
 
@@ -96,9 +97,9 @@ class GraphedDecoder:
         saved = self._save_states(slots)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.step(input_ids, self.cache, slots, positions)
+        with torch.cuda.stream(stream):  # eager first: every op resolves its backend (and logs it) outside a trace
+            for step in (self.model.decode_step, self.step):
+                step(input_ids, self.cache, slots, positions)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -61,13 +61,15 @@ def get_backend() -> str:
 
 
 def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
-    """The (backend name, function) that runs ``op`` on ``device`` under the current choice."""
+    """The (backend name, function) that runs ``op`` on ``device`` under the current choice. Whether the fast path
+    supports a device is asked once per device and op (registering the op again asks again): later changes to
+    what the answer read (e.g. ``torch._dynamo.config.disable`` for the compiled pointwise ops) are not seen."""
     entry = _OPS[op]
     has_fast = "fast" in entry.impls
-    key = (device.type, device.index)
-    fast_ok = entry.fast_ok.get(key)
+    index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+    fast_ok = entry.fast_ok.get((device.type, index))
     if fast_ok is None:  # asked once per device: traced into a compiled step, a capability query cut its graph
-        fast_ok = entry.fast_ok[key] = has_fast and entry.supports["fast"](device)
+        fast_ok = entry.fast_ok[(device.type, index)] = has_fast and entry.supports["fast"](device)
     if _choice == "fast" and has_fast and not fast_ok:
         raise RuntimeError(f"backend 'fast' was requested but op {op!r}'s fast path cannot run on {device}")
     name = "fast" if (_choice in ("fast", "auto") and fast_ok) else "reference"

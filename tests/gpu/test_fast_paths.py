@@ -367,7 +367,12 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
 def test_compiled_decode_step_is_one_graph():
     """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul)
     are custom ops, so torch.compile traces the whole step as one graph with all three inside (a
-    torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer)."""
+    torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer). Checked the way an engine compiles
+    it: GraphedDecoder(compile=True) from cold backend caches (its eager warm-up resolves every op first; a first
+    resolution inside the trace logs, which cuts the graph for good), then the ops named in the traced graph."""
+    from torch._dynamo.utils import counters
+
+    from k3.infer.graphs import GraphedDecoder
     from k3.ops import backend
 
     model = _decode_model(seed=9)
@@ -377,11 +382,18 @@ def test_compiled_decode_step_is_one_graph():
         with torch.no_grad():
             cache = model.new_cache(3, capacity=64)
             model(ids[:, :20], cache=cache)
-            model.decode(ids[:, 20], cache, [0, 1, 2])  # eager first: the backends' one-time log lines
+            for op in backend._OPS.values():  # cold: as in a fresh process
+                op.fast_ok.clear()
+                op.logged.clear()
+            torch._dynamo.reset()
+            counters.clear()
+            GraphedDecoder(model, cache, headroom=16, compile=True)(ids[:, 20], [0, 1, 2])
+            breaks = dict(counters["graph_break"])
             slots, positions = torch.arange(3, device=DEV), torch.full((3,), 21, device=DEV)
             explained = torch._dynamo.explain(model.decode_step)(ids[:, 21], cache, slots, positions)
     finally:
         backend.set_backend("auto")
+    assert not breaks, [reason[:200] for reason in breaks]
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
     for op in ("k3.kda_decode_launch", "k3.mla_decode_splits", "k3.small_groups_mm"):

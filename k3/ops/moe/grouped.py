@@ -12,7 +12,6 @@ padded output columns are cut off, so the result is the unpadded one.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -149,12 +148,19 @@ SMALL_GROUPS = ("grouped_mm", "triton")  # K3_MOE_SMALL_GROUPS: the expert matmu
 _logged: set[str] = set()
 
 
-@functools.cache
-def _have_triton() -> bool:
-    """Triton installed, importable and with a GPU it supports (torch's own check)."""
-    from torch.utils._triton import has_triton
+_triton_usable: bool | None = None  # _have_triton's answer, once asked
 
-    return has_triton()
+
+def _have_triton() -> bool:
+    """Triton installed, importable and with a GPU it supports (torch's own check), asked once and kept in a
+    global that a traced decode step reads as a constant (through functools.cache, dynamo would trace torch's
+    device queries inside it)."""
+    global _triton_usable
+    if _triton_usable is None:
+        from torch.utils._triton import has_triton
+
+        _triton_usable = has_triton()
+    return _triton_usable
 
 
 def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:

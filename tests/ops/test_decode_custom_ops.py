@@ -1,0 +1,70 @@
+"""The decode step's other two Triton launches as custom ops (k3::kda_decode_launch, which updates the state pool in
+place, and k3::mla_decode_splits), in Triton's interpreter on a machine with Triton but no GPU (in a subprocess:
+TRITON_INTERPRET is read when a kernel is defined): each against its float32 reference, then
+torch.library.opcheck (schema and declared mutation, fake function, AOT dispatch). fp16 and fp32: the interpreter
+mishandles bf16 dot products; bf16 on the GPU: tests/gpu/test_fast_paths.py. The small-groups expert matmul has
+its own: tests/ops/test_moe_small_groups.py."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+KDA = textwrap.dedent("""
+    import torch
+    from k3.ops.kda import fla, reference
+
+    torch.manual_seed(0)
+    N, H, K, V, S = 3, 2, 32, 64, 5
+    q, k, f = (torch.randn(N, H, K) for _ in range(3))
+    v, b = torch.randn(N, H, V), torch.randn(N, H)
+    A_log, dt_bias = torch.rand(H).log1p(), torch.randn(H * K)
+    pool = torch.randn(S, H, K, V) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    for lower_bound in (-5.0, None):
+        got_pool, want_pool = pool.clone(), pool.clone()
+        kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, slots=slots)
+        got = fla.kda_decode_step(q, k, v, f, b, state=got_pool, **kw)
+        want = reference.kda_decode_step(q, k, v, f, b, state=want_pool, **kw)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err <= 1e-5 and torch.allclose(got_pool, want_pool, rtol=1e-5, atol=1e-6), (lower_bound, err)
+        assert torch.equal(got_pool[[1, 3]], pool[[1, 3]])  # other slots untouched
+    args = (q[:, None].half(), k[:, None].half(), v[:, None].half(), f[:, None], b[:, None], A_log, dt_bias,
+            pool.clone(), slots.int(), True, -5.0, None)
+    checks = torch.library.opcheck(torch.ops.k3.kda_decode_launch.default, args)
+    assert all(r == "SUCCESS" for r in checks.values()), checks
+    print("ok")
+""")
+
+MLA = textwrap.dedent("""
+    import types
+    import torch
+    from k3.ops.mla import reference, triton_decode
+
+    torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(multi_processor_count=4)
+    torch.manual_seed(0)
+    B, H, R, DR, S, CAP = 3, 4, 32, 16, 4, 300
+    q = torch.randn(B, H, R + DR).half()
+    kv = torch.randn(S, CAP, R + DR).half()
+    slots, lengths = torch.tensor([3, 0, 1]), torch.tensor([290, 5, 33])
+    got = triton_decode.mla_decode(q, kv, slots, lengths, 0.1, R, block_n=16)  # several splits of 256 rows
+    want = reference.latent_attention(q.float(), kv.float(), seq_ids=slots, lengths=lengths,
+                                      cu_seqlens_q=torch.arange(B + 1), scale=0.1, v_dim=R)
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err <= 2e-3, err  # fp16 output rounding (2^-11) and fp16 probabilities in the value product
+    args = (q, kv, slots.int(), lengths.int(), 0.1, 2, 256, 1, R, DR, 16, 16, 1, 4)
+    checks = torch.library.opcheck(torch.ops.k3.mla_decode_splits.default, args)
+    assert all(r == "SUCCESS" for r in checks.values()), checks
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("script", [KDA, MLA], ids=["kda_decode_launch", "mla_decode_splits"])
+def test_in_triton_interpreter(script):
+    pytest.importorskip("triton")
+    if script is KDA:
+        pytest.importorskip("fla")
+    env = {"TRITON_INTERPRET": "1", "PATH": "", "PYTHONPATH": ":".join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
