@@ -10,8 +10,9 @@ When the MLA cache has to grow (a sequence outruns the capacity, here or in a pr
 and recaptured against the new tensors; the runner grows the capacity by ``headroom`` rows so this is rare.
 Capturing runs the step twice on a side stream first (Triton autotuning, lazy initialisation), the first time
 eagerly (a compiled step then traces ops whose backends are resolved and logged already: a first resolution inside
-the trace, with its log line, would cut the graph for good); those runs write into the cache, so the KDA and conv states of the slots involved are saved before and restored
-after (the MLA rows they write lie past each slot's length and are overwritten by the real step).
+the trace, with its log line, would cut the graph for good). Those runs write into the cache, so the KDA and conv
+states of the slots involved are saved before and restored after (the MLA rows they write lie past each slot's
+length and are overwritten by the real step).
 """
 
 from __future__ import annotations
