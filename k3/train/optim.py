@@ -195,16 +195,20 @@ class K3Muon(torch.optim.Optimizer):
         ns_dtype = _DTYPES[group["ns_dtype"]]
         budget = NS_BATCH_BYTES // torch.empty((), dtype=ns_dtype).element_size()  # elements per call
         batches: dict[tuple, list[list[_Queued]]] = {}  # (device, rows, cols) -> batches
+        filled: dict[tuple, int] = {}  # (device, rows, cols) -> elements in its last batch
         for p, g, state in self._with_grads(group):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
             gathered = _is_dtensor(p) and not (kind == "muon_expert" and _sharded_only_on_dim0(p))
             shape = p.shape if gathered else local_shard(g).shape  # gathered: NS sees the whole matrix
             rows, cols = (group["head_dim"], shape[1]) if kind == "muon_head" else shape[-2:]
-            queue = batches.setdefault((local_shard(g).device, rows, cols), [[]])
-            if queue[-1] and sum(math.prod(q.shape) for q in queue[-1]) + math.prod(shape) > budget:
+            key, size = (local_shard(g).device, rows, cols), math.prod(shape)
+            queue = batches.setdefault(key, [[]])
+            if queue[-1] and filled[key] + size > budget:
                 queue.append([])
+                filled[key] = 0
             queue[-1].append(_Queued(p, local_shard(g), local_shard(state["momentum_buffer"]), gathered, shape))
+            filled[key] = filled.get(key, 0) + size
         for (_, rows, cols), queue in batches.items():
             scale = muon_scale(rows, cols, group["scale_rule"])
             for batch in queue:
