@@ -146,8 +146,6 @@ class _Combine(torch.autograd.Function):
 
 SMALL_GROUPS = ("grouped_mm", "triton")  # K3_MOE_SMALL_GROUPS: the expert matmuls of small no-grad batches (decode)
 _logged: set[str] = set()
-
-
 _triton_usable: bool | None = None  # _have_triton's answer, once asked
 
 
@@ -171,11 +169,12 @@ def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     choice = os.environ.get("K3_MOE_SMALL_GROUPS")
     if choice is not None and choice not in SMALL_GROUPS:
         raise ValueError(f"K3_MOE_SMALL_GROUPS={choice!r} must be one of {', '.join(SMALL_GROUPS)}")
-    if choice == "triton" and not _have_triton():
+    usable = _have_triton()
+    if choice == "triton" and not usable:
         raise ValueError("K3_MOE_SMALL_GROUPS=triton needs Triton, which is not installed or has no GPU it supports")
-    wanted = choice or ("triton" if _have_triton() else "grouped_mm")
+    wanted = choice or ("triton" if usable else "grouped_mm")
     kernel = wanted if not needs_grad and n_pairs <= COUNT_PAIRS else "grouped_mm"
-    why = " (Triton not usable here)" if choice is None and not needs_grad and not _have_triton() else ""
+    why = " (Triton not usable here)" if choice is None and not needs_grad and not usable else ""
     if kernel + why not in _logged:
         _logged.add(kernel + why)
         backend.log.info("moe_experts: expert matmuls by %s%s", "Triton small-groups kernel (k3.ops.moe.small_groups)"
