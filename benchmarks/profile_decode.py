@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the model of ``k3 bench decode`` (Kimi-Linear-shaped, random bf16 weights, a cache
 filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
 
-    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled]
+    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]]
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -16,7 +16,8 @@ eagerly. A part's time counts the kernels its CPU range launched through the run
 step, the MLA decode kernel) are launched through the driver API and land in "the rest" (they are named in the
 kernel list).
 ``--compiled`` also profiles the torch.compile'd step replayed from its CUDA graph (GraphedDecoder(compile=True)):
-the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count.
+the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count
+(the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` on.
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
@@ -46,6 +47,9 @@ def main() -> None:
     p.add_argument("--preset", default=None, help="a k3 preset instead of the decode benchmark's model")
     p.add_argument("--attn-res", default=None, help="AttnRes mode of --preset's model")
     p.add_argument("--compiled", action="store_true", help="also profile the compiled step's CUDA graph")
+    p.add_argument("--top", type=int, default=40, help="kernels listed for the compiled step")
+    p.add_argument("--combo", action="store_true", help="with --compiled: the compiled step again with inductor's "
+                   "combo_kernels (horizontal fusion of independent kernels), an A/B in one process")
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()
@@ -63,7 +67,14 @@ def main() -> None:
         graphed[batch, context] = cuda_time(lambda: graph(ids, list(range(batch))), warmup=2, iters=16)
         del graph
         if a.compiled:
-            lines += compiled_block(model, cache, ids, batch, context, step_bytes(model, batch, context) / bw)
+            limit = step_bytes(model, batch, context) / bw
+            lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top)
+            if a.combo:
+                torch._dynamo.reset()
+                with torch._inductor.config.patch(combo_kernels=True):
+                    lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
+                                            label=" (inductor combo_kernels)")
+                torch._dynamo.reset()
         del cache
         torch.cuda.empty_cache()
     for layer in model.model.layers:
@@ -122,7 +133,8 @@ def kernel_table(kernels: list, steps: int, top: int) -> list[str]:
     return block
 
 
-def compiled_block(model, cache, ids, batch: int, context: int, limit: float, steps: int = 3) -> list[str]:
+def compiled_block(model, cache, ids, batch: int, context: int, limit: float, steps: int = 3, top: int = 40,
+                   label: str = "") -> list[str]:
     """Time and profile the compiled step replayed from its CUDA graph."""
     graph = GraphedDecoder(model, cache, compile=True)
     seq = list(range(batch))
@@ -134,9 +146,9 @@ def compiled_block(model, cache, ids, batch: int, context: int, limit: float, st
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "memcpy" not in e.name.lower()]  # the graph's kernels, not the input copies
     busy = sum(e.device_time for e in kernels) / 1e3 / steps
-    block = ["", f"B={batch} context={context} compiled + CUDA graph: {t * 1e3:.2f} ms/step, limit "
+    block = ["", f"B={batch} context={context} compiled{label} + CUDA graph: {t * 1e3:.2f} ms/step, limit "
              f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "
-             f"{busy:.2f} ms/step"] + kernel_table(kernels, steps, 40)
+             f"{busy:.2f} ms/step"] + kernel_table(kernels, steps, top)
     print("\n".join(block), flush=True)
     return block
 

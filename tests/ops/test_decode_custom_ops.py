@@ -1,5 +1,5 @@
 """The decode step's other two Triton launches as custom ops (k3::kda_decode_launch, which updates the state pool in
-place, and k3::mla_decode_splits), in Triton's interpreter on a machine with Triton but no GPU (in a subprocess:
+place, and k3::mla_decode: the split-K kernel and the merge of its splits), in Triton's interpreter on a machine with Triton but no GPU (in a subprocess:
 TRITON_INTERPRET is read when a kernel is defined): each against its float32 reference, then
 torch.library.opcheck (schema and declared mutation, fake function, AOT dispatch). fp16 and fp32: the interpreter
 mishandles bf16 dot products; bf16 on the GPU: tests/gpu/test_fast_paths.py. The small-groups expert matmul has
@@ -53,14 +53,22 @@ MLA = textwrap.dedent("""
                                       cu_seqlens_q=torch.arange(B + 1), scale=0.1, v_dim=R)
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err <= 2e-3, err  # fp16 output rounding (2^-11) and fp16 probabilities in the value product
-    args = (q, kv, slots.int(), lengths.int(), 0.1, 2, 256, 1, R, DR, 16, 16, 1, 4)
-    checks = torch.library.opcheck(torch.ops.k3.mla_decode_splits.default, args)
+    # 19 splits of 16 rows: the merge reads them in two blocks of 16; a sequence with no rows gives zeros
+    lengths = torch.tensor([290, 0, 33])
+    args = (q, kv, slots.int(), lengths.int(), 0.1, 19, 16, 1, R, DR, 16, 16, 1, 4)
+    got = torch.ops.k3.mla_decode(*args)
+    keep = torch.tensor([0, 2])
+    want = reference.latent_attention(q[keep].float(), kv.float(), seq_ids=slots[keep], lengths=lengths[keep],
+                                      cu_seqlens_q=torch.arange(3), scale=0.1, v_dim=R)
+    err = ((got[keep].float() - want).norm() / want.norm()).item()
+    assert err <= 2e-3 and torch.equal(got[1], torch.zeros_like(got[1])), err
+    checks = torch.library.opcheck(torch.ops.k3.mla_decode.default, args)
     assert all(r == "SUCCESS" for r in checks.values()), checks
     print("ok")
 """)
 
 
-@pytest.mark.parametrize("script", [KDA, MLA], ids=["kda_decode_launch", "mla_decode_splits"])
+@pytest.mark.parametrize("script", [KDA, MLA], ids=["kda_decode_launch", "mla_decode"])
 def test_in_triton_interpreter(script):
     pytest.importorskip("triton")
     if script is KDA:
