@@ -10,7 +10,7 @@
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests, up to 8.7 minutes: 37 GPU tests, mostly compilation, plus fla's autotuning of any new
 # kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest split
-# it in two calls); train, decode_nopeer (the quick decode bench without the transformers peer), decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
+# it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the transformers peer), decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
 # profile_decode, profile_attn_res, kernels (full), moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call runs
 # at most 10 minutes)
 set -u
@@ -28,10 +28,12 @@ step() {  # name, seconds, command...
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
+TESTS_K=${TESTS_K:-mla or one_graph or activation_checkpointing or cuda_graph_decode}  # tests_k: the GPU tests of a change
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"
 step tests_rest 300 $T -k "not ($COMPILED)"
+step tests_k 300 $T -k "$TESTS_K"
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step profile_stacks 170 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048 \
   --steps 2 --stacks
@@ -41,7 +43,7 @@ step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
-step profile_decode 130 python benchmarks/profile_decode.py --compiled
+step profile_decode 230 python benchmarks/profile_decode.py --compiled --top 400 --combo  # every kernel, combo A/B
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 64K tokens
