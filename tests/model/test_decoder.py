@@ -139,14 +139,17 @@ def test_decode_step_reproduces_full_logits(tiny_model, variant):
 
 @pytest.mark.slow
 def test_compiled_decode_step_equals_eager(tiny_model):
-    """decode_step under torch.compile (what GraphedDecoder(compile=True) records) == eager: logits, and the cache's
-    in-place updates (KDA and conv states, MLA rows) reach the real cache tensors; three steps of 3 sequences in
-    scrambled slot order. fp32, inductor on the CPU (~1 minute: the reference experts recompile per routing)."""
+    """decode_step under torch.compile with GraphedDecoder's options (what GraphedDecoder(compile=True) records) ==
+    eager: logits, and the cache's in-place updates (KDA and conv states, MLA rows) reach the real cache tensors;
+    three steps of 3 sequences in scrambled slot order. fp32, inductor on the CPU (~1 minute: the reference experts
+    recompile per routing)."""
     torch.manual_seed(5)
     prompt = torch.randint(0, 512, (3, 6))
     ids = torch.randint(0, 512, (3, 3))
     caches, logits = [], []
-    for step in (tiny_model.decode_step, torch.compile(tiny_model.decode_step, dynamic=False)):
+    from k3.infer.graphs import COMPILE_OPTIONS
+
+    for step in (tiny_model.decode_step, torch.compile(tiny_model.decode_step, dynamic=False, options=COMPILE_OPTIONS)):
         with torch.no_grad():
             cache = tiny_model.new_cache(3, capacity=16)
             tiny_model(prompt, cache=cache)

@@ -50,8 +50,7 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
     padded to a multiple of ALIGN, in a buffer of R = N*k + ALIGN*E rows whatever the routing (static shapes, no
     host sync). A pair's rank within its expert is the number of earlier pairs with the same expert: up to
     COUNT_PAIRS pairs it is counted directly (one fused [P, P] compare-and-sum, where a sort of a few hundred keys
-    is a ~30 us kernel per layer at decode); above, read off a stable argsort of the expert ids as int16 (int32 past
-    32K experts): a radix sort makes one pass per key byte, 2 instead of int64's 8. Both give the same routing."""
+    is a ~30 us kernel per layer at decode); above, read off a stable argsort. Both give the same routing."""
     n, k = topk_idx.shape
     p, dev = n * k, topk_idx.device
     flat = topk_idx.reshape(-1)
@@ -63,7 +62,7 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
         earlier = (flat.unsqueeze(0) == flat.unsqueeze(1)) & (pair.unsqueeze(0) < pair.unsqueeze(1))  # [i, j<i]
         dest = (pad_end - padded)[flat] + earlier.sum(1)  # the row of pair i
     else:
-        order = torch.argsort(flat.to(torch.int16 if num_experts <= 1 << 15 else torch.int32), stable=True)
+        order = torch.argsort(flat, stable=True)
         sorted_e = flat[order]
         rank = pair - (counts.cumsum(0) - counts)[sorted_e]
         dest = torch.empty_like(pair).scatter_(0, order, (pad_end - padded)[sorted_e] + rank)
