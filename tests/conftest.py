@@ -1,5 +1,8 @@
 """Shared test fixtures."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -20,3 +23,17 @@ def _perturb(model, query_std: float = 0.5, bias_std: float = 0.1):
 @pytest.fixture(scope="session")
 def perturb():
     return _perturb
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter():
+    """run(script): run a Python script in Triton's CPU interpreter, in a subprocess (TRITON_INTERPRET is read when a
+    kernel is defined), and assert that it prints "ok" and nothing else. Skips the test where Triton is missing."""
+    pytest.importorskip("triton")
+
+    def run(script: str) -> None:
+        env = {"TRITON_INTERPRET": "1", "PATH": "", "PYTHONPATH": ":".join(sys.path)}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+    return run

@@ -23,6 +23,7 @@ from k3.model.activation import GatedFFN, make_glu
 from k3.model.balance import RouterStats
 from k3.model.norm import RMSNorm
 from k3.ops.moe import moe_experts
+from k3.ops.router import route
 from k3.ops.dtypes import upcast
 
 
@@ -36,14 +37,11 @@ class Router(nn.Module):
         self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64, topk_weight [N, k] fp32."""
-        scores = torch.sigmoid(F.linear(upcast(x), upcast(self.weight)))
-        bias = upcast(self.e_score_correction_bias)
-        topk_idx = torch.topk(scores.detach() + bias, self.top_k, dim=-1, sorted=False).indices  # any order: no sort
-        weight = scores.gather(1, topk_idx)
-        if self.renormalize:
-            weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
-        return scores, topk_idx, weight * self.scaling
+        """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64 (a token's k experts in no particular order),
+        topk_weight [N, k] fp32. The GEMM is here; the rest (sigmoid, biased top-k, gather, renormalise, scale)
+        is k3.ops.router.route: torch, or one Triton kernel where no gradient is needed on a GPU (decode)."""
+        logits = F.linear(upcast(x), upcast(self.weight))
+        return route(logits, upcast(self.e_score_correction_bias), self.top_k, self.renormalize, self.scaling)
 
 
 class RoutedExperts(nn.Module):

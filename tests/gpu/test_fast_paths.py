@@ -365,11 +365,12 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
 
 
 def test_compiled_decode_step_is_one_graph():
-    """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul)
-    are custom ops, so torch.compile traces the whole step as one graph with all three inside (a
-    torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer). Checked the way an engine compiles
-    it: GraphedDecoder(compile=True) from cold backend caches (its eager warm-up resolves every op first; a first
-    resolution inside the trace logs, which cuts the graph for good), then the ops named in the traced graph."""
+    """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the router's top-k, the
+    small-groups expert matmul) are custom ops, so torch.compile traces the whole step as one graph with all four
+    inside (a torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer). Checked the way an engine
+    compiles it: GraphedDecoder(compile=True) from cold backend caches (its eager warm-up resolves every op first;
+    a first resolution inside the trace logs, which cuts the graph for good), then the ops named in the traced
+    graph."""
     from torch._dynamo.utils import counters
 
     from k3.infer.graphs import GraphedDecoder
@@ -396,7 +397,7 @@ def test_compiled_decode_step_is_one_graph():
     assert not breaks, [reason[:200] for reason in breaks]
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
-    for op in ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm"):
+    for op in ("k3.kda_decode_launch", "k3.mla_decode", "k3.router_topk", "k3.small_groups_mm"):
         assert op in code, op
 
 

@@ -1,0 +1,64 @@
+"""MoE routing after the router GEMM: ``route(logits [N, E], bias [E], top_k, renormalize, scaling) -> (scores
+[N, E], topk_idx [N, k] int64, topk_weight [N, k])``; the contract: :func:`k3.ops.router.reference.route`.
+
+Backends: ``reference`` is the torch form; ``fast`` (CUDA with Triton) runs the one Triton kernel of
+k3.ops.router.triton_topk for calls that need no gradient (decode, evaluation) with fp32 inputs and at most
+MAX_EXPERTS experts, and the torch form otherwise. Each choice is logged once, with the reason when it is torch.
+The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
+unspecified); consumers treat them as a set.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3.ops import backend
+from k3.ops.moe import grouped as _grouped
+from k3.ops.router.reference import route as route_reference
+
+MAX_EXPERTS = 4096  # the kernel holds a row's E scores in one block of lanes
+_logged: set[str] = set()
+
+
+def route(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+          ) -> tuple[Tensor, Tensor, Tensor]:
+    """See :func:`k3.ops.router.reference.route` for shapes."""
+    return backend.dispatch("router", logits.device, logits, bias, top_k, renormalize, scaling)
+
+
+def _fast_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and _grouped._have_triton()  # Triton usable: asked once, kept in a global
+
+
+def topk_kernel(logits: Tensor, bias: Tensor) -> str:
+    """Which form the fast backend runs: 'triton' when no gradient is needed, logits and bias are fp32 and
+    E <= MAX_EXPERTS, else 'torch' (logged once each, with the reason)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        why = "a gradient is needed"
+    elif logits.dtype != torch.float32 or bias.dtype != torch.float32:
+        why = f"the kernel takes fp32 logits and bias, not {logits.dtype} and {bias.dtype}"
+    elif logits.shape[-1] > MAX_EXPERTS:
+        why = f"{logits.shape[-1]} experts, more than the kernel's {MAX_EXPERTS}"
+    else:
+        why = ""
+    kernel = "torch" if why else "triton"
+    if kernel + why not in _logged:
+        _logged.add(kernel + why)
+        backend.log.info("router: top-k by %s%s", "the Triton kernel (k3.ops.router.triton_topk)" if kernel == "triton"
+                         else "torch (k3.ops.router.reference)", f": {why}" if why else "")
+    return kernel
+
+
+def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    if topk_kernel(logits, bias) == "triton":
+        from k3.ops.router.triton_topk import router_topk  # Triton: imported on use (GPUs only)
+
+        return router_topk(logits, bias, top_k, renormalize, scaling)
+    return route_reference(logits, bias, top_k, renormalize, scaling)
+
+
+backend.register("router", "reference", route_reference, label="torch; the fast path needs CUDA and Triton")
+backend.register("router", "fast", _route_fast, _fast_supported,
+                 label="the Triton top-k kernel where no gradient is needed, torch elsewhere")
