@@ -364,17 +364,20 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     assert max(full_errs) <= 5e-2, full_errs
 
 
-def test_compiled_decode_step_is_one_graph():
-    """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the router's top-k, the
-    small-groups expert matmul) are custom ops, so torch.compile traces the whole step as one graph with all four
-    inside (a torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer). Checked the way an engine
-    compiles it: GraphedDecoder(compile=True) from cold backend caches (its eager warm-up resolves every op first;
-    a first resolution inside the trace logs, which cuts the graph for good), then the ops named in the traced
-    graph."""
+@pytest.mark.parametrize("router_topk", ["torch", "triton"])
+def test_compiled_decode_step_is_one_graph(router_topk, monkeypatch):
+    """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul
+    and, with K3_ROUTER_TOPK=triton, the router's top-k) are custom ops, so torch.compile traces the whole step as
+    one graph with all of them inside (a torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer).
+    Checked the way an engine compiles it: GraphedDecoder(compile=True) from cold backend caches (its eager
+    warm-up resolves every op first; a first resolution inside the trace logs, which cuts the graph for good),
+    then the ops named in the traced graph."""
     from torch._dynamo.utils import counters
 
+    monkeypatch.setenv("K3_ROUTER_TOPK", router_topk)
+
     from k3.infer.graphs import GraphedDecoder
-    from k3.ops import backend
+    from k3.ops import backend, router
 
     model = _decode_model(seed=9)
     ids = torch.randint(0, 512, (3, 24), device=DEV)
@@ -386,6 +389,7 @@ def test_compiled_decode_step_is_one_graph():
             for op in backend._OPS.values():  # cold: as in a fresh process
                 op.fast_ok.clear()
                 op.logged.clear()
+            monkeypatch.setattr(router, "_logged", set())
             torch._dynamo.reset()
             counters.clear()
             GraphedDecoder(model, cache, headroom=16, compile=True)(ids[:, 20], [0, 1, 2])
@@ -397,7 +401,9 @@ def test_compiled_decode_step_is_one_graph():
     assert not breaks, [reason[:200] for reason in breaks]
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
-    for op in ("k3.kda_decode_launch", "k3.mla_decode", "k3.router_topk", "k3.small_groups_mm"):
+    ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (("k3.router_topk",) if router_topk ==
+                                                                          "triton" else ())
+    for op in ops:
         assert op in code, op
 
 

@@ -97,9 +97,18 @@ def test_fast_backend_wants_cuda_with_triton(monkeypatch):
 
 def test_fast_backend_runs_the_kernel_only_without_gradients(monkeypatch, caplog):
     """Under the fast backend: the Triton kernel when no gradient is needed, fp32 inputs and E <= MAX_EXPERTS;
-    torch otherwise. Each choice is logged once, with its reason."""
+    torch otherwise. Each choice is logged once, with its reason. The kernel is opt-in (K3_ROUTER_TOPK=triton);
+    any other value than torch / triton is one clear error."""
     monkeypatch.setattr(router, "_logged", set())
     logits, bias = torch.zeros(2, 64, requires_grad=True), torch.zeros(64)
+    with torch.no_grad():
+        monkeypatch.delenv("K3_ROUTER_TOPK", raising=False)
+        assert router.topk_kernel(logits, bias) == "torch"
+        monkeypatch.setenv("K3_ROUTER_TOPK", "fast")
+        with pytest.raises(ValueError, match="K3_ROUTER_TOPK='fast' must be one of torch, triton"):
+            router.topk_kernel(logits, bias)
+    monkeypatch.setattr(router, "_logged", set())
+    monkeypatch.setenv("K3_ROUTER_TOPK", "triton")
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert router.topk_kernel(logits, bias) == "torch"
         with torch.no_grad():
@@ -127,6 +136,7 @@ def test_kernel_rejects_bad_inputs():
 
 
 INTERPRETED = textwrap.dedent("""
+    import os
     import torch
     from torch._dynamo.utils import counters
     from k3.ops import router
@@ -174,6 +184,7 @@ INTERPRETED = textwrap.dedent("""
     got = torch.compile(caller, backend="aot_eager", dynamic=True)(logits)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert all(torch.equal(a, b) for a, b in zip(got, caller(logits)))
+    os.environ["K3_ROUTER_TOPK"] = "triton"  # the kernel is opt-in
     fast = lambda t: router._route_fast(t * 2, bias, 7, True, 2.5)  # noqa: E731  (the fast backend's function)
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(fast(logits), caller(logits)))  # eager first: it logs

@@ -3,12 +3,16 @@
 
 Backends: ``reference`` is the torch form; ``fast`` (CUDA with Triton) runs the one Triton kernel of
 k3.ops.router.triton_topk for calls that need no gradient (decode, evaluation) with fp32 inputs and at most
-MAX_EXPERTS experts, and the torch form otherwise. Each choice is logged once, with the reason when it is torch.
+MAX_EXPERTS experts, and the torch form otherwise. The kernel is opt-in (``K3_ROUTER_TOPK=triton``; default
+``torch``) until it has run on a GPU: it was written and tested in Triton's CPU interpreter only (session 22).
+Each choice is logged once, with the reason when it is torch.
 The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
 unspecified); consumers treat them as a set.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -18,6 +22,7 @@ from k3.ops.moe import grouped as _grouped
 from k3.ops.router.reference import route as route_reference
 
 MAX_EXPERTS = 4096  # the kernel holds a row's E scores in one block of lanes
+TOPK_CHOICES = ("torch", "triton")  # K3_ROUTER_TOPK: what the fast backend runs where it may run the kernel
 _logged: set[str] = set()
 
 
@@ -32,9 +37,14 @@ def _fast_supported(device: torch.device) -> bool:
 
 
 def topk_kernel(logits: Tensor, bias: Tensor) -> str:
-    """Which form the fast backend runs: 'triton' when no gradient is needed, logits and bias are fp32 and
-    E <= MAX_EXPERTS, else 'torch' (logged once each, with the reason)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
+    """Which form the fast backend runs: 'triton' when K3_ROUTER_TOPK=triton, no gradient is needed, logits and
+    bias are fp32 and E <= MAX_EXPERTS, else 'torch' (logged once each, with the reason)."""
+    choice = os.environ.get("K3_ROUTER_TOPK", "torch")
+    if choice not in TOPK_CHOICES:
+        raise ValueError(f"K3_ROUTER_TOPK={choice!r} must be one of {', '.join(TOPK_CHOICES)}")
+    if choice == "torch":
+        why = "the Triton kernel is opt-in (K3_ROUTER_TOPK=triton) until measured on a GPU"
+    elif torch.is_grad_enabled() and logits.requires_grad:
         why = "a gradient is needed"
     elif logits.dtype != torch.float32 or bias.dtype != torch.float32:
         why = f"the kernel takes fp32 logits and bias, not {logits.dtype} and {bias.dtype}"
@@ -61,4 +71,4 @@ def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
 
 backend.register("router", "reference", route_reference, label="torch; the fast path needs CUDA and Triton")
 backend.register("router", "fast", _route_fast, _fast_supported,
-                 label="the Triton top-k kernel where no gradient is needed, torch elsewhere")
+                 label="torch, or with K3_ROUTER_TOPK=triton the Triton top-k kernel where no gradient is needed")
