@@ -43,7 +43,8 @@ step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
-step profile_decode 230 python benchmarks/profile_decode.py --compiled --top 400 --combo  # every kernel, combo A/B
+step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
+  --env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton  # every kernel; the opt-in kernels A/B
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 64K tokens

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: the model of ``k3 bench decode`` (Kimi-Linear-shaped, random bf16 weights, a cache
 filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
 
-    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]]
+    python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]
+        [--env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton]]
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -17,14 +18,17 @@ step, the MLA decode kernel) are launched through the driver API and land in "th
 kernel list).
 ``--compiled`` also profiles the torch.compile'd step replayed from its CUDA graph (GraphedDecoder(compile=True)):
 the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count
-(the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` on.
+(the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` off, and each
+``--env`` with those environment variables set (the opt-in Triton kernels), all in one process.
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections import defaultdict
+from unittest.mock import patch
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 from k3.bench.common import copy_bandwidth, cuda_time, write_profile
 from k3.bench.decode import fill_cache, peer_config, step_bytes
 from k3.config import get_preset
-from k3.infer.graphs import GraphedDecoder
+from k3.infer.graphs import COMPILE_OPTIONS, GraphedDecoder
 from k3.model.attn_res import ResidualStream
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
@@ -49,7 +53,10 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true", help="also profile the compiled step's CUDA graph")
     p.add_argument("--top", type=int, default=40, help="kernels listed for the compiled step")
     p.add_argument("--combo", action="store_true", help="with --compiled: the compiled step again with inductor's "
-                   "combo_kernels (horizontal fusion of independent kernels), an A/B in one process")
+                   "combo_kernels off (GraphedDecoder turns them on), an A/B in one process")
+    p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="with --compiled: the compiled step again with these environment variables set (e.g. "
+                   "K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton), an A/B in one process; repeatable")
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()
@@ -71,9 +78,15 @@ def main() -> None:
             lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top)
             if a.combo:
                 torch._dynamo.reset()
-                with torch._inductor.config.patch(combo_kernels=True):
+                with patch.dict(COMPILE_OPTIONS, combo_kernels=False):
                     lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
-                                            label=" (inductor combo_kernels)")
+                                            label=" (inductor combo_kernels off)")
+                torch._dynamo.reset()
+            for setting in a.env:
+                torch._dynamo.reset()
+                with patch.dict(os.environ, dict(kv.split("=", 1) for kv in setting.split(","))):
+                    lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
+                                            label=f" ({setting})")
                 torch._dynamo.reset()
         del cache
         torch.cuda.empty_cache()

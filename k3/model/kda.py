@@ -25,6 +25,7 @@ from k3.model.cache import KDAState
 from k3.model.norm import GatedRMSNorm
 from k3.ops.conv import causal_conv1d, causal_conv1d_step
 from k3.ops.kda import chunk_kda_raw, kda_decode_step, kda_gate, l2norm, recurrent_kda
+from k3.ops.linear import multi_linear
 from k3.ops.dtypes import upcast
 
 
@@ -128,19 +129,24 @@ class KimiDeltaAttention(nn.Module):
         """Decode: x [N, d], one new token for each cached sequence ``slots[i]`` -> [N, d]. Conv and recurrent
         states are updated in place and nothing is read back to the host (CUDA-graph safe)."""
         n, h, dk, dv = x.shape[0], self.num_heads, self.head_dim, self.v_head_dim
+        full_gate = hasattr(self, "g_proj")
+        gate_in = self.g_proj if full_gate else self.g_a_proj
+        # the six maps of x in one call (k3.ops.linear: one Triton launch where chosen, else six linears)
+        *qkv, f_a, b, g = multi_linear(x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                                             self.b_proj, gate_in)])
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        q, k, v = (causal_conv1d_step(proj(x), conv.weight[:, 0], state=state.conv[i], slots=slots, activation="silu")
-                   for i, (proj, conv) in enumerate(zip((self.q_proj, self.k_proj, self.v_proj), convs)))
-        o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv),
-                            self.f_b_proj(self.f_a_proj(x)).view(n, h, dk), self.b_proj(x), A_log=self.A_log,
-                            dt_bias=self.dt_bias, lower_bound=self.lower_bound, state=state.recurrent, slots=slots,
-                            l2norm_eps=self.l2norm_eps)
-        return self._output(x, o)
+        q, k, v = (causal_conv1d_step(y, conv.weight[:, 0], state=state.conv[i], slots=slots, activation="silu")
+                   for i, (y, conv) in enumerate(zip(qkv, convs)))
+        o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv), self.f_b_proj(f_a).view(n, h, dk),
+                            b, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                            state=state.recurrent, slots=slots, l2norm_eps=self.l2norm_eps)
+        return self._output(x, o, g if full_gate else self.g_b_proj(g))
 
-    def _output(self, x: Tensor, o: Tensor) -> Tensor:
-        """Gated per-head RMSNorm and o_proj: o [N, H, V] -> [N, d]."""
+    def _output(self, x: Tensor, o: Tensor, gate: Tensor | None = None) -> Tensor:
+        """Gated per-head RMSNorm and o_proj: o [N, H, V] -> [N, d]; ``gate`` [N, H*V] (default: from x)."""
         n, h, dv = x.shape[0], self.num_heads, self.v_head_dim
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        if gate is None:
+            gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(n, h, dv)).reshape(n, h * dv)
         if not torch.is_autocast_enabled(o.device.type):  # under autocast o_proj casts (o in x's fp32: 2 more passes)
             o = o.to(self.o_proj.weight.dtype)

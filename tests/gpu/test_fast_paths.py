@@ -364,20 +364,21 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     assert max(full_errs) <= 5e-2, full_errs
 
 
-@pytest.mark.parametrize("router_topk", ["torch", "triton"])
-def test_compiled_decode_step_is_one_graph(router_topk, monkeypatch):
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opt_in_kernels"])
+def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
     """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul
-    and, with K3_ROUTER_TOPK=triton, the router's top-k) are custom ops, so torch.compile traces the whole step as
+    and, opted in, the router's top-k and the KDA layer's six input maps in one launch) are custom ops, so torch.compile traces the whole step as
     one graph with all of them inside (a torch.compiler.disable'd launch cut it at every KDA, MLA and MoE layer).
     Checked the way an engine compiles it: GraphedDecoder(compile=True) from cold backend caches (its eager
     warm-up resolves every op first; a first resolution inside the trace logs, which cuts the graph for good),
     then the ops named in the traced graph."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("K3_ROUTER_TOPK", router_topk)
+    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR"):
+        monkeypatch.setenv(var, "triton" if opt_in else "torch")
 
     from k3.infer.graphs import GraphedDecoder
-    from k3.ops import backend, router
+    from k3.ops import backend, linear, router
 
     model = _decode_model(seed=9)
     ids = torch.randint(0, 512, (3, 24), device=DEV)
@@ -390,6 +391,7 @@ def test_compiled_decode_step_is_one_graph(router_topk, monkeypatch):
                 op.fast_ok.clear()
                 op.logged.clear()
             monkeypatch.setattr(router, "_logged", set())
+            monkeypatch.setattr(linear, "_logged", set())
             torch._dynamo.reset()
             counters.clear()
             GraphedDecoder(model, cache, headroom=16, compile=True)(ids[:, 20], [0, 1, 2])
@@ -401,8 +403,8 @@ def test_compiled_decode_step_is_one_graph(router_topk, monkeypatch):
     assert not breaks, [reason[:200] for reason in breaks]
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
-    ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (("k3.router_topk",) if router_topk ==
-                                                                          "triton" else ())
+    ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (("k3.router_topk", "k3.multi_linear")
+                                                                          if opt_in else ())
     for op in ops:
         assert op in code, op
 

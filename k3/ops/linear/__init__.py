@@ -1,0 +1,73 @@
+"""Several linear maps of one input: ``multi_linear(x [M, K], weights [N_i, K]) -> [[M, N_i]]``.
+
+A decode step's KDA layer multiplies its input by six weights (q, k, v, the forget gate's and the output gate's
+low-rank inputs, beta): six GEMV launches of a few microseconds each on an H200, most of it launch and tail. The
+``fast`` backend can run them as one Triton launch (k3.ops.linear.triton_multi) for calls that need no gradient,
+with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows and at most MAX_WEIGHTS weights; the torch form otherwise.
+The kernel is opt-in (``K3_MULTI_LINEAR=triton``; default ``torch``) until it has run on a GPU: it was written and
+tested in Triton's CPU interpreter only (session 22). Each choice is logged once, with the reason when it is torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from k3.ops import backend
+from k3.ops.linear.reference import multi_linear as multi_linear_reference
+from k3.ops.moe import grouped as _grouped
+
+MAX_WEIGHTS = 8  # the kernel's weight slots
+MAX_ROWS = 256  # decode batches; bigger ones are GEMMs, where cuBLAS is the better choice
+CHOICES = ("torch", "triton")  # K3_MULTI_LINEAR
+_logged: set[str] = set()
+
+
+def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """See :func:`k3.ops.linear.reference.multi_linear`."""
+    return backend.dispatch("multi_linear", x.device, x, weights)
+
+
+def _fast_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and _grouped._have_triton()  # Triton usable: asked once, kept in a global
+
+
+def kernel(x: Tensor, weights: list[Tensor]) -> str:
+    """Which form the fast backend runs: 'triton' when K3_MULTI_LINEAR=triton, no gradient is needed, x is 2-D
+    bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its dtype and width; else 'torch'
+    (logged once each, with the reason)."""
+    choice = os.environ.get("K3_MULTI_LINEAR", "torch")
+    if choice not in CHOICES:
+        raise ValueError(f"K3_MULTI_LINEAR={choice!r} must be one of {', '.join(CHOICES)}")
+    if choice == "torch":
+        why = "the Triton kernel is opt-in (K3_MULTI_LINEAR=triton) until measured on a GPU"
+    elif torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        why = "a gradient is needed"
+    elif x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
+        why = f"the kernel takes [M <= {MAX_ROWS}, K] bf16 / fp16 inputs, not {tuple(x.shape)} {x.dtype}"
+    elif not 1 <= len(weights) <= MAX_WEIGHTS or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1]
+                                                     for w in weights):
+        why = f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype"
+    else:
+        why = ""
+    name = "torch" if why else "triton"
+    if name + why not in _logged:
+        _logged.add(name + why)
+        backend.log.info("multi_linear: %s%s", "one Triton launch (k3.ops.linear.triton_multi)" if name == "triton"
+                         else "one torch linear per weight (k3.ops.linear.reference)", f": {why}" if why else "")
+    return name
+
+
+def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    if kernel(x, weights) == "triton":
+        from k3.ops.linear.triton_multi import multi_linear as multi_linear_triton  # Triton: imported on use
+
+        return multi_linear_triton(x, weights)
+    return multi_linear_reference(x, weights)
+
+
+backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")
+backend.register("multi_linear", "fast", _multi_linear_fast, _fast_supported,
+                 label="torch, or with K3_MULTI_LINEAR=triton one Triton launch where no gradient is needed")

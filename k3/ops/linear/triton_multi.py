@@ -1,0 +1,122 @@
+"""Several linear maps of one input in one Triton launch: y_i = x @ W_i^T for up to 8 weights W_i [N_i, K].
+
+Each program takes one block of BLOCK_N output columns of one weight, streams that block of the weight through K
+once and multiplies it with x, BLOCK_M rows at a time (one pass at decode batch sizes): sum_i cdiv(N_i, BLOCK_N)
+programs in one launch, where torch launches one GEMV per weight. The program's weight is found by comparing its
+id with the running block counts (one ``if`` per weight slot, unused slots pruned at compile time).
+
+Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it (opt-in) and logs which path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3.ops.linear import MAX_WEIGHTS
+
+_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
+            for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
+_SIZES = [f"N{i}" for i in range(MAX_WEIGHTS)]
+
+
+@triton.jit
+def _mm_block(X, w, y, n, blk, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """y[:, cols] = x @ w[cols, :]^T for this program's BLOCK_N columns (w [n, K] and y [M, n] row-major)."""
+    cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    for m0 in range(0, M, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                         mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            wk = tl.load(w + cols[None, :].to(tl.int64) * K + ks[:, None],
+                         mask=(ks[:, None] < K) & (cols[None, :] < n), other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(xk, wk, acc)
+        tl.store(y + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < n))
+
+
+@triton.jit
+def _slot(X, w, y, n, pid, start, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """Weight slot whose programs are [start, end): run this program's block if it is one; -> end."""
+    end = start + tl.cdiv(n, BLOCK_N)
+    if (pid >= start) & (pid < end):
+        _mm_block(X, w, y, n, pid - start, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    return end
+
+
+@triton.jit(do_not_specialize=["M"] + _SIZES)
+def _multi_linear_kernel(X, W0, W1, W2, W3, W4, W5, W6, W7, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7,
+                         N0, N1, N2, N3, N4, N5, N6, N7, M, stride_xm, G: tl.constexpr, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    end = _slot(X, W0, Y0, N0, pid, 0, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 1:
+        end = _slot(X, W1, Y1, N1, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 2:
+        end = _slot(X, W2, Y2, N2, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 3:
+        end = _slot(X, W3, Y3, N3, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 4:
+        end = _slot(X, W4, Y4, N4, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 5:
+        end = _slot(X, W5, Y5, N5, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 6:
+        end = _slot(X, W6, Y6, N6, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+    if G > 7:
+        _slot(X, W7, Y7, N7, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+_autotuned = triton.autotune(configs=_CONFIGS, key=["G", "K", "BLOCK_M"] + _SIZES)(_multi_linear_kernel)
+
+
+def block_m(rows: int) -> int:
+    """Rows per pass: the row count rounded up to a power of two, 16..64 (tl.dot needs 16)."""
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+@torch.library.custom_op("k3::multi_linear", mutates_args=())
+def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """x [M, K], weights [N_i, K] (1..MAX_WEIGHTS, x's dtype: bf16 or fp16) -> [x @ W_i^T, [M, N_i] each], fp32
+    accumulation. A custom op (``torch.ops.k3.multi_linear``): a compiled decode step keeps it inside its graph."""
+    _check(x, weights)
+    ys = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+    if x.shape[0] and any(w.shape[0] for w in weights):
+        _run(_autotuned, x, [w.contiguous() for w in weights], ys, block_m(x.shape[0]))
+    return ys
+
+
+@multi_linear.register_fake
+def _(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    _check(x, weights)
+    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+
+def _check(x: Tensor, weights: list[Tensor]) -> None:
+    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not 1 <= len(weights) <= MAX_WEIGHTS
+            or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1] or w.device != x.device
+                   for w in weights)):
+        raise ValueError(f"multi_linear: x {tuple(x.shape)} {x.dtype} (bf16 / fp16 [M, K]) and weights "
+                         f"{[(tuple(w.shape), w.dtype) for w in weights]} (1..{MAX_WEIGHTS} of [N, K], x's dtype and "
+                         "device) do not match")
+
+
+def _run(kernel, x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, **meta) -> None:
+    """Launch ``kernel``: the autotuned one, or (tests) the bare jit function with BLOCK_N / BLOCK_K in meta."""
+    g = len(weights)
+    pad = MAX_WEIGHTS - g
+    sizes = [w.shape[0] for w in weights] + [0] * pad
+    ws, outs = weights + [weights[0]] * pad, ys + [ys[0]] * pad  # unused slots: never read (G prunes them)
+
+    def grid(m):
+        return sum(triton.cdiv(n, m["BLOCK_N"]) for n in sizes),
+
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    kernel[grid](x, *ws, *outs, *sizes, x.shape[0], x.stride(0), G=g, K=x.shape[1], BLOCK_M=bm, **meta)

@@ -1,0 +1,171 @@
+"""Several linear maps of one input (k3.ops.linear): the torch reference, the dispatch between it and the Triton
+kernel, the kernel itself, and the KDA decode step that uses it.
+
+On a machine with Triton but no GPU the kernel runs in Triton's interpreter (in a subprocess: TRITON_INTERPRET is
+read when the kernel is defined) against the fp32 reference, in fp16 (the interpreter mishandles bf16 dot products):
+relative error <= 2e-3 per output, the fp16 rounding of the outputs (2^-11 ~ 4.9e-4 per element) with room for the
+products' order; observed ~2e-4. Then the custom op's fake function (torch.library.opcheck) and compiled callers of
+the op and of the fast backend without graph breaks. On the GPU (bf16): tests/gpu/test_multi_linear_kernel.py.
+"""
+
+import logging
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops import backend
+from k3.ops import linear
+from k3.ops.linear import reference
+
+
+def test_reference_is_one_linear_per_weight():
+    torch.manual_seed(0)
+    x = torch.randn(5, 48)
+    ws = [torch.randn(n, 48) for n in (16, 3, 40)]
+    got = reference.multi_linear(x, ws)
+    assert [tuple(y.shape) for y in got] == [(5, 16), (5, 3), (5, 40)]
+    assert all(torch.equal(y, F.linear(x, w)) for y, w in zip(got, ws))
+
+
+def test_dispatch_runs_the_reference_on_cpu_and_logs_it(monkeypatch, caplog):
+    entry = backend._OPS["multi_linear"]
+    monkeypatch.setattr(entry, "logged", set())
+    x, ws = torch.randn(2, 8), [torch.randn(4, 8)]
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        got = linear.multi_linear(x, ws)
+    assert "op multi_linear runs backend reference (one torch linear per weight) on cpu" in caplog.text
+    assert torch.equal(got[0], F.linear(x, ws[0]))
+    backend.set_backend("fast")
+    try:
+        with pytest.raises(RuntimeError, match="op 'multi_linear''s fast path cannot run on cpu"):
+            linear.multi_linear(x, ws)
+    finally:
+        backend.set_backend("auto")
+
+
+def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
+    """Under the fast backend: the Triton kernel when K3_MULTI_LINEAR=triton, no gradient is needed and the
+    shapes / dtypes fit; torch otherwise, each choice logged once with its reason; a bad K3_MULTI_LINEAR is one
+    clear error."""
+    monkeypatch.setattr(linear, "_logged", set())
+    x, ws = torch.zeros(3, 16, dtype=torch.bfloat16), [torch.zeros(8, 16, dtype=torch.bfloat16)] * 2
+    with torch.no_grad():
+        monkeypatch.delenv("K3_MULTI_LINEAR", raising=False)
+        assert linear.kernel(x, ws) == "torch"
+        monkeypatch.setenv("K3_MULTI_LINEAR", "fast")
+        with pytest.raises(ValueError, match="K3_MULTI_LINEAR='fast' must be one of torch, triton"):
+            linear.kernel(x, ws)
+    monkeypatch.setattr(linear, "_logged", set())
+    monkeypatch.setenv("K3_MULTI_LINEAR", "triton")
+    trainable = [torch.zeros(8, 16, dtype=torch.bfloat16, requires_grad=True)]
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        assert linear.kernel(x, trainable) == "torch"  # grad mode on and a weight to differentiate
+        with torch.no_grad():
+            assert linear.kernel(x, trainable) == "triton"
+            assert linear.kernel(x, ws) == "triton"
+            assert linear.kernel(x.float(), [w.float() for w in ws]) == "torch"
+            assert linear.kernel(torch.zeros(linear.MAX_ROWS + 1, 16, dtype=torch.bfloat16), ws) == "torch"
+            assert linear.kernel(x, ws * 5) == "torch"  # 10 weights
+            assert linear.kernel(x, [torch.zeros(8, 12, dtype=torch.bfloat16)]) == "torch"  # another width
+        assert linear.kernel(x, ws) == "triton"  # grad mode on, but nothing to differentiate
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["multi_linear: one torch linear per weight (k3.ops.linear.reference): a gradient is needed",
+                     "multi_linear: one Triton launch (k3.ops.linear.triton_multi)",
+                     "multi_linear: one torch linear per weight (k3.ops.linear.reference): the kernel takes [M <= "
+                     "256, K] bf16 / fp16 inputs, not (3, 16) torch.float32",
+                     "multi_linear: one torch linear per weight (k3.ops.linear.reference): the kernel takes [M <= "
+                     "256, K] bf16 / fp16 inputs, not (257, 16) torch.bfloat16",
+                     "multi_linear: one torch linear per weight (k3.ops.linear.reference): the kernel takes 1..8 "
+                     "[N, K] weights of the input's dtype"]
+
+
+def test_kernel_rejects_bad_inputs():
+    tm = pytest.importorskip("k3.ops.linear.triton_multi")
+    x = torch.zeros(2, 8, dtype=torch.float16)
+    for args in [(x.float(), [torch.zeros(4, 8)]), (x, []), (x, [torch.zeros(4, 9, dtype=torch.float16)]),
+                 (x, [torch.zeros(4, 8)]), (x, [torch.zeros(4, 8, dtype=torch.float16)] * 9)]:
+        with pytest.raises(ValueError, match="multi_linear: .* do not match"):
+            tm.multi_linear(*args)
+
+
+INTERPRETED = textwrap.dedent("""
+    import os
+    import torch
+    import triton
+    from torch._dynamo.utils import counters
+    from k3.ops import linear
+    from k3.ops.linear import reference, triton_multi as tm
+
+    def rel(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    torch.manual_seed(0)
+    cases = [(1, (96, 32, 40, 16, 5, 64), 64), (5, (70,), 96), (64, (33, 1, 128, 7, 9, 100, 12, 50), 64),
+             (100, (40, 24), 80), (3, (16, 0, 8), 32), (2, (8, 40, 3, 33, 16, 64, 20), 32),
+             (4, (8, 40, 3, 33), 32), (9, (17, 40, 3, 33, 2), 32)]  # every weight count 1..8
+    # 100 rows: two passes of 64; a weight of no rows
+    for m, sizes, k in cases:
+        x = torch.randn(m, k).half()
+        ws = [torch.randn(n, k).half() for n in sizes]
+        ys = [torch.full((m, n), float("nan")).half() for n in sizes]
+        tm._run(tm._multi_linear_kernel, x, ws, ys, tm.block_m(m), BLOCK_N=32, BLOCK_K=32)  # several blocks
+        for y, want in zip(ys, reference.multi_linear(x.float(), [w.float() for w in ws])):
+            assert y.shape == want.shape and not y.isnan().any(), (m, sizes)
+            assert want.numel() == 0 or rel(y, want) <= 2e-3, (m, sizes, rel(y, want))
+    tm._autotuned = triton.autotune([triton.Config({"BLOCK_N": 32, "BLOCK_K": 64})], key=["G"])(
+        tm._multi_linear_kernel)  # one config: the interpreter cannot benchmark the autotuner's
+    x = torch.randn(7, 64).half()[:, ::2]  # a strided input
+    ws = [torch.randn(n, 32).half() for n in (20, 12)]
+    got = tm.multi_linear(x, ws)
+    assert all(rel(y, want) <= 2e-3 for y, want in zip(got, reference.multi_linear(x.float(), [w.float() for w in ws])))
+    x, ws = torch.randn(4, 32).half(), [torch.randn(n, 32).half() for n in (24, 8, 16)]
+    checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws))
+    assert all(r == "SUCCESS" for r in checks.values()), checks
+    os.environ["K3_MULTI_LINEAR"] = "triton"  # the kernel is opt-in
+    fast = lambda t: [y * 2 for y in linear._multi_linear_fast(t + 1, ws)]  # noqa: E731  (the fast backend's function)
+    with torch.no_grad():
+        want = fast(x)  # eager first: it logs
+        counters.clear()
+        explained = torch._dynamo.explain(fast)(x)
+        got = torch.compile(fast, backend="aot_eager")(x)
+    assert explained.graph_break_count == 0 and not counters["graph_break"], explained.break_reasons
+    assert "k3.multi_linear" in "\\n".join(g.code for g in explained.graphs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    print("ok")
+""")
+
+
+def test_kernel_in_triton_interpreter(triton_interpreter):
+    triton_interpreter(INTERPRETED)
+
+
+def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
+    """The KDA decode step sends x through multi_linear once, with its six input weights (q, k, v, the forget and
+    output gates' first maps, beta), and still equals the layer's chunked forward over the same tokens (fp64),
+    with a low-rank and with a full-rank output gate."""
+    from k3.config import get_preset
+    from k3.model import kda as kda_module
+    from k3.model.cache import K3Cache
+
+    calls = []
+    real = kda_module.multi_linear
+
+    def spy(x, weights):
+        calls.append(len(weights))
+        return real(x, weights)
+
+    monkeypatch.setattr(kda_module, "multi_linear", spy)
+    torch.manual_seed(2)
+    for full_gate in (False, True):
+        cfg = get_preset("tiny").replace(**{"kda.full_rank_output_gate": full_gate})
+        layer = kda_module.KimiDeltaAttention(cfg).double()
+        state = K3Cache(cfg, 1, dtype=torch.float64, state_dtype=torch.float64).layers[0]
+        x = torch.randn(6, cfg.hidden_size, dtype=torch.float64)
+        with torch.no_grad():
+            full = layer(x, torch.tensor([0, 6]))
+            steps = torch.cat([layer.step(x[t:t + 1], state, torch.tensor([0])) for t in range(6)])
+        err = ((steps - full).norm() / full.norm()).item()
+        assert err <= 1e-10, (full_gate, err)
+    assert calls == [6] * 12
