@@ -28,7 +28,7 @@ step() {  # name, seconds, command...
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
-TESTS_K=${TESTS_K:-mla or one_graph or activation_checkpointing or cuda_graph_decode}  # tests_k: the GPU tests of a change
+TESTS_K=${TESTS_K:-mla or one_graph or activation_checkpointing or cuda_graph_decode or router or multi_linear}  # tests_k: the GPU tests of a change
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"

@@ -26,9 +26,9 @@ from torch import Tensor
 from k3.model.cache import K3Cache, KDAState
 
 log = logging.getLogger("k3.infer")
-# Inductor options of a compiled decode step. combo_kernels fuses independent kernels side by side (a layer's
-# separate pointwise chains, e.g. the q / k / v short convolutions): at B=1 / 4K on an H200 it cut a step's
-# kernels from 575 to 380 and its time from 1.65 to 1.40 ms (benchmarks/results/profile_decode.txt).
+# Inductor options of a compiled decode step. combo_kernels fuses independent kernels side by side (on GPUs; the
+# CPU backend ignores it): at B=1 / 4K on an H200 it cut a step's kernels from 575 to 380 and its time from 1.65
+# to 1.40 ms (benchmarks/results/profile_decode_combo.txt).
 COMPILE_OPTIONS = {"combo_kernels": True}
 
 

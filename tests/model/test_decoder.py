@@ -142,7 +142,8 @@ def test_compiled_decode_step_equals_eager(tiny_model):
     """decode_step under torch.compile with GraphedDecoder's options (what GraphedDecoder(compile=True) records) ==
     eager: logits, and the cache's in-place updates (KDA and conv states, MLA rows) reach the real cache tensors;
     three steps of 3 sequences in scrambled slot order. fp32, inductor on the CPU (~1 minute: the reference experts
-    recompile per routing)."""
+    recompile per routing). The CPU backend accepts but ignores combo_kernels (it groups GPU kernels only): that
+    option is covered by tests/gpu's compiled graph-decode test."""
     torch.manual_seed(5)
     prompt = torch.randint(0, 512, (3, 6))
     ids = torch.randint(0, 512, (3, 3))

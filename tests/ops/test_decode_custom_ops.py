@@ -60,6 +60,14 @@ MLA = textwrap.dedent("""
                                       cu_seqlens_q=torch.arange(3), scale=0.1, v_dim=R)
     err = ((got[keep].float() - want).norm() / want.norm()).item()
     assert err <= 2e-3 and torch.equal(got[1], torch.zeros_like(got[1])), err
+    # r = 256: the merge's columns in two blocks of 128
+    q2, kv2, lengths2 = torch.randn(2, 2, 256 + DR).half(), torch.randn(2, 40, 256 + DR).half(), torch.tensor([37, 9])
+    got = torch.ops.k3.mla_decode(q2, kv2, torch.tensor([1, 0]).int(), lengths2.int(), 0.1, 3, 16, 1, 256, DR, 16, 16,
+                                  1, 4)
+    want = reference.latent_attention(q2.float(), kv2.float(), seq_ids=torch.tensor([1, 0]), lengths=lengths2,
+                                      cu_seqlens_q=torch.arange(3), scale=0.1, v_dim=256)
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err <= 2e-3, err
     checks = torch.library.opcheck(torch.ops.k3.mla_decode.default, args)
     assert all(r == "SUCCESS" for r in checks.values()), checks
     print("ok")

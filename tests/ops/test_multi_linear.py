@@ -30,6 +30,7 @@ def test_reference_is_one_linear_per_weight():
 
 
 def test_dispatch_runs_the_reference_on_cpu_and_logs_it(monkeypatch, caplog):
+    """The reference on CPU (the fast backend is for CUDA devices), logged; backend=fast there is an error."""
     entry = backend._OPS["multi_linear"]
     monkeypatch.setattr(entry, "logged", set())
     x, ws = torch.randn(2, 8), [torch.randn(4, 8)]
@@ -59,6 +60,10 @@ def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
             linear.kernel(x, ws)
     monkeypatch.setattr(linear, "_logged", set())
     monkeypatch.setenv("K3_MULTI_LINEAR", "triton")
+    monkeypatch.setattr(linear._grouped, "_have_triton", lambda: False)
+    with pytest.raises(ValueError, match="K3_MULTI_LINEAR=triton needs Triton"):
+        linear.kernel(x, ws)
+    monkeypatch.setattr(linear._grouped, "_have_triton", lambda: True)
     trainable = [torch.zeros(8, 16, dtype=torch.bfloat16, requires_grad=True)]
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert linear.kernel(x, trainable) == "torch"  # grad mode on and a weight to differentiate
@@ -95,6 +100,7 @@ INTERPRETED = textwrap.dedent("""
     import torch
     import triton
     from torch._dynamo.utils import counters
+    from k3.ops.moe import grouped
     from k3.ops import linear
     from k3.ops.linear import reference, triton_multi as tm
 
@@ -124,6 +130,7 @@ INTERPRETED = textwrap.dedent("""
     checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws))
     assert all(r == "SUCCESS" for r in checks.values()), checks
     os.environ["K3_MULTI_LINEAR"] = "triton"  # the kernel is opt-in
+    grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
     fast = lambda t: [y * 2 for y in linear._multi_linear_fast(t + 1, ws)]  # noqa: E731  (the fast backend's function)
     with torch.no_grad():
         want = fast(x)  # eager first: it logs

@@ -31,7 +31,7 @@ def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 
 
 def _fast_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and _grouped._have_triton()  # Triton usable: asked once, kept in a global
+    return device.type == "cuda"  # the kernel, where chosen, also needs Triton: checked when chosen
 
 
 def kernel(x: Tensor, weights: list[Tensor]) -> str:
@@ -41,6 +41,8 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
     choice = os.environ.get("K3_MULTI_LINEAR", "torch")
     if choice not in CHOICES:
         raise ValueError(f"K3_MULTI_LINEAR={choice!r} must be one of {', '.join(CHOICES)}")
+    if choice == "triton" and not _grouped._have_triton():  # asked once, kept in a global (traced as a constant)
+        raise ValueError("K3_MULTI_LINEAR=triton needs Triton, which is not installed or has no GPU it supports")
     if choice == "torch":
         why = "the Triton kernel is opt-in (K3_MULTI_LINEAR=triton) until measured on a GPU"
     elif torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):

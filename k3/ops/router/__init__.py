@@ -1,8 +1,8 @@
 """MoE routing after the router GEMM: ``route(logits [N, E], bias [E], top_k, renormalize, scaling) -> (scores
 [N, E], topk_idx [N, k] int64, topk_weight [N, k])``; the contract: :func:`k3.ops.router.reference.route`.
 
-Backends: ``reference`` is the torch form; ``fast`` (CUDA with Triton) runs the one Triton kernel of
-k3.ops.router.triton_topk for calls that need no gradient (decode, evaluation) with fp32 inputs and at most
+Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of
+k3.ops.router.triton_topk (it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most
 MAX_EXPERTS experts, and the torch form otherwise. The kernel is opt-in (``K3_ROUTER_TOPK=triton``; default
 ``torch``) until it has run on a GPU: it was written and tested in Triton's CPU interpreter only (session 22).
 Each choice is logged once, with the reason when it is torch.
@@ -33,7 +33,7 @@ def route(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: 
 
 
 def _fast_supported(device: torch.device) -> bool:
-    return device.type == "cuda" and _grouped._have_triton()  # Triton usable: asked once, kept in a global
+    return device.type == "cuda"  # the kernel, where chosen, also needs Triton: checked when chosen
 
 
 def topk_kernel(logits: Tensor, bias: Tensor) -> str:
@@ -42,6 +42,8 @@ def topk_kernel(logits: Tensor, bias: Tensor) -> str:
     choice = os.environ.get("K3_ROUTER_TOPK", "torch")
     if choice not in TOPK_CHOICES:
         raise ValueError(f"K3_ROUTER_TOPK={choice!r} must be one of {', '.join(TOPK_CHOICES)}")
+    if choice == "triton" and not _grouped._have_triton():  # asked once, kept in a global (traced as a constant)
+        raise ValueError("K3_ROUTER_TOPK=triton needs Triton, which is not installed or has no GPU it supports")
     if choice == "torch":
         why = "the Triton kernel is opt-in (K3_ROUTER_TOPK=triton) until measured on a GPU"
     elif torch.is_grad_enabled() and logits.requires_grad:
@@ -69,6 +71,6 @@ def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
     return route_reference(logits, bias, top_k, renormalize, scaling)
 
 
-backend.register("router", "reference", route_reference, label="torch; the fast path needs CUDA and Triton")
+backend.register("router", "reference", route_reference, label="torch; the fast path needs CUDA")
 backend.register("router", "fast", _route_fast, _fast_supported,
                  label="torch, or with K3_ROUTER_TOPK=triton the Triton top-k kernel where no gradient is needed")
