@@ -28,12 +28,12 @@ step() {  # name, seconds, command...
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
-TESTS_K=${TESTS_K:-mla or one_graph or activation_checkpointing or cuda_graph_decode or router or multi_linear}  # tests_k: the GPU tests of a change
+TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear}  # tests_k: the GPU tests of a change
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"
 step tests_rest 300 $T -k "not ($COMPILED)"
-step tests_k 300 $T -k "$TESTS_K"
+step tests_k 400 $T -k "$TESTS_K"
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step profile_stacks 170 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048 \
   --steps 2 --stacks
