@@ -1,9 +1,9 @@
 """The decode step's other two Triton launches as custom ops (k3::kda_decode_launch, which updates the state pool in
-place, and k3::mla_decode: the split-K kernel and the merge of its splits), in Triton's interpreter on a machine with Triton but no GPU (in a subprocess:
-TRITON_INTERPRET is read when a kernel is defined): each against its float32 reference, then
-torch.library.opcheck (schema and declared mutation, fake function, AOT dispatch). fp16 and fp32: the interpreter
-mishandles bf16 dot products; bf16 on the GPU: tests/gpu/test_fast_paths.py. The small-groups expert matmul has
-its own: tests/ops/test_moe_small_groups.py."""
+place, and k3::mla_decode: the split-K kernel and the merge of its splits), in Triton's interpreter on a machine
+with Triton but no GPU (in a subprocess: TRITON_INTERPRET is read when a kernel is defined): each against its
+float32 reference, then torch.library.opcheck (schema and declared mutation, fake function, AOT dispatch). fp16
+and fp32: the interpreter mishandles bf16 dot products; bf16 on the GPU: tests/gpu/test_fast_paths.py. The
+small-groups expert matmul has its own: tests/ops/test_moe_small_groups.py."""
 
 import textwrap
 

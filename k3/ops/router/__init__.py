@@ -2,8 +2,8 @@
 [N, E], topk_idx [N, k] int64, topk_weight [N, k])``; the contract: :func:`k3.ops.router.reference.route`.
 
 Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of
-k3.ops.router.triton_topk (it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most
-MAX_EXPERTS experts, and the torch form otherwise. The kernel is opt-in (``K3_ROUTER_TOPK=triton``; default
+k3.ops.router.triton_topk (it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs
+and at most MAX_EXPERTS experts, and the torch form otherwise. The kernel is opt-in (``K3_ROUTER_TOPK=triton``; default
 ``torch``) until it has run on a GPU: it was written and tested in Triton's CPU interpreter only (session 22).
 Each choice is logged once, with the reason when it is torch.
 The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
