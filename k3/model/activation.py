@@ -57,4 +57,8 @@ class GatedFFN(nn.Module):
         self.glu = glu
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+        return self.finish(self.gate_proj(x), self.up_proj(x))
+
+    def finish(self, gate: Tensor, up: Tensor) -> Tensor:
+        """down_proj(act(gate, up)) from the two input maps [..., I] (computed by the caller) -> [..., d]."""
+        return self.down_proj(self.glu(gate, up))

@@ -22,6 +22,7 @@ from k3.config import K3Config
 from k3.model.activation import GatedFFN, make_glu
 from k3.model.balance import RouterStats
 from k3.model.norm import RMSNorm
+from k3.ops.linear import multi_linear
 from k3.ops.moe import moe_experts
 from k3.ops.router import route
 from k3.ops.dtypes import upcast
@@ -80,7 +81,13 @@ class MoE(nn.Module):
         """x [N, d] -> (out [N, d], router statistics of this layer)."""
         scores, topk_idx, topk_weight = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
-        z = self.routed_expert_down_proj(x) if latent else x
+        shared = getattr(self, "shared_experts", None)
+        # x's maps in one call (k3.ops.linear: one Triton launch where chosen, else one linear each): the latent
+        # down-projection and the shared experts' gate and up
+        maps = ([self.routed_expert_down_proj] if latent else []) + ([shared.gate_proj, shared.up_proj] if shared
+                                                                      else [])
+        outs = multi_linear(x, [m.weight for m in maps]) if maps else []
+        z = outs[0] if latent else x
         w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
         if self.expert_dispatch is not None:
             y = self.expert_dispatch(self, z, topk_idx, topk_weight)
@@ -93,8 +100,8 @@ class MoE(nn.Module):
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
+        if shared is not None:
+            y = y + shared.finish(outs[-2], outs[-1])
         stats = RouterStats(scores=scores, topk_idx=topk_idx, bias=self.gate.e_score_correction_bias.detach().clone(),
                             layer=self.layer_idx)
         return y, stats

@@ -176,3 +176,45 @@ def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
         err = ((steps - full).norm() / full.norm()).item()
         assert err <= 1e-10, (full_gate, err)
     assert calls == [6] * 12
+
+
+@pytest.mark.parametrize("latent,shared", [(True, True), (False, True), (True, False), (False, False)])
+def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
+    """A MoE layer sends x through multi_linear once, with the maps it has (the latent down-projection, the
+    shared experts' gate and up), and its output is the former one to the bit: routed experts on the (latent) z,
+    the up-projection of the normed sum, plus the shared experts' GatedFFN of x. Without any such map (a plain
+    MoE with no shared expert) nothing is called."""
+    from k3.config import get_preset
+    from k3.model import moe as moe_module
+    from k3.ops.moe import moe_experts
+
+    calls = []
+    real = moe_module.multi_linear
+
+    def spy(x, weights):
+        calls.append(len(weights))
+        return real(x, weights)
+
+    monkeypatch.setattr(moe_module, "multi_linear", spy)
+    torch.manual_seed(4)
+    cfg = get_preset("tiny").replace(**{"moe.latent_size": 32 if latent else None, "moe.latent_norm": latent,
+                                        "moe.num_shared_experts": 1 if shared else 0})
+    moe = moe_module.MoE(cfg, layer_idx=1)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(7, cfg.hidden_size)
+    y, _ = moe(x)
+    n_maps = int(latent) + 2 * int(shared)
+    assert calls == ([n_maps] if n_maps else [])
+    _, idx, w = moe.gate(x)
+    z = moe.routed_expert_down_proj(x) if latent else x
+    want = moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.glu)
+    if latent:
+        want = moe.routed_expert_up_proj(moe.routed_expert_norm(want))
+    if shared:
+        want = want + moe.shared_experts(x)
+    assert torch.equal(y, want)
+    y.sum().backward()  # gradients reach every map through the torch path
+    maps = ([moe.routed_expert_down_proj] if latent else []) + (
+        [moe.shared_experts.gate_proj, moe.shared_experts.up_proj] if shared else [])
+    assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in maps)
