@@ -148,6 +148,18 @@ def test_kernel_in_triton_interpreter(triton_interpreter):
     triton_interpreter(INTERPRETED)
 
 
+def spy_calls(monkeypatch, module) -> list[int]:
+    """Record the number of weights of each multi_linear call made through ``module``."""
+    calls, real = [], module.multi_linear
+
+    def spy(x, weights):
+        calls.append(len(weights))
+        return real(x, weights)
+
+    monkeypatch.setattr(module, "multi_linear", spy)
+    return calls
+
+
 def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
     """The KDA decode step sends x through multi_linear once, with its six input weights (q, k, v, the forget and
     output gates' first maps, beta), and still equals the layer's chunked forward over the same tokens (fp64),
@@ -156,14 +168,7 @@ def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
     from k3.model import kda as kda_module
     from k3.model.cache import K3Cache
 
-    calls = []
-    real = kda_module.multi_linear
-
-    def spy(x, weights):
-        calls.append(len(weights))
-        return real(x, weights)
-
-    monkeypatch.setattr(kda_module, "multi_linear", spy)
+    calls = spy_calls(monkeypatch, kda_module)
     torch.manual_seed(2)
     for full_gate in (False, True):
         cfg = get_preset("tiny").replace(**{"kda.full_rank_output_gate": full_gate})
@@ -188,14 +193,7 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
     from k3.model import moe as moe_module
     from k3.ops.moe import moe_experts
 
-    calls = []
-    real = moe_module.multi_linear
-
-    def spy(x, weights):
-        calls.append(len(weights))
-        return real(x, weights)
-
-    monkeypatch.setattr(moe_module, "multi_linear", spy)
+    calls = spy_calls(monkeypatch, moe_module)
     torch.manual_seed(4)
     cfg = get_preset("tiny").replace(**{"moe.latent_size": 32 if latent else None, "moe.latent_norm": latent,
                                         "moe.num_shared_experts": 1 if shared else 0})
