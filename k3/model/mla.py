@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
+from k3.ops.linear import multi_linear
 from k3.ops.mla import attention, latent_attention
 from k3.ops.segments import attach_host, host_list
 from k3.ops.dtypes import upcast
@@ -59,13 +60,18 @@ class MultiheadLatentAttention(nn.Module):
             self.g_proj = nn.Linear(d, c.num_heads * c.v_head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, d, bias=False)
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [N, d] -> q_nope [N, H, dn], q_pe [N, H, dr] (before RoPE), c_kv [N, r] (normed), k_pe [N, dr]."""
+    def project(self, x: Tensor, maps: list[Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [N, d] -> q_nope [N, H, dn], q_pe [N, H, dr] (before RoPE), c_kv [N, r] (normed), k_pe [N, dr].
+        ``maps``: x's first two maps already made (q_proj or q_a_proj, kv_a_proj_with_mqa), else made here."""
         n, h = x.shape[0], self.num_heads
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q0, kv = maps if maps is not None else (self._first_q(x), self.kv_a_proj_with_mqa(x))
+        q = q0 if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(q0))
         q_nope, q_pe = q.view(n, h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.r, self.dr], dim=-1)
+        c_kv, k_pe = kv.split([self.r, self.dr], dim=-1)
         return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe
+
+    def _first_q(self, x: Tensor) -> Tensor:
+        return self.q_proj(x) if hasattr(self, "q_proj") else self.q_a_proj(x)
 
     def absorbed_query(self, q_nope: Tensor, q_pe: Tensor) -> Tensor:
         """q_nope [N, H, dn] folded through kv_b_proj's key half into the latent space, q_pe appended:
@@ -141,7 +147,12 @@ class MultiheadLatentAttention(nn.Module):
         ``positions[i]`` (its current length) -> [N, d]. The rows fit the cache's capacity (the caller reserves
         it); nothing is read back to the host (CUDA-graph safe). The caller advances the host lengths."""
         n = x.shape[0]
-        q_nope, q_pe, c_kv, k_pe = self.project(x)
+        gated = hasattr(self, "g_proj")
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        # x's maps in one call (k3.ops.linear: one Triton launch where chosen, else one linear each)
+        maps = multi_linear(x, [first.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if gated
+                                                                                   else []))
+        q_nope, q_pe, c_kv, k_pe = self.project(x, maps[:2])
         if self.rope_theta is not None:
             q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
             k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
@@ -149,11 +160,13 @@ class MultiheadLatentAttention(nn.Module):
         cu_q = attach_host(torch.arange(n + 1, device=x.device), list(range(n + 1)))
         o_lat = latent_attention(self.absorbed_query(q_nope, q_pe), state.kv, seq_ids=slots, lengths=positions + 1,
                                  cu_seqlens_q=cu_q, scale=self.scale, v_dim=self.r, max_length=state.kv.shape[1])
-        return self._output(x, self.absorbed_output(o_lat))
+        return self._output(x, self.absorbed_output(o_lat), maps[2] if gated else None)
 
-    def _output(self, x: Tensor, o: Tensor) -> Tensor:
-        """Output gate (when configured) and o_proj: o [N, H, dv] -> [N, d]."""
+    def _output(self, x: Tensor, o: Tensor, gate: Tensor | None = None) -> Tensor:
+        """Output gate (when configured) and o_proj: o [N, H, dv] -> [N, d]; ``gate`` the gate's logits
+        g_proj(x) [N, H*dv] (default: made here)."""
         o = o.reshape(x.shape[0], self.num_heads * self.dv)
         if hasattr(self, "g_proj"):
-            o = (upcast(o) * torch.sigmoid(upcast(self.g_proj(x)))).to(x.dtype)
+            gate = self.g_proj(x) if gate is None else gate
+            o = (upcast(o) * torch.sigmoid(upcast(gate))).to(x.dtype)
         return self.o_proj(o)

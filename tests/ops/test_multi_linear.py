@@ -216,3 +216,26 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
     maps = ([moe.routed_expert_down_proj] if latent else []) + (
         [moe.shared_experts.gate_proj, moe.shared_experts.up_proj] if shared else [])
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in maps)
+
+
+@pytest.mark.parametrize("q_lora_rank,output_gate", [(None, True), (16, False)])
+def test_mla_decode_step_takes_its_maps_in_one_call(monkeypatch, q_lora_rank, output_gate):
+    """The MLA decode step sends x through multi_linear once (the first query map, kv_a_proj_with_mqa and, when
+    gated, g_proj) and still equals the layer's forward over the same tokens (fp64)."""
+    from k3.config import get_preset
+    from k3.model import mla as mla_module
+    from k3.model.cache import K3Cache
+
+    calls = spy_calls(monkeypatch, mla_module)
+    torch.manual_seed(6)
+    cfg = get_preset("tiny").replace(**{"mla.q_lora_rank": q_lora_rank, "mla.output_gate": output_gate})
+    layer = mla_module.MultiheadLatentAttention(cfg).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    state = next(s for s in K3Cache(cfg, 1, dtype=torch.float64, capacity=8).layers if hasattr(s, "kv"))
+    x = torch.randn(6, cfg.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        full = layer(x, torch.tensor([0, 6]))
+        steps = torch.cat([layer.step(x[t:t + 1], state, torch.tensor([0]), torch.tensor([t])) for t in range(6)])
+    assert ((steps - full).norm() / full.norm()).item() <= 1e-10
+    assert calls == [2 + int(output_gate)] * 6
