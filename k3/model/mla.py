@@ -150,8 +150,8 @@ class MultiheadLatentAttention(nn.Module):
         gated = hasattr(self, "g_proj")
         first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         # x's maps in one call (k3.ops.linear: one Triton launch where chosen, else one linear each)
-        maps = multi_linear(x, [first.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if gated
-                                                                                   else []))
+        weights = [first.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if gated else [])
+        maps = multi_linear(x, weights)
         q_nope, q_pe, c_kv, k_pe = self.project(x, maps[:2])
         if self.rope_theta is not None:
             q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)

@@ -84,8 +84,9 @@ class MoE(nn.Module):
         shared = getattr(self, "shared_experts", None)
         # x's maps in one call (k3.ops.linear: one Triton launch where chosen, else one linear each): the latent
         # down-projection and the shared experts' gate and up
-        maps = ([self.routed_expert_down_proj] if latent else []) + ([shared.gate_proj, shared.up_proj] if shared
-                                                                      else [])
+        maps = [self.routed_expert_down_proj] if latent else []
+        if shared is not None:
+            maps += [shared.gate_proj, shared.up_proj]
         outs = multi_linear(x, [m.weight for m in maps]) if maps else []
         z = outs[0] if latent else x
         w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3

@@ -82,3 +82,23 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
 
 def dispatch(op: str, device: torch.device, *args, **kwargs):
     return resolve(op, device)[1](*args, **kwargs)
+
+
+def opt_in_kernel(var: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
+                  triton_usable: Callable[[], bool], logged: set[str]) -> str:
+    """'triton' or 'torch': what a fast path runs whose Triton kernel is opt-in through the environment variable
+    ``var`` (torch, the default, or triton). An unknown value, or triton where ``triton_usable()`` is False, is one
+    clear error. Under triton, 'torch' still where ``why_not()`` gives a reason (a gradient is needed, a shape the
+    kernel does not take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]",
+    labels = (the kernel's, torch's)."""
+    choice = os.environ.get(var, "torch")
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"{var}={choice!r} must be one of torch, triton")
+    if choice == "triton" and not triton_usable():
+        raise ValueError(f"{var}=triton needs Triton, which is not installed or has no GPU it supports")
+    why = f"the Triton kernel is opt-in ({var}=triton) until measured on a GPU" if choice == "torch" else why_not()
+    name = "torch" if why else "triton"
+    if name + why not in logged:
+        logged.add(name + why)
+        log.info("%s %s%s", what, labels[0] if name == "triton" else labels[1], f": {why}" if why else "")
+    return name

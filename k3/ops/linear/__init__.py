@@ -12,8 +12,6 @@ tested in Triton's CPU interpreter only (session 22). Each choice is logged once
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -23,7 +21,6 @@ from k3.ops.moe import grouped as _grouped
 
 MAX_WEIGHTS = 8  # the kernel's weight slots
 MAX_ROWS = 256  # decode batches; bigger ones are GEMMs, where cuBLAS is the better choice
-CHOICES = ("torch", "triton")  # K3_MULTI_LINEAR
 _logged: set[str] = set()
 
 
@@ -39,29 +36,21 @@ def _fast_supported(device: torch.device) -> bool:
 def kernel(x: Tensor, weights: list[Tensor]) -> str:
     """Which form the fast backend runs: 'triton' when K3_MULTI_LINEAR=triton, no gradient is needed, x is 2-D
     bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its dtype and width; else 'torch'
-    (logged once each, with the reason)."""
-    choice = os.environ.get("K3_MULTI_LINEAR", "torch")
-    if choice not in CHOICES:
-        raise ValueError(f"K3_MULTI_LINEAR={choice!r} must be one of {', '.join(CHOICES)}")
-    if choice == "triton" and not _grouped._have_triton():  # asked once, kept in a global (traced as a constant)
-        raise ValueError("K3_MULTI_LINEAR=triton needs Triton, which is not installed or has no GPU it supports")
-    if choice == "torch":
-        why = "the Triton kernel is opt-in (K3_MULTI_LINEAR=triton) until measured on a GPU"
-    elif torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        why = "a gradient is needed"
-    elif x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
-        why = f"the kernel takes [M <= {MAX_ROWS}, K] bf16 / fp16 inputs, not {tuple(x.shape)} {x.dtype}"
-    elif not 1 <= len(weights) <= MAX_WEIGHTS or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1]
-                                                     for w in weights):
-        why = f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype"
-    else:
-        why = ""
-    name = "torch" if why else "triton"
-    if name + why not in _logged:
-        _logged.add(name + why)
-        backend.log.info("multi_linear: %s%s", "one Triton launch (k3.ops.linear.triton_multi)" if name == "triton"
-                         else "one torch linear per weight (k3.ops.linear.reference)", f": {why}" if why else "")
-    return name
+    (:func:`k3.ops.backend.opt_in_kernel`: logged once each, with the reason)."""
+    def why_not() -> str:
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return "a gradient is needed"
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
+            return f"the kernel takes [M <= {MAX_ROWS}, K] bf16 / fp16 inputs, not {tuple(x.shape)} {x.dtype}"
+        if not 1 <= len(weights) <= MAX_WEIGHTS or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1]
+                                                       for w in weights):
+            return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype"
+        return ""
+
+    return backend.opt_in_kernel("K3_MULTI_LINEAR", "multi_linear:", why_not,
+                                 ("one Triton launch (k3.ops.linear.triton_multi)",
+                                  "one torch linear per weight (k3.ops.linear.reference)"), _grouped._have_triton,
+                                 _logged)
 
 
 def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:

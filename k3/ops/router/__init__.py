@@ -12,8 +12,6 @@ unspecified); consumers treat them as a set.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -22,7 +20,6 @@ from k3.ops.moe import grouped as _grouped
 from k3.ops.router.reference import route as route_reference
 
 MAX_EXPERTS = 4096  # the kernel holds a row's E scores in one block of lanes
-TOPK_CHOICES = ("torch", "triton")  # K3_ROUTER_TOPK: what the fast backend runs where it may run the kernel
 _logged: set[str] = set()
 
 
@@ -38,28 +35,20 @@ def _fast_supported(device: torch.device) -> bool:
 
 def topk_kernel(logits: Tensor, bias: Tensor) -> str:
     """Which form the fast backend runs: 'triton' when K3_ROUTER_TOPK=triton, no gradient is needed, logits and
-    bias are fp32 and E <= MAX_EXPERTS, else 'torch' (logged once each, with the reason)."""
-    choice = os.environ.get("K3_ROUTER_TOPK", "torch")
-    if choice not in TOPK_CHOICES:
-        raise ValueError(f"K3_ROUTER_TOPK={choice!r} must be one of {', '.join(TOPK_CHOICES)}")
-    if choice == "triton" and not _grouped._have_triton():  # asked once, kept in a global (traced as a constant)
-        raise ValueError("K3_ROUTER_TOPK=triton needs Triton, which is not installed or has no GPU it supports")
-    if choice == "torch":
-        why = "the Triton kernel is opt-in (K3_ROUTER_TOPK=triton) until measured on a GPU"
-    elif torch.is_grad_enabled() and logits.requires_grad:
-        why = "a gradient is needed"
-    elif logits.dtype != torch.float32 or bias.dtype != torch.float32:
-        why = f"the kernel takes fp32 logits and bias, not {logits.dtype} and {bias.dtype}"
-    elif logits.shape[-1] > MAX_EXPERTS:
-        why = f"{logits.shape[-1]} experts, more than the kernel's {MAX_EXPERTS}"
-    else:
-        why = ""
-    kernel = "torch" if why else "triton"
-    if kernel + why not in _logged:
-        _logged.add(kernel + why)
-        backend.log.info("router: top-k by %s%s", "the Triton kernel (k3.ops.router.triton_topk)" if kernel == "triton"
-                         else "torch (k3.ops.router.reference)", f": {why}" if why else "")
-    return kernel
+    bias are fp32 and E <= MAX_EXPERTS, else 'torch' (:func:`k3.ops.backend.opt_in_kernel`: logged once each,
+    with the reason)."""
+    def why_not() -> str:
+        if torch.is_grad_enabled() and logits.requires_grad:
+            return "a gradient is needed"
+        if logits.dtype != torch.float32 or bias.dtype != torch.float32:
+            return f"the kernel takes fp32 logits and bias, not {logits.dtype} and {bias.dtype}"
+        if logits.shape[-1] > MAX_EXPERTS:
+            return f"{logits.shape[-1]} experts, more than the kernel's {MAX_EXPERTS}"
+        return ""
+
+    return backend.opt_in_kernel("K3_ROUTER_TOPK", "router: top-k by", why_not,
+                                 ("the Triton kernel (k3.ops.router.triton_topk)", "torch (k3.ops.router.reference)"),
+                                 _grouped._have_triton, _logged)
 
 
 def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
