@@ -22,6 +22,10 @@ def _worker(rank, world, store, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        # init returns on one rank while another may still be finishing its gloo handshake; a rank that then
+        # failed fast and exited would make the other's init fail ("Connection closed by peer"), and that
+        # collateral error could reach the parent first. After this barrier every rank is fully connected.
+        dist.barrier()
         payload = pickle.dumps(fn(rank, world, *args))  # here, not in the queue's feeder thread: errors reported
         queue.put((rank, "ok", payload))
     except BaseException:  # noqa: BLE001 - reported to the parent
