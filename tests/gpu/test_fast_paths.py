@@ -367,14 +367,14 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
 @pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opt_in_kernels"])
 def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
     """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul
-    and, opted in, the router's top-k and the KDA layer's six input maps in one launch) are custom ops, so
+    and, opted in, the router's top-k, the KDA layer's six input maps in one launch and the MoE routing program) are custom ops, so
     torch.compile traces the whole step as one graph with all of them inside (a torch.compiler.disable'd launch
     cut it at every KDA, MLA and MoE layer). Checked the way an engine compiles it: GraphedDecoder(compile=True)
     from cold backend caches (its eager warm-up resolves every op first; a first resolution inside the trace logs,
     which cuts the graph for good), then the ops named in the traced graph."""
     from torch._dynamo.utils import counters
 
-    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR"):
+    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE"):
         monkeypatch.setenv(var, "triton" if opt_in else "torch")
 
     from k3.infer.graphs import GraphedDecoder

@@ -50,7 +50,12 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
     padded to a multiple of ALIGN, in a buffer of R = N*k + ALIGN*E rows whatever the routing (static shapes, no
     host sync). A pair's rank within its expert is the number of earlier pairs with the same expert: up to
     COUNT_PAIRS pairs it is counted directly (one fused [P, P] compare-and-sum, where a sort of a few hundred keys
-    is a ~30 us kernel per layer at decode); above, read off a stable argsort. Both give the same routing."""
+    is a ~30 us kernel per layer at decode); above, read off a stable argsort. Both give the same routing, as does
+    the opt-in Triton program (:func:`route_kernel`)."""
+    if route_kernel(topk_idx.numel(), num_experts) == "triton":
+        from k3.ops.moe.triton_route import moe_route  # Triton: imported on use (GPUs only)
+
+        return _Routing(*moe_route(topk_idx, num_experts))
     n, k = topk_idx.shape
     p, dev = n * k, topk_idx.device
     flat = topk_idx.reshape(-1)
@@ -68,6 +73,26 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
         dest = torch.empty_like(pair).scatter_(0, order, (pad_end - padded)[sorted_e] + rank)
     src_pair = torch.full((p + ALIGN * num_experts,), -1, dtype=torch.int64, device=dev).scatter_(0, dest, pair)
     return _Routing(dest.view(n, k), src_pair, pad_end.to(torch.int32))
+
+
+ROUTE_MAX_EXPERTS = 4096  # the Triton program holds one count per expert in a block of lanes
+_route_logged: set[str] = set()
+
+
+def route_kernel(n_pairs: int, num_experts: int) -> str:
+    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) when K3_MOE_ROUTE=triton and there
+    are at most COUNT_PAIRS pairs and ROUTE_MAX_EXPERTS experts, else 'torch' (:func:`k3.ops.backend.opt_in_kernel`:
+    logged once each, with the reason)."""
+    def why_not() -> str:
+        if n_pairs > COUNT_PAIRS:
+            return f"more than {COUNT_PAIRS} token-expert pairs"
+        if num_experts > ROUTE_MAX_EXPERTS:
+            return f"more than the kernel's {ROUTE_MAX_EXPERTS} experts"
+        return ""
+
+    return backend.opt_in_kernel("K3_MOE_ROUTE", "moe_experts: routing by", why_not,
+                                 ("one Triton program (k3.ops.moe.triton_route)", "torch"), _have_triton,
+                                 _route_logged)
 
 
 # Moving rows between tokens and the buffer. Every direction is a gather (no atomics, no sort, deterministic):

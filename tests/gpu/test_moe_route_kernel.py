@@ -1,0 +1,47 @@
+"""The one-program Triton routing (k3.ops.moe.triton_route) on a CUDA GPU (run with ``pytest -m gpu``): exactly the
+definition and the torch form's routing at the decode shapes (1 and 64 tokens; 64 experts choosing 8, 896 choosing
+16) and at COUNT_PAIRS pairs, where the program runs 8 warps and the -1 fill and the pairs' rows are written by
+different threads (the interpreter, tests/ops/test_moe_route.py, runs one thread and cannot test that barrier).
+Then the routed experts end to end with the kernel opted in: the same output as the torch routing, bit for bit.
+"""
+
+import pytest
+import torch
+
+from k3.ops.moe import grouped
+from tests.ops.test_moe_route import assert_routing
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("n,k,e", [(1, 8, 64), (64, 8, 64), (1, 16, 896), (64, 16, 896), (128, 16, 896),
+                                   (256, 8, 512), (7, 3, 4096)])
+def test_triton_route_matches_definition_and_torch(n, k, e):
+    from k3.ops.moe.triton_route import moe_route
+
+    g = torch.Generator(device=DEV).manual_seed(n * e)
+    idx = torch.rand(n, e, device=DEV, generator=g).topk(k).indices  # distinct experts per token, as routed
+    got = moe_route(idx, e)
+    assert_routing(idx.cpu(), e, *(t.cpu() for t in got))
+    assert all(torch.equal(a, b) for a, b in zip(got, grouped._route(idx, e)))
+
+
+def test_moe_experts_with_the_routing_kernel(monkeypatch):
+    torch.manual_seed(0)
+    n, k, e, d, i = 64, 8, 64, 256, 128
+    x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16)
+    idx = torch.rand(n, e, device=DEV).topk(k).indices
+    weight = torch.rand(n, k, device=DEV)
+    w1, w3 = (torch.randn(e, i, d, device=DEV, dtype=torch.bfloat16) * d ** -0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i, device=DEV, dtype=torch.bfloat16) * i ** -0.5
+
+    def glu(a, b):
+        return torch.nn.functional.silu(a.float()) * b.float()
+
+    with torch.no_grad():
+        monkeypatch.setenv("K3_MOE_ROUTE", "torch")
+        want = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
+        monkeypatch.setenv("K3_MOE_ROUTE", "triton")
+        got = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
+    assert torch.equal(got, want)

@@ -1,0 +1,118 @@
+"""The opt-in Triton routing program (k3.ops.moe.triton_route) and its selection in k3.ops.moe.grouped._route.
+
+On a machine with Triton but no GPU the program runs in Triton's interpreter (a subprocess: TRITON_INTERPRET is read
+when a kernel is defined). Its routing is checked against the definition (every pair's row holds that pair; each
+expert's rows are its pairs in pair order, from the end of the previous expert's group padded to ALIGN; every
+other row is -1; the offsets are the padded counts' cumulative sums) and must equal the torch form's exactly; then
+the custom op's fake function (opcheck) and a compiled caller of _route without graph breaks. The torch form is
+checked against the same definition on CPU."""
+
+import logging
+
+import pytest
+import torch
+
+from k3.ops.moe import grouped
+
+INTERPRETED = """
+import os
+import torch
+from torch._dynamo.utils import counters
+from k3.ops.moe import grouped
+from k3.ops.moe.triton_route import moe_route
+from tests.ops.test_moe_route import assert_routing
+
+def check(idx, e):
+    got = moe_route(idx, e)
+    assert_routing(idx, e, *got)
+    for a, b in zip(got, grouped._route(idx, e)):  # and the torch form's, exactly
+        assert torch.equal(a, b)
+
+torch.manual_seed(0)
+for n, k, e in [(1, 8, 64), (64, 8, 64), (1, 16, 896), (64, 16, 896), (5, 3, 7), (3, 2, 4096), (1, 1, 1)]:
+    check(torch.stack([torch.randperm(e)[:k] for _ in range(n)]), e)  # distinct experts per token, as routed
+check(torch.randint(0, 5, (100, 7)), 6)  # repeats within a token too, expert 5 unused; 700 pairs: 1024 lanes
+check(torch.full((40, 4), 2), 3)  # every pair on one expert
+check(torch.zeros(0, 4, dtype=torch.long), 8)  # no token: offsets 0, every row -1
+check(torch.randint(0, 512, (256, 8)), 512)  # COUNT_PAIRS pairs exactly
+# the custom op: its fake function agrees with the kernel; a compiled _route keeps the launch in its graph
+idx = torch.randint(0, 20, (9, 4))
+checks = torch.library.opcheck(torch.ops.k3.moe_route.default, (idx, 20))
+assert all(v == "SUCCESS" for v in checks.values()), checks
+route = lambda t: grouped._route(t % 20, 20)  # noqa: E731
+want = route(idx)  # the torch form: unset, K3_MOE_ROUTE is torch
+os.environ["K3_MOE_ROUTE"] = "triton"  # the kernel is opt-in
+grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
+assert all(torch.equal(a, b) for a, b in zip(route(idx), want))  # eager first: it logs
+counters.clear()
+explained = torch._dynamo.explain(route)(idx)
+assert explained.graph_break_count == 0 and not counters["graph_break"], explained.break_reasons
+assert "k3.moe_route" in "\\n".join(g.code for g in explained.graphs)
+assert all(torch.equal(a, b) for a, b in zip(torch.compile(route, backend="eager")(idx), want))
+print("ok")
+"""
+
+
+def assert_routing(idx, e, rows, src, offs):
+    """The routing of the pairs idx [N, k] over e experts, checked against its definition."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    padded = (torch.bincount(flat, minlength=e) + 7) // 8 * 8
+    assert offs.dtype == torch.int32 and offs.tolist() == padded.cumsum(0).tolist(), (offs, padded)
+    assert src.shape == (n * k + 8 * e,) and rows.shape == (n, k) and rows.dtype == src.dtype == torch.int64
+    assert torch.equal(src[rows.reshape(-1)], torch.arange(n * k)), "a pair's row holds another pair"
+    assert int((src == -1).sum()) == src.numel() - n * k, "rows that are neither a pair nor -1"
+    begin = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+    for g in range(e):
+        mine = (flat == g).nonzero().flatten()  # expert g's pairs, in pair order
+        want = torch.arange(len(mine)) + begin[g]
+        assert torch.equal(rows.reshape(-1)[mine], want), (g, rows.reshape(-1)[mine], want)
+
+
+def test_kernel_in_triton_interpreter(triton_interpreter):
+    triton_interpreter(INTERPRETED)
+
+
+def test_selection(monkeypatch, caplog):
+    """torch unless K3_MOE_ROUTE=triton; under triton, torch still above COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS
+    experts, with the reason logged once; a bad value, or triton without Triton, is one clear error."""
+    monkeypatch.setattr(grouped, "_route_logged", set())
+    monkeypatch.delenv("K3_MOE_ROUTE", raising=False)
+    assert grouped.route_kernel(64, 64) == "torch"
+    monkeypatch.setenv("K3_MOE_ROUTE", "fast")
+    with pytest.raises(ValueError, match="K3_MOE_ROUTE='fast' must be one of torch, triton"):
+        grouped.route_kernel(64, 64)
+    monkeypatch.setenv("K3_MOE_ROUTE", "triton")
+    monkeypatch.setattr(grouped, "_have_triton", lambda: False)
+    with pytest.raises(ValueError, match="K3_MOE_ROUTE=triton needs Triton"):
+        grouped.route_kernel(64, 64)
+    monkeypatch.setattr(grouped, "_have_triton", lambda: True)
+    monkeypatch.setattr(grouped, "_route_logged", set())
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        assert grouped.route_kernel(grouped.COUNT_PAIRS, grouped.ROUTE_MAX_EXPERTS) == "triton"
+        assert grouped.route_kernel(grouped.COUNT_PAIRS + 1, 64) == "torch"
+        assert grouped.route_kernel(64, grouped.ROUTE_MAX_EXPERTS + 1) == "torch"
+        assert grouped.route_kernel(8, 8) == "triton"  # logged once
+    assert [r.getMessage() for r in caplog.records] == [
+        "moe_experts: routing by one Triton program (k3.ops.moe.triton_route)",
+        f"moe_experts: routing by torch: more than {grouped.COUNT_PAIRS} token-expert pairs",
+        f"moe_experts: routing by torch: more than the kernel's {grouped.ROUTE_MAX_EXPERTS} experts"]
+
+
+def test_torch_form(monkeypatch):
+    """The torch form (any device) against the definition: the counting branch and the argsort one."""
+    monkeypatch.delenv("K3_MOE_ROUTE", raising=False)
+    torch.manual_seed(0)
+    for idx, e in [(torch.randint(0, 50, (200, 8)), 50), (torch.randint(0, 50, (300, 8)), 50),  # 1600, 2400 pairs
+                   (torch.full((300, 8), 3), 5), (torch.zeros(0, 4, dtype=torch.long), 8)]:
+        assert_routing(idx, e, *grouped._route(idx, e))
+
+
+def test_rejects_bad_inputs():
+    tr = pytest.importorskip("k3.ops.moe.triton_route")
+    for idx, e in [(torch.zeros(4, 2, dtype=torch.int32), 8), (torch.zeros(8, dtype=torch.long), 8),
+                   (torch.zeros(grouped.COUNT_PAIRS + 1, 1, dtype=torch.long), 8),
+                   (torch.zeros(2, 2, dtype=torch.long), 0),
+                   (torch.zeros(2, 2, dtype=torch.long), grouped.ROUTE_MAX_EXPERTS + 1)]:
+        with pytest.raises(ValueError, match="moe_route: .* do not match"):
+            tr.moe_route(idx, e)
