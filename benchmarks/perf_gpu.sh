@@ -28,7 +28,7 @@ step() {  # name, seconds, command...
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
-TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear or moe_route}  # tests_k: the GPU tests of a change
+TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear or moe_route or fused_up_glu}  # tests_k: the GPU tests of a change
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"
@@ -44,7 +44,7 @@ step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
 step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
-  --env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton  # every kernel; the opt-in kernels A/B
+  --env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton,K3_MOE_UP_GLU=triton  # every kernel; the opt-in kernels A/B
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 64K tokens

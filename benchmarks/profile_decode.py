@@ -2,7 +2,7 @@
 filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
 
     python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]
-        [--env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton]]
+        [--env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton,K3_MOE_UP_GLU=triton]]
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -56,8 +56,8 @@ def main() -> None:
                    "combo_kernels off (GraphedDecoder turns them on), an A/B in one process")
     p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="with --compiled: the compiled step again with these environment variables set (e.g. "
-                   "K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton), an A/B in one process; "
-                   "repeatable")
+                   "K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton,K3_MOE_UP_GLU=triton), an A/B "
+                   "in one process; repeatable")
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()

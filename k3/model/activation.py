@@ -8,8 +8,7 @@ kernel on CUDA (k3.ops.fused).
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +16,6 @@ from torch import Tensor, nn
 from k3.ops.dtypes import upcast
 from k3.ops.fused import fused
 
-GLU = Callable[[Tensor, Tensor], Tensor]
 
 
 def situ(x: Tensor, beta: float = 4.0) -> Tensor:
@@ -37,13 +35,28 @@ def swiglu(g: Tensor, u: Tensor) -> Tensor:
     return (F.silu(upcast(g)) * upcast(u)).to(g.dtype)
 
 
+@dataclass(frozen=True)
+class GLU:
+    """The model's gated activation act(gate, up), by name: ``kind`` 'situ' (:func:`situ_glu` with beta /
+    linear_beta) or 'silu' (:func:`swiglu`). Called like the function it names; a kernel that computes the
+    activation itself (the MoE's fused up-projection, k3.ops.moe.small_groups.small_groups_glu) reads the fields."""
+    kind: str
+    beta: float = 4.0
+    linear_beta: float = 25.0
+
+    def __post_init__(self):
+        if self.kind not in ("situ", "silu"):
+            raise ValueError(f"hidden_act={self.kind!r} must be 'situ' or 'silu'")
+
+    def __call__(self, g: Tensor, u: Tensor) -> Tensor:
+        if self.kind == "situ":
+            return situ_glu(g, u, self.beta, self.linear_beta)
+        return swiglu(g, u)
+
+
 def make_glu(hidden_act: str, situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> GLU:
     """The gated activation named by ``hidden_act`` ('situ' or 'silu')."""
-    if hidden_act == "situ":
-        return partial(situ_glu, beta=situ_beta, linear_beta=situ_linear_beta)
-    if hidden_act == "silu":
-        return swiglu
-    raise ValueError(f"hidden_act={hidden_act!r} must be 'situ' or 'silu'")
+    return GLU(hidden_act, situ_beta, situ_linear_beta)
 
 
 class GatedFFN(nn.Module):

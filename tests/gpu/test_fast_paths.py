@@ -94,22 +94,28 @@ def test_grouped_mm_moe_matches_the_loop(d, i):
         assert rel(a, b) <= 5e-2, (name, rel(a, b))
 
 
+def _decode_experts(n: int, seed: int, gain: float = 1.0):
+    """x [n, 1024] bf16, top-8 of 64 experts (every token also on expert 7: a group of n rows, at 64 several passes
+    of BLOCK_M rows), weights [n, 8], fp32 expert weights w1 / w3 [64, 512, 1024] (scaled by gain) and w2: the
+    decode benchmark's expert shapes (its autotuning cache)."""
+    torch.manual_seed(seed)
+    e, topk, d, i = 64, 8, 1024, 512
+    x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16)
+    w1, w3 = (torch.randn(e, i, d, device=DEV) * gain * d ** -0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i, device=DEV) * i ** -0.5
+    idx = torch.rand(n, e, device=DEV).topk(topk).indices
+    idx[:, 0] = 7
+    return x, idx, torch.rand(n, topk, device=DEV), w1, w2, w3
+
+
 @pytest.mark.parametrize("n", [5, 64])
 def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
     """At decode (no grad) the Triton small-groups kernel (the default) against the per-expert loop
     (fp32; bf16 weights and activations: 2e-2) and against torch._grouped_mm (same bf16 inputs: 1e-2, fp32
-    accumulation in both). The decode benchmark's expert shapes (its autotuning cache); a hot expert holds more
-    rows than one pass of the kernel, most others few or none."""
+    accumulation in both). A hot expert holds more rows than one pass of the kernel, most others few or none."""
     from k3.ops.moe import grouped
 
-    torch.manual_seed(n)
-    e, topk, d, i = 64, 8, 1024, 512
-    x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16)
-    w1, w3 = (torch.randn(e, i, d, device=DEV) * d ** -0.5 for _ in range(2))
-    w2 = torch.randn(e, d, i, device=DEV) * i ** -0.5
-    idx = torch.rand(n, e, device=DEV).topk(topk).indices
-    idx[:, 0] = 7  # every token: a group of n rows (64: several passes of BLOCK_M rows)
-    wt = torch.rand(n, topk, device=DEV)
+    x, idx, wt, w1, w2, w3 = _decode_experts(n, seed=n)
     with torch.no_grad():
         monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
         assert grouped._experts_matmul(idx.numel(), needs_grad=False) == "triton"  # the default on a GPU
@@ -119,6 +125,27 @@ def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
         y_mm = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)
         yr = moe_ref.moe_experts(x.float(), idx, wt, w1, w2, w3, situ_glu)
     assert rel(y, yr) <= 2e-2 and rel(y, y_mm) <= 1e-2, (rel(y, yr), rel(y, y_mm))
+
+
+@pytest.mark.parametrize("kind", ["situ", "silu"])
+def test_fused_up_glu_matches_the_unfused_kernels(kind, monkeypatch):
+    """K3_MOE_UP_GLU=triton (the rows' gather, w1, w3 and the GLU in one launch) against the same small-groups path
+    with them apart, on the same bf16 inputs (1e-2: the products are rounded to bf16 alike, the fp32 tanh and
+    sigmoid differ in their last bits before the bf16 GLU output), and against the per-expert loop (2e-2)."""
+    from k3.model.activation import make_glu
+    from k3.ops.moe import grouped
+
+    x, idx, wt, w1, w2, w3 = _decode_experts(64, seed=2, gain=3.0)  # |g|, |u| up to ~10: the tanh bend
+    glu = make_glu(kind, 3.0, 20.0)
+    monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
+    with torch.no_grad():
+        monkeypatch.setenv("K3_MOE_UP_GLU", "torch")
+        apart = grouped.moe_experts(x, idx, wt, w1, w2, w3, glu)
+        monkeypatch.setenv("K3_MOE_UP_GLU", "triton")
+        assert grouped.up_glu_kernel(glu, x.device) == "triton"  # so the comparison is not with itself
+        fused = grouped.moe_experts(x, idx, wt, w1, w2, w3, glu)
+        loop = moe_ref.moe_experts(x.float(), idx, wt, w1, w2, w3, glu)
+    assert rel(fused, apart) <= 1e-2 and rel(fused, loop) <= 2e-2, (rel(fused, apart), rel(fused, loop))
 
 
 def test_triton_mla_decode_matches_reference():
@@ -367,18 +394,20 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
 @pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opt_in_kernels"])
 def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
     """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul
-    and, opted in, the router's top-k, the KDA layer's six input maps in one launch and the MoE routing program) are custom ops, so
+    and, opted in, the router's top-k, the KDA layer's six input maps in one launch, the MoE routing program and
+    the experts' fused up-projection and GLU) are custom ops, so
     torch.compile traces the whole step as one graph with all of them inside (a torch.compiler.disable'd launch
     cut it at every KDA, MLA and MoE layer). Checked the way an engine compiles it: GraphedDecoder(compile=True)
     from cold backend caches (its eager warm-up resolves every op first; a first resolution inside the trace logs,
     which cuts the graph for good), then the ops named in the traced graph."""
     from torch._dynamo.utils import counters
 
-    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE"):
+    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE", "K3_MOE_UP_GLU"):
         monkeypatch.setenv(var, "triton" if opt_in else "torch")
 
     from k3.infer.graphs import GraphedDecoder
     from k3.ops import backend, linear, router
+    from k3.ops.moe import grouped
 
     model = _decode_model(seed=9)
     ids = torch.randint(0, 512, (3, 24), device=DEV)
@@ -392,6 +421,8 @@ def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
                 op.logged.clear()
             monkeypatch.setattr(router, "_logged", set())
             monkeypatch.setattr(linear, "_logged", set())
+            monkeypatch.setattr(grouped, "_route_logged", set())
+            monkeypatch.setattr(grouped, "_glu_logged", set())
             torch._dynamo.reset()
             counters.clear()
             GraphedDecoder(model, cache, headroom=16, compile=True)(ids[:, 20], [0, 1, 2])
@@ -403,8 +434,8 @@ def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
     assert not breaks, [reason[:200] for reason in breaks]
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
-    ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (("k3.router_topk", "k3.multi_linear")
-                                                                          if opt_in else ())
+    ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (
+        ("k3.router_topk", "k3.multi_linear", "k3.moe_route", "k3.small_groups_glu") if opt_in else ())
     for op in ops:
         assert op in code, op
 

@@ -73,27 +73,35 @@ def test_kernel_in_triton_interpreter(triton_interpreter):
     triton_interpreter(INTERPRETED)
 
 
+def _pairs(p):
+    return torch.zeros(p, 1, dtype=torch.long)
+
+
 def test_selection(monkeypatch, caplog):
-    """torch unless K3_MOE_ROUTE=triton; under triton, torch still above COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS
-    experts, with the reason logged once; a bad value, or triton without Triton, is one clear error."""
+    """torch unless K3_MOE_ROUTE=triton; under triton, torch still off the GPU (but for Triton's interpreter), above
+    COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS experts, with the reason logged once; a bad value, or triton without
+    Triton, is one clear error."""
     monkeypatch.setattr(grouped, "_route_logged", set())
     monkeypatch.delenv("K3_MOE_ROUTE", raising=False)
-    assert grouped.route_kernel(64, 64) == "torch"
+    assert grouped.route_kernel(_pairs(64), 64) == "torch"
     monkeypatch.setenv("K3_MOE_ROUTE", "fast")
     with pytest.raises(ValueError, match="K3_MOE_ROUTE='fast' must be one of torch, triton"):
-        grouped.route_kernel(64, 64)
+        grouped.route_kernel(_pairs(64), 64)
     monkeypatch.setenv("K3_MOE_ROUTE", "triton")
     monkeypatch.setattr(grouped, "_have_triton", lambda: False)
     with pytest.raises(ValueError, match="K3_MOE_ROUTE=triton needs Triton"):
-        grouped.route_kernel(64, 64)
+        grouped.route_kernel(_pairs(64), 64)
     monkeypatch.setattr(grouped, "_have_triton", lambda: True)
     monkeypatch.setattr(grouped, "_route_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
-        assert grouped.route_kernel(grouped.COUNT_PAIRS, grouped.ROUTE_MAX_EXPERTS) == "triton"
-        assert grouped.route_kernel(grouped.COUNT_PAIRS + 1, 64) == "torch"
-        assert grouped.route_kernel(64, grouped.ROUTE_MAX_EXPERTS + 1) == "torch"
-        assert grouped.route_kernel(8, 8) == "triton"  # logged once
+        assert grouped.route_kernel(_pairs(64), 64) == "torch"  # CPU tensors
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors
+        assert grouped.route_kernel(_pairs(grouped.COUNT_PAIRS), grouped.ROUTE_MAX_EXPERTS) == "triton"
+        assert grouped.route_kernel(_pairs(grouped.COUNT_PAIRS + 1), 64) == "torch"
+        assert grouped.route_kernel(_pairs(64), grouped.ROUTE_MAX_EXPERTS + 1) == "torch"
+        assert grouped.route_kernel(_pairs(8), 8) == "triton"  # logged once
     assert [r.getMessage() for r in caplog.records] == [
+        "moe_experts: routing by torch: the routing is not on a GPU",
         "moe_experts: routing by one Triton program (k3.ops.moe.triton_route)",
         f"moe_experts: routing by torch: more than {grouped.COUNT_PAIRS} token-expert pairs",
         f"moe_experts: routing by torch: more than the kernel's {grouped.ROUTE_MAX_EXPERTS} experts"]

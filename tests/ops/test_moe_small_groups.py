@@ -6,6 +6,7 @@ one pass of BLOCK_M rows, empty groups, widths that are not multiples of the blo
 function (torch.library.opcheck) and a compiled caller without graph breaks. The interpreter mishandles
 bf16 dot products, so this check runs in fp16; bf16 on the GPU: tests/gpu/test_fast_paths.py."""
 
+import logging
 import textwrap
 
 import pytest
@@ -13,7 +14,9 @@ import torch
 
 from k3.ops.moe import grouped
 
-INTERPRETED = textwrap.dedent("""
+CPU = torch.device("cpu")
+
+ROUTED = textwrap.dedent("""
     import torch
     from k3.ops.moe import grouped, small_groups as sg
 
@@ -23,6 +26,9 @@ INTERPRETED = textwrap.dedent("""
     idx[:, 0] = 1  # expert 1: 30+ rows, two or more passes of 16
     idx[idx == 4] = 5  # expert 4: no rows
     route = grouped._route(idx, e)
+""")  # the routing both kernels' scripts start from
+
+INTERPRETED = ROUTED + textwrap.dedent("""
     x = torch.randn(route.src_pair.numel(), d).half()
     w = (torch.randn(e, i, d) * d ** -0.5).half()
     ends = route.offs.long()
@@ -54,6 +60,92 @@ INTERPRETED = textwrap.dedent("""
 
 def test_kernel_in_triton_interpreter(triton_interpreter):
     triton_interpreter(INTERPRETED)
+
+
+INTERPRETED_GLU = ROUTED + textwrap.dedent("""
+    import triton
+
+    def act(kind, g, u, beta=3.0, lb=20.0):  # float64, from the definitions (k3.model.activation)
+        if kind == "silu":
+            return g * torch.sigmoid(g) * u
+        return beta * torch.tanh(g / beta) * torch.sigmoid(g) * lb * torch.tanh(u / lb)
+
+    x = (torch.randn(n, d) * 2).half()
+    w1, w3 = ((torch.randn(e, i, d) * 3 * d ** -0.5).half() for _ in range(2))  # |g|, |u| up to ~10: tanh bends
+    src, ends = route.src_pair, route.offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    data = (src >= 0).nonzero().flatten()
+    tok = src[data] // k
+    expert = torch.bucketize(data, ends, right=True)  # the group of each data row
+    g = torch.einsum("rd,rid->ri", x[tok].double(), w1[expert].double()).half().double()  # rounded as apart
+    u = torch.einsum("rd,rid->ri", x[tok].double(), w3[expert].double()).half().double()
+    pad = torch.tensor([r for r in range(int(ends[-1])) if src[r] < 0])
+    assert len(pad) > 0 and ends[4] == starts[4]
+    for kind in ("silu", "situ"):
+        want = act(kind, g, u)
+        for bn, bk in [(32, 64), (64, 128), (128, 32)]:
+            sg._small_groups_glu_kernel = triton.autotune([triton.Config({"BLOCK_N": bn, "BLOCK_K": bk})],
+                                                          key=["N"])(sg._small_groups_glu_kernel.fn)
+            h = sg.small_groups_glu(x, src, k, w1, w3, route.offs, kind, 3.0, 20.0)
+            err = ((h[data].double() - want).norm() / want.norm()).item()
+            assert err <= 2e-3, (kind, bn, bk, err)  # fp16 output rounding (2^-11) and the fp32 tanh / sigmoid
+            assert (h[pad] == 0).all(), (kind, bn, bk)  # padding rows: act(0, 0)
+    # the custom op: its fake function agrees with the kernel, and a compiled caller keeps it in its graph
+    rows = src[:int(ends[-1])]  # every row written (the op's checks compare whole outputs)
+    args = (x, rows, k, w1, w3, route.offs, "situ", 4.0, 25.0)
+    checks = torch.library.opcheck(torch.ops.k3.small_groups_glu.default, args)
+    assert all(v == "SUCCESS" for v in checks.values()), checks
+    caller = lambda a: sg.small_groups_glu(a * 2, *args[1:]).float().sum(-1)  # noqa: E731
+    assert torch._dynamo.explain(caller)(x).graph_break_count == 0
+    assert torch.equal(torch.compile(caller, backend="aot_eager")(x), caller(x))
+    print("ok")
+""")
+
+
+def test_fused_up_glu_kernel_in_triton_interpreter(triton_interpreter):
+    triton_interpreter(INTERPRETED_GLU)
+
+
+def test_up_glu_selection(monkeypatch, caplog):
+    """torch unless K3_MOE_UP_GLU=triton; under triton, the fused kernel only on the GPU (or in Triton's
+    interpreter) and for a named GLU (not QAT's composed
+    one, nor a bare function), the reason logged once; a bad value, or triton without Triton, is one clear error;
+    the choice traces without a graph break for either kind of GLU."""
+    from k3.model.activation import make_glu, swiglu
+
+    monkeypatch.setattr(grouped, "_glu_logged", set())
+    monkeypatch.delenv("K3_MOE_UP_GLU", raising=False)
+    assert grouped.up_glu_kernel(make_glu("situ"), CPU) == "torch"
+    monkeypatch.setenv("K3_MOE_UP_GLU", "cutlass")
+    with pytest.raises(ValueError, match="K3_MOE_UP_GLU='cutlass' must be one of torch, triton"):
+        grouped.up_glu_kernel(make_glu("situ"), CPU)
+    monkeypatch.setenv("K3_MOE_UP_GLU", "triton")
+    monkeypatch.setattr(grouped, "_have_triton", lambda: False)
+    with pytest.raises(ValueError, match="K3_MOE_UP_GLU=triton needs Triton"):
+        grouped.up_glu_kernel(make_glu("situ"), CPU)
+    monkeypatch.setattr(grouped, "_have_triton", lambda: True)
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        assert grouped.up_glu_kernel(make_glu("situ"), CPU) == "torch"  # CPU tensors
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors
+        assert grouped.up_glu_kernel(make_glu("situ", 3.0, 20.0), CPU) == "triton"
+        assert grouped.up_glu_kernel(make_glu("silu"), CPU) == "triton"
+        assert grouped.up_glu_kernel(swiglu, CPU) == "torch"
+        assert grouped.up_glu_kernel(lambda g, u: swiglu(g, u) * 2, CPU) == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "moe_experts: up-projection and GLU by the row gather, two matmuls and the GLU apart: the experts are not on "
+        "a GPU",
+        "moe_experts: up-projection and GLU by one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
+        "moe_experts: up-projection and GLU by the row gather, two matmuls and the GLU apart: the GLU is not a "
+        "named form (k3.model.activation.GLU), e.g. QAT's quantised one"]
+
+    def quantized_glu(g, u):  # as k3.ops.moe composes QAT's
+        return swiglu(g, u).round()
+
+    for glu in (make_glu("situ"), quantized_glu):
+        want = grouped.up_glu_kernel(glu, CPU)
+        explained = torch._dynamo.explain(lambda t: t * 2 if grouped.up_glu_kernel(glu, CPU) == "triton" else t * 3)(
+            torch.ones(2))
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, (want, explained.break_reasons)
 
 
 def test_selection(monkeypatch):

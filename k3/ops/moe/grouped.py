@@ -52,7 +52,7 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
     COUNT_PAIRS pairs it is counted directly (one fused [P, P] compare-and-sum, where a sort of a few hundred keys
     is a ~30 us kernel per layer at decode); above, read off a stable argsort. Both give the same routing, as does
     the opt-in Triton program (:func:`route_kernel`)."""
-    if route_kernel(topk_idx.numel(), num_experts) == "triton":
+    if route_kernel(topk_idx, num_experts) == "triton":
         from k3.ops.moe.triton_route import moe_route  # Triton: imported on use (GPUs only)
 
         return _Routing(*moe_route(topk_idx, num_experts))
@@ -79,12 +79,19 @@ ROUTE_MAX_EXPERTS = 4096  # the Triton program holds one count per expert in a b
 _route_logged: set[str] = set()
 
 
-def route_kernel(n_pairs: int, num_experts: int) -> str:
-    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) when K3_MOE_ROUTE=triton and there
-    are at most COUNT_PAIRS pairs and ROUTE_MAX_EXPERTS experts, else 'torch' (:func:`k3.ops.backend.opt_in_kernel`:
-    logged once each, with the reason)."""
+def _kernel_device(device: torch.device) -> bool:
+    """Where an opt-in Triton kernel of this module runs: CUDA tensors, or any under Triton's CPU interpreter."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
+    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) when K3_MOE_ROUTE=triton, the
+    pairs are on a GPU and there are at most COUNT_PAIRS of them and ROUTE_MAX_EXPERTS experts, else 'torch'
+    (:func:`k3.ops.backend.opt_in_kernel`: logged once each, with the reason)."""
     def why_not() -> str:
-        if n_pairs > COUNT_PAIRS:
+        if not _kernel_device(topk_idx.device):
+            return "the routing is not on a GPU"
+        if topk_idx.numel() > COUNT_PAIRS:
             return f"more than {COUNT_PAIRS} token-expert pairs"
         if num_experts > ROUTE_MAX_EXPERTS:
             return f"more than the kernel's {ROUTE_MAX_EXPERTS} experts"
@@ -207,6 +214,27 @@ def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     return kernel
 
 
+GLU_ACTS = ("silu", "situ")  # the kinds of k3.model.activation.GLU that small_groups_glu computes itself
+_glu_logged: set[str] = set()
+
+
+def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device) -> str:
+    """Where the small-groups kernel runs the expert matmuls: 'triton' (one launch of
+    k3.ops.moe.small_groups.small_groups_glu for the rows' gather, w1, w3 and the GLU) when K3_MOE_UP_GLU=triton
+    and ``glu`` names its form (a k3.model.activation.GLU), else 'torch' (they run apart). Chosen and logged by
+    :func:`k3.ops.backend.opt_in_kernel`."""
+    def why_not() -> str:
+        if not _kernel_device(device):
+            return "the experts are not on a GPU"
+        if getattr(glu, "kind", None) not in GLU_ACTS:
+            return "the GLU is not a named form (k3.model.activation.GLU), e.g. QAT's quantised one"
+        return ""
+
+    return backend.opt_in_kernel("K3_MOE_UP_GLU", "moe_experts: up-projection and GLU by", why_not,
+                                 ("one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
+                                  "the row gather, two matmuls and the GLU apart"), _have_triton, _glu_logged)
+
+
 def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """x [R, K] bf16, w [E, N, K] bf16 -> [R, N]: each group of rows times its expert's w^T."""
     if kernel == "triton":
@@ -231,7 +259,14 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
     w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
     w2b = _pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
-    xs = _Dispatch.apply(_pad(x.to(bf), (0, pd)), route)  # [R, D+pd]
-    h = glu(_matmul(kernel, xs, w1b, route.offs), _matmul(kernel, xs, w3b, route.offs))
+    xb = _pad(x.to(bf), (0, pd))  # [N, D+pd]
+    if kernel == "triton" and up_glu_kernel(glu, x.device) == "triton":  # gather, w1, w3 and the GLU in one launch
+        from k3.ops.moe.small_groups import small_groups_glu  # Triton: imported on use (GPUs only)
+
+        h = small_groups_glu(xb, route.src_pair, topk_idx.shape[1], w1b, w3b, route.offs, glu.kind, glu.beta,
+                             glu.linear_beta)
+    else:
+        xs = _Dispatch.apply(xb, route)  # [R, D+pd]
+        h = glu(_matmul(kernel, xs, w1b, route.offs), _matmul(kernel, xs, w3b, route.offs))
     y = _matmul(kernel, h.to(bf), w2b, route.offs)  # [R, D+pd]
     return _Combine.apply(y, topk_weight, route, x.dtype)[:, :d]

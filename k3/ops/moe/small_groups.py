@@ -12,6 +12,12 @@ possibly none; rows after offs[E-1] are not written.
 The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usable (``K3_MOE_SMALL_GROUPS=
 grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200 (benchmarks/results/moe_decode_mm.md).
 moe_experts logs which one runs.
+
+``small_groups_glu`` is the same kernel for the up-projection with two weights and an epilogue: each program
+gathers its group's rows from the tokens (through the routing's src_pair), multiplies them by its block of w1 and
+of w3 and writes act(gate, up) (SiTU-GLU or SwiGLU), one launch where apart the row gather, two matmuls and the GLU
+take four. Opt-in (``K3_MOE_UP_GLU=triton``, grouped.up_glu_kernel) until it has run on a GPU: tested in Triton's
+CPU interpreter only (session 23).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from k3.ops.moe.grouped import GLU_ACTS
 
 _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
             for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
@@ -49,6 +57,53 @@ def _small_groups_kernel(X, W, OFFS, Y, stride_xr, stride_we, stride_wn, stride_
         m0 += BLOCK_M
 
 
+_GLU_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
+                for n in (32, 64, 128) for k in (64, 128) for s in (3, 4)]
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0  # (Triton's interpreter has no libdevice tanh; fp32, abs. error ~1e-7)
+
+
+@triton.autotune(configs=_GLU_CONFIGS, key=["N", "K", "BLOCK_M", "SITU"])
+@triton.jit
+def _small_groups_glu_kernel(X, SRC, W1, W3, OFFS, H, stride_xr, stride_we, stride_wn, stride_hr, pairs_per_token,
+                             beta, linear_beta, N: tl.constexpr, K: tl.constexpr, SITU: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[r] = act(w1[e] @ x[token(r)], w3[e] @ x[token(r)]) for the rows r of group e, token(r) = SRC[r] // k;
+    padding rows (SRC = -1) read zeros. Each product is rounded to h's dtype before the activation, as when the
+    matmuls and the GLU run apart."""
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    end = tl.load(OFFS + e)
+    start = tl.where(e > 0, tl.load(OFFS + tl.maximum(e - 1, 0)), 0)
+    w_off = e.to(tl.int64) * stride_we + cols[None, :] * stride_wn  # [1, BLOCK_N]: w[e, col, :]
+    m0 = start
+    while m0 < end:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        src = tl.load(SRC + rows, mask=rows < end, other=-1)
+        token = tl.maximum(src, 0) // pairs_per_token
+        acc1 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + token[:, None].to(tl.int64) * stride_xr + ks[None, :],
+                        mask=(src[:, None] >= 0) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            w_mask = (ks[:, None] < K) & (cols[None, :] < N)
+            acc1 = tl.dot(x, tl.load(W1 + w_off + ks[:, None], mask=w_mask, other=0.0), acc1)
+            acc3 = tl.dot(x, tl.load(W3 + w_off + ks[:, None], mask=w_mask, other=0.0), acc3)
+        g = acc1.to(H.dtype.element_ty).to(tl.float32)
+        u = acc3.to(H.dtype.element_ty).to(tl.float32)
+        if SITU:
+            h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+        else:
+            h = g * tl.sigmoid(g) * u
+        tl.store(H + rows[:, None].to(tl.int64) * stride_hr + cols[None, :], h.to(H.dtype.element_ty),
+                 mask=(rows[:, None] < end) & (cols[None, :] < N))
+        m0 += BLOCK_M
+
+
 def block_m(rows: int, groups: int) -> int:
     """Rows per pass: the average group (padded to 8 by the router) rounded up to a power of two, 16..64."""
     return min(64, max(16, triton.next_power_of_2(-(-rows // max(groups, 1)))))
@@ -73,6 +128,40 @@ def small_groups_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     _check(x, w, offs)
     return x.new_empty(x.shape[0], w.shape[1])
+
+
+@torch.library.custom_op("k3::small_groups_glu", mutates_args=())
+def small_groups_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor,
+                     act: str, beta: float, linear_beta: float) -> Tensor:
+    """The experts' up-projection and GLU in one launch, rows gathered on the fly: x [N, K] (the tokens), src_pair
+    [R] int64 (the pair a buffer row holds, -1 for padding; pair // pairs_per_token is its token), w1 / w3
+    [E, I, K], offs [E] int32 group ends -> h [R, I] = act(w1[e] x[token], w3[e] x[token]) for the rows of group e,
+    act 'situ' (SiTU-GLU with beta / linear_beta) or 'silu' (SwiGLU); padding rows give act(0, 0) = 0; rows after
+    offs[-1] are not written. What the dispatch gather, two small_groups_mm and the GLU compute apart (each
+    product rounded to x's dtype before act, in fp32). A custom op (``torch.ops.k3.small_groups_glu``)."""
+    _check(x, w1, offs)
+    _check(x, w3, offs)
+    if (w1.shape != w3.shape or act not in GLU_ACTS or src_pair.dim() != 1 or src_pair.dtype != torch.int64
+            or pairs_per_token < 1):
+        raise ValueError(f"small_groups_glu: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, src_pair "
+                         f"{tuple(src_pair.shape)} {src_pair.dtype} (int64 [R]), pairs_per_token={pairs_per_token} "
+                         f"and act={act!r} (one of {GLU_ACTS}) do not match")
+    x, src_pair = x.contiguous(), src_pair.contiguous()
+    w1, w3 = w1.contiguous(), w3.contiguous()
+    E, N, K = w1.shape
+    h = torch.empty(src_pair.shape[0], N, device=x.device, dtype=x.dtype)
+    bm = block_m(src_pair.shape[0], E)
+    grid = lambda m: (E, triton.cdiv(N, m["BLOCK_N"]))  # noqa: E731
+    _small_groups_glu_kernel[grid](x, src_pair, w1, w3, offs.to(torch.int32), h, x.stride(0), w1.stride(0),
+                                   w1.stride(1), h.stride(0), pairs_per_token, beta, linear_beta, N=N, K=K,
+                                   SITU=act == "situ", BLOCK_M=bm)
+    return h
+
+
+@small_groups_glu.register_fake
+def _(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor, act: str, beta: float,
+      linear_beta: float) -> Tensor:
+    return x.new_empty(src_pair.shape[0], w1.shape[1])
 
 
 def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
