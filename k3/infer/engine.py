@@ -25,7 +25,7 @@ import torch
 
 from k3.infer.graphs import GraphedDecoder
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import SamplingParams, sample_next
+from k3.infer.sampling import SamplingParams, TokenLogprob, sample_next, token_logprob
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
 from k3.ops.fused import raise_recompile_limit
 
@@ -44,6 +44,9 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # with params.logprobs: one per token of token_ids, but for a stop token (EOS / stop_token_ids), whose text is
+    # not returned
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -264,7 +267,8 @@ class Engine:
             seen = torch.tensor(seq.tokens, device=self.device) if seq.params.repetition_penalty != 1.0 else None
             token = sample_next(row, seq.params, seq.generator, seen)
             seq.output.append(token)
-            outputs.append(self._emit(seq, token))
+            lp = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
+            outputs.append(self._emit(seq, token, lp))
         return outputs
 
     def _image_rows(self, batch: list[_Sequence], pieces: list[list[int]]) -> torch.Tensor | None:
@@ -296,13 +300,13 @@ class Engine:
                                state)
         seq.remembered = seq.fed
 
-    def _emit(self, seq: _Sequence, token: int) -> StepOutput:
+    def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> StepOutput:
         p = seq.params
         reason = None
         stop_ids = set(p.stop_token_ids) | ({self.eos_id} if self.eos_id is not None and not p.ignore_eos else set())
         text = self.tokenizer.decode(seq.output)
         if token in stop_ids:
-            reason = "stop"
+            reason, lp = "stop", None
             text = self.tokenizer.decode(seq.output[:-1])
         cut = min((text.find(s) for s in p.stop if s in text), default=-1)
         if cut >= 0:
@@ -319,14 +323,15 @@ class Engine:
         delta = safe[len(seq.emitted):] if safe.startswith(seq.emitted) else ""
         seq.emitted += delta
         out = StepOutput(seq.request_id, [token], delta, reason is not None, reason, len(seq.prompt), len(seq.output),
-                         seq.cached_tokens)
+                         seq.cached_tokens, None if p.logprobs is None else [lp] if lp is not None else [])
         if reason is not None:
             self._release(seq)
         return out
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        """Run requests to completion; returns per prompt {token_ids, text, finish_reason, cached_tokens}."""
+        """Run requests to completion; returns per prompt {token_ids, text, finish_reason, cached_tokens} and, for
+        requests with ``logprobs``, their TokenLogprobs under "logprobs"."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, dict] = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
@@ -335,6 +340,8 @@ class Engine:
                 d = done[out.request_id]
                 d["token_ids"] += out.token_ids
                 d["text"] += out.text
+                if out.logprobs is not None:
+                    d.setdefault("logprobs", []).extend(out.logprobs)
                 if out.finished:
                     d.update(finish_reason=out.finish_reason, cached_tokens=out.cached_tokens)
         return [done[i] for i in ids]

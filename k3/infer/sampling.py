@@ -1,12 +1,34 @@
-"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, repetition penalty, seed)."""
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, repetition penalty, seed), and
+the log-probabilities a request may ask for."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's chat limit)
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model and the ``n`` likeliest tokens' [(id, logprob)], most
+    likely first: the log-softmax of the model's logits at that position, before the request's temperature,
+    penalties and top-k / top-p (what the model predicts, not what the sampler drew from)."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: Tensor, token: int, n: int) -> TokenLogprob:
+    """logits [V] -> the TokenLogprob of ``token`` with the n likeliest alternatives (fp32 log-softmax)."""
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(n) if n else None
+    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return TokenLogprob(token, float(lp[token]), alts)
 
 
 @dataclass
@@ -22,6 +44,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     ignore_eos: bool = False
+    logprobs: int | None = None  # N: each generated token's log-probability and the N likeliest (TokenLogprob)
 
     def validate(self) -> None:
         """One ValueError naming the field for any out-of-range value."""
@@ -47,6 +70,9 @@ class SamplingParams:
             bad("stop", "must be a list of at most 16 non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator of its own per request, so a seeded request samples the same tokens in any batch."""

@@ -2,10 +2,15 @@
 ``/v1/chat/completions`` (both with SSE streaming) and ``/health``.
 
 Every request body is validated by a pydantic model (strict types: ``"5"`` is not an integer); a bad field,
-bad JSON, an unsupported option (``n != 1``, ``echo``, ``logprobs``, ...) or a prompt that does not fit the
+bad JSON, an unsupported option (``n != 1``, ``echo``, ``best_of``, ...) or a prompt that does not fit the
 context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
 model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
 serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``.
+
+Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_logprobs`` N on chat; N <= 20, also
+when streaming) are the model's: the log-softmax of its logits at each generated token, before temperature,
+penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`); a stop token has none. Each token is shown
+as its own decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.chat import IMAGE_SLOT, render_chat
-from k3.infer.sampling import SamplingParams
+from k3.infer.sampling import MAX_LOGPROBS, SamplingParams
 from k3.train.tokenizer import Tokenizer
 
 log = logging.getLogger("k3.serve")
@@ -98,8 +103,6 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
     "frequency_penalty": (lambda v: v == 0, "0"),
     "logit_bias": (lambda v: not v, "null or {}"),
     "echo": (lambda v: v is False, "false"),
-    "logprobs": (lambda v: v is None or v is False, "null or false"),
-    "top_logprobs": (lambda v: v in (None, 0), "null or 0"),
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "suffix": (lambda v: not v, "null or an empty string"),
     "tools": (lambda v: not v, "null or []"),
@@ -109,7 +112,7 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
 class CompletionRequest(_Request):
     prompt: Any
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -128,7 +131,7 @@ class ChatRequest(_Request):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
 
 
@@ -246,7 +249,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         req.refuse_unsupported()
 
     def sampling(req: _Request, prompt_len: int, max_tokens: int | None, default_max: int, stop: list[str],
-                 stop_ids: list[int]) -> SamplingParams:
+                 stop_ids: list[int], logprobs: int | None) -> SamplingParams:
         if prompt_len >= max_context:
             raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {max_context} tokens",
                            "prompt", "context_length_exceeded")
@@ -257,7 +260,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                            f"context of {max_context} tokens", "max_tokens", "context_length_exceeded")
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               repetition_penalty=req.repetition_penalty, seed=req.seed,
-                              stop=list(req.stop or []) + stop, stop_token_ids=stop_ids)
+                              stop=list(req.stop or []) + stop, stop_token_ids=stop_ids, logprobs=logprobs)
 
     async def start(prompt: list[int], params: SamplingParams, rid: str, media=None):
         try:
@@ -273,15 +276,35 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def collect(stream) -> tuple[str, Any]:
-        text, last = [], None
+    async def collect(stream) -> tuple[str, Any, list]:
+        """(text, last output, every TokenLogprob) of a whole request."""
+        text, last, lps = [], None, []
         try:
             async for out in stream:
                 text.append(out.text)
+                lps += out.logprobs or []
                 last = out
         except (EngineError, EngineClosed) as e:
             raise APIError(500, str(e), kind="server_error") from None
-        return "".join(text), last
+        return "".join(text), last, lps
+
+    def piece(token_id: int) -> str:
+        return tok.decode([token_id])
+
+    def completion_logprobs(lps: list, offset: int) -> dict:
+        """OpenAI's legacy completions form; ``offset``: the text_offset of the first token."""
+        tokens = [piece(e.token_id) for e in lps]
+        starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in lps],
+                "top_logprobs": [{piece(i): v for i, v in e.top} for e in lps], "text_offset": starts}
+
+    def chat_logprobs(lps: list) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = piece(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]}
+                            for e in lps]}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -291,11 +314,14 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         try:
             for obj in first:
                 yield sse(obj)
+            pending = []  # log-probabilities of tokens whose text is held back (a possible stop string)
             async for out in stream:
+                pending += out.logprobs or []
                 if out.text or out.finished:
-                    yield sse(chunk(out.text, out.finish_reason))
+                    yield sse(chunk(out.text, out.finish_reason, pending))
+                    pending = []
                 if out.finished and include_usage:
-                    yield sse({**chunk(None, None), "choices": [], "usage": usage(out)})
+                    yield sse({**chunk(None, None, []), "choices": [], "usage": usage(out)})
         except (EngineError, EngineClosed) as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:
@@ -306,23 +332,31 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     async def completions(req: CompletionRequest):
         check(req)
         prompt = req.prompt if isinstance(req.prompt, list) else tok.encode(req.prompt)
-        params = sampling(req, len(prompt), req.max_tokens, 16, [], [])
+        params = sampling(req, len(prompt), req.max_tokens, 16, [], [], req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await start(prompt, params, rid)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        offset = [0]  # text_offset of the next token, across a stream's chunks
 
-        def chunk(text, reason):
-            return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+        def chunk(text, reason, lps):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(lps, offset[0])
+                offset[0] += sum(len(t) for t in logprobs["tokens"])
+            return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": logprobs,
+                                         "finish_reason": reason}]}
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream_events(stream, [], chunk, include), media_type="text/event-stream")
-        text, last = await collect(stream)
-        return {**chunk(text, last.finish_reason), "usage": usage(last)}
+        text, last, lps = await collect(stream)
+        return {**chunk(text, last.finish_reason, lps), "usage": usage(last)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
         check(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         images: list[bytes] = []
         messages = [_message_content(i, m, images) for i, m in enumerate(req.messages)]
         if images and image_token_id is None:
@@ -336,15 +370,17 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling(req, len(prompt), max_tokens, max_context, rendered.stop, rendered.stop_token_ids)
+        params = sampling(req, len(prompt), max_tokens, max_context, rendered.stop, rendered.stop_token_ids,
+                          (req.top_logprobs or 0) if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await start(prompt, params, rid, media)
         base = {"id": rid, "created": int(time.time()), "model": model_name}
 
-        def chunk(text, reason):
+        def chunk(text, reason, lps):
             delta = {} if text is None or reason is not None and not text else {"content": text}
             return {**base, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(lps) if req.logprobs else None,
+                                 "finish_reason": reason}]}
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
@@ -352,9 +388,10 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]}
             return StreamingResponse(stream_events(stream, [first], chunk, include), media_type="text/event-stream")
-        text, last = await collect(stream)
+        text, last, lps = await collect(stream)
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": chat_logprobs(lps) if req.logprobs else None,
                              "finish_reason": last.finish_reason}], "usage": usage(last)}
 
     @app.exception_handler(Exception)

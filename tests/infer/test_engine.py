@@ -169,6 +169,40 @@ def test_stops_eos_and_abort(model):
     assert not eng.has_work() and eng.free_slots == [0] and eng.reserved == 0
 
 
+def test_logprobs_are_the_full_forward_log_softmax(model):
+    """Each generated token's log-probability and its top-n alternatives equal the log-softmax of a full forward's
+    logits at that position (batched, chunked, with temperature and top-k: they are the model's, not the
+    sampler's); logprobs=0 gives no alternatives; a stop token has no entry; the default has none."""
+    torch.manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (6, 40)]
+    params = [SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=9, logprobs=5),
+              SamplingParams(temperature=0, max_tokens=9, logprobs=0)]
+    results = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=16).generate(prompts, params)
+    for p, r, n in zip(prompts, results, (5, 0)):
+        want = full_forward_logits(model, p, r["token_ids"]).double().log_softmax(-1)
+        lps = r["logprobs"]
+        assert [e.token_id for e in lps] == r["token_ids"] and len(lps) == 9
+        got = torch.tensor([e.logprob for e in lps], dtype=torch.float64)
+        chosen = want.gather(1, torch.tensor(r["token_ids"])[:, None])[:, 0]
+        assert (got - chosen).abs().max() <= 1e-4, (got - chosen).abs().max()  # fp32 cache path vs full forward
+        if n == 0:  # greedy: the likeliest token
+            assert torch.equal(chosen, want.max(-1).values)
+        for e, row in zip(lps, want):
+            assert len(e.top) == n
+            if n:
+                ids, vals = zip(*e.top)
+                top = row.topk(n)
+                assert list(ids) == top.indices.tolist() and max(abs(a - b) for a, b in zip(vals, top.values)) <= 1e-4
+    greedy = results[1]["token_ids"]
+    eos = Engine(model, IdTokenizer(eos_id=greedy[2]), max_batch=1).generate(
+        [prompts[1]], SamplingParams(temperature=0, max_tokens=9, logprobs=1))[0]
+    assert eos["token_ids"] == greedy[:3] and [e.token_id for e in eos["logprobs"]] == greedy[:2]
+    plain = Engine(model, IdTokenizer(), max_batch=1).generate([prompts[0]], SamplingParams(max_tokens=2))[0]
+    assert "logprobs" not in plain
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21).validate()
+
+
 def test_sampling_rules():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
     assert torch.equal(apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0]))

@@ -164,6 +164,41 @@ def test_chat_and_chat_stream(served, client):
     assert all("usage" not in json.loads(e[6:]) or json.loads(e[6:])["usage"] is None for e in events[:-1])
 
 
+def test_completion_logprobs_streamed_or_not(client):
+    """Greedy: each token is the likeliest (its log-probability is the first alternative's); the tokens spell the
+    text, text_offset counts them, and a stream carries the same entries as the whole response."""
+    kw = dict(model=MODEL, prompt="The json module", max_tokens=8, temperature=0, logprobs=3)
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and value <= 0 and max(top.values()) == value and top[token] == value
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(s, field) for s in streamed), []) == getattr(lp, field), field
+    assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+
+
+def test_chat_logprobs_streamed_or_not(client):
+    msgs = [{"role": "user", "content": "What is JSON?"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content  # the stop token has no entry
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+    assert client.chat.completions.create(**{**kw, "top_logprobs": 0}).choices[0].logprobs.content[0].top_logprobs == []
+
+
 def test_32_concurrent_streams_equal_sequential(served, client):
     prompts = [f"{w} " * (1 + i % 5) + f"item {i}:" for i, w in
                enumerate(["json", "The", "parse", "class", "def", "import", "return", "email"] * 4)]
@@ -226,7 +261,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {**OK, "n": 2}, 400, "n=2 is not supported"),
     ("/v1/completions", {**OK, "echo": True}, 400, "echo"),
-    ("/v1/completions", {**OK, "logprobs": 1}, 400, "logprobs"),
+    ("/v1/completions", {**OK, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {**OK, "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {**OK, "prompt": "word " * 400}, 400, "context"),
     ("/v1/completions", {**OK, "prompt": [5] * 300}, 400, "context"),
     ("/v1/completions", {**OK, "prompt": [10**6]}, 400, "token ids"),
@@ -248,6 +284,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "does not exist"),
     ("/v1/chat/completions", {**CHAT, "n": 3}, 400, "n=3"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
 ]
 
 
