@@ -178,3 +178,9 @@ def test_rejects_mismatched_inputs():
         sg.small_groups_mm(x, torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.tensor([8, 8]))
     with pytest.raises(ValueError, match="do not match"):
         sg.small_groups_mm(x.float(), torch.zeros(2, 4, 16), torch.tensor([8, 8]))
+    w, src, offs = torch.zeros(2, 4, 16, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.long), torch.tensor([8, 8])
+    for args in [(x, src, 1, w, w[:, :2], offs, "situ"), (x, src.int(), 1, w, w, offs, "situ"),
+                 (x, src, 0, w, w, offs, "situ"), (x, src, 1, w, w, offs, "gelu"),
+                 (x.float(), src, 1, w, w, offs, "silu")]:
+        with pytest.raises(ValueError, match="small_groups_glu: .* do not match"):
+            sg.small_groups_glu(*args, 4.0, 25.0)

@@ -57,13 +57,16 @@ def _small_groups_kernel(X, W, OFFS, Y, stride_xr, stride_we, stride_wn, stride_
         m0 += BLOCK_M
 
 
-_GLU_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
-                for n in (32, 64, 128) for k in (64, 128) for s in (3, 4)]
+# one num_stages: the K loop sits in a loop of loaded bounds, which Triton does not pipeline (stages change nothing)
+_GLU_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4)
+                for n in (32, 64, 128) for k in (64, 128)]
 
 
 @triton.jit
 def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0  # (Triton's interpreter has no libdevice tanh; fp32, abs. error ~1e-7)
+    """tanh in fp32 from the sigmoid (Triton's interpreter has no libdevice tanh): 2 sigmoid(2x) - 1 is off by
+    ~2e-7 absolute, so near 0, where that is a large relative error, x - x^3/3 (relative error < 2e-9 there)."""
+    return tl.where(tl.abs(x) < 1e-2, x - x * x * x / 3.0, 2.0 * tl.sigmoid(2.0 * x) - 1.0)
 
 
 @triton.autotune(configs=_GLU_CONFIGS, key=["N", "K", "BLOCK_M", "SITU"])
@@ -139,13 +142,7 @@ def small_groups_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tens
     act 'situ' (SiTU-GLU with beta / linear_beta) or 'silu' (SwiGLU); padding rows give act(0, 0) = 0; rows after
     offs[-1] are not written. What the dispatch gather, two small_groups_mm and the GLU compute apart (each
     product rounded to x's dtype before act, in fp32). A custom op (``torch.ops.k3.small_groups_glu``)."""
-    _check(x, w1, offs)
-    _check(x, w3, offs)
-    if (w1.shape != w3.shape or act not in GLU_ACTS or src_pair.dim() != 1 or src_pair.dtype != torch.int64
-            or pairs_per_token < 1):
-        raise ValueError(f"small_groups_glu: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, src_pair "
-                         f"{tuple(src_pair.shape)} {src_pair.dtype} (int64 [R]), pairs_per_token={pairs_per_token} "
-                         f"and act={act!r} (one of {GLU_ACTS}) do not match")
+    _check_glu(x, src_pair, pairs_per_token, w1, w3, offs, act)
     x, src_pair = x.contiguous(), src_pair.contiguous()
     w1, w3 = w1.contiguous(), w3.contiguous()
     E, N, K = w1.shape
@@ -161,13 +158,24 @@ def small_groups_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tens
 @small_groups_glu.register_fake
 def _(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor, act: str, beta: float,
       linear_beta: float) -> Tensor:
+    _check_glu(x, src_pair, pairs_per_token, w1, w3, offs, act)
     return x.new_empty(src_pair.shape[0], w1.shape[1])
 
 
-def _check(x: Tensor, w: Tensor, offs: Tensor) -> None:
+def _check_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor,
+               act: str) -> None:
+    _check(x, w1, offs, "small_groups_glu")
+    if (w1.shape != w3.shape or w1.dtype != w3.dtype or act not in GLU_ACTS or src_pair.dim() != 1
+            or src_pair.dtype != torch.int64 or pairs_per_token < 1):
+        raise ValueError(f"small_groups_glu: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, src_pair "
+                         f"{tuple(src_pair.shape)} {src_pair.dtype} (int64 [R]), pairs_per_token={pairs_per_token} "
+                         f"and act={act!r} (one of {GLU_ACTS}) do not match")
+
+
+def _check(x: Tensor, w: Tensor, offs: Tensor, op: str = "small_groups_mm") -> None:
     if (x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or tuple(offs.shape) != (w.shape[0],)
             or x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"small_groups_mm: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} and offs "
+        raise ValueError(f"{op}: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} and offs "
                          f"{tuple(offs.shape)} do not match")
 
 
