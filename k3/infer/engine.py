@@ -25,7 +25,7 @@ import torch
 
 from k3.infer.graphs import GraphedDecoder
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import SamplingParams, TokenLogprob, sample_next, token_logprob
+from k3.infer.sampling import SamplingParams, TokenLogprob, sample_next, token_logprobs
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
 from k3.ops.fused import raise_recompile_limit
 
@@ -47,6 +47,8 @@ class StepOutput:
     # with params.logprobs: one per token of token_ids, but for a stop token (EOS / stop_token_ids), whose text is
     # not returned
     logprobs: list[TokenLogprob] | None = None
+    # with params.prompt_logprobs, in a request's first output: None for the first prompt token, then one each
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -64,6 +66,7 @@ class _Sequence:
     remembered: int = 0  # tokens already stored in the prefix cache
     image_features: torch.Tensor | None = None  # [M, d] encoded once at add(); M placeholders in the prompt
     features_used: int = 0  # rows already fed with the prefill
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # gathered during the prefill, handed out once
 
     @property
     def tokens(self) -> list[int]:
@@ -211,7 +214,9 @@ class Engine:
             seq.slot = self.free_slots.pop(0)
             self.reserved += seq.need_bytes
             self.cache.reset(seq.slot)
-            if self.prefix is not None and seq.image_features is None:  # block hashes do not see pixels
+            if seq.params.prompt_logprobs is not None:  # run whole: a cached prefix would skip logits it needs
+                seq.prompt_logprobs = [None]  # the first token has no context to be predicted from
+            elif self.prefix is not None and seq.image_features is None:  # block hashes do not see pixels
                 hit = self.prefix.lookup(seq.prompt, len(seq.prompt) - 1)
                 if hit is not None:
                     self.cache.restore(seq.slot, hit.kda, hit.latents, hit.length)
@@ -249,25 +254,39 @@ class Engine:
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
         images = self._image_rows(batch, pieces)
         slots = [s.slot for s in batch]
+        scored = [s.prompt_logprobs is not None and s.fed < len(s.prompt) for s in batch]  # need every position
+        cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
         if max(lengths) == 1:  # every sequence decodes one token: the sync-free step (graph-replayed on CUDA)
             logits = self.graphs(ids[0], slots) if self.graphs else self.model.decode(ids[0], self.cache, slots)
         else:
-            cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
             kwargs = {} if images is None else {"image_features": images}
-            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True, **kwargs).logits
+            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not any(scored),
+                                **kwargs).logits
+            logits = logits if not any(scored) else logits[0]  # [T, V]: every position of the pass
         if self.media_ids is not None:  # image tokens only ever come from images
             logits = logits.index_fill(-1, self.media_ids, float("-inf"))
+        full = any(scored) and max(lengths) > 1  # logits [T, V] at every position, else [S, V] at the last ones
+        rows = logits[cu[1:] - 1] if full else logits
         outputs = []
-        for seq, n, row in zip(batch, lengths, logits):
+        for i, (seq, n, row) in enumerate(zip(batch, lengths, rows)):
+            if scored[i]:  # the pass's positions predict the prompt's next tokens
+                targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
+                if targets:
+                    start = int(cu[i])
+                    seq.prompt_logprobs += token_logprobs(logits[start:start + len(targets)], targets,
+                                                          seq.params.prompt_logprobs)
             seq.fed += n
             if self.prefix is not None and seq.image_features is None:
                 self._remember(seq)
             if seq.fed < len(seq.prompt):
                 continue
+            if seq.params.max_tokens == 0:  # scored only
+                outputs.append(self._finish_scoring(seq))
+                continue
             seen = torch.tensor(seq.tokens, device=self.device) if seq.params.repetition_penalty != 1.0 else None
             token = sample_next(row, seq.params, seq.generator, seen)
             seq.output.append(token)
-            lp = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
+            lp = None if seq.params.logprobs is None else token_logprobs(row[None], [token], seq.params.logprobs)[0]
             outputs.append(self._emit(seq, token, lp))
         return outputs
 
@@ -323,15 +342,24 @@ class Engine:
         delta = safe[len(seq.emitted):] if safe.startswith(seq.emitted) else ""
         seq.emitted += delta
         out = StepOutput(seq.request_id, [token], delta, reason is not None, reason, len(seq.prompt), len(seq.output),
-                         seq.cached_tokens, None if p.logprobs is None else [lp] if lp is not None else [])
+                         seq.cached_tokens, None if p.logprobs is None else [lp] if lp is not None else [],
+                         seq.prompt_logprobs)
+        seq.prompt_logprobs = None  # handed out
         if reason is not None:
             self._release(seq)
+        return out
+
+    def _finish_scoring(self, seq: _Sequence) -> StepOutput:
+        """A request with max_tokens=0 ends once its prompt is in: its prompt log-probabilities, no token."""
+        out = StepOutput(seq.request_id, [], "", True, "length", len(seq.prompt), 0, seq.cached_tokens,
+                         None if seq.params.logprobs is None else [], seq.prompt_logprobs)
+        self._release(seq)
         return out
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Run requests to completion; returns per prompt {token_ids, text, finish_reason, cached_tokens} and, for
-        requests with ``logprobs``, their TokenLogprobs under "logprobs"."""
+        requests with ``logprobs`` / ``prompt_logprobs``, their TokenLogprobs under those keys."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, dict] = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
@@ -342,6 +370,8 @@ class Engine:
                 d["text"] += out.text
                 if out.logprobs is not None:
                     d.setdefault("logprobs", []).extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    d["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
                     d.update(finish_reason=out.finish_reason, cached_tokens=out.cached_tokens)
         return [done[i] for i in ids]

@@ -23,12 +23,17 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]
 
 
-def token_logprob(logits: Tensor, token: int, n: int) -> TokenLogprob:
-    """logits [V] -> the TokenLogprob of ``token`` with the n likeliest alternatives (fp32 log-softmax)."""
+def token_logprobs(logits: Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
+    """logits [m, V] (row i predicts tokens[i]) -> m TokenLogprobs with the n likeliest alternatives each (fp32
+    log-softmax)."""
     lp = logits.float().log_softmax(-1)
-    top = lp.topk(n) if n else None
-    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-    return TokenLogprob(token, float(lp[token]), alts)
+    ids = torch.tensor(tokens, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    if not n:
+        return [TokenLogprob(t, v, []) for t, v in zip(tokens, chosen)]
+    top = lp.topk(n, dim=-1)
+    return [TokenLogprob(t, v, list(zip(i, x))) for t, v, i, x in zip(tokens, chosen, top.indices.tolist(),
+                                                                         top.values.tolist())]
 
 
 @dataclass
@@ -45,14 +50,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     ignore_eos: bool = False
     logprobs: int | None = None  # N: each generated token's log-probability and the N likeliest (TokenLogprob)
+    prompt_logprobs: int | None = None  # N: the same for every prompt token but the first (scoring; no prefix cache)
 
     def validate(self) -> None:
         """One ValueError naming the field for any out-of-range value."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}={getattr(self, name)!r} {why}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or \
+                self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            bad("max_tokens", "must be an integer >= 1 (0 only to score a prompt, with prompt_logprobs)")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not math.isfinite(self.temperature) or not 0 <= self.temperature <= 100:
             bad("temperature", "must be in [0, 100]")
@@ -70,9 +77,10 @@ class SamplingParams:
             bad("stop", "must be a list of at most 16 non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+                bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator of its own per request, so a seeded request samples the same tokens in any batch."""

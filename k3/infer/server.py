@@ -2,7 +2,7 @@
 ``/v1/chat/completions`` (both with SSE streaming) and ``/health``.
 
 Every request body is validated by a pydantic model (strict types: ``"5"`` is not an integer); a bad field,
-bad JSON, an unsupported option (``n != 1``, ``echo``, ``best_of``, ...) or a prompt that does not fit the
+bad JSON, an unsupported option (``n != 1``, ``best_of``, ``suffix``, ...) or a prompt that does not fit the
 context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
 model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
 serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``.
@@ -11,6 +11,9 @@ Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_
 when streaming) are the model's: the log-softmax of its logits at each generated token, before temperature,
 penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`); a stop token has none. Each token is shown
 as its own decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts.
+Completions with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too
+(null for the first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for
+log-likelihoods). A scored prompt runs whole (the prefix cache is not used for it).
 """
 
 from __future__ import annotations
@@ -102,7 +105,6 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
     "presence_penalty": (lambda v: v == 0, "0"),
     "frequency_penalty": (lambda v: v == 0, "0"),
     "logit_bias": (lambda v: not v, "null or {}"),
-    "echo": (lambda v: v is False, "false"),
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "suffix": (lambda v: not v, "null or an empty string"),
     "tools": (lambda v: not v, "null or []"),
@@ -111,6 +113,7 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
 
 class CompletionRequest(_Request):
     prompt: Any
+    max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
@@ -249,7 +252,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         req.refuse_unsupported()
 
     def sampling(req: _Request, prompt_len: int, max_tokens: int | None, default_max: int, stop: list[str],
-                 stop_ids: list[int], logprobs: int | None) -> SamplingParams:
+                 stop_ids: list[int], logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         if prompt_len >= max_context:
             raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {max_context} tokens",
                            "prompt", "context_length_exceeded")
@@ -260,7 +263,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                            f"context of {max_context} tokens", "max_tokens", "context_length_exceeded")
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               repetition_penalty=req.repetition_penalty, seed=req.seed,
-                              stop=list(req.stop or []) + stop, stop_token_ids=stop_ids, logprobs=logprobs)
+                              stop=list(req.stop or []) + stop, stop_token_ids=stop_ids, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
 
     async def start(prompt: list[int], params: SamplingParams, rid: str, media=None):
         try:
@@ -276,27 +280,39 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def collect(stream) -> tuple[str, Any, list]:
-        """(text, last output, every TokenLogprob) of a whole request."""
-        text, last, lps = [], None, []
+    async def collect(stream) -> tuple[str, Any, list, list | None]:
+        """(text, last output, every TokenLogprob, the prompt's) of a whole request."""
+        text, last, lps, prompt_lps = [], None, [], None
         try:
             async for out in stream:
                 text.append(out.text)
                 lps += out.logprobs or []
+                prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
                 last = out
         except (EngineError, EngineClosed) as e:
             raise APIError(500, str(e), kind="server_error") from None
-        return "".join(text), last, lps
+        return "".join(text), last, lps, prompt_lps
 
     def piece(token_id: int) -> str:
         return tok.decode([token_id])
 
-    def completion_logprobs(lps: list, offset: int) -> dict:
-        """OpenAI's legacy completions form; ``offset``: the text_offset of the first token."""
-        tokens = [piece(e.token_id) for e in lps]
+    def top_dict(top: list[tuple[int, float]]) -> dict[str, float]:
+        """{text: logprob} of the alternatives, most likely first; where two decode to the same text, the likelier
+        one's value."""
+        out: dict[str, float] = {}
+        for i, v in top:
+            out.setdefault(piece(i), v)
+        return out
+
+    def completion_logprobs(lps: list, offset: int, prompt: list[int] | None = None) -> dict:
+        """OpenAI's legacy completions form; ``offset``: the text_offset of the first token; ``prompt``: echoed
+        prompt ids, whose entries in ``lps`` (None for the first) come first."""
+        ids = (prompt or []) + [e.token_id for e in lps[len(prompt or []):]]
+        tokens = [piece(t) for t in ids]
         starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in lps],
-                "top_logprobs": [{piece(i): v for i, v in e.top} for e in lps], "text_offset": starts}
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in lps],
+                "top_logprobs": [None if e is None else top_dict(e.top) for e in lps],
+                "text_offset": starts}
 
     def chat_logprobs(lps: list) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -314,14 +330,15 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         try:
             for obj in first:
                 yield sse(obj)
-            pending = []  # log-probabilities of tokens whose text is held back (a possible stop string)
+            pending, prompt = [], None  # log-probabilities of tokens whose text is held back (a stop string?)
             async for out in stream:
                 pending += out.logprobs or []
+                prompt = out.prompt_logprobs if out.prompt_logprobs is not None else prompt
                 if out.text or out.finished:
-                    yield sse(chunk(out.text, out.finish_reason, pending))
-                    pending = []
+                    yield sse(chunk(out.text, out.finish_reason, pending, prompt))
+                    pending, prompt = [], None
                 if out.finished and include_usage:
-                    yield sse({**chunk(None, None, []), "choices": [], "usage": usage(out)})
+                    yield sse({**chunk(None, None, [], None), "choices": [], "usage": usage(out)})
         except (EngineError, EngineClosed) as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:
@@ -332,16 +349,25 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     async def completions(req: CompletionRequest):
         check(req)
         prompt = req.prompt if isinstance(req.prompt, list) else tok.encode(req.prompt)
-        params = sampling(req, len(prompt), req.max_tokens, 16, [], [], req.logprobs)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
+        scored = req.echo and (req.logprobs is not None or req.max_tokens == 0)
+        params = sampling(req, len(prompt), req.max_tokens, 16, [], [], req.logprobs,
+                          (req.logprobs or 0) if scored else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await start(prompt, params, rid)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
         offset = [0]  # text_offset of the next token, across a stream's chunks
+        echo_text = [(req.prompt if isinstance(req.prompt, str) else tok.decode(prompt)) if req.echo else ""]
 
-        def chunk(text, reason, lps):
+        def chunk(text, reason, lps, prompt_lps):
+            if text is not None and echo_text[0]:  # the first chunk with text carries the echoed prompt
+                text, echo_text[0] = echo_text[0] + text, ""
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(lps, offset[0])
+                echoed = req.echo and prompt_lps is not None
+                logprobs = completion_logprobs((prompt_lps if echoed else []) + lps, offset[0],
+                                               prompt if echoed else None)
                 offset[0] += sum(len(t) for t in logprobs["tokens"])
             return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": logprobs,
                                          "finish_reason": reason}]}
@@ -349,8 +375,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(stream_events(stream, [], chunk, include), media_type="text/event-stream")
-        text, last, lps = await collect(stream)
-        return {**chunk(text, last.finish_reason, lps), "usage": usage(last)}
+        text, last, lps, prompt_lps = await collect(stream)
+        return {**chunk(text, last.finish_reason, lps, prompt_lps), "usage": usage(last)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
@@ -376,7 +402,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         stream = await start(prompt, params, rid, media)
         base = {"id": rid, "created": int(time.time()), "model": model_name}
 
-        def chunk(text, reason, lps):
+        def chunk(text, reason, lps, prompt_lps=None):
             delta = {} if text is None or reason is not None and not text else {"content": text}
             return {**base, "object": "chat.completion.chunk",
                     "choices": [{"index": 0, "delta": delta, "logprobs": chat_logprobs(lps) if req.logprobs else None,
@@ -388,7 +414,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]}
             return StreamingResponse(stream_events(stream, [first], chunk, include), media_type="text/event-stream")
-        text, last, lps = await collect(stream)
+        text, last, lps, _ = await collect(stream)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": chat_logprobs(lps) if req.logprobs else None,

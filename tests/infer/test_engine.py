@@ -203,6 +203,42 @@ def test_logprobs_are_the_full_forward_log_softmax(model):
         SamplingParams(logprobs=21).validate()
 
 
+def test_prompt_logprobs_score_the_prompt(model):
+    """prompt_logprobs: None for the first token, then each prompt token's log-probability (and top-n) equal to the
+    full forward's log-softmax, over several prefill chunks, beside a decoding request, with the prefix cache on
+    (a scored prompt bypasses it: its cached blocks would skip logits); max_tokens=0 only scores."""
+    torch.manual_seed(8)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (40, 40, 23, 1)]
+    eng = Engine(model, IdTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=1 << 24, block_size=8)
+    eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # caches blocks of prompt 0
+    params = [SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(max_tokens=0, prompt_logprobs=3)]
+    results = eng.generate(prompts, params)
+    for p, r, sp in zip(prompts, results, params):
+        if sp.prompt_logprobs is None:
+            assert "prompt_logprobs" not in r
+            continue
+        plp = r["prompt_logprobs"]
+        assert plp[0] is None and [e.token_id for e in plp[1:]] == p[1:]
+        assert r["cached_tokens"] == 0 and len(r["token_ids"]) == sp.max_tokens
+        if len(p) > 1:
+            with torch.no_grad():
+                want = model(torch.tensor(p)[None]).logits[0, :-1].double().log_softmax(-1)
+            got = torch.tensor([e.logprob for e in plp[1:]], dtype=torch.float64)
+            assert (got - want.gather(1, torch.tensor(p[1:])[:, None])[:, 0]).abs().max() <= 1e-4
+            n = sp.prompt_logprobs
+            assert all([i for i, _ in e.top] == row.topk(n).indices.tolist() for e, row in zip(plp[1:], want))
+    assert results[0]["finish_reason"] == "length" and results[0]["text"] == "" and "logprobs" not in results[0]
+    assert results[2]["cached_tokens"] == 0 and len(results[2]["token_ids"]) == 12
+    assert eng.reserved == 0 and not eng.has_work()
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0).validate()
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1).validate()
+
+
 def test_sampling_rules():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
     assert torch.equal(apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0]))

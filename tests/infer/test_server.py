@@ -174,12 +174,44 @@ def test_completion_logprobs_streamed_or_not(client):
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert len(top) == 3 and value <= 0 and max(top.values()) == value and top[token] == value
+        assert 1 <= len(top) <= 3 and value <= 0 and max(top.values()) == value and top[token] == value
     chunks = list(client.completions.create(stream=True, **kw))
     streamed = [c.choices[0].logprobs for c in chunks if c.choices]
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert sum((getattr(s, field) for s in streamed), []) == getattr(lp, field), field
     assert client.completions.create(**{**kw, "logprobs": None}).choices[0].logprobs is None
+
+
+def test_echo_scores_the_prompt(served, client):
+    """echo + logprobs (+ max_tokens 0, how evaluation harnesses score text): the prompt's tokens come first, the
+    first with no log-probability, the others the model's own log-softmax (a full forward, outside the server);
+    with generation, the completion part equals the same request without echo; streamed the same."""
+    text = "The json module exposes an API"
+    ids = served.tok.encode(text)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert lp.tokens == [served.tok.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])  # (equal texts merge)
+    with torch.no_grad():
+        full = served.engine.model(torch.tensor(ids)[None]).logits[0, :-1].double().log_softmax(-1)
+    best = full.max(-1).values.tolist()  # (two alternatives with one text merge into the likelier one)
+    assert max(abs(max(t.values()) - m) for t, m in zip(lp.top_logprobs[1:], best)) <= 1e-4
+    want = full.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want.tolist())) <= 1e-4
+    kw = dict(model=MODEL, prompt=text, max_tokens=5, logprobs=1, temperature=0)
+    plain, echoed = client.completions.create(**kw), client.completions.create(echo=True, **kw)
+    assert echoed.choices[0].text == text + plain.choices[0].text
+    e, p = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert e.tokens == lp.tokens + p.tokens and e.token_logprobs[:len(ids)] == lp.token_logprobs
+    assert max(abs(a - b) for a, b in zip(e.token_logprobs[len(ids):], p.token_logprobs)) <= 1e-4
+    assert e.text_offset == [sum(len(t) for t in e.tokens[:i]) for i in range(len(e.tokens))]
+    chunks = list(client.completions.create(echo=True, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+    assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices), []) == e.tokens
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks if c.choices), []) == e.token_logprobs
+    bare = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)  # no logprobs asked
+    assert bare.choices[0].text == served.tok.decode(ids) and bare.choices[0].logprobs is None
 
 
 def test_chat_logprobs_streamed_or_not(client):
@@ -260,7 +292,9 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {**OK, "n": 2}, 400, "n=2 is not supported"),
-    ("/v1/completions", {**OK, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**OK, "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens=0 needs echo"),
+    ("/v1/completions", {**OK, "max_tokens": -1, "echo": True}, 400, "max_tokens"),
     ("/v1/completions", {**OK, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {**OK, "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {**OK, "prompt": "word " * 400}, 400, "context"),
