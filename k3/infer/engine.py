@@ -3,15 +3,20 @@
 Every :meth:`Engine.step` packs one forward pass: each running sequence contributes either its next prefill
 chunk or (once its prompt is in) its one newest token; segments are delimited by ``cu_seqlens`` and point at
 their cache slot through ``seq_ids``, so sequences of any length join and leave between steps. The model
-returns logits only at each segment's last token; a sequence whose prompt is fully in samples its next token
-from them. KDA runs its chunked form while any prefill is in the pass and the recurrent form for pure decode
-steps; MLA runs absorbed over the latent cache for decode steps. A pass where every sequence brings one token
-runs the model's sync-free ``decode_step``, replayed from a CUDA graph on GPUs (k3.infer.graphs).
+returns logits only at each segment's last token (at every position in a pass that scores a prompt for its
+``prompt_logprobs``); a sequence whose prompt is fully in samples its next token from them. KDA runs its
+chunked form while any prefill is in the pass and the recurrent form for pure decode steps; MLA runs absorbed
+over the latent cache for decode steps. A pass where every sequence brings one token runs the model's sync-free
+``decode_step``, replayed from a CUDA graph on GPUs (k3.infer.graphs).
 
 Admission: a request needs a free slot and, under ``memory_budget``, the cache bytes of its whole context
 (prompt + max_tokens, :func:`k3.model.cache.cache_bytes_per_sequence`); otherwise it waits in FIFO order. A
 request that could never fit (too long for ``max_context`` or for the whole budget) is refused at ``add``.
-With a ``prefix_cache_bytes`` budget, prompts resume from their longest cached prefix (see prefix_cache.py).
+With a ``prefix_cache_bytes`` budget, prompts resume from their longest cached prefix (see prefix_cache.py), but
+for scored ones (``prompt_logprobs``), which run whole.
+
+Log-probabilities (``logprobs``, ``prompt_logprobs``) are the model's log-softmax, before the mask that keeps image
+tokens from being sampled, the penalties, temperature and top-k / top-p.
 """
 
 from __future__ import annotations
@@ -44,9 +49,8 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    # with params.logprobs: one per token of token_ids, but for a stop token (EOS / stop_token_ids), whose text is
-    # not returned
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token of token_ids
+    stop_token: bool = False  # token_ids ends with a stop token (EOS / stop_token_ids), whose text is not returned
     # with params.prompt_logprobs, in a request's first output: None for the first prompt token, then one each
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -263,11 +267,10 @@ class Engine:
             logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not any(scored),
                                 **kwargs).logits
             logits = logits if not any(scored) else logits[0]  # [T, V]: every position of the pass
-        if self.media_ids is not None:  # image tokens only ever come from images
-            logits = logits.index_fill(-1, self.media_ids, float("-inf"))
         full = any(scored) and max(lengths) > 1  # logits [T, V] at every position, else [S, V] at the last ones
-        rows = logits[cu[1:] - 1] if full else logits
-        outputs = []
+        raw = logits[cu[1:] - 1] if full else logits  # the model's, at each sequence's last position (logprobs)
+        rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))  # sampled:
+        outputs = []  # image tokens only ever come from images
         for i, (seq, n, row) in enumerate(zip(batch, lengths, rows)):
             if scored[i]:  # the pass's positions predict the prompt's next tokens
                 targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
@@ -283,10 +286,13 @@ class Engine:
             if seq.params.max_tokens == 0:  # scored only
                 outputs.append(self._finish_scoring(seq))
                 continue
-            seen = torch.tensor(seq.tokens, device=self.device) if seq.params.repetition_penalty != 1.0 else None
-            token = sample_next(row, seq.params, seq.generator, seen)
+            p = seq.params
+            seen = torch.tensor(seq.tokens, device=self.device) if p.repetition_penalty != 1.0 else None
+            penalised = p.presence_penalty != 0 or p.frequency_penalty != 0
+            generated = torch.tensor(seq.output, dtype=torch.int64, device=self.device) if penalised else None
+            token = sample_next(row, p, seq.generator, seen, generated)
             seq.output.append(token)
-            lp = None if seq.params.logprobs is None else token_logprobs(row[None], [token], seq.params.logprobs)[0]
+            lp = None if p.logprobs is None else token_logprobs(raw[i:i + 1], [token], p.logprobs)[0]
             outputs.append(self._emit(seq, token, lp))
         return outputs
 
@@ -325,7 +331,7 @@ class Engine:
         stop_ids = set(p.stop_token_ids) | ({self.eos_id} if self.eos_id is not None and not p.ignore_eos else set())
         text = self.tokenizer.decode(seq.output)
         if token in stop_ids:
-            reason, lp = "stop", None
+            reason = "stop"
             text = self.tokenizer.decode(seq.output[:-1])
         cut = min((text.find(s) for s in p.stop if s in text), default=-1)
         if cut >= 0:
@@ -342,8 +348,8 @@ class Engine:
         delta = safe[len(seq.emitted):] if safe.startswith(seq.emitted) else ""
         seq.emitted += delta
         out = StepOutput(seq.request_id, [token], delta, reason is not None, reason, len(seq.prompt), len(seq.output),
-                         seq.cached_tokens, None if p.logprobs is None else [lp] if lp is not None else [],
-                         seq.prompt_logprobs)
+                         seq.cached_tokens, logprobs=None if p.logprobs is None else [lp],
+                         prompt_logprobs=seq.prompt_logprobs, stop_token=token in stop_ids)
         seq.prompt_logprobs = None  # handed out
         if reason is not None:
             self._release(seq)
@@ -352,7 +358,7 @@ class Engine:
     def _finish_scoring(self, seq: _Sequence) -> StepOutput:
         """A request with max_tokens=0 ends once its prompt is in: its prompt log-probabilities, no token."""
         out = StepOutput(seq.request_id, [], "", True, "length", len(seq.prompt), 0, seq.cached_tokens,
-                         None if seq.params.logprobs is None else [], seq.prompt_logprobs)
+                         logprobs=None if seq.params.logprobs is None else [], prompt_logprobs=seq.prompt_logprobs)
         self._release(seq)
         return out
 

@@ -15,9 +15,9 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (Open
 
 
 class TokenLogprob(NamedTuple):
-    """A generated token's log-probability under the model and the ``n`` likeliest tokens' [(id, logprob)], most
-    likely first: the log-softmax of the model's logits at that position, before the request's temperature,
-    penalties and top-k / top-p (what the model predicts, not what the sampler drew from)."""
+    """A token's log-probability under the model and the ``n`` likeliest tokens' [(id, logprob)], most likely
+    first: the log-softmax of the model's logits at that position, before the request's temperature, penalties
+    and top-k / top-p (what the model predicts, not what the sampler drew from)."""
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
@@ -45,6 +45,8 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (HF rule)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated (OpenAI's rule)
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
@@ -70,6 +72,10 @@ class SamplingParams:
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
                 not 0 < self.repetition_penalty <= 10:
             bad("repetition_penalty", "must be in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                bad(name, "must be in [-2, 2]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**64):
             bad("seed", "must be None or an integer in [-2**63, 2**64)")
@@ -102,12 +108,24 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
     return logits
 
 
+def apply_output_penalties(logits: Tensor, generated: Tensor, presence: float, frequency: float) -> Tensor:
+    """OpenAI's rule: logits[t] - frequency * count(t) - presence * (count(t) > 0), counted over ``generated``
+    (the tokens generated so far, not the prompt's)."""
+    if generated.numel() == 0 or presence == frequency == 0:
+        return logits
+    counts = torch.bincount(generated, minlength=logits.numel()).to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
 def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
-                seen: Tensor | None = None) -> int:
-    """Pick the next token from logits [V] (fp32)."""
+                seen: Tensor | None = None, generated: Tensor | None = None) -> int:
+    """Pick the next token from logits [V] (fp32). seen: the prompt and output tokens (repetition penalty);
+    generated: the output tokens (presence / frequency penalties)."""
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if generated is not None:
+        logits = apply_output_penalties(logits, generated, params.presence_penalty, params.frequency_penalty)
     if params.temperature == 0:
         return int(logits.argmax())
     logits = logits / params.temperature

@@ -5,11 +5,15 @@ Every request body is validated by a pydantic model (strict types: ``"5"`` is no
 bad JSON, an unsupported option (``n != 1``, ``best_of``, ``suffix``, ...) or a prompt that does not fit the
 context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
 model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
-serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``.
+serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``; OpenAI's
+``presence_penalty`` / ``frequency_penalty`` count the generated tokens (k3.infer.sampling.apply_output_penalties).
 
 Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_logprobs`` N on chat; N <= 20, also
 when streaming) are the model's: the log-softmax of its logits at each generated token, before temperature,
-penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`); a stop token has none. Each token is shown
+penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`). Completions list the chosen token among
+the alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) and a stop token's entry;
+chat leaves the stop token out (its text is not in the message). A completions ``prompt`` may be a list of up to
+MAX_PROMPTS prompts (not streamed): one choice each. Each token is shown
 as its own decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts.
 Completions with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too
 (null for the first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for
@@ -78,10 +82,10 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # accepted only at their no-op values
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logit_bias: dict[str, Any] | None = None
 
     @field_validator("stop")
@@ -102,8 +106,6 @@ class _Request(BaseModel):
 
 _NOOP = {  # option -> (is it at a value we implement?, what we accept)
     "n": (lambda v: v == 1, "1"),
-    "presence_penalty": (lambda v: v == 0, "0"),
-    "frequency_penalty": (lambda v: v == 0, "0"),
     "logit_bias": (lambda v: not v, "null or {}"),
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "suffix": (lambda v: not v, "null or an empty string"),
@@ -111,10 +113,18 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
 }
 
 
+MAX_PROMPTS = 64  # prompts in one completions request
+
+
+def _one_prompt(v) -> bool:
+    return (isinstance(v, str) and bool(v)) or (isinstance(v, list) and bool(v) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in v))
+
+
 class CompletionRequest(_Request):
     prompt: Any
     max_tokens: int | None = Field(None, ge=0)  # 0: score the prompt only (with echo)
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
@@ -122,18 +132,19 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, str) and v:
+        """-> a list of prompts, each a string or a list of token ids."""
+        if _one_prompt(v):
+            return [v]
+        if isinstance(v, list) and 0 < len(v) <= MAX_PROMPTS and all(_one_prompt(p) for p in v):
             return v
-        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            return v
-        raise ValueError("must be a non-empty string or a non-empty list of token ids "
-                         "(batched prompts are not supported)")
+        raise ValueError("must be a non-empty string, a non-empty list of token ids, or a list of up to "
+                         f"{MAX_PROMPTS} of either")
 
 
 class ChatRequest(_Request):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
 
@@ -253,7 +264,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
 
     def sampling(req: _Request, prompt_len: int, max_tokens: int | None, default_max: int, stop: list[str],
                  stop_ids: list[int], logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        if prompt_len >= max_context:
+        if prompt_len > max_context or prompt_len == max_context and max_tokens != 0:  # 0: scored, fits whole
             raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {max_context} tokens",
                            "prompt", "context_length_exceeded")
         if max_tokens is None:
@@ -262,7 +273,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                            f"context of {max_context} tokens", "max_tokens", "context_length_exceeded")
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              repetition_penalty=req.repetition_penalty, seed=req.seed,
+                              repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty, seed=req.seed,
                               stop=list(req.stop or []) + stop, stop_token_ids=stop_ids, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
 
@@ -280,13 +292,18 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def collect(stream) -> tuple[str, Any, list, list | None]:
+    def token_lps(out, text_only: bool) -> list:
+        """An output's TokenLogprobs; ``text_only``: without a stop token's, whose text is not returned (chat)."""
+        lps = out.logprobs or []
+        return lps[:-1] if text_only and out.stop_token else lps
+
+    async def collect(stream, text_only: bool = False) -> tuple[str, Any, list, list | None]:
         """(text, last output, every TokenLogprob, the prompt's) of a whole request."""
         text, last, lps, prompt_lps = [], None, [], None
         try:
             async for out in stream:
                 text.append(out.text)
-                lps += out.logprobs or []
+                lps += token_lps(out, text_only)
                 prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
                 last = out
         except (EngineError, EngineClosed) as e:
@@ -296,11 +313,11 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     def piece(token_id: int) -> str:
         return tok.decode([token_id])
 
-    def top_dict(top: list[tuple[int, float]]) -> dict[str, float]:
-        """{text: logprob} of the alternatives, most likely first; where two decode to the same text, the likelier
-        one's value."""
+    def top_dict(e) -> dict[str, float]:
+        """The legacy form's {text: logprob} of a TokenLogprob's alternatives, most likely first, then the token
+        itself where they miss it (N + 1 entries, as OpenAI's); where two decode to one text, the likelier's value."""
         out: dict[str, float] = {}
-        for i, v in top:
+        for i, v in [*e.top, (e.token_id, e.logprob)]:
             out.setdefault(piece(i), v)
         return out
 
@@ -311,7 +328,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         tokens = [piece(t) for t in ids]
         starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in lps],
-                "top_logprobs": [None if e is None else top_dict(e.top) for e in lps],
+                "top_logprobs": [None if e is None else top_dict(e) for e in lps],
                 "text_offset": starts}
 
     def chat_logprobs(lps: list) -> dict:
@@ -325,14 +342,14 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(stream, first: list[dict], chunk, include_usage: bool):
+    async def stream_events(stream, first: list[dict], chunk, include_usage: bool, text_only: bool = False):
         """SSE: ``first`` chunks, one chunk per text delta, a finish chunk, optional usage chunk, [DONE]."""
         try:
             for obj in first:
                 yield sse(obj)
             pending, prompt = [], None  # log-probabilities of tokens whose text is held back (a stop string?)
             async for out in stream:
-                pending += out.logprobs or []
+                pending += token_lps(out, text_only)
                 prompt = out.prompt_logprobs if out.prompt_logprobs is not None else prompt
                 if out.text or out.finished:
                     yield sse(chunk(out.text, out.finish_reason, pending, prompt))
@@ -348,35 +365,58 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         check(req)
-        prompt = req.prompt if isinstance(req.prompt, list) else tok.encode(req.prompt)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
-        scored = req.echo and (req.logprobs is not None or req.max_tokens == 0)
-        params = sampling(req, len(prompt), req.max_tokens, 16, [], [], req.logprobs,
-                          (req.logprobs or 0) if scored else None)
+        if req.stream and len(req.prompt) > 1:
+            raise APIError(400, "a streamed completion takes one prompt", "prompt")
+        scored = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
+        jobs = []  # (prompt as given, its ids, params): every prompt checked before any is submitted
+        for p in req.prompt:
+            ids = p if isinstance(p, list) else tok.encode(p)
+            jobs.append((p, ids, sampling(req, len(ids), req.max_tokens, 16, [], [], req.logprobs,
+                                          (req.logprobs or 0) if scored else None)))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await start(prompt, params, rid)
+        streams = []
+        try:
+            for i, (_, ids, params) in enumerate(jobs):
+                streams.append(await start(ids, params, rid if len(jobs) == 1 else f"{rid}-{i}"))
+        except APIError:
+            for s in streams:
+                await s.aclose()
+            raise
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        offset = [0]  # text_offset of the next token, across a stream's chunks
-        echo_text = [(req.prompt if isinstance(req.prompt, str) else tok.decode(prompt)) if req.echo else ""]
 
-        def chunk(text, reason, lps, prompt_lps):
-            if text is not None and echo_text[0]:  # the first chunk with text carries the echoed prompt
-                text, echo_text[0] = echo_text[0] + text, ""
-            logprobs = None
-            if req.logprobs is not None:
-                echoed = req.echo and prompt_lps is not None
-                logprobs = completion_logprobs((prompt_lps if echoed else []) + lps, offset[0],
-                                               prompt if echoed else None)
-                offset[0] += sum(len(t) for t in logprobs["tokens"])
-            return {**base, "choices": [{"index": 0, "text": text or "", "logprobs": logprobs,
-                                         "finish_reason": reason}]}
+        def chunker(index: int, prompt, ids: list[int]):
+            """chunk(text, reason, lps, prompt_lps) -> the completion object of choice ``index``; the first chunk
+            with text carries the echoed prompt, text_offset runs on across a stream's chunks."""
+            offset, echo_text = [0], [(prompt if isinstance(prompt, str) else tok.decode(ids)) if req.echo else ""]
+
+            def chunk(text, reason, lps, prompt_lps):
+                if text is not None and echo_text[0]:
+                    text, echo_text[0] = echo_text[0] + text, ""
+                logprobs = None
+                if req.logprobs is not None:
+                    echoed = bool(req.echo) and prompt_lps is not None
+                    logprobs = completion_logprobs((prompt_lps if echoed else []) + lps, offset[0],
+                                                   ids if echoed else None)
+                    offset[0] += sum(len(t) for t in logprobs["tokens"])
+                return {**base, "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
+                                             "finish_reason": reason}]}
+
+            return chunk
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_events(stream, [], chunk, include), media_type="text/event-stream")
-        text, last, lps, prompt_lps = await collect(stream)
-        return {**chunk(text, last.finish_reason, lps, prompt_lps), "usage": usage(last)}
+            chunk = chunker(0, *jobs[0][:2])
+            return StreamingResponse(stream_events(streams[0], [], chunk, include), media_type="text/event-stream")
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        choices = [chunker(i, p, ids)(text, last.finish_reason, lps, prompt_lps)["choices"][0]
+                   for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))]
+        prompt_tokens = sum(last.prompt_tokens for _, last, _, _ in results)
+        completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
+        return {**base, "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
+                                                      "completion_tokens": completion_tokens,
+                                                      "total_tokens": prompt_tokens + completion_tokens}}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
@@ -413,8 +453,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
             first = {**base, "object": "chat.completion.chunk",
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]}
-            return StreamingResponse(stream_events(stream, [first], chunk, include), media_type="text/event-stream")
-        text, last, lps, _ = await collect(stream)
+            return StreamingResponse(stream_events(stream, [first], chunk, include, text_only=True),
+                                     media_type="text/event-stream")
+        text, last, lps, _ = await collect(stream, text_only=True)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "logprobs": chat_logprobs(lps) if req.logprobs else None,

@@ -31,9 +31,9 @@ def record_logits(monkeypatch):
     seen: dict[str, list[torch.Tensor]] = {}
     real = engine_mod.sample_next
 
-    def spy(logits, params, generator, history=None):
+    def spy(logits, params, generator, *history):
         seen.setdefault(params._tag, []).append(logits.clone())
-        return real(logits, params, generator, history)
+        return real(logits, params, generator, *history)
 
     monkeypatch.setattr(engine_mod, "sample_next", spy)
     return seen
@@ -172,7 +172,7 @@ def test_stops_eos_and_abort(model):
 def test_logprobs_are_the_full_forward_log_softmax(model):
     """Each generated token's log-probability and its top-n alternatives equal the log-softmax of a full forward's
     logits at that position (batched, chunked, with temperature and top-k: they are the model's, not the
-    sampler's); logprobs=0 gives no alternatives; a stop token has no entry; the default has none."""
+    sampler's); logprobs=0 gives no alternatives; a stop token has its entry too (flagged); the default has none."""
     torch.manual_seed(7)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (6, 40)]
     params = [SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=9, logprobs=5),
@@ -194,9 +194,12 @@ def test_logprobs_are_the_full_forward_log_softmax(model):
                 top = row.topk(n)
                 assert list(ids) == top.indices.tolist() and max(abs(a - b) for a, b in zip(vals, top.values)) <= 1e-4
     greedy = results[1]["token_ids"]
-    eos = Engine(model, IdTokenizer(eos_id=greedy[2]), max_batch=1).generate(
-        [prompts[1]], SamplingParams(temperature=0, max_tokens=9, logprobs=1))[0]
-    assert eos["token_ids"] == greedy[:3] and [e.token_id for e in eos["logprobs"]] == greedy[:2]
+    eos = Engine(model, IdTokenizer(eos_id=greedy[2]), max_batch=1)
+    eos.add(prompts[1], SamplingParams(temperature=0, max_tokens=9, logprobs=1))
+    outs = [o for _ in range(12) for o in eos.step()]
+    assert [o.token_ids[0] for o in outs] == greedy[:3] and [o.logprobs[0].token_id for o in outs] == greedy[:3]
+    assert [o.stop_token for o in outs] == [False, False, True] and outs[-1].finish_reason == "stop"
+    assert outs[-1].logprobs[0].logprob == results[1]["logprobs"][2].logprob
     plain = Engine(model, IdTokenizer(), max_batch=1).generate([prompts[0]], SamplingParams(max_tokens=2))[0]
     assert "logprobs" not in plain
     with pytest.raises(ValueError, match="logprobs"):
@@ -231,12 +234,38 @@ def test_prompt_logprobs_score_the_prompt(model):
             n = sp.prompt_logprobs
             assert all([i for i, _ in e.top] == row.topk(n).indices.tolist() for e, row in zip(plp[1:], want))
     assert results[0]["finish_reason"] == "length" and results[0]["text"] == "" and "logprobs" not in results[0]
-    assert results[2]["cached_tokens"] == 0 and len(results[2]["token_ids"]) == 12
+    solo = Engine(model, IdTokenizer(), max_batch=1).generate([prompts[1], prompts[2]], params[1:3])
+    assert [r["token_ids"] for r in solo] == [r["token_ids"] for r in results[1:3]]  # beside scored passes
+    want = full_forward_logits(model, prompts[1], results[1]["token_ids"]).double().log_softmax(-1)
+    got = torch.tensor([e.logprob for e in results[1]["logprobs"]], dtype=torch.float64)
+    assert (got - want.max(-1).values).abs().max() <= 1e-4  # greedy: the likeliest, after a scored prompt
+    eng.add(prompts[0], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    handed = [o.prompt_logprobs is not None for _ in range(8) for o in eng.step()]
+    assert handed == [True, False, False]  # once, with the first output
     assert eng.reserved == 0 and not eng.has_work()
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0).validate()
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1).validate()
+
+
+def test_presence_and_frequency_penalties_follow_openais_rule(model):
+    """Greedy with penalties: each token is the argmax of the full forward's logits minus frequency * (times
+    generated so far) minus presence * (generated at all); the prompt's tokens are not penalised."""
+    torch.manual_seed(9)
+    prompt = torch.randint(0, 512, (10,)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=16, presence_penalty=1.5, frequency_penalty=0.7)
+    out = Engine(model, IdTokenizer(), max_batch=1).generate([prompt], params)[0]["token_ids"]
+    logits = full_forward_logits(model, prompt, out)
+    for j, row in enumerate(logits):
+        counts = torch.bincount(torch.tensor(out[:j], dtype=torch.long), minlength=row.numel()).float()
+        assert out[j] == int((row - 0.7 * counts - 1.5 * (counts > 0).float()).argmax()), j
+    plain = Engine(model, IdTokenizer(), max_batch=1).generate([prompt], SamplingParams(temperature=0,
+                                                                                       max_tokens=16))[0]
+    assert plain["token_ids"] != out  # the penalties changed the greedy path (it repeats tokens unpenalised)
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(presence_penalty=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad).validate()
 
 
 def test_sampling_rules():

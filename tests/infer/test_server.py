@@ -124,7 +124,8 @@ def test_completion(served, client):
                                      temperature=0)
     assert same.choices[0].text == c.text
     # seeded sampling repeats; extensions top_k / repetition_penalty are accepted
-    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0.9, top_p=0.9, seed=7,
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0.9, top_p=0.9, seed=7, presence_penalty=0.5,
+              frequency_penalty=-0.5,
               extra_body={"top_k": 20, "repetition_penalty": 1.2})
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
@@ -192,7 +193,8 @@ def test_echo_scores_the_prompt(served, client):
     lp = r.choices[0].logprobs
     assert r.choices[0].text == text and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
     assert lp.tokens == [served.tok.decode([t]) for t in ids] and lp.token_logprobs[0] is None
-    assert lp.top_logprobs[0] is None and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])  # (equal texts merge)
+    assert lp.top_logprobs[0] is None and all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])  # (equal texts merge)
+    assert all(t[token] == v for token, v, t in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
     with torch.no_grad():
         full = served.engine.model(torch.tensor(ids)[None]).logits[0, :-1].double().log_softmax(-1)
     best = full.max(-1).values.tolist()  # (two alternatives with one text merge into the likelier one)
@@ -212,6 +214,27 @@ def test_echo_scores_the_prompt(served, client):
     assert sum((c.choices[0].logprobs.token_logprobs for c in chunks if c.choices), []) == e.token_logprobs
     bare = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)  # no logprobs asked
     assert bare.choices[0].text == served.tok.decode(ids) and bare.choices[0].logprobs is None
+
+
+def test_batched_prompts_as_an_evaluation_harness_sends_them(served, client):
+    """A list of prompts (token ids, as lm-evaluation-harness sends with echo, logprobs=1, max_tokens=1) gives one
+    choice per prompt, by index, each equal to the prompt sent alone; usage adds up."""
+    texts = ["The json module exposes an API", "Return a string"]
+    ids = [served.tok.encode(t) for t in texts]
+    kw = dict(model=MODEL, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    both = client.completions.create(prompt=ids, **kw)
+    alone = [client.completions.create(prompt=i, **kw) for i in ids]
+    assert [c.index for c in both.choices] == [0, 1]
+    for c, a in zip(both.choices, alone):
+        assert c.text == a.choices[0].text and c.logprobs.tokens == a.choices[0].logprobs.tokens
+        assert c.logprobs.token_logprobs[0] is None
+        mine, theirs = c.logprobs.token_logprobs[1:], a.choices[0].logprobs.token_logprobs[1:]
+        assert max(abs(x - y) for x, y in zip(mine, theirs)) <= 1e-5
+    assert both.usage.prompt_tokens == sum(len(i) for i in ids) == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 2
+    strings = client.completions.create(model=MODEL, prompt=texts, max_tokens=3, temperature=0)
+    one = [client.completions.create(model=MODEL, prompt=t, max_tokens=3, temperature=0) for t in texts]
+    assert [c.text for c in strings.choices] == [r.choices[0].text for r in one]
 
 
 def test_chat_logprobs_streamed_or_not(client):
@@ -237,6 +260,7 @@ def test_32_concurrent_streams_equal_sequential(served, client):
 
     lengths = [6 + i % 8 for i in range(len(prompts))]  # requests finish at different steps: waiting ones join
     sequential = []                                      # a batch that is mid-decode (prefill + decode mixed)
+    served.batches.clear()  # (earlier tests may have batched: a list of prompts runs at once)
     for p, n in zip(prompts, lengths):
         r = client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0)
         sequential.append((r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens))
@@ -292,6 +316,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {**OK, "n": 2}, 400, "n=2 is not supported"),
+    ("/v1/completions", {**OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {**OK, "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ("/v1/completions", {**OK, "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens=0 needs echo"),
     ("/v1/completions", {**OK, "max_tokens": -1, "echo": True}, 400, "max_tokens"),
@@ -302,7 +328,9 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "prompt": [10**6]}, 400, "token ids"),
     ("/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {**OK, "prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {**OK, "prompt": ["a", "b"]}, 400, "batched"),
+    ("/v1/completions", {**OK, "prompt": [[1], []]}, 400, "prompt"),
+    ("/v1/completions", {**OK, "prompt": ["a"] * 65}, 400, "up to 64"),
+    ("/v1/completions", {**OK, "prompt": ["a", "b"], "stream": True}, 400, "one prompt"),
     ("/v1/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {**OK, "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {**OK, "stream": "yes"}, 400, "stream"),
