@@ -212,6 +212,9 @@ def test_echo_scores_the_prompt(served, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
     assert sum((c.choices[0].logprobs.tokens for c in chunks if c.choices), []) == e.tokens
     assert sum((c.choices[0].logprobs.token_logprobs for c in chunks if c.choices), []) == e.token_logprobs
+    nulls = post(served, "/v1/completions", {**OK, "echo": None, "logprobs": None})  # OpenAI accepts null: off
+    assert nulls.status_code == 200 and nulls.json()["choices"][0]["logprobs"] is None
+    assert post(served, "/v1/chat/completions", {**CHAT, "logprobs": None}).status_code == 200
     bare = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)  # no logprobs asked
     assert bare.choices[0].text == served.tok.decode(ids) and bare.choices[0].logprobs is None
 
