@@ -2,7 +2,7 @@
 ``/v1/chat/completions`` (both with SSE streaming) and ``/health``.
 
 Every request body is validated by a pydantic model (strict types: ``"5"`` is not an integer); a bad field,
-bad JSON, an unsupported option (``n != 1``, ``best_of``, ``suffix``, ...) or a prompt that does not fit the
+bad JSON, an unsupported option (``logit_bias``, ``best_of``, ``suffix``, ...) or a prompt that does not fit the
 context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
 model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
 serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``; OpenAI's
@@ -13,7 +13,8 @@ when streaming) are the model's: the log-softmax of its logits at each generated
 penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`). Completions list the chosen token among
 the alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) and a stop token's entry;
 chat leaves the stop token out (its text is not in the message). A completions ``prompt`` may be a list of up to
-MAX_PROMPTS prompts (not streamed): one choice each. Each token is shown
+MAX_PROMPTS prompts, and ``n`` asks for up to MAX_N choices per prompt (neither streamed): choices come prompt by
+prompt, choice j seeded ``seed + j``. Each token is shown
 as its own decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts.
 Completions with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too
 (null for the first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import logging
 import time
@@ -46,6 +48,7 @@ from k3.train.tokenizer import Tokenizer
 
 log = logging.getLogger("k3.serve")
 MAX_STOP = 4
+MAX_N = 16
 
 
 class APIError(Exception):
@@ -84,8 +87,8 @@ class _Request(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt (not streamed); choice j is seeded seed + j
     # accepted only at their no-op values
-    n: int = 1
     logit_bias: dict[str, Any] | None = None
 
     @field_validator("stop")
@@ -105,7 +108,6 @@ class _Request(BaseModel):
 
 
 _NOOP = {  # option -> (is it at a value we implement?, what we accept)
-    "n": (lambda v: v == 1, "1"),
     "logit_bias": (lambda v: not v, "null or {}"),
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "suffix": (lambda v: not v, "null or an empty string"),
@@ -278,6 +280,23 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                               stop=list(req.stop or []) + stop, stop_token_ids=stop_ids, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
 
+    def copies(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """The params of n choices: choice j seeded seed + j, so a seeded request stays reproducible."""
+        return [params if j == 0 or params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+                for j in range(n)]
+
+    async def start_all(requests: list[tuple[list[int], SamplingParams, Any]], rid: str) -> list:
+        """Submit every (prompt, params, media); if one is refused, abort those already submitted."""
+        streams = []
+        try:
+            for i, (ids, params, media) in enumerate(requests):
+                streams.append(await start(ids, params, rid if len(requests) == 1 else f"{rid}-{i}", media))
+        except APIError:
+            for s in streams:
+                await s.aclose()
+            raise
+        return streams
+
     async def start(prompt: list[int], params: SamplingParams, rid: str, media=None):
         try:
             return await async_engine.submit(prompt, params, rid, media=media)
@@ -367,23 +386,18 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         check(req)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
-        if req.stream and len(req.prompt) > 1:
-            raise APIError(400, "a streamed completion takes one prompt", "prompt")
+        if req.stream and len(req.prompt) * req.n > 1:
+            raise APIError(400, "a streamed completion takes one prompt and n=1", "prompt" if req.n == 1 else "n")
         scored = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
-        jobs = []  # (prompt as given, its ids, params): every prompt checked before any is submitted
+        jobs, prompt_tokens = [], 0  # (prompt as given, its ids, params) per choice, checked before any is submitted
         for p in req.prompt:
             ids = p if isinstance(p, list) else tok.encode(p)
-            jobs.append((p, ids, sampling(req, len(ids), req.max_tokens, 16, [], [], req.logprobs,
-                                          (req.logprobs or 0) if scored else None)))
+            params = sampling(req, len(ids), req.max_tokens, 16, [], [], req.logprobs,
+                              (req.logprobs or 0) if scored else None)
+            jobs += [(p, ids, params_j) for params_j in copies(params, req.n)]
+            prompt_tokens += len(ids)  # once per prompt, whatever n
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = []
-        try:
-            for i, (_, ids, params) in enumerate(jobs):
-                streams.append(await start(ids, params, rid if len(jobs) == 1 else f"{rid}-{i}"))
-        except APIError:
-            for s in streams:
-                await s.aclose()
-            raise
+        streams = await start_all([(ids, params, None) for _, ids, params in jobs], rid)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
 
         def chunker(index: int, prompt, ids: list[int]):
@@ -412,7 +426,6 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         results = await asyncio.gather(*(collect(s) for s in streams))
         choices = [chunker(i, p, ids)(text, last.finish_reason, lps, prompt_lps)["choices"][0]
                    for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))]
-        prompt_tokens = sum(last.prompt_tokens for _, last, _, _ in results)
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
         return {**base, "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
                                                       "completion_tokens": completion_tokens,
@@ -438,8 +451,10 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling(req, len(prompt), max_tokens, max_context, rendered.stop, rendered.stop_token_ids,
                           (req.top_logprobs or 0) if req.logprobs else None)
+        if req.stream and req.n > 1:
+            raise APIError(400, "a streamed chat completion takes n=1", "n")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await start(prompt, params, rid, media)
+        streams = await start_all([(prompt, p, media) for p in copies(params, req.n)], rid)
         base = {"id": rid, "created": int(time.time()), "model": model_name}
 
         def chunk(text, reason, lps, prompt_lps=None):
@@ -453,13 +468,16 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
             first = {**base, "object": "chat.completion.chunk",
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}]}
-            return StreamingResponse(stream_events(stream, [first], chunk, include, text_only=True),
+            return StreamingResponse(stream_events(streams[0], [first], chunk, include, text_only=True),
                                      media_type="text/event-stream")
-        text, last, lps, _ = await collect(stream, text_only=True)
+        results = await asyncio.gather(*(collect(s, text_only=True) for s in streams))
+        completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                "choices": [{"index": j, "message": {"role": "assistant", "content": text},
                              "logprobs": chat_logprobs(lps) if req.logprobs else None,
-                             "finish_reason": last.finish_reason}], "usage": usage(last)}
+                             "finish_reason": last.finish_reason} for j, (text, last, lps, _) in enumerate(results)],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                          "total_tokens": len(prompt) + completion_tokens}}
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):  # any bug: 500 with a message; the server keeps serving

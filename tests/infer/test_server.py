@@ -240,6 +240,25 @@ def test_batched_prompts_as_an_evaluation_harness_sends_them(served, client):
     assert [c.text for c in strings.choices] == [r.choices[0].text for r in one]
 
 
+def test_n_choices(served, client):
+    """n choices per prompt, prompt-major: choice j is the request seeded seed + j sent alone; greedy choices are
+    equal; the prompt counts once in usage."""
+    kw = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=11)
+    r = client.completions.create(prompt=["Hello", "The json"], n=3, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, c in enumerate(r.choices):
+        alone = client.completions.create(prompt=["Hello", "The json"][i // 3], **{**kw, "seed": 11 + i % 3})
+        assert c.text == alone.choices[0].text, i
+    assert len({c.text for c in r.choices[:3]}) > 1  # different seeds sample differently
+    assert r.usage.prompt_tokens == len(served.tok.encode("Hello")) + len(served.tok.encode("The json"))
+    msgs = [{"role": "user", "content": "What is JSON?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+    one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert chat.usage.prompt_tokens == one.usage.prompt_tokens
+    assert chat.usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
 def test_chat_logprobs_streamed_or_not(client):
     msgs = [{"role": "user", "content": "What is JSON?"}]
     kw = dict(model=MODEL, messages=msgs, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
@@ -318,7 +337,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("/v1/completions", {**OK, "n": 2}, 400, "n=2 is not supported"),
+    ("/v1/completions", {**OK, "n": 17}, 400, "n"),
+    ("/v1/completions", {**OK, "n": 2, "stream": True}, 400, "n=1"),
     ("/v1/completions", {**OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {**OK, "frequency_penalty": "high"}, 400, "frequency_penalty"),
     ("/v1/completions", {**OK, "echo": "yes"}, 400, "echo"),
@@ -348,7 +368,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi " * 400}]}, 400, "context"),
     ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, 400, "temperature"),
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "does not exist"),
-    ("/v1/chat/completions", {**CHAT, "n": 3}, 400, "n=3"),
+    ("/v1/chat/completions", {**CHAT, "n": 3, "stream": True}, 400, "n=1"),
+    ("/v1/chat/completions", {**CHAT, "n": 0}, 400, "n"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
 ]
