@@ -47,3 +47,16 @@ def test_moe_experts_with_the_routing_kernel(monkeypatch):
         assert grouped.route_kernel(idx, e) == "triton"  # so the comparison is not with itself
         got = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
     assert torch.equal(got, want)
+
+
+def test_triton_route_fill_never_overwrites_a_pair():
+    """The -1 fill of 4096 * 8 + P rows and the pairs' rows are written by different threads of one block, ordered
+    by a barrier: repeated launches (a race shows only sometimes) must each hold every pair at its row."""
+    from k3.ops.moe.triton_route import moe_route
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    idx = torch.rand(128, 4096, device=DEV, generator=g).topk(16).indices  # 2048 pairs: 8 warps
+    want = torch.arange(idx.numel(), device=DEV)
+    for _ in range(200):
+        rows, src, _ = moe_route(idx, 4096)
+        assert torch.equal(src[rows.reshape(-1)], want) and int((src >= 0).sum()) == idx.numel()
