@@ -352,8 +352,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
 
     def chat_logprobs(lps: list) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            text = piece(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": piece(token_id), "logprob": logprob, "bytes": list(tok.token_bytes(token_id))}
 
         return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]}
                             for e in lps]}

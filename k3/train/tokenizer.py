@@ -124,6 +124,18 @@ class Tokenizer:
         """token ids -> text (special tokens are kept as their text)."""
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (its piece of a multi-byte character too, which :meth:`decode` shows as
+        U+FFFD): a byte-level token's characters mapped back to the bytes they stand for; a special token's text,
+        or any token of a tokenizer that is not byte-level, in UTF-8."""
+        piece = self.hf.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        special = int(token_id) in self.hf.get_added_tokens_decoder()
+        if special or not isinstance(self.hf.decoder, decoders.ByteLevel) or not all(c in _CHAR_TO_BYTE for c in piece):
+            return piece.encode("utf-8")
+        return _to_bytes(piece)
+
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` (HF format) and ``tokenizer_config.json`` (eos/bos names) into ``directory``;
         returns the path of ``tokenizer.json``."""

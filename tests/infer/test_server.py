@@ -265,8 +265,10 @@ def test_chat_logprobs_streamed_or_not(client):
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
     assert "".join(e.token for e in content) == r.choices[0].message.content  # the stop token has no entry
+    raw = b"".join(bytes(e.bytes) for e in content)  # the raw token bytes: (this random model's text has broken
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].message.content  # characters, shown as U+FFFD)
     for e in content:
-        assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token and len(e.top_logprobs) == 2
         assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
     chunks = list(client.chat.completions.create(stream=True, **kw))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]

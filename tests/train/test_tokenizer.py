@@ -76,6 +76,19 @@ def test_round_trip_any_text(text):
     assert tok.decode(tok.encode(text)) == text
 
 
+def test_token_bytes_are_the_raw_bytes():
+    """Each token's raw bytes: joined, a text's UTF-8 exactly (also where a token holds part of a character, which
+    decode shows as U+FFFD); alone, what HF's ByteLevel decoder makes of the token; special tokens as their text."""
+    tok = small_tokenizer()
+    for text in SAMPLES:
+        assert b"".join(tok.token_bytes(i) for i in tok.encode(text)) == text.encode("utf-8")
+    for i in range(tok.vocab_size):
+        assert tok.token_bytes(i).decode("utf-8", errors="replace") == tok.decode([i]), i
+    assert tok.token_bytes(tok.eos_id) == b"<|endoftext|>"
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.token_bytes(10**6)
+
+
 def test_special_tokens_only_when_allowed():
     tok = small_tokenizer()
     text = "end<|endoftext|>start"
