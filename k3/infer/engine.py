@@ -260,17 +260,18 @@ class Engine:
         slots = [s.slot for s in batch]
         scored = [s.prompt_logprobs is not None and s.fed < len(s.prompt) for s in batch]  # need every position
         cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
+        full = any(scored) and max(lengths) > 1  # logits [T, V] at every position, else [S, V] at the last ones
         if max(lengths) == 1:  # every sequence decodes one token: the sync-free step (graph-replayed on CUDA)
             logits = self.graphs(ids[0], slots) if self.graphs else self.model.decode(ids[0], self.cache, slots)
         else:
             kwargs = {} if images is None else {"image_features": images}
-            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not any(scored),
+            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not full,
                                 **kwargs).logits
-            logits = logits if not any(scored) else logits[0]  # [T, V]: every position of the pass
-        full = any(scored) and max(lengths) > 1  # logits [T, V] at every position, else [S, V] at the last ones
+            logits = logits[0] if full else logits
         raw = logits[cu[1:] - 1] if full else logits  # the model's, at each sequence's last position (logprobs)
-        rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))  # sampled:
-        outputs = []  # image tokens only ever come from images
+        # sampled from: image tokens only ever come from images
+        rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
+        outputs = []
         for i, (seq, n, row) in enumerate(zip(batch, lengths, rows)):
             if scored[i]:  # the pass's positions predict the prompt's next tokens
                 targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]

@@ -307,9 +307,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         except EngineError as e:
             raise APIError(500, str(e), kind="server_error") from None
 
-    def usage(out) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def token_lps(out, text_only: bool) -> list:
         """An output's TokenLogprobs; ``text_only``: without a stop token's, whose text is not returned (chat)."""
@@ -373,7 +373,8 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                     yield sse(chunk(out.text, out.finish_reason, pending, prompt))
                     pending, prompt = [], None
                 if out.finished and include_usage:
-                    yield sse({**chunk(None, None, [], None), "choices": [], "usage": usage(out)})
+                    yield sse({**chunk(None, None, [], None), "choices": [],
+                               "usage": usage(out.prompt_tokens, out.completion_tokens)})
         except (EngineError, EngineClosed) as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         finally:
@@ -402,17 +403,18 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         def chunker(index: int, prompt, ids: list[int]):
             """chunk(text, reason, lps, prompt_lps) -> the completion object of choice ``index``; the first chunk
             with text carries the echoed prompt, text_offset runs on across a stream's chunks."""
-            offset, echo_text = [0], [(prompt if isinstance(prompt, str) else tok.decode(ids)) if req.echo else ""]
+            offset, echo_text = 0, (prompt if isinstance(prompt, str) else tok.decode(ids)) if req.echo else ""
 
             def chunk(text, reason, lps, prompt_lps):
-                if text is not None and echo_text[0]:
-                    text, echo_text[0] = echo_text[0] + text, ""
+                nonlocal offset, echo_text
+                if text is not None and echo_text:
+                    text, echo_text = echo_text + text, ""
                 logprobs = None
                 if req.logprobs is not None:
                     echoed = bool(req.echo) and prompt_lps is not None
-                    logprobs = completion_logprobs((prompt_lps if echoed else []) + lps, offset[0],
+                    logprobs = completion_logprobs((prompt_lps if echoed else []) + lps, offset,
                                                    ids if echoed else None)
-                    offset[0] += sum(len(t) for t in logprobs["tokens"])
+                    offset += sum(len(t) for t in logprobs["tokens"])
                 return {**base, "choices": [{"index": index, "text": text or "", "logprobs": logprobs,
                                              "finish_reason": reason}]}
 
@@ -426,9 +428,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         choices = [chunker(i, p, ids)(text, last.finish_reason, lps, prompt_lps)["choices"][0]
                    for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))]
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
-        return {**base, "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
-                                                      "completion_tokens": completion_tokens,
-                                                      "total_tokens": prompt_tokens + completion_tokens}}
+        return {**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
@@ -475,8 +475,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                 "choices": [{"index": j, "message": {"role": "assistant", "content": text},
                              "logprobs": chat_logprobs(lps) if req.logprobs else None,
                              "finish_reason": last.finish_reason} for j, (text, last, lps, _) in enumerate(results)],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-                          "total_tokens": len(prompt) + completion_tokens}}
+                "usage": usage(len(prompt), completion_tokens)}
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):  # any bug: 500 with a message; the server keeps serving

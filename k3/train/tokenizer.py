@@ -131,10 +131,12 @@ class Tokenizer:
         piece = self.hf.id_to_token(int(token_id))
         if piece is None:
             raise ValueError(f"token id {token_id} is not in the vocabulary")
-        special = int(token_id) in self.hf.get_added_tokens_decoder()
-        if special or not isinstance(self.hf.decoder, decoders.ByteLevel) or not all(c in _CHAR_TO_BYTE for c in piece):
+        if int(token_id) in self.hf.get_added_tokens_decoder() or not isinstance(self.hf.decoder, decoders.ByteLevel):
             return piece.encode("utf-8")
-        return _to_bytes(piece)
+        try:
+            return _to_bytes(piece)
+        except ValueError:  # a character outside the byte alphabet
+            return piece.encode("utf-8")
 
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` (HF format) and ``tokenizer_config.json`` (eos/bos names) into ``directory``;

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3.ops.moe import grouped
+from tests.ops.opt_in import check_opt_in_switch
 
 INTERPRETED = """
 import os
@@ -81,17 +82,7 @@ def test_selection(monkeypatch, caplog):
     """torch unless K3_MOE_ROUTE=triton; under triton, torch still off the GPU (but for Triton's interpreter), above
     COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS experts, with the reason logged once; a bad value, or triton without
     Triton, is one clear error."""
-    monkeypatch.setattr(grouped, "_route_logged", set())
-    monkeypatch.delenv("K3_MOE_ROUTE", raising=False)
-    assert grouped.route_kernel(_pairs(64), 64) == "torch"
-    monkeypatch.setenv("K3_MOE_ROUTE", "fast")
-    with pytest.raises(ValueError, match="K3_MOE_ROUTE='fast' must be one of torch, triton"):
-        grouped.route_kernel(_pairs(64), 64)
-    monkeypatch.setenv("K3_MOE_ROUTE", "triton")
-    monkeypatch.setattr(grouped, "_have_triton", lambda: False)
-    with pytest.raises(ValueError, match="K3_MOE_ROUTE=triton needs Triton"):
-        grouped.route_kernel(_pairs(64), 64)
-    monkeypatch.setattr(grouped, "_have_triton", lambda: True)
+    check_opt_in_switch(monkeypatch, "K3_MOE_ROUTE", lambda: grouped.route_kernel(_pairs(64), 64))
     monkeypatch.setattr(grouped, "_route_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert grouped.route_kernel(_pairs(64), 64) == "torch"  # CPU tensors

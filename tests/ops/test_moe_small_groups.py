@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3.ops.moe import grouped
+from tests.ops.opt_in import check_opt_in_switch
 
 CPU = torch.device("cpu")
 
@@ -113,17 +114,8 @@ def test_up_glu_selection(monkeypatch, caplog):
     the choice traces without a graph break for either kind of GLU."""
     from k3.model.activation import make_glu, swiglu
 
+    check_opt_in_switch(monkeypatch, "K3_MOE_UP_GLU", lambda: grouped.up_glu_kernel(make_glu("situ"), CPU))
     monkeypatch.setattr(grouped, "_glu_logged", set())
-    monkeypatch.delenv("K3_MOE_UP_GLU", raising=False)
-    assert grouped.up_glu_kernel(make_glu("situ"), CPU) == "torch"
-    monkeypatch.setenv("K3_MOE_UP_GLU", "cutlass")
-    with pytest.raises(ValueError, match="K3_MOE_UP_GLU='cutlass' must be one of torch, triton"):
-        grouped.up_glu_kernel(make_glu("situ"), CPU)
-    monkeypatch.setenv("K3_MOE_UP_GLU", "triton")
-    monkeypatch.setattr(grouped, "_have_triton", lambda: False)
-    with pytest.raises(ValueError, match="K3_MOE_UP_GLU=triton needs Triton"):
-        grouped.up_glu_kernel(make_glu("situ"), CPU)
-    monkeypatch.setattr(grouped, "_have_triton", lambda: True)
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert grouped.up_glu_kernel(make_glu("situ"), CPU) == "torch"  # CPU tensors
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors

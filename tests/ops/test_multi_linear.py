@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from k3.ops import backend
 from k3.ops import linear
 from k3.ops.linear import reference
+from tests.ops.opt_in import check_opt_in_switch
 
 
 def test_reference_is_one_linear_per_weight():
@@ -50,20 +51,9 @@ def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
     """Under the fast backend: the Triton kernel when K3_MULTI_LINEAR=triton, no gradient is needed and the
     shapes / dtypes fit; torch otherwise, each choice logged once with its reason; a bad K3_MULTI_LINEAR is one
     clear error."""
-    monkeypatch.setattr(linear, "_logged", set())
     x, ws = torch.zeros(3, 16, dtype=torch.bfloat16), [torch.zeros(8, 16, dtype=torch.bfloat16)] * 2
-    with torch.no_grad():
-        monkeypatch.delenv("K3_MULTI_LINEAR", raising=False)
-        assert linear.kernel(x, ws) == "torch"
-        monkeypatch.setenv("K3_MULTI_LINEAR", "fast")
-        with pytest.raises(ValueError, match="K3_MULTI_LINEAR='fast' must be one of torch, triton"):
-            linear.kernel(x, ws)
+    check_opt_in_switch(monkeypatch, "K3_MULTI_LINEAR", lambda: linear.kernel(x, ws))
     monkeypatch.setattr(linear, "_logged", set())
-    monkeypatch.setenv("K3_MULTI_LINEAR", "triton")
-    monkeypatch.setattr(linear._grouped, "_have_triton", lambda: False)
-    with pytest.raises(ValueError, match="K3_MULTI_LINEAR=triton needs Triton"):
-        linear.kernel(x, ws)
-    monkeypatch.setattr(linear._grouped, "_have_triton", lambda: True)
     trainable = [torch.zeros(8, 16, dtype=torch.bfloat16, requires_grad=True)]
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert linear.kernel(x, trainable) == "torch"  # grad mode on and a weight to differentiate

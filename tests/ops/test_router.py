@@ -22,6 +22,7 @@ from k3.model.moe import Router
 from k3.ops import backend
 from k3.ops import router
 from k3.ops.router import reference
+from tests.ops.opt_in import check_opt_in_switch
 
 
 def old_router(x, weight, bias, top_k, renormalize, scaling):
@@ -97,20 +98,9 @@ def test_fast_backend_runs_the_kernel_only_without_gradients(monkeypatch, caplog
     """Under the fast backend: the Triton kernel when no gradient is needed, fp32 inputs and E <= MAX_EXPERTS;
     torch otherwise. Each choice is logged once, with its reason. The kernel is opt-in (K3_ROUTER_TOPK=triton);
     any other value than torch / triton is one clear error."""
-    monkeypatch.setattr(router, "_logged", set())
     logits, bias = torch.zeros(2, 64, requires_grad=True), torch.zeros(64)
-    with torch.no_grad():
-        monkeypatch.delenv("K3_ROUTER_TOPK", raising=False)
-        assert router.topk_kernel(logits, bias) == "torch"
-        monkeypatch.setenv("K3_ROUTER_TOPK", "fast")
-        with pytest.raises(ValueError, match="K3_ROUTER_TOPK='fast' must be one of torch, triton"):
-            router.topk_kernel(logits, bias)
+    check_opt_in_switch(monkeypatch, "K3_ROUTER_TOPK", lambda: router.topk_kernel(logits.detach(), bias))
     monkeypatch.setattr(router, "_logged", set())
-    monkeypatch.setenv("K3_ROUTER_TOPK", "triton")
-    monkeypatch.setattr(router._grouped, "_have_triton", lambda: False)
-    with pytest.raises(ValueError, match="K3_ROUTER_TOPK=triton needs Triton"):
-        router.topk_kernel(logits, bias)
-    monkeypatch.setattr(router._grouped, "_have_triton", lambda: True)
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert router.topk_kernel(logits, bias) == "torch"
         with torch.no_grad():

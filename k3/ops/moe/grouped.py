@@ -222,8 +222,7 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
     """Where the small-groups kernel runs the expert matmuls: 'triton' (one launch of
     k3.ops.moe.small_groups.small_groups_glu for the rows' gather, w1, w3 and the GLU) when K3_MOE_UP_GLU=triton,
     the experts are on a GPU (or in Triton's interpreter) and ``glu`` names its form (a k3.model.activation.GLU),
-    else 'torch' (they run apart). Chosen and logged by
-    :func:`k3.ops.backend.opt_in_kernel`."""
+    else 'torch' (they run apart). Chosen and logged by :func:`k3.ops.backend.opt_in_kernel`."""
     def why_not() -> str:
         if not _kernel_device(device):
             return "the experts are not on a GPU"
