@@ -2,7 +2,7 @@
 filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
 
     python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]
-        [--env K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton,K3_MOE_UP_GLU=triton]]
+        [--env K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch]]
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -19,7 +19,7 @@ kernel list).
 ``--compiled`` also profiles the torch.compile'd step replayed from its CUDA graph (GraphedDecoder(compile=True)):
 the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count
 (the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` off, and each
-``--env`` with those environment variables set (the opt-in Triton kernels), all in one process.
+``--env`` with those environment variables set (e.g. the four decode kernels off), all in one process.
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
@@ -56,7 +56,7 @@ def main() -> None:
                    "combo_kernels off (GraphedDecoder turns them on), an A/B in one process")
     p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="with --compiled: the compiled step again with these environment variables set (e.g. "
-                   "K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton,K3_MOE_UP_GLU=triton), an A/B "
+                   "K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch), an A/B "
                    "in one process; repeatable")
     a = p.parse_args()
     backend.set_backend("fast")
@@ -69,7 +69,8 @@ def main() -> None:
     cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",")]
     graphed, lines = {}, []
     for batch, context in cases:  # graph times first: the profiler ranges below stay out of the captures
-        cache = fill_cache(model, batch, context, 64)
+        blocks = 1 + a.compiled * (1 + a.combo + len(a.env))  # each advances the shared cache ~21 positions:
+        cache = fill_cache(model, batch, context, 64 + 32 * blocks)  # room for all, or a block recaptures mid-timing
         ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
         graph = GraphedDecoder(model, cache)
         graphed[batch, context] = cuda_time(lambda: graph(ids, list(range(batch))), warmup=2, iters=16)
