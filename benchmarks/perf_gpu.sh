@@ -11,7 +11,7 @@
 # steps (default: tests, up to 8.7 minutes: 37 GPU tests, mostly compilation, plus fla's autotuning of any new
 # kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest split
 # it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the transformers peer), decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
-# profile_decode, ab_opt_in_a / ab_opt_in_b (each opt-in decode kernel alone, then all), profile_attn_res, kernels (full), moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call runs
+# profile_decode, ab_kernels_a / ab_kernels_b (each of the four decode kernels off alone), profile_attn_res, kernels (full), moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call runs
 # at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
@@ -29,7 +29,7 @@ step() {  # name, seconds, command...
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
 TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear or moe_route or fused_up_glu}  # tests_k: the GPU tests of a change
-ALL=K3_ROUTER_TOPK=triton,K3_MULTI_LINEAR=triton,K3_MOE_ROUTE=triton,K3_MOE_UP_GLU=triton  # every opt-in kernel
+OFF=K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch  # the four decode kernels off
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"
@@ -45,11 +45,11 @@ step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
 step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
-  --env $ALL  # every kernel; the opt-in kernels A/B
-step ab_opt_in_a 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
-  --env K3_ROUTER_TOPK=triton --env K3_MULTI_LINEAR=triton  # each opt-in kernel alone vs the default, one process
-step ab_opt_in_b 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
-  --env K3_MOE_ROUTE=triton --env K3_MOE_UP_GLU=triton --env $ALL
+  --env $OFF  # every kernel; the four decode kernels on (the default) and off
+step ab_kernels_a 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
+  --env K3_ROUTER_TOPK=torch --env K3_MULTI_LINEAR=torch  # each decode kernel off alone vs the default, one process
+step ab_kernels_b 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
+  --env K3_MOE_ROUTE=torch --env K3_MOE_UP_GLU=torch --env $OFF
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 64K tokens

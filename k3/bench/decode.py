@@ -24,7 +24,7 @@ from k3.config.config import AttnResConfig
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
-from k3.ops.moe.grouped import _experts_matmul
+from k3.ops.moe.grouped import _experts_matmul, _have_triton
 
 
 def peer_config(full_mla: bool = False) -> K3Config:
@@ -138,6 +138,10 @@ EAGER_CASES = {(1, 4096), (64, 32768)}  # also run eagerly (hybrid): what the CU
 COMPILED_CASES = {(1, 4096), (64, 32768), (16, 131072)}  # also compiled (both models): the goals' cases
 
 
+KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input maps", "K3_MOE_ROUTE": "MoE routing",
+                   "K3_MOE_UP_GLU": "experts' up-projection and GLU"}  # the decode kernels each variable turns off
+
+
 def modes(batch: int, context: int, full: bool) -> tuple[str, ...]:
     eager = ("eager",) if (batch, context) in EAGER_CASES and not full else ()
     return ("graph",) + eager + (("compiled",) if (batch, context) in COMPILED_CASES else ())
@@ -150,8 +154,11 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
                "x_transformers", "hybrid_speedup", "error"]
     experts = _experts_matmul(1, needs_grad=False)  # what the decode steps below run (K3_MOE_SMALL_GROUPS)
+    kernels = ", ".join(f"{what} by {'torch' if backend.kernel_switch(var, _have_triton) else 'Triton'}"
+                        for var, what in KERNEL_SWITCHES.items())  # where the shapes fit (the log says)
     meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda in place "
-                            f"by slot, Triton split-K MLA decode, {experts} experts), decode_step in CUDA graphs"}
+                            f"by slot, Triton split-K MLA decode, {experts} experts, {kernels}), decode_step in CUDA "
+                            "graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
     if quick:

@@ -84,19 +84,29 @@ def dispatch(op: str, device: torch.device, *args, **kwargs):
     return resolve(op, device)[1](*args, **kwargs)
 
 
-def opt_in_kernel(var: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
-                  triton_usable: Callable[[], bool], logged: set[str]) -> str:
-    """'triton' or 'torch': what a fast path runs whose Triton kernel is opt-in through the environment variable
-    ``var`` (torch, the default, or triton). An unknown value, or triton where ``triton_usable()`` is False, is one
-    clear error. Under triton, 'torch' still where ``why_not()`` gives a reason (a gradient is needed, a shape the
-    kernel does not take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]",
-    labels = (the kernel's, torch's)."""
-    choice = os.environ.get(var, "torch")
-    if choice not in ("torch", "triton"):
+def kernel_switch(var: str, triton_usable: Callable[[], bool]) -> str:
+    """The reason against a fast path's own Triton kernel that the environment variable ``var`` gives, or "" for
+    none. Unset or ``triton``: none where Triton is usable (``triton_usable()``); unset elsewhere: that it is not;
+    ``triton`` elsewhere, or any value other than torch / triton: one clear error. ``torch``: "<var>=torch"."""
+    choice = os.environ.get(var)
+    if choice not in (None, "torch", "triton"):
         raise ValueError(f"{var}={choice!r} must be one of torch, triton")
-    if choice == "triton" and not triton_usable():
+    if choice == "torch":
+        return f"{var}=torch"
+    if triton_usable():
+        return ""
+    if choice == "triton":
         raise ValueError(f"{var}=triton needs Triton, which is not installed or has no GPU it supports")
-    why = f"the Triton kernel is opt-in ({var}=triton) until measured on a GPU" if choice == "torch" else why_not()
+    return "Triton is not usable here (not installed, or no GPU it supports)"
+
+
+def triton_or_torch(var: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
+                    triton_usable: Callable[[], bool], logged: set[str]) -> str:
+    """'triton' or 'torch': what a fast path runs that has its own Triton kernel: the kernel unless
+    :func:`kernel_switch` or ``why_not()`` gives a reason against it (a gradient is needed, a shape the kernel does
+    not take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]", labels = (the
+    kernel's, torch's)."""
+    why = kernel_switch(var, triton_usable) or why_not()
     name = "torch" if why else "triton"
     if name + why not in logged:
         logged.add(name + why)

@@ -129,7 +129,7 @@ def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
 
 @pytest.mark.parametrize("kind,i", [("situ", 512), ("silu", 512), ("situ", 85)])
 def test_fused_up_glu_matches_the_unfused_kernels(kind, i, monkeypatch):
-    """K3_MOE_UP_GLU=triton (the rows' gather, w1, w3 and the GLU in one launch) against the same small-groups path
+    """K3_MOE_UP_GLU's kernel (the rows' gather, w1, w3 and the GLU in one launch) against the same small-groups path
     with them apart, on the same bf16 inputs (1e-2: the products are rounded to bf16 alike, the fp32 tanh and
     sigmoid differ in their last bits before the bf16 GLU output, the kernels' own BLOCK_K may differ), and against
     the per-expert loop (2e-2); at i=85 the expert width is zero-padded to 88 as for grouped_mm."""
@@ -392,11 +392,11 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     assert max(full_errs) <= 5e-2, full_errs
 
 
-@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opt_in_kernels"])
-def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
+@pytest.mark.parametrize("kernels", [True, False], ids=["default", "torch_forms"])
+def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
     """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul
-    and, opted in, the router's top-k, the KDA layer's six input maps in one launch, the MoE routing program and
-    the experts' fused up-projection and GLU) are custom ops, so
+    and, unless turned off, the router's top-k, the KDA layer's six input maps in one launch, the MoE routing
+    program and the experts' fused up-projection and GLU) are custom ops, so
     torch.compile traces the whole step as one graph with all of them inside (a torch.compiler.disable'd launch
     cut it at every KDA, MLA and MoE layer). Checked the way an engine compiles it: GraphedDecoder(compile=True)
     from cold backend caches (its eager warm-up resolves every op first; a first resolution inside the trace logs,
@@ -404,7 +404,10 @@ def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
     from torch._dynamo.utils import counters
 
     for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE", "K3_MOE_UP_GLU"):
-        monkeypatch.setenv(var, "triton" if opt_in else "torch")
+        if kernels:
+            monkeypatch.delenv(var, raising=False)  # the default: the kernel
+        else:
+            monkeypatch.setenv(var, "torch")
 
     from k3.infer.graphs import GraphedDecoder
     from k3.ops import backend, linear, router
@@ -436,7 +439,7 @@ def test_compiled_decode_step_is_one_graph(opt_in, monkeypatch):
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
     ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (
-        ("k3.router_topk", "k3.multi_linear", "k3.moe_route", "k3.small_groups_glu") if opt_in else ())
+        ("k3.router_topk", "k3.multi_linear", "k3.moe_route", "k3.small_groups_glu") if kernels else ())
     for op in ops:
         assert op in code, op
 

@@ -20,7 +20,7 @@ DEV = "cuda"
 def test_triton_route_matches_definition_and_torch(n, k, e, monkeypatch):
     from k3.ops.moe.triton_route import moe_route
 
-    monkeypatch.delenv("K3_MOE_ROUTE", raising=False)  # _route: the torch form
+    monkeypatch.setenv("K3_MOE_ROUTE", "torch")  # _route: the torch form
     g = torch.Generator(device=DEV).manual_seed(n * e)
     idx = torch.rand(n, e, device=DEV, generator=g).topk(k).indices  # distinct experts per token, as routed
     got = moe_route(idx, e)
@@ -43,7 +43,7 @@ def test_moe_experts_with_the_routing_kernel(monkeypatch):
     with torch.no_grad():
         monkeypatch.setenv("K3_MOE_ROUTE", "torch")
         want = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
-        monkeypatch.setenv("K3_MOE_ROUTE", "triton")
+        monkeypatch.delenv("K3_MOE_ROUTE")  # the default: the kernel
         assert grouped.route_kernel(idx, e) == "triton"  # so the comparison is not with itself
         got = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
     assert torch.equal(got, want)

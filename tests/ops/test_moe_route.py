@@ -1,4 +1,4 @@
-"""The opt-in Triton routing program (k3.ops.moe.triton_route) and its selection in k3.ops.moe.grouped._route.
+"""The Triton routing program (k3.ops.moe.triton_route) and its selection in k3.ops.moe.grouped._route.
 
 On a machine with Triton but no GPU the program runs in Triton's interpreter (a subprocess: TRITON_INTERPRET is read
 when a kernel is defined). Its routing is checked against the definition (every pair's row holds that pair; each
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3.ops.moe import grouped
-from tests.ops.opt_in import check_opt_in_switch
+from tests.ops.kernel_switch import check_kernel_switch
 
 INTERPRETED = """
 import os
@@ -41,8 +41,9 @@ idx = torch.randint(0, 20, (9, 4))
 checks = torch.library.opcheck(torch.ops.k3.moe_route.default, (idx, 20))
 assert all(v == "SUCCESS" for v in checks.values()), checks
 route = lambda t: grouped._route(t % 20, 20)  # noqa: E731
-want = route(idx)  # the torch form: unset, K3_MOE_ROUTE is torch
-os.environ["K3_MOE_ROUTE"] = "triton"  # the kernel is opt-in
+os.environ["K3_MOE_ROUTE"] = "torch"
+want = route(idx)  # the torch form
+del os.environ["K3_MOE_ROUTE"]  # unset: the kernel, where Triton is usable
 grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
 assert all(torch.equal(a, b) for a, b in zip(route(idx), want))  # eager first: it logs
 counters.clear()
@@ -79,10 +80,12 @@ def _pairs(p):
 
 
 def test_selection(monkeypatch, caplog):
-    """torch unless K3_MOE_ROUTE=triton; under triton, torch still off the GPU (but for Triton's interpreter), above
-    COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS experts, with the reason logged once; a bad value, or triton without
-    Triton, is one clear error."""
-    check_opt_in_switch(monkeypatch, "K3_MOE_ROUTE", lambda: grouped.route_kernel(_pairs(64), 64))
+    """The kernel unless K3_MOE_ROUTE=torch or Triton is not usable; torch still off the GPU (but for Triton's
+    interpreter), above COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS experts, with the reason logged once; a bad value, or
+    triton without Triton, is one clear error."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors
+    check_kernel_switch(monkeypatch, "K3_MOE_ROUTE", lambda: grouped.route_kernel(_pairs(64), 64))
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(grouped, "_route_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert grouped.route_kernel(_pairs(64), 64) == "torch"  # CPU tensors
@@ -100,7 +103,7 @@ def test_selection(monkeypatch, caplog):
 
 def test_torch_form(monkeypatch):
     """The torch form (any device) against the definition: the counting branch and the argsort one."""
-    monkeypatch.delenv("K3_MOE_ROUTE", raising=False)
+    monkeypatch.setenv("K3_MOE_ROUTE", "torch")
     torch.manual_seed(0)
     for idx, e in [(torch.randint(0, 50, (200, 8)), 50), (torch.randint(0, 50, (300, 8)), 50),  # 1600, 2400 pairs
                    (torch.full((300, 8), 3), 5), (torch.zeros(0, 4, dtype=torch.long), 8)]:

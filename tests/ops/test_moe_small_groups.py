@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3.ops.moe import grouped
-from tests.ops.opt_in import check_opt_in_switch
+from tests.ops.kernel_switch import check_kernel_switch
 
 CPU = torch.device("cpu")
 
@@ -108,13 +108,15 @@ def test_fused_up_glu_kernel_in_triton_interpreter(triton_interpreter):
 
 
 def test_up_glu_selection(monkeypatch, caplog):
-    """torch unless K3_MOE_UP_GLU=triton; under triton, the fused kernel only on the GPU (or in Triton's
-    interpreter) and for a named GLU (not QAT's composed
-    one, nor a bare function), the reason logged once; a bad value, or triton without Triton, is one clear error;
-    the choice traces without a graph break for either kind of GLU."""
+    """The fused kernel unless K3_MOE_UP_GLU=torch or Triton is not usable, and then only on the GPU (or in Triton's
+    interpreter) and for a named GLU (not QAT's composed one, nor a bare function), the reason logged once; a bad
+    value, or triton without Triton, is one clear error; the choice traces without a graph break for either kind of
+    GLU."""
     from k3.model.activation import make_glu, swiglu
 
-    check_opt_in_switch(monkeypatch, "K3_MOE_UP_GLU", lambda: grouped.up_glu_kernel(make_glu("situ"), CPU))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors
+    check_kernel_switch(monkeypatch, "K3_MOE_UP_GLU", lambda: grouped.up_glu_kernel(make_glu("situ"), CPU))
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(grouped, "_glu_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert grouped.up_glu_kernel(make_glu("situ"), CPU) == "torch"  # CPU tensors

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from k3.ops import backend
 from k3.ops import linear
 from k3.ops.linear import reference
-from tests.ops.opt_in import check_opt_in_switch
+from tests.ops.kernel_switch import check_kernel_switch
 
 
 def test_reference_is_one_linear_per_weight():
@@ -48,11 +48,11 @@ def test_dispatch_runs_the_reference_on_cpu_and_logs_it(monkeypatch, caplog):
 
 
 def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
-    """Under the fast backend: the Triton kernel when K3_MULTI_LINEAR=triton, no gradient is needed and the
+    """Under the fast backend: the Triton kernel when K3_MULTI_LINEAR is not torch, no gradient is needed and the
     shapes / dtypes fit; torch otherwise, each choice logged once with its reason; a bad K3_MULTI_LINEAR is one
     clear error."""
     x, ws = torch.zeros(3, 16, dtype=torch.bfloat16), [torch.zeros(8, 16, dtype=torch.bfloat16)] * 2
-    check_opt_in_switch(monkeypatch, "K3_MULTI_LINEAR", lambda: linear.kernel(x, ws))
+    check_kernel_switch(monkeypatch, "K3_MULTI_LINEAR", lambda: linear.kernel(x, ws))
     monkeypatch.setattr(linear, "_logged", set())
     trainable = [torch.zeros(8, 16, dtype=torch.bfloat16, requires_grad=True)]
     with caplog.at_level(logging.INFO, logger="k3.ops"):
@@ -119,7 +119,6 @@ INTERPRETED = textwrap.dedent("""
     x, ws = torch.randn(4, 32).half(), [torch.randn(n, 32).half() for n in (24, 8, 16)]
     checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws))
     assert all(r == "SUCCESS" for r in checks.values()), checks
-    os.environ["K3_MULTI_LINEAR"] = "triton"  # the kernel is opt-in
     grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
     fast = lambda t: [y * 2 for y in linear._multi_linear_fast(t + 1, ws)]  # noqa: E731  (the fast backend's function)
     with torch.no_grad():

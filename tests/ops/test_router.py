@@ -22,7 +22,7 @@ from k3.model.moe import Router
 from k3.ops import backend
 from k3.ops import router
 from k3.ops.router import reference
-from tests.ops.opt_in import check_opt_in_switch
+from tests.ops.kernel_switch import check_kernel_switch
 
 
 def old_router(x, weight, bias, top_k, renormalize, scaling):
@@ -96,10 +96,10 @@ def test_fast_backend_wants_cuda(monkeypatch):
 
 def test_fast_backend_runs_the_kernel_only_without_gradients(monkeypatch, caplog):
     """Under the fast backend: the Triton kernel when no gradient is needed, fp32 inputs and E <= MAX_EXPERTS;
-    torch otherwise. Each choice is logged once, with its reason. The kernel is opt-in (K3_ROUTER_TOPK=triton);
+    torch otherwise. Each choice is logged once, with its reason. K3_ROUTER_TOPK=torch turns the kernel off;
     any other value than torch / triton is one clear error."""
     logits, bias = torch.zeros(2, 64, requires_grad=True), torch.zeros(64)
-    check_opt_in_switch(monkeypatch, "K3_ROUTER_TOPK", lambda: router.topk_kernel(logits.detach(), bias))
+    check_kernel_switch(monkeypatch, "K3_ROUTER_TOPK", lambda: router.topk_kernel(logits.detach(), bias))
     monkeypatch.setattr(router, "_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert router.topk_kernel(logits, bias) == "torch"
@@ -177,7 +177,6 @@ INTERPRETED = textwrap.dedent("""
     got = torch.compile(caller, backend="aot_eager", dynamic=True)(logits)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert all(torch.equal(a, b) for a, b in zip(got, caller(logits)))
-    os.environ["K3_ROUTER_TOPK"] = "triton"  # the kernel is opt-in
     grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
     fast = lambda t: router._route_fast(t * 2, bias, 7, True, 2.5)  # noqa: E731  (the fast backend's function)
     with torch.no_grad():

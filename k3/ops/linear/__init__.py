@@ -6,8 +6,9 @@ three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV
 launches of a few microseconds each on an H200, most of it launch and tail. The
 ``fast`` backend can run them as one Triton launch (k3.ops.linear.triton_multi) for calls that need no gradient,
 with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows and at most MAX_WEIGHTS weights; the torch form otherwise.
-The kernel is opt-in (``K3_MULTI_LINEAR=triton``; default ``torch``) until it has run on a GPU: it was written and
-tested in Triton's CPU interpreter only (session 22). Each choice is logged once, with the reason when it is torch.
+``K3_MULTI_LINEAR=torch`` turns the kernel off (:func:`k3.ops.backend.triton_or_torch`); it is the default since it
+was measured on an H200 in session 24 (benchmarks/results/decode-opt-in.md). Each choice is logged once, with the
+reason when it is torch.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def _fast_supported(device: torch.device) -> bool:
 
 
 def kernel(x: Tensor, weights: list[Tensor]) -> str:
-    """Which form the fast backend runs: 'triton' when K3_MULTI_LINEAR=triton, no gradient is needed, x is 2-D
-    bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its dtype and width; else 'torch'
-    (:func:`k3.ops.backend.opt_in_kernel`: logged once each, with the reason)."""
+    """Which form the fast backend runs: 'triton' when Triton is usable, K3_MULTI_LINEAR is not torch, no gradient
+    is needed, x is 2-D bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its dtype and width;
+    else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
     def why_not() -> str:
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return "a gradient is needed"
@@ -47,10 +48,10 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
             return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype"
         return ""
 
-    return backend.opt_in_kernel("K3_MULTI_LINEAR", "multi_linear:", why_not,
-                                 ("one Triton launch (k3.ops.linear.triton_multi)",
-                                  "one torch linear per weight (k3.ops.linear.reference)"), _grouped._have_triton,
-                                 _logged)
+    return backend.triton_or_torch("K3_MULTI_LINEAR", "multi_linear:", why_not,
+                                   ("one Triton launch (k3.ops.linear.triton_multi)",
+                                    "one torch linear per weight (k3.ops.linear.reference)"), _grouped._have_triton,
+                                   _logged)
 
 
 def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
@@ -63,4 +64,4 @@ def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 
 backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")
 backend.register("multi_linear", "fast", _multi_linear_fast, _fast_supported,
-                 label="torch, or with K3_MULTI_LINEAR=triton one Triton launch where no gradient is needed")
+                 label="one Triton launch where no gradient is needed (K3_MULTI_LINEAR=torch: never), else torch")

@@ -5,7 +5,7 @@ once and multiplies it with x, BLOCK_M rows at a time (one pass at decode batch 
 programs in one launch, where torch launches one GEMV per weight. The program's weight is found by comparing its
 id with the running block counts (one ``if`` per weight slot, unused slots pruned at compile time).
 
-Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it (opt-in) and logs which path runs.
+Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it and logs which path runs.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
     host sync). A pair's rank within its expert is the number of earlier pairs with the same expert: up to
     COUNT_PAIRS pairs it is counted directly (one fused [P, P] compare-and-sum, where a sort of a few hundred keys
     is a ~30 us kernel per layer at decode); above, read off a stable argsort. Both give the same routing, as does
-    the opt-in Triton program (:func:`route_kernel`)."""
+    the Triton program (:func:`route_kernel`)."""
     if route_kernel(topk_idx, num_experts) == "triton":
         from k3.ops.moe.triton_route import moe_route  # Triton: imported on use (GPUs only)
 
@@ -80,14 +80,14 @@ _route_logged: set[str] = set()
 
 
 def _kernel_device(device: torch.device) -> bool:
-    """Where an opt-in Triton kernel of this module runs: CUDA tensors, or any under Triton's CPU interpreter."""
+    """Where a Triton kernel of this module runs: CUDA tensors, or any under Triton's CPU interpreter."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
-    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) when K3_MOE_ROUTE=triton, the
-    pairs are on a GPU and there are at most COUNT_PAIRS of them and ROUTE_MAX_EXPERTS experts, else 'torch'
-    (:func:`k3.ops.backend.opt_in_kernel`: logged once each, with the reason)."""
+    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) when Triton is usable, K3_MOE_ROUTE
+    is not torch, the pairs are on a GPU and there are at most COUNT_PAIRS of them and ROUTE_MAX_EXPERTS experts,
+    else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
     def why_not() -> str:
         if not _kernel_device(topk_idx.device):
             return "the routing is not on a GPU"
@@ -97,9 +97,9 @@ def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
             return f"more than the kernel's {ROUTE_MAX_EXPERTS} experts"
         return ""
 
-    return backend.opt_in_kernel("K3_MOE_ROUTE", "moe_experts: routing by", why_not,
-                                 ("one Triton program (k3.ops.moe.triton_route)", "torch"), _have_triton,
-                                 _route_logged)
+    return backend.triton_or_torch("K3_MOE_ROUTE", "moe_experts: routing by", why_not,
+                                   ("one Triton program (k3.ops.moe.triton_route)", "torch"), _have_triton,
+                                   _route_logged)
 
 
 # Moving rows between tokens and the buffer. Every direction is a gather (no atomics, no sort, deterministic):
@@ -220,9 +220,10 @@ _glu_logged: set[str] = set()
 
 def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device) -> str:
     """Where the small-groups kernel runs the expert matmuls: 'triton' (one launch of
-    k3.ops.moe.small_groups.small_groups_glu for the rows' gather, w1, w3 and the GLU) when K3_MOE_UP_GLU=triton,
-    the experts are on a GPU (or in Triton's interpreter) and ``glu`` names its form (a k3.model.activation.GLU),
-    else 'torch' (they run apart). Chosen and logged by :func:`k3.ops.backend.opt_in_kernel`."""
+    k3.ops.moe.small_groups.small_groups_glu for the rows' gather, w1, w3 and the GLU) when Triton is usable,
+    K3_MOE_UP_GLU is not torch, the experts are on a GPU (or in Triton's interpreter) and ``glu`` names its form (a
+    k3.model.activation.GLU), else 'torch' (they run apart). Chosen and logged by
+    :func:`k3.ops.backend.triton_or_torch`."""
     def why_not() -> str:
         if not _kernel_device(device):
             return "the experts are not on a GPU"
@@ -230,9 +231,9 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
             return "the GLU is not a named form (k3.model.activation.GLU), e.g. QAT's quantised one"
         return ""
 
-    return backend.opt_in_kernel("K3_MOE_UP_GLU", "moe_experts: up-projection and GLU by", why_not,
-                                 ("one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
-                                  "the row gather, two matmuls and the GLU apart"), _have_triton, _glu_logged)
+    return backend.triton_or_torch("K3_MOE_UP_GLU", "moe_experts: up-projection and GLU by", why_not,
+                                   ("one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
+                                    "the row gather, two matmuls and the GLU apart"), _have_triton, _glu_logged)
 
 
 def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

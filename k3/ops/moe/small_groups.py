@@ -13,11 +13,11 @@ The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usa
 grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200 (benchmarks/results/moe_decode_mm.md).
 moe_experts logs which one runs.
 
-``small_groups_glu`` is the same kernel for the up-projection with two weights and an epilogue: each program
-gathers its group's rows from the tokens (through the routing's src_pair), multiplies them by its block of w1 and
-of w3 and writes act(gate, up) (SiTU-GLU or SwiGLU), one launch where apart the row gather, two matmuls and the GLU
-take four. Opt-in (``K3_MOE_UP_GLU=triton``, grouped.up_glu_kernel) until it has run on a GPU: tested in Triton's
-CPU interpreter only (session 23).
+``small_groups_glu`` is the same kernel for the up-projection with two weights and an epilogue: each program gathers
+its group's rows from the tokens (through the routing's src_pair), multiplies them by its block of w1 and of w3 and
+writes act(gate, up) (SiTU-GLU or SwiGLU), one launch where apart the row gather, two matmuls and the GLU take four.
+The default where the small-groups kernel runs (``K3_MOE_UP_GLU=torch`` turns it off, grouped.up_glu_kernel), since
+it was measured on an H200 in session 24 (benchmarks/results/decode-opt-in.md).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ buffer's pair index), each a few microseconds on an H200 where the step is bound
   is the sorted position of expert e's first pair (the exclusive cumsum of the counts)
 
 then fills the buffer's pair index with -1 and, after a barrier, writes each pair's index at its row. The result
-equals the torch form's exactly (both are the unique stable order). Opt-in (``K3_MOE_ROUTE=triton``) until it has
-run on a GPU: written and tested in Triton's CPU interpreter only (session 23). grouped.route_kernel chooses and logs.
+equals the torch form's exactly (both are the unique stable order). The default for at most COUNT_PAIRS pairs on a
+GPU (``K3_MOE_ROUTE=torch`` turns it off) since it was measured on an H200 in session 24
+(benchmarks/results/decode-opt-in.md). grouped.route_kernel chooses and logs.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """MoE routing after the router GEMM: ``route(logits [N, E], bias [E], top_k, renormalize, scaling) -> (scores
 [N, E], topk_idx [N, k] int64, topk_weight [N, k])``; the contract: :func:`k3.ops.router.reference.route`.
 
-Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of
-k3.ops.router.triton_topk (it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs
-and at most MAX_EXPERTS experts, and the torch form otherwise. The kernel is opt-in (``K3_ROUTER_TOPK=triton``; default
-``torch``) until it has run on a GPU: it was written and tested in Triton's CPU interpreter only (session 22).
-Each choice is logged once, with the reason when it is torch.
+Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of k3.ops.router.triton_topk
+(it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most MAX_EXPERTS
+experts, and the torch form otherwise. ``K3_ROUTER_TOPK=torch`` turns the kernel off
+(:func:`k3.ops.backend.triton_or_torch`); it is the default since it was measured on an H200 in session 24
+(benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
 The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
 unspecified); consumers treat them as a set.
 """
@@ -34,9 +34,9 @@ def _fast_supported(device: torch.device) -> bool:
 
 
 def topk_kernel(logits: Tensor, bias: Tensor) -> str:
-    """Which form the fast backend runs: 'triton' when K3_ROUTER_TOPK=triton, no gradient is needed, logits and
-    bias are fp32 and E <= MAX_EXPERTS, else 'torch' (:func:`k3.ops.backend.opt_in_kernel`: logged once each,
-    with the reason)."""
+    """Which form the fast backend runs: 'triton' when Triton is usable, K3_ROUTER_TOPK is not torch, no gradient
+    is needed, logits and bias are fp32 and E <= MAX_EXPERTS, else 'torch' (:func:`k3.ops.backend.triton_or_torch`:
+    logged once each, with the reason)."""
     def why_not() -> str:
         if torch.is_grad_enabled() and logits.requires_grad:
             return "a gradient is needed"
@@ -46,9 +46,9 @@ def topk_kernel(logits: Tensor, bias: Tensor) -> str:
             return f"{logits.shape[-1]} experts, more than the kernel's {MAX_EXPERTS}"
         return ""
 
-    return backend.opt_in_kernel("K3_ROUTER_TOPK", "router: top-k by", why_not,
-                                 ("the Triton kernel (k3.ops.router.triton_topk)", "torch (k3.ops.router.reference)"),
-                                 _grouped._have_triton, _logged)
+    return backend.triton_or_torch("K3_ROUTER_TOPK", "router: top-k by", why_not,
+                                   ("the Triton kernel (k3.ops.router.triton_topk)", "torch (k3.ops.router.reference)"),
+                                   _grouped._have_triton, _logged)
 
 
 def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
@@ -62,4 +62,4 @@ def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
 
 backend.register("router", "reference", route_reference, label="torch; the fast path needs CUDA")
 backend.register("router", "fast", _route_fast, _fast_supported,
-                 label="torch, or with K3_ROUTER_TOPK=triton the Triton top-k kernel where no gradient is needed")
+                 label="the Triton top-k kernel where no gradient is needed (K3_ROUTER_TOPK=torch: never), else torch")
