@@ -2,7 +2,7 @@
 definition and the torch form's routing at the decode shapes (1 and 64 tokens; 64 experts choosing 8, 896 choosing
 16) and at COUNT_PAIRS pairs, where the program runs 8 warps and the -1 fill and the pairs' rows are written by
 different threads (the interpreter, tests/ops/test_moe_route.py, runs one thread and cannot test that barrier).
-Then the routed experts end to end with the kernel opted in: the same output as the torch routing, bit for bit.
+Then the routed experts end to end with the kernel (the default): the same output as the torch routing, bit for bit.
 """
 
 import pytest

@@ -23,6 +23,8 @@ from k3.ops.moe import grouped
 from k3.ops.moe.triton_route import moe_route
 from tests.ops.test_moe_route import assert_routing
 
+os.environ["K3_MOE_ROUTE"] = "torch"  # grouped._route: the torch form (unset, the kernel where Triton is usable)
+
 def check(idx, e):
     got = moe_route(idx, e)
     assert_routing(idx, e, *got)
@@ -41,7 +43,6 @@ idx = torch.randint(0, 20, (9, 4))
 checks = torch.library.opcheck(torch.ops.k3.moe_route.default, (idx, 20))
 assert all(v == "SUCCESS" for v in checks.values()), checks
 route = lambda t: grouped._route(t % 20, 20)  # noqa: E731
-os.environ["K3_MOE_ROUTE"] = "torch"
 want = route(idx)  # the torch form
 del os.environ["K3_MOE_ROUTE"]  # unset: the kernel, where Triton is usable
 grouped._triton_usable = True  # Triton's interpreter stands in for a GPU

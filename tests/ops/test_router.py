@@ -128,7 +128,6 @@ def test_kernel_rejects_bad_inputs():
 
 
 INTERPRETED = textwrap.dedent("""
-    import os
     import torch
     from torch._dynamo.utils import counters
     from k3.ops.moe import grouped

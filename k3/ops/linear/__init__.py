@@ -41,8 +41,10 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
     def why_not() -> str:
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return "a gradient is needed"
-        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
-            return f"the kernel takes [M <= {MAX_ROWS}, K] bf16 / fp16 inputs, not {tuple(x.shape)} {x.dtype}"
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+            return f"the kernel takes 2-D bf16 / fp16 inputs, not {x.dim()}-D {x.dtype}"
+        if x.shape[0] > MAX_ROWS:  # a prefill's rows (the reason names no length: logged once, not once per length)
+            return f"more than {MAX_ROWS} rows"
         if not 1 <= len(weights) <= MAX_WEIGHTS or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1]
                                                        for w in weights):
             return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype"
