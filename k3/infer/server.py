@@ -10,15 +10,15 @@ serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``r
 
 Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_logprobs`` N on chat; N <= 20, also
 when streaming) are the model's: the log-softmax of its logits at each generated token, before temperature,
-penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`). Completions list the chosen token among
-the alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) and a stop token's entry;
-chat leaves the stop token out (its text is not in the message). A completions ``prompt`` may be a list of up to
+penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`). Completions list the chosen token among the
+alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) and a stop token's entry; chat
+leaves the stop token out (its text is not in the message). A completions ``prompt`` may be a list of up to
 MAX_PROMPTS prompts, and ``n`` asks for up to MAX_N choices per prompt (neither streamed): choices come prompt by
-prompt, choice j seeded ``seed + j``. Each token is shown
-as its own decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts.
-Completions with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too
-(null for the first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for
-log-likelihoods). A scored prompt runs whole (the prefix cache is not used for it).
+prompt, choice j seeded ``seed + j``. Each token is shown as its own decoded text (a piece of a multi-byte character
+decodes to U+FFFD), ``text_offset`` counts those texts. Completions with ``echo`` return the prompt before the
+completion and, with ``logprobs``, the prompt tokens' too (null for the first); ``max_tokens: 0`` with ``echo`` only
+scores the prompt (how evaluation harnesses ask for log-likelihoods). A scored prompt runs whole (the prefix cache
+is not used for it).
 """
 
 from __future__ import annotations

@@ -64,14 +64,16 @@ class MultiheadLatentAttention(nn.Module):
         """x [N, d] -> q_nope [N, H, dn], q_pe [N, H, dr] (before RoPE), c_kv [N, r] (normed), k_pe [N, dr].
         ``maps``: x's first two maps already made (q_proj or q_a_proj, kv_a_proj_with_mqa), else made here."""
         n, h = x.shape[0], self.num_heads
-        q0, kv = maps if maps is not None else (self._first_q(x), self.kv_a_proj_with_mqa(x))
+        q0, kv = maps if maps is not None else (self._first_q_map(x), self.kv_a_proj_with_mqa(x))
         q = q0 if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(q0))
         q_nope, q_pe = q.view(n, h, self.dn + self.dr).split([self.dn, self.dr], dim=-1)
         c_kv, k_pe = kv.split([self.r, self.dr], dim=-1)
         return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe
 
-    def _first_q(self, x: Tensor) -> Tensor:
-        return self.q_proj(x) if hasattr(self, "q_proj") else self.q_a_proj(x)
+    @property
+    def _first_q_map(self) -> nn.Linear:
+        """The query's map of x: q_proj, or q_a_proj where the query is low-rank."""
+        return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
 
     def absorbed_query(self, q_nope: Tensor, q_pe: Tensor) -> Tensor:
         """q_nope [N, H, dn] folded through kv_b_proj's key half into the latent space, q_pe appended:
@@ -148,9 +150,8 @@ class MultiheadLatentAttention(nn.Module):
         it); nothing is read back to the host (CUDA-graph safe). The caller advances the host lengths."""
         n = x.shape[0]
         gated = hasattr(self, "g_proj")
-        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
         # x's maps in one call (k3.ops.linear: one Triton launch where chosen, else one linear each)
-        weights = [first.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if gated else [])
+        weights = [self._first_q_map.weight, self.kv_a_proj_with_mqa.weight] + ([self.g_proj.weight] if gated else [])
         maps = multi_linear(x, weights)
         q_nope, q_pe, c_kv, k_pe = self.project(x, maps[:2])
         if self.rope_theta is not None:

@@ -1,14 +1,13 @@
 """Several linear maps of one input: ``multi_linear(x [M, K], weights [N_i, K]) -> [[M, N_i]]``.
 
 A decode step's KDA layer multiplies its input by six weights (q, k, v, the forget gate's and the output gate's
-low-rank inputs, beta), a MoE layer by three (the latent down-projection, the shared experts' gate and up), an MLA decode step by two or
-three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV
-launches of a few microseconds each on an H200, most of it launch and tail. The
-``fast`` backend can run them as one Triton launch (k3.ops.linear.triton_multi) for calls that need no gradient,
-with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows and at most MAX_WEIGHTS weights; the torch form otherwise.
-``K3_MULTI_LINEAR=torch`` turns the kernel off (:func:`k3.ops.backend.triton_or_torch`); it is the default since it
-was measured on an H200 in session 24 (benchmarks/results/decode-opt-in.md). Each choice is logged once, with the
-reason when it is torch.
+low-rank inputs, beta), a MoE layer by three (the latent down-projection, the shared experts' gate and up), an MLA
+decode step by two or three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV launches of a few
+microseconds each on an H200, most of it launch and tail. The ``fast`` backend can run them as one Triton launch
+(k3.ops.linear.triton_multi) for calls that need no gradient, with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows
+and at most MAX_WEIGHTS weights; the torch form otherwise. ``K3_MULTI_LINEAR=torch`` turns the kernel off
+(:func:`k3.ops.backend.triton_or_torch`); it is the default since it was measured on an H200 in session 24
+(benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
 """
 
 from __future__ import annotations
