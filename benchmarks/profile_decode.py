@@ -2,7 +2,8 @@
 filled with random latents and states), timed replayed from a CUDA graph and profiled eagerly.
 
     python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]
-        [--env K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch]]
+        [--sequence] [--inductor assert_indirect_indexing=True]
+        [--env K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch,K3_CONV_STEP=torch]]
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -18,14 +19,16 @@ step, the MLA decode kernel) are launched through the driver API and land in "th
 kernel list).
 ``--compiled`` also profiles the torch.compile'd step replayed from its CUDA graph (GraphedDecoder(compile=True)):
 the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count
-(the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` off, and each
-``--env`` with those environment variables set (e.g. the four decode kernels off), all in one process.
+(the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` off, each
+``--inductor`` with those inductor options in place of GraphedDecoder's, and each ``--env`` with those environment
+variables set (e.g. the four decode kernels off), all in one process.
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 from collections import defaultdict
 from unittest.mock import patch
@@ -52,8 +55,13 @@ def main() -> None:
     p.add_argument("--attn-res", default=None, help="AttnRes mode of --preset's model")
     p.add_argument("--compiled", action="store_true", help="also profile the compiled step's CUDA graph")
     p.add_argument("--top", type=int, default=40, help="kernels listed for the compiled step")
+    p.add_argument("--sequence", action="store_true", help="with --compiled: also list one replay's kernels in "
+                   "launch order with their device time (which layer launches what)")
     p.add_argument("--combo", action="store_true", help="with --compiled: the compiled step again with inductor's "
                    "combo_kernels off (GraphedDecoder turns them on), an A/B in one process")
+    p.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE[,OPTION=VALUE]",
+                   help="with --compiled: the compiled step again with these inductor options (Python literals) "
+                   "over GraphedDecoder's, an A/B in one process; repeatable")
     p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="with --compiled: the compiled step again with these environment variables set (e.g. "
                    "K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch), an A/B "
@@ -69,7 +77,7 @@ def main() -> None:
     cases = [tuple(int(x) for x in case.split("x")) for case in a.cases.split(",")]
     graphed, lines = {}, []
     for batch, context in cases:  # graph times first: the profiler ranges below stay out of the captures
-        blocks = 1 + a.compiled * (1 + a.combo + len(a.env))  # each advances the shared cache ~21 positions:
+        blocks = 1 + a.compiled * (1 + a.combo + len(a.inductor) + len(a.env))  # each advances the cache ~21 rows:
         cache = fill_cache(model, batch, context, 64 + 32 * blocks)  # room for all, or a block recaptures mid-timing
         ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
         graph = GraphedDecoder(model, cache)
@@ -77,12 +85,19 @@ def main() -> None:
         del graph
         if a.compiled:
             limit = step_bytes(model, batch, context) / bw
-            lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top)
+            lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top, sequence=a.sequence)
             if a.combo:
                 torch._dynamo.reset()
                 with patch.dict(COMPILE_OPTIONS, combo_kernels=False):
                     lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
                                             label=" (inductor combo_kernels off)")
+                torch._dynamo.reset()
+            for setting in a.inductor:
+                torch._dynamo.reset()
+                options = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in setting.split(","))}
+                with patch.dict(COMPILE_OPTIONS, options):
+                    lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
+                                            label=f" (inductor {setting})")
                 torch._dynamo.reset()
             for setting in a.env:
                 torch._dynamo.reset()
@@ -149,8 +164,9 @@ def kernel_table(kernels: list, steps: int, top: int) -> list[str]:
 
 
 def compiled_block(model, cache, ids, batch: int, context: int, limit: float, steps: int = 3, top: int = 40,
-                   label: str = "") -> list[str]:
-    """Time and profile the compiled step replayed from its CUDA graph."""
+                   label: str = "", sequence: bool = False) -> list[str]:
+    """Time and profile the compiled step replayed from its CUDA graph (``sequence``: and list the last replay's
+    kernels in launch order)."""
     graph = GraphedDecoder(model, cache, compile=True)
     seq = list(range(batch))
     t = cuda_time(lambda: graph(ids, seq), warmup=2, iters=16)
@@ -164,6 +180,11 @@ def compiled_block(model, cache, ids, batch: int, context: int, limit: float, st
     block = ["", f"B={batch} context={context} compiled{label} + CUDA graph: {t * 1e3:.2f} ms/step, limit "
              f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "
              f"{busy:.2f} ms/step"] + kernel_table(kernels, steps, top)
+    if sequence:
+        last = sorted(kernels, key=lambda e: e.time_range.start)[-(len(kernels) // steps):]
+        block.append("  one replay in launch order (start us from the first kernel, device us, name):")
+        block += [f"    {e.time_range.start - last[0].time_range.start:8.1f} {e.device_time:7.1f}  {e.name[:90]}"
+                  for e in last]
     print("\n".join(block), flush=True)
     return block
 

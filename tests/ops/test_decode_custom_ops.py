@@ -51,19 +51,21 @@ MLA = textwrap.dedent("""
                                       cu_seqlens_q=torch.arange(B + 1), scale=0.1, v_dim=R)
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err <= 2e-3, err  # fp16 output rounding (2^-11) and fp16 probabilities in the value product
-    # 19 splits of 16 rows: the merge reads them in two blocks of 16; a sequence with no rows gives zeros
+    # 37 splits of 8 rows: the merge reads them in two blocks of 32 (the second mostly masked), rescaling the first
+    # block's sums to the second's maximum where it is higher; a sequence with no rows gives zeros
     lengths = torch.tensor([290, 0, 33])
-    args = (q, kv, slots.int(), lengths.int(), 0.1, 19, 16, 1, R, DR, 16, 16, 1, 4)
+    kv[3, 256:290] *= 3  # sequence 0's highest scores in the second block
+    args = (q, kv, slots.int(), lengths.int(), 0.1, 37, 8, 1, R, DR, 16, 16, 1, 4)
     got = torch.ops.k3.mla_decode(*args)
     keep = torch.tensor([0, 2])
     want = reference.latent_attention(q[keep].float(), kv.float(), seq_ids=slots[keep], lengths=lengths[keep],
                                       cu_seqlens_q=torch.arange(3), scale=0.1, v_dim=R)
     err = ((got[keep].float() - want).norm() / want.norm()).item()
     assert err <= 2e-3 and torch.equal(got[1], torch.zeros_like(got[1])), err
-    # r = 256: the merge's columns in two blocks of 128
+    # r = 256 over 20 splits: the merge's columns in two blocks of 128
     q2, kv2, lengths2 = torch.randn(2, 2, 256 + DR).half(), torch.randn(2, 40, 256 + DR).half(), torch.tensor([37, 9])
-    got = torch.ops.k3.mla_decode(q2, kv2, torch.tensor([1, 0]).int(), lengths2.int(), 0.1, 3, 16, 1, 256, DR, 16, 16,
-                                  1, 4)
+    got = torch.ops.k3.mla_decode(q2, kv2, torch.tensor([1, 0]).int(), lengths2.int(), 0.1, 20, 2, 1, 256, DR, 16,
+                                  16, 1, 4)
     want = reference.latent_attention(q2.float(), kv2.float(), seq_ids=torch.tensor([1, 0]), lengths=lengths2,
                                       cu_seqlens_q=torch.arange(3), scale=0.1, v_dim=256)
     err = ((got.float() - want).norm() / want.norm()).item()

@@ -5,6 +5,13 @@ once and multiplies it with x, BLOCK_M rows at a time (one pass at decode batch 
 programs in one launch, where torch launches one GEMV per weight. The program's weight is found by comparing its
 id with the running block counts (one ``if`` per weight slot, unused slots pruned at compile time).
 
+Launch: BLOCK_K = 128, 4 stages, 4 warps, and BLOCK_N = 32, or 16 where that leaves fewer than 64 programs (more
+programs in flight for small maps). The fastest configurations of benchmarks/multi_linear_configs.py on an H200 at 64
+rows (benchmarks/results/multi_linear_configs.md): 5.6 us for a KDA layer's six maps, 4.7 us for the shared experts'
+two. It replaced Triton's autotuner, re-run in every process, whose choices took 11.6-18.5 us per launch for the KDA
+maps inside compiled decode steps (5.6 us in the configurations' benchmark; 7.0-8.3 us in the step with this rule,
+benchmarks/results/profile_decode_sequence.txt).
+
 Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it and logs which path runs.
 """
 
@@ -17,8 +24,6 @@ from torch import Tensor
 
 from k3.ops.linear import MAX_WEIGHTS
 
-_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
-            for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
 _SIZES = [f"N{i}" for i in range(MAX_WEIGHTS)]
 
 
@@ -73,12 +78,15 @@ def _multi_linear_kernel(X, W0, W1, W2, W3, W4, W5, W6, W7, Y0, Y1, Y2, Y3, Y4, 
         _slot(X, W7, Y7, N7, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-_autotuned = triton.autotune(configs=_CONFIGS, key=["G", "K", "BLOCK_M"] + _SIZES)(_multi_linear_kernel)
-
-
 def block_m(rows: int) -> int:
     """Rows per pass: the row count rounded up to a power of two, 16..64 (tl.dot needs 16)."""
     return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def launch_config(sizes: list[int]) -> dict:
+    """The launch of maps with these output widths (module docstring): BLOCK_N, BLOCK_K, num_stages, num_warps."""
+    wide = sum(triton.cdiv(n, 32) for n in sizes) >= 64
+    return {"BLOCK_N": 32 if wide else 16, "BLOCK_K": 128, "num_stages": 4, "num_warps": 4}
 
 
 @torch.library.custom_op("k3::multi_linear", mutates_args=())
@@ -88,7 +96,8 @@ def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     _check(x, weights)
     ys = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
     if x.shape[0] and any(w.shape[0] for w in weights):
-        _run(_autotuned, x, [w.contiguous() for w in weights], ys, block_m(x.shape[0]))
+        _run(_multi_linear_kernel, x, [w.contiguous() for w in weights], ys, block_m(x.shape[0]),
+             **launch_config([w.shape[0] for w in weights]))
     return ys
 
 
@@ -108,7 +117,7 @@ def _check(x: Tensor, weights: list[Tensor]) -> None:
 
 
 def _run(kernel, x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, **meta) -> None:
-    """Launch ``kernel``: the autotuned one, or (tests) the bare jit function with BLOCK_N / BLOCK_K in meta."""
+    """Launch ``kernel`` with BLOCK_N, BLOCK_K (and optionally num_stages / num_warps) in ``meta``."""
     g = len(weights)
     pad = MAX_WEIGHTS - g
     sizes = [w.shape[0] for w in weights] + [0] * pad

@@ -73,28 +73,29 @@ def supported(r: int, dr: int) -> bool:
 def _mla_combine_kernel(O, LSE, Y, S, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_yb, stride_yh,
                         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
     """y[b, h, cols] = sum_s w_s o[b, s, h, cols] / sum_s w_s, w_s = 2^(lse[b, s, h] - max_s lse): the softmax
-    over all rows, put together from the splits' (all -inf: an empty sequence, 0)."""
+    over all rows, put together from the splits' (all -inf: an empty sequence, 0). One pass over the splits,
+    BLOCK_S at a time, each block's log-sum-exps and outputs loaded together, the running sums rescaled to the
+    running maximum (online softmax): at most 32 splits are one round of loads."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     lse_base = LSE + b * stride_lb + h
-    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        m = tl.maximum(m, tl.load(lse_base + ss * stride_ls, mask=ss < S, other=float("-inf")))
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty: every weight below is 0
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)  # fp32 scalars, carried by the loop
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    den = tl.zeros([BLOCK_S], tl.float32)
     for s0 in range(0, S, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
-        w = tl.exp2(tl.load(lse_base + ss * stride_ls, mask=ss < S, other=float("-inf")) - m_max)  # [BLOCK_S]
+        lse = tl.load(lse_base + ss * stride_ls, mask=ss < S, other=float("-inf"))  # [BLOCK_S]
         o = tl.load(O + b * stride_ob + ss[:, None] * stride_os + h * stride_oh + cols[None, :],
                     mask=(ss < S)[:, None], other=0.0)  # [BLOCK_S, BLOCK_R]
-        acc += tl.sum(w[:, None] * o, 0)
-        den += w
-    total = tl.sum(den, 0)
-    y = acc / tl.where(total > 0, total, 1.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no row yet: every weight is 0
+        alpha = tl.exp2(m - ref)
+        w = tl.exp2(lse - ref)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        den = den * alpha + tl.sum(w, 0)
+        m = m_new
+    y = acc / tl.where(den > 0, den, 1.0)
     tl.store(Y + b * stride_yb + h * stride_yh + cols, y.to(Y.dtype.element_ty))
 
 
@@ -104,7 +105,8 @@ def _launch(q: Tensor, kv: Tensor, slots: Tensor, lengths: Tensor, scale: float,
     """Run the two kernels: the splits' outputs o [B, splits, H, R] and log2-sum-exps lse [B, splits, H] (fp32),
     then their merge -> [B, H, R] in q.dtype. A custom op: a compiled decode step keeps it inside its graph. The
     merge was a torch epilogue that inductor compiled to a 42 us reduction per layer at B=64 / 32K on an H200
-    (17 splits, 36 MB of partial outputs, benchmarks/results/profile_decode.txt)."""
+    (17 splits, 36 MB of partial outputs, benchmarks/results/profile_decode.txt), then a two-pass Triton merge of
+    28 us (1.3 TB/s; benchmarks/results/profile_decode_sequence.txt)."""
     B, H = q.shape[:2]
     o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q.device, dtype=torch.float32)
@@ -113,10 +115,11 @@ def _launch(q: Tensor, kv: Tensor, slots: Tensor, lengths: Tensor, scale: float,
         kv.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
         R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages, num_warps=num_warps)
     y = torch.empty(B, H, R, device=q.device, dtype=q.dtype)
-    block_r = min(R, 128)
+    block_s = min(32, triton.next_power_of_2(splits))
+    block_r = min(R, 4096 // block_s)  # [BLOCK_S, BLOCK_R] outputs in flight per program
     _mla_combine_kernel[(B, H, R // block_r)](o, lse, y, splits, o.stride(0), o.stride(1), o.stride(2),
                                               lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
-                                              BLOCK_S=min(16, triton.next_power_of_2(splits)), BLOCK_R=block_r)
+                                              BLOCK_S=block_s, BLOCK_R=block_r)
     return y
 
 
