@@ -139,7 +139,8 @@ COMPILED_CASES = {(1, 4096), (64, 32768), (16, 131072)}  # also compiled (both m
 
 
 KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input maps", "K3_MOE_ROUTE": "MoE routing",
-                   "K3_MOE_UP_GLU": "experts' up-projection and GLU"}  # the decode kernels each variable turns off
+                   "K3_MOE_UP_GLU": "experts' up-projection and GLU", "K3_CONV_STEP": "short-conv steps",
+                   "K3_KDA_DECODE": "KDA core"}  # the decode kernels, each turned off by VAR=torch
 
 
 def modes(batch: int, context: int, full: bool) -> tuple[str, ...]:

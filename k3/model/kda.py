@@ -23,8 +23,9 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.cache import KDAState
 from k3.model.norm import GatedRMSNorm
-from k3.ops.conv import causal_conv1d, causal_conv1d_step
-from k3.ops.kda import chunk_kda_raw, kda_decode_step, kda_gate, l2norm, recurrent_kda
+from k3.ops.conv import causal_conv1d, causal_conv1d_steps
+from k3.ops.kda import (chunk_kda_raw, decode_core_kernel, kda_decode_core, kda_decode_step, kda_gate, l2norm,
+                        recurrent_kda)
 from k3.ops.linear import multi_linear
 from k3.ops.dtypes import upcast
 
@@ -127,7 +128,9 @@ class KimiDeltaAttention(nn.Module):
 
     def step(self, x: Tensor, state: KDAState, slots: Tensor) -> Tensor:
         """Decode: x [N, d], one new token for each cached sequence ``slots[i]`` -> [N, d]. Conv and recurrent
-        states are updated in place and nothing is read back to the host (CUDA-graph safe)."""
+        states are updated in place and nothing is read back to the host (CUDA-graph safe). On a GPU: the six input
+        maps, the three short convs and the rest of the core (gates, recurrence, gated norm) one Triton launch each
+        where chosen (k3.ops.linear, k3.ops.conv, k3.ops.kda.decode_core_kernel), then o_proj."""
         n, h, dk, dv = x.shape[0], self.num_heads, self.head_dim, self.v_head_dim
         full_gate = hasattr(self, "g_proj")
         gate_in = self.g_proj if full_gate else self.g_a_proj
@@ -135,8 +138,16 @@ class KimiDeltaAttention(nn.Module):
         *qkv, f_a, b, g = multi_linear(x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
                                                              self.b_proj, gate_in)])
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        q, k, v = (causal_conv1d_step(y, conv.weight[:, 0], state=state.conv[i], slots=slots, activation="silu")
-                   for i, (y, conv) in enumerate(zip(qkv, convs)))
+        q, k, v = causal_conv1d_steps(qkv, [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots,
+                                      activation="silu")  # one Triton launch where chosen
+        gate_maps = [] if full_gate else [self.g_b_proj.weight]
+        params = [self.f_b_proj.weight, *gate_maps, self.A_log, self.dt_bias, self.o_norm.weight]
+        if decode_core_kernel(x, state.recurrent, params) == "triton":  # the rest in one launch
+            y = kda_decode_core(q, k, v, f_a, self.f_b_proj.weight, b, g, gate_maps[0] if gate_maps else None,
+                                self.A_log, self.dt_bias, self.o_norm.weight, state.recurrent, slots,
+                                self.lower_bound, self.l2norm_eps, self.o_norm.eps,
+                                self.o_norm.out_dtype(v) or self.o_proj.weight.dtype)
+            return self.o_proj(y)
         o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv), self.f_b_proj(f_a).view(n, h, dk),
                             b, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                             state=state.recurrent, slots=slots, l2norm_eps=self.l2norm_eps)

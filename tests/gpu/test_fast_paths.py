@@ -394,23 +394,24 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["default", "torch_forms"])
 def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
-    """The decode step's Triton launches (fla's KDA step, the split-K MLA decode, the small-groups expert matmul
-    and, unless turned off, the router's top-k, the KDA layer's six input maps in one launch, the MoE routing
-    program and the experts' fused up-projection and GLU) are custom ops, so
+    """The decode step's Triton launches (the split-K MLA decode, the small-groups expert matmul and, unless turned
+    off, the router's top-k, the KDA layer's six input maps in one launch, the MoE routing program, the experts'
+    fused up-projection and GLU, the three short-conv steps in one launch and the KDA core in one launch, else
+    fla's KDA step) are custom ops, so
     torch.compile traces the whole step as one graph with all of them inside (a torch.compiler.disable'd launch
     cut it at every KDA, MLA and MoE layer). Checked the way an engine compiles it: GraphedDecoder(compile=True)
     from cold backend caches (its eager warm-up resolves every op first; a first resolution inside the trace logs,
     which cuts the graph for good), then the ops named in the traced graph."""
     from torch._dynamo.utils import counters
 
-    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE", "K3_MOE_UP_GLU"):
+    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE", "K3_MOE_UP_GLU", "K3_CONV_STEP", "K3_KDA_DECODE"):
         if kernels:
             monkeypatch.delenv(var, raising=False)  # the default: the kernel
         else:
             monkeypatch.setenv(var, "torch")
 
     from k3.infer.graphs import GraphedDecoder
-    from k3.ops import backend, linear, router
+    from k3.ops import backend, conv, kda, linear, router
     from k3.ops.moe import grouped
 
     model = _decode_model(seed=9)
@@ -425,6 +426,8 @@ def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
                 op.logged.clear()
             monkeypatch.setattr(router, "_logged", set())
             monkeypatch.setattr(linear, "_logged", set())
+            monkeypatch.setattr(conv, "_steps_logged", set())
+            monkeypatch.setattr(kda, "_core_logged", set())
             monkeypatch.setattr(grouped, "_route_logged", set())
             monkeypatch.setattr(grouped, "_glu_logged", set())
             torch._dynamo.reset()
@@ -438,8 +441,9 @@ def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
     assert not breaks, [reason[:200] for reason in breaks]
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
-    ops = ("k3.kda_decode_launch", "k3.mla_decode", "k3.small_groups_mm") + (
-        ("k3.router_topk", "k3.multi_linear", "k3.moe_route", "k3.small_groups_glu") if kernels else ())
+    ops = ("k3.mla_decode", "k3.small_groups_mm") + (
+        ("k3.router_topk", "k3.multi_linear", "k3.moe_route", "k3.small_groups_glu", "k3.conv_steps",
+         "k3.kda_decode_core") if kernels else ("k3.kda_decode_launch",))
     for op in ops:
         assert op in code, op
 

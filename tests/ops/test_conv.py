@@ -2,6 +2,9 @@
 outputs of each segment recomputed; the default path), each against a plain fp64 per-token loop and the
 segment-by-segment runs."""
 
+import logging
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,3 +222,93 @@ def test_flat_boundary_cache_follows_the_offsets_and_inf_stays_in_its_document()
     x[0, 1] = float("inf")  # the last token of the first document
     y = flat_conv(x, weight, cu_seqlens=cu)[0]
     assert torch.isfinite(y[0, 2:]).all()
+
+
+CONV_STEPS = textwrap.dedent("""
+    import torch
+    from torch._dynamo.utils import counters
+    from k3.ops import conv
+    from k3.ops.conv import reference, triton_step
+    from k3.ops.moe import grouped
+
+    torch.manual_seed(0)
+    N, S = 5, 7
+    slots = torch.tensor([6, 0, 3, 2, 5])
+    for width, dtype, state_dtype, silu, sizes in [(4, torch.float32, torch.float32, True, (96, 300, 64)),
+                                                   (4, torch.float16, torch.float16, False, (256, 256, 40)),
+                                                   (3, torch.float32, torch.float16, True, (8, 513, 17)),
+                                                   (2, torch.float16, torch.float32, True, (33, 1, 260))]:
+        xs = [torch.randn(N, 2 * c).to(dtype)[:, ::2] if c == 96 else torch.randn(N, c).to(dtype) for c in sizes]
+        ws = [torch.randn(c, width) for c in sizes]  # fp32 weights, as a bf16 model's are not: both run
+        states = [torch.randn(S, c, width - 1).to(state_dtype) for c in sizes]
+        got_states = [s.clone() for s in states]
+        got = triton_step.conv_steps(*xs, *ws, *got_states, slots, silu)
+        for i in range(3):
+            want_state = states[i].clone()
+            want = reference.causal_conv1d_step(xs[i], ws[i], state=want_state, slots=slots,
+                                                activation="silu" if silu else None)
+            assert got[i].dtype == xs[i].dtype and got[i].shape == want.shape
+            err = ((got[i].float() - want.float()).norm() / want.float().norm()).item()
+            assert err <= (1e-6 if dtype == torch.float32 else 1e-3), (width, dtype, i, err)  # fp16: output rounding
+            assert torch.equal(got_states[i], want_state), (width, i)  # the shift and the new input, exactly
+    args = (*xs, *ws, *[s.clone() for s in states], slots, True)
+    checks = torch.library.opcheck(torch.ops.k3.conv_steps.default, args)
+    assert all(v == "SUCCESS" for v in checks.values()), checks
+    grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
+    fast = lambda xs, sts: conv._steps_fast(xs, ws, states=sts, slots=slots, activation="silu")  # noqa: E731
+    with torch.no_grad():
+        a = [s.clone() for s in states]
+        want = triton_step.conv_steps(*xs, *ws, *a, slots, True)
+        b = [s.clone() for s in states]
+        assert all(torch.equal(x, y) for x, y in zip(fast(xs, b), want)) and all(map(torch.equal, a, b))
+        c = [s.clone() for s in states]
+        counters.clear()
+        explained = torch._dynamo.explain(fast)(xs, c)
+    assert explained.graph_break_count == 0 and not counters["graph_break"], explained.break_reasons
+    assert "k3.conv_steps" in "\\n".join(g.code for g in explained.graphs)
+    print("ok")
+""")
+
+
+def test_conv_steps_kernel_in_triton_interpreter(triton_interpreter):
+    """The three short-conv decode steps in one launch (k3.ops.conv.triton_step) against the reference's step, in
+    Triton's interpreter: fp32 outputs within 1e-6 (sums in another order), fp16 within 1e-3 (the output's rounding,
+    2^-11); the shifted state rows equal exactly; widths 2-4, strided inputs, channel counts off the block size; the
+    custom op's schema and fake function (opcheck); the fast backend's function runs it with no graph break."""
+    triton_interpreter(CONV_STEPS)
+
+
+def test_fast_steps_run_the_kernel_only_without_gradients(monkeypatch, caplog):
+    from k3.ops import conv
+    from tests.ops.kernel_switch import check_kernel_switch
+
+    xs = [torch.zeros(2, 8) for _ in range(3)]
+    ws = [torch.zeros(8, 4, requires_grad=True) for _ in range(3)]
+    check_kernel_switch(monkeypatch, "K3_CONV_STEP", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], None,
+                                                                                 "silu"))
+    monkeypatch.setattr(conv, "_steps_logged", set())
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        assert conv.steps_kernel(xs, ws, None, "silu") == "torch"
+        with torch.no_grad():
+            assert conv.steps_kernel(xs, ws, None, "silu") == "triton"
+            assert conv.steps_kernel(xs, ws, None, None) == "triton"
+            assert conv.steps_kernel(xs[:2], ws[:2], None, "silu") == "torch"
+    assert [r.getMessage() for r in caplog.records] == [
+        "causal_conv1d_steps: three torch steps (reference): a gradient is needed",
+        "causal_conv1d_steps: one Triton launch (k3.ops.conv.triton_step)",
+        "causal_conv1d_steps: three torch steps (reference): the kernel takes three inputs and activation silu or None"]
+
+
+def test_steps_equal_three_single_steps():
+    from k3.ops import conv
+    from k3.ops.conv.reference import causal_conv1d_step
+
+    torch.manual_seed(1)
+    xs = [torch.randn(3, c) for c in (16, 16, 24)]
+    ws = [torch.randn(c, 4) for c in (16, 16, 24)]
+    pools = [torch.randn(5, c, 3) for c in (16, 16, 24)]
+    slots = torch.tensor([4, 1, 2])
+    mine = [p.clone() for p in pools]
+    got = conv.causal_conv1d_steps(xs, ws, states=mine, slots=slots)
+    for x, w, p, m, y in zip(xs, ws, pools, mine, got):
+        assert torch.equal(y, causal_conv1d_step(x, w, state=p, slots=slots)) and torch.equal(m, p)

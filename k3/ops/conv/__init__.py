@@ -1,7 +1,12 @@
 """Causal depthwise short convolution with state. ``causal_conv1d(x [B,T,C], weight [C,W], ...) -> (y, state)``;
-``causal_conv1d_step`` for one decode token per sequence (state pool updated in place)."""
+``causal_conv1d_step`` for one decode token per sequence (state pool updated in place), and
+``causal_conv1d_steps`` for a KDA layer's three (q, k, v) at once: on the fast backend one Triton launch
+(k3.ops.conv.triton_step) for calls that need no gradient, where Triton is usable (``K3_CONV_STEP=torch``: never);
+the reference's three steps otherwise. Each choice is logged once, with the reason when it is torch."""
 
 import logging
+
+import torch
 
 from k3.ops import backend
 from k3.ops.conv import fla as _fla
@@ -36,4 +41,48 @@ def causal_conv1d(x, weight, *, initial_state=None, output_final_state=False, cu
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, activation=activation)
 
 
-__all__ = ["causal_conv1d", "causal_conv1d_step"]
+def causal_conv1d_steps(xs, weights, *, states, slots, activation="silu"):
+    """:func:`causal_conv1d_step` of three inputs: xs, weights, states lists of 3 ([N, C_i], [C_i, W],
+    [S, C_i, W-1]) -> [y_i [N, C_i]], each state pool updated in place."""
+    return backend.dispatch("causal_conv1d_steps", xs[0].device, xs, weights, states=states, slots=slots,
+                            activation=activation)
+
+
+def _steps_reference(xs, weights, *, states, slots, activation="silu"):
+    return [causal_conv1d_step(x, w, state=s, slots=slots, activation=activation)
+            for x, w, s in zip(xs, weights, states, strict=True)]
+
+
+_steps_logged: set[str] = set()
+
+
+def steps_kernel(xs, weights, states, activation) -> str:
+    """'triton' when Triton is usable, K3_CONV_STEP is not torch, no gradient is needed, there are three inputs
+    with activation silu or None; else 'torch' (:func:`k3.ops.backend.triton_or_torch`, logged once each)."""
+    from k3.ops.moe import grouped
+
+    def why_not() -> str:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [*xs, *weights]):
+            return "a gradient is needed"
+        if len(xs) != 3 or activation not in ("silu", None):
+            return "the kernel takes three inputs and activation silu or None"
+        return ""
+
+    return backend.triton_or_torch("K3_CONV_STEP", "causal_conv1d_steps:", why_not,
+                                   ("one Triton launch (k3.ops.conv.triton_step)", "three torch steps (reference)"),
+                                   grouped._have_triton, _steps_logged)
+
+
+def _steps_fast(xs, weights, *, states, slots, activation="silu"):
+    if steps_kernel(xs, weights, states, activation) == "triton":
+        from k3.ops.conv.triton_step import conv_steps  # Triton: imported on use (GPUs only)
+
+        return list(conv_steps(*xs, *weights, *states, slots, activation == "silu"))
+    return _steps_reference(xs, weights, states=states, slots=slots, activation=activation)
+
+
+backend.register("causal_conv1d_steps", "reference", _steps_reference, label="three torch steps")
+backend.register("causal_conv1d_steps", "fast", _steps_fast, lambda d: d.type == "cuda",
+                 label="one Triton launch where no gradient is needed (K3_CONV_STEP=torch: never), else torch")
+
+__all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_steps"]

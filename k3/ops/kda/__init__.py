@@ -4,7 +4,13 @@
 ``recurrent_kda`` (decode) return ``(o, final_state)``;
 ``kda_gate`` turns the raw forget projection into the log-space decay g; ``kda_decode_step`` runs one decode
 token per sequence from the raw projections, updating a state pool in place (CUDA-graph safe).
+``decode_core_kernel`` says whether a KDA layer's decode step runs its whole core (the forget gate's second map,
+the recurrence, the output gate's second map and the gated norm) as one Triton launch (k3.ops.kda.triton_decode,
+``kda_decode_core``): where ``kda_decode_step`` runs its fast backend, Triton is usable and no gradient is needed
+(``K3_KDA_DECODE=torch``: never); the layer composes the ops above otherwise. Logged once per choice.
 """
+
+import torch
 
 from k3.ops import backend
 from k3.ops.kda.reference import chunk_kda as chunk_kda_reference
@@ -50,10 +56,48 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
+CORE_MAX_DIM = 128  # the one-launch core holds a head's [K, V] state in one program
+_core_logged: set[str] = set()
+
+
+def core_dims_supported(head_dim: int, v_head_dim: int) -> bool:
+    """Whether the one-launch core takes these head widths: powers of two, 16..CORE_MAX_DIM."""
+    return all(16 <= d <= CORE_MAX_DIM and not d & (d - 1) for d in (head_dim, v_head_dim))
+
+
+def decode_core_kernel(x: torch.Tensor, state: torch.Tensor, params: list[torch.Tensor]) -> str:
+    """'triton' or 'torch' for a KDA decode step on input x [N, d] with this state pool [S, H, K, V] and the
+    layer's parameters (see the module docstring; :func:`k3.ops.backend.triton_or_torch`)."""
+    from k3.ops.moe import grouped
+
+    def why_not() -> str:
+        if backend.resolve("kda_decode_step", x.device)[0] != "fast":
+            return "kda_decode_step runs its reference"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *params]):
+            return "a gradient is needed"
+        if not core_dims_supported(*state.shape[2:]):
+            return f"head widths {tuple(state.shape[2:])} (the kernel takes powers of two, 16..{CORE_MAX_DIM})"
+        return ""
+
+    return backend.triton_or_torch("K3_KDA_DECODE", "kda decode step:", why_not,
+                                   ("one Triton launch for its gates, recurrence and output norm "
+                                    "(k3.ops.kda.triton_decode)", "f_b_proj, kda_decode_step, g_b_proj, the gated "
+                                    "norm"), grouped._have_triton, _core_logged)
+
+
+def kda_decode_core(*args):
+    """The one-launch core, :func:`k3.ops.kda.triton_decode.kda_decode_core` (its arguments); only where
+    :func:`decode_core_kernel` says 'triton' (Triton is imported here, on use)."""
+    from k3.ops.kda.triton_decode import kda_decode_core as launch
+
+    return launch(*args)
+
+
 def kda_decode_step(q, k, v, f, b, *, A_log, dt_bias, lower_bound, state, slots, l2norm_eps=1e-6, scale=None):
     """See :func:`k3.ops.kda.reference.kda_decode_step` (in-place state update, no host reads)."""
     return backend.dispatch("kda_decode_step", q.device, q, k, v, f, b, A_log=A_log, dt_bias=dt_bias,
                             lower_bound=lower_bound, state=state, slots=slots, l2norm_eps=l2norm_eps, scale=scale)
 
 
-__all__ = ["chunk_kda", "chunk_kda_raw", "recurrent_kda", "kda_decode_step", "kda_gate", "l2norm"]
+__all__ = ["chunk_kda", "chunk_kda_raw", "recurrent_kda", "kda_decode_step", "kda_gate", "l2norm", "decode_core_kernel",
+           "kda_decode_core"]

@@ -1,0 +1,56 @@
+"""A KDA layer's decode core in one Triton launch (k3.ops.kda.triton_decode) on a CUDA GPU (``pytest -m gpu``),
+against the same equations composed of the reference ops in float64, at the decode benchmark's shape (64 tokens,
+16 heads of 64, low-rank gates of rank 64, Kimi Linear's softplus gate) and a K3-like one (heads of 128, the
+bounded gate, the full-rank output gate). bf16 inputs (exact in float64); the output within 8e-3 relative (its bf16
+rounding, 2^-8, summed over a row), the fp32 state within 1e-5 (fp32 sums in other orders; the GPU's fast exp)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.model.norm import gated_rms_norm
+from k3.ops.kda import reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEV = "cuda"
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("H,K,V,RF,RG,bound", [(16, 64, 64, 64, 64, None), (8, 128, 128, 128, 0, -5.0)],
+                         ids=["kimi-linear", "k3-like"])
+def test_kda_decode_core_matches_the_float64_composition(H, K, V, RF, RG, bound):
+    from k3.ops.kda.triton_decode import kda_decode_core
+
+    g = torch.Generator(device=DEV).manual_seed(H)
+    N, S = 64, 80
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEV, generator=g) * scale).bfloat16()
+
+    q, k, v, b = rand(N, H * K), rand(N, H * K), rand(N, H * V), rand(N, H)
+    f_a, w_fb = rand(N, RF), rand(H * K, RF, scale=RF ** -0.5)
+    gate_in = rand(N, RG or H * V)
+    w_gb = rand(H * V, RG, scale=RG ** -0.5) if RG else None
+    A_log = torch.rand(H, device=DEV, generator=g).log1p()
+    dt_bias = torch.randn(H * K, device=DEV, generator=g) * 0.5
+    norm_w = torch.rand(V, device=DEV, generator=g) + 0.5
+    pool = torch.randn(S, H, K, V, device=DEV, generator=g) * 0.3
+    slots = torch.randperm(S, device=DEV, generator=g)[:N]
+    mine = pool.clone()
+    y = kda_decode_core(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, mine, slots, bound, 1e-6,
+                        1e-5, torch.bfloat16)
+    want_pool = pool.double()
+    f = F.linear(f_a.double(), w_fb.double())
+    o = reference.kda_decode_step(q.double().view(N, H, K), k.double().view(N, H, K), v.double().view(N, H, V),
+                                  f.view(N, H, K), b.double(), A_log=A_log.double(), dt_bias=dt_bias.double(),
+                                  lower_bound=bound, state=want_pool, slots=slots)
+    gate = gate_in.double() if w_gb is None else F.linear(gate_in.double(), w_gb.double())
+    want = gated_rms_norm(o, gate.view(N, H, V), norm_w.double(), 1e-5).reshape(N, H * V)
+    assert y.dtype == torch.bfloat16 and _rel(y, want) <= 8e-3
+    assert _rel(mine[slots], want_pool[slots]) <= 1e-5
+    rest = torch.ones(S, dtype=torch.bool, device=DEV)
+    rest[slots] = False
+    assert torch.equal(mine[rest], pool[rest])
