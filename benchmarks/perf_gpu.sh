@@ -12,9 +12,9 @@
 # kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest
 # split it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
 # transformers peer), decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac, profile_decode,
-# ab_kernels_a / ab_kernels_b (each of the four decode kernels off alone), profile_attn_res, kernels (full),
-# moe_decode, decode_grouped_mm, tune_mla and profile_kernels on request, each under its own limit below (one call
-# runs at most 10 minutes)
+# ab_kernels_a / ab_kernels_b (each of the decode kernels off alone), profile_attn_res, kernels (full),
+# moe_decode, decode_grouped_mm, tune_mla, multi_linear and profile_kernels on request, each under its own limit
+# below (one call runs at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -30,8 +30,8 @@ step() {  # name, seconds, command...
 }
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
-TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear or moe_route or fused_up_glu}  # tests_k: the GPU tests of a change
-OFF=K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch  # the four decode kernels off
+TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear or moe_route or fused_up_glu or conv_step or kda_decode_core}  # tests_k: the GPU tests of a change
+OFF=K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch,K3_CONV_STEP=torch,K3_KDA_DECODE=torch  # the decode kernels off
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"
@@ -47,7 +47,7 @@ step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
 step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
-  --env $OFF  # every kernel; the four decode kernels on (the default) and off
+  --env $OFF  # every kernel; the decode kernels on (the default) and off
 step ab_kernels_a 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
   --env K3_ROUTER_TOPK=torch --env K3_MULTI_LINEAR=torch  # each decode kernel off alone vs the default, one process
 step ab_kernels_b 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
@@ -58,6 +58,7 @@ step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 
 step moe_decode 150 python benchmarks/moe_decode_mm.py  # grouped_mm vs the Triton small-groups kernel
 step decode_grouped_mm 260 env K3_MOE_SMALL_GROUPS=grouped_mm python -m k3 bench decode --quick --out "$LOGS/grouped_mm"
 step tune_mla 90 python benchmarks/tune_mla_decode.py
+step multi_linear 200 python benchmarks/multi_linear_configs.py --batches 64  # the input maps' launch configurations
 step profile_kernels 120 python benchmarks/profile_kernels.py
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"
 if [ -n "${TRITON_CACHE_DIR:-}" ]; then
