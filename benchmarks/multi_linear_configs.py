@@ -56,8 +56,7 @@ def main() -> None:
             for bn, bk, st, wp in itertools.product((16, 32, 64), (128, 256), (3, 4), (2, 4, 8)):
                 forms[f"BN={bn} BK={bk} stages={st} warps={wp}"] = (
                     lambda bn=bn, bk=bk, st=st, wp=wp: [triton_multi._run(
-                        triton_multi._multi_linear_kernel, x, ws, ys, bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=st,
-                        num_warps=wp) for ws in weights])
+                        x, ws, ys, bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=wp) for ws in weights])
             results = []
             for form, fn in forms.items():
                 try:

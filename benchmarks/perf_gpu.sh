@@ -12,7 +12,7 @@
 # kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest
 # split it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
 # transformers peer), decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac, profile_decode,
-# ab_kernels_a / ab_kernels_b (each of the decode kernels off alone), profile_attn_res, kernels (full),
+# ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), profile_attn_res, kernels (full),
 # moe_decode, decode_grouped_mm, tune_mla, multi_linear and profile_kernels on request, each under its own limit
 # below (one call runs at most 10 minutes)
 set -u

@@ -3,7 +3,7 @@ filled with random latents and states), timed replayed from a CUDA graph and pro
 
     python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]
         [--sequence] [--inductor assert_indirect_indexing=True]
-        [--env K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch,K3_CONV_STEP=torch]]
+        [--env K3_KDA_DECODE=torch,K3_CONV_STEP=torch ...]]   (perf_gpu.sh's $OFF: every decode kernel off)
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -64,8 +64,8 @@ def main() -> None:
                    "over GraphedDecoder's, an A/B in one process; repeatable")
     p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="with --compiled: the compiled step again with these environment variables set (e.g. "
-                   "K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch), an A/B "
-                   "in one process; repeatable")
+                   "K3_KDA_DECODE=torch,K3_CONV_STEP=torch: two decode kernels off), an A/B in one process; "
+                   "repeatable")
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()

@@ -141,8 +141,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = causal_conv1d_steps(qkv, [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots,
                                       activation="silu")  # one Triton launch where chosen
         gate_maps = [] if full_gate else [self.g_b_proj.weight]
-        params = [self.f_b_proj.weight, *gate_maps, self.A_log, self.dt_bias, self.o_norm.weight]
-        if decode_core_kernel(x, state.recurrent, params) == "triton":  # the rest in one launch
+        inputs = [q, k, v, f_a, b, g, self.f_b_proj.weight, *gate_maps, self.A_log, self.dt_bias, self.o_norm.weight]
+        if decode_core_kernel(x, state.recurrent, inputs) == "triton":  # the rest in one launch
             y = kda_decode_core(q, k, v, f_a, self.f_b_proj.weight, b, g, gate_maps[0] if gate_maps else None,
                                 self.A_log, self.dt_bias, self.o_norm.weight, state.recurrent, slots,
                                 self.lower_bound, self.l2norm_eps, self.o_norm.eps,

@@ -342,8 +342,8 @@ def test_fla_decode_step_matches_reference(lower_bound, eps):
 
 
 def _decode_model(seed: int):
-    """A tiny bf16 model whose decode step runs every Triton kernel: fla's KDA step (8 heads x 128), the MLA
-    decode (r=64, dr=16) and the small-groups experts."""
+    """A tiny bf16 model whose decode step runs every Triton kernel: the KDA decode core (8 heads x 128; fla's KDA
+    step with K3_KDA_DECODE=torch), the MLA decode (r=64, dr=16) and the small-groups experts."""
     from k3.model.decoder import K3ForCausalLM
 
     torch.manual_seed(seed)

@@ -284,19 +284,25 @@ def test_fast_steps_run_the_kernel_only_without_gradients(monkeypatch, caplog):
 
     xs = [torch.zeros(2, 8) for _ in range(3)]
     ws = [torch.zeros(8, 4, requires_grad=True) for _ in range(3)]
-    check_kernel_switch(monkeypatch, "K3_CONV_STEP", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], None,
+    pools = [torch.zeros(5, 8, 3) for _ in range(3)]
+    check_kernel_switch(monkeypatch, "K3_CONV_STEP", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], pools,
                                                                                  "silu"))
     monkeypatch.setattr(conv, "_steps_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
-        assert conv.steps_kernel(xs, ws, None, "silu") == "torch"
+        assert conv.steps_kernel(xs, ws, pools, "silu") == "torch"
         with torch.no_grad():
-            assert conv.steps_kernel(xs, ws, None, "silu") == "triton"
-            assert conv.steps_kernel(xs, ws, None, None) == "triton"
-            assert conv.steps_kernel(xs[:2], ws[:2], None, "silu") == "torch"
+            assert conv.steps_kernel(xs, ws, pools, "silu") == "triton"
+            assert conv.steps_kernel(xs, ws, pools, None) == "triton"
+            assert conv.steps_kernel(xs[:2], ws[:2], pools[:2], "silu") == "torch"
+            assert conv.steps_kernel([x.double() for x in xs], ws, pools, "silu") == "torch"
+            assert conv.steps_kernel(xs, ws, [p.transpose(1, 2) for p in pools], "silu") == "torch"
     assert [r.getMessage() for r in caplog.records] == [
         "causal_conv1d_steps: three torch steps (reference): a gradient is needed",
         "causal_conv1d_steps: one Triton launch (k3.ops.conv.triton_step)",
-        "causal_conv1d_steps: three torch steps (reference): the kernel takes three inputs and activation silu or None"]
+        "causal_conv1d_steps: three torch steps (reference): the kernel takes three inputs and activation silu or None",
+        "causal_conv1d_steps: three torch steps (reference): fp64 inputs (the kernel computes in fp32)",
+        "causal_conv1d_steps: three torch steps (reference): the kernel takes contiguous state pools and widths of at "
+        "least 2"]
 
 
 def test_steps_equal_three_single_steps():

@@ -116,6 +116,7 @@ def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch
         with torch.no_grad():
             assert kda.decode_core_kernel(x, state, params) == "triton"
             assert kda.decode_core_kernel(x, torch.zeros(4, 2, 256, 32), params) == "torch"
+            assert kda.decode_core_kernel(x, state.double(), params) == "torch"
             backend.set_backend("reference")
             try:
                 assert kda.decode_core_kernel(x, state, params) == "torch"
@@ -126,4 +127,6 @@ def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch
         "kda decode step: one Triton launch for its gates, recurrence and output norm (k3.ops.kda.triton_decode)",
         "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: head widths (256, 32) (the kernel "
         "takes powers of two, 16..128)",
+        "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: fp64 inputs (the kernel computes in "
+        "fp32)",
         "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: kda_decode_step runs its reference"]

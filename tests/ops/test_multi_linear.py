@@ -91,6 +91,7 @@ INTERPRETED = textwrap.dedent("""
     from k3.ops.moe import grouped
     from k3.ops import linear
     from k3.ops.linear import reference, triton_multi as tm
+    from triton.runtime.errors import OutOfResources
 
     def rel(a, b):
         return ((a.float() - b).norm() / b.norm()).item()
@@ -104,7 +105,7 @@ INTERPRETED = textwrap.dedent("""
         x = torch.randn(m, k).half()
         ws = [torch.randn(n, k).half() for n in sizes]
         ys = [torch.full((m, n), float("nan")).half() for n in sizes]
-        tm._run(tm._multi_linear_kernel, x, ws, ys, tm.block_m(m), BLOCK_N=32, BLOCK_K=32)  # several blocks
+        tm._run(x, ws, ys, tm.block_m(m), BLOCK_N=32, BLOCK_K=32)  # several blocks
         for y, want in zip(ys, reference.multi_linear(x.float(), [w.float() for w in ws])):
             assert y.shape == want.shape and not y.isnan().any(), (m, sizes)
             assert want.numel() == 0 or rel(y, want) <= 2e-3, (m, sizes, rel(y, want))
@@ -113,6 +114,20 @@ INTERPRETED = textwrap.dedent("""
     x = torch.randn(7, 64).half()[:, ::2]  # a strided input
     ws = [torch.randn(n, 32).half() for n in (20, 12)]
     got = tm.multi_linear(x, ws)
+    assert all(rel(y, want) <= 2e-3 for y, want in zip(got, reference.multi_linear(x.float(), [w.float() for w in ws])))
+    # a GPU whose shared memory does not fit the rule's 4 stages: 2 stages, and one warning
+    run, launches = tm._run, []
+
+    def small_gpu(*args, **launch):
+        launches.append(launch["num_stages"])
+        if launch["num_stages"] > 2:
+            raise OutOfResources(98304, 65536, "shared memory")
+        run(*args, **launch)
+
+    tm._run = small_gpu
+    got = tm.multi_linear(x, ws)
+    tm._run = run
+    assert launches == [4, 2] and tm._fewer_stages
     assert all(rel(y, want) <= 2e-3 for y, want in zip(got, reference.multi_linear(x.float(), [w.float() for w in ws])))
     x, ws = torch.randn(4, 32).half(), [torch.randn(n, 32).half() for n in (24, 8, 16)]
     checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws))

@@ -58,7 +58,8 @@ _steps_logged: set[str] = set()
 
 def steps_kernel(xs, weights, states, activation) -> str:
     """'triton' when Triton is usable, K3_CONV_STEP is not torch, no gradient is needed, there are three inputs
-    with activation silu or None; else 'torch' (:func:`k3.ops.backend.triton_or_torch`, logged once each)."""
+    with activation silu or None, none fp64, contiguous state pools and a width of at least 2; else 'torch'
+    (:func:`k3.ops.backend.triton_or_torch`, logged once each)."""
     from k3.ops.moe import grouped
 
     def why_not() -> str:
@@ -66,6 +67,10 @@ def steps_kernel(xs, weights, states, activation) -> str:
             return "a gradient is needed"
         if len(xs) != 3 or activation not in ("silu", None):
             return "the kernel takes three inputs and activation silu or None"
+        if any(t.dtype == torch.float64 for t in [*xs, *weights, *states]):
+            return "fp64 inputs (the kernel computes in fp32)"
+        if any(not s.is_contiguous() for s in states) or any(w.shape[-1] < 2 for w in weights):
+            return "the kernel takes contiguous state pools and widths of at least 2"
         return ""
 
     return backend.triton_or_torch("K3_CONV_STEP", "causal_conv1d_steps:", why_not,

@@ -41,9 +41,11 @@ def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: t
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(Y + n * C + cs, y.to(Y.dtype.element_ty), mask=cmask)
-    # the shifted row: tap j takes tap j + 1 (the new input at the end), stored over the old one
+    # the shifted row: tap j takes tap j + 1 (the new input at the end), stored over the old one once every thread
+    # of the program has loaded it (another thread may hold tap j + 1 of the same row)
     shifted = tl.where((js == WIDTH - 2)[None, :], x.to(St.dtype.element_ty)[:, None],
                        tl.load(s_row + js[None, :] + 1, mask=cmask[:, None] & (js < WIDTH - 2)[None, :], other=0.0))
+    tl.debug_barrier()
     tl.store(s_row + js[None, :], shifted, mask=cmask[:, None] & old[None, :])
 
 

@@ -65,16 +65,18 @@ def core_dims_supported(head_dim: int, v_head_dim: int) -> bool:
     return all(16 <= d <= CORE_MAX_DIM and not d & (d - 1) for d in (head_dim, v_head_dim))
 
 
-def decode_core_kernel(x: torch.Tensor, state: torch.Tensor, params: list[torch.Tensor]) -> str:
-    """'triton' or 'torch' for a KDA decode step on input x [N, d] with this state pool [S, H, K, V] and the
-    layer's parameters (see the module docstring; :func:`k3.ops.backend.triton_or_torch`)."""
+def decode_core_kernel(x: torch.Tensor, state: torch.Tensor, inputs: list[torch.Tensor]) -> str:
+    """'triton' or 'torch' for a KDA decode step on input x [N, d] with this state pool [S, H, K, V] and ``inputs``,
+    every tensor the kernel would read (see the module docstring; :func:`k3.ops.backend.triton_or_torch`)."""
     from k3.ops.moe import grouped
 
     def why_not() -> str:
         if backend.resolve("kda_decode_step", x.device)[0] != "fast":
             return "kda_decode_step runs its reference"
-        if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *params]):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *inputs]):
             return "a gradient is needed"
+        if any(t.dtype == torch.float64 for t in [state, *inputs]):
+            return "fp64 inputs (the kernel computes in fp32)"
         if not core_dims_supported(*state.shape[2:]):
             return f"head widths {tuple(state.shape[2:])} (the kernel takes powers of two, 16..{CORE_MAX_DIM})"
         return ""

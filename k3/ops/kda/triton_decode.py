@@ -9,13 +9,13 @@ For each token n and head h (q, k [K], v [V] of the head, the state S [K, V] of 
   gate  = W_gb[h] g_a  (low-rank output gate)   or the full-rank gate's row
   y     = o / rms(o) * w_norm * sigmoid(gate)                                           [V], in y's dtype
 
-the reference composition in k3.ops.kda (f_b_proj, kda_decode_step, g_b_proj, the gated RMSNorm) without the four
-kernels around the recurrence (two GEMVs, the inputs' casts, the norm) or the bf16 roundings between them: on an H200
-at B=64 those were ~23 us of kernels per KDA layer (fla's fused recurrent step ~14 us of it,
+the reference composition in k3.ops.kda (f_b_proj, kda_decode_step, g_b_proj, the gated RMSNorm) without the
+five kernels around the recurrence (two GEMVs, two casts of its inputs, the norm) or the bf16 roundings between
+them: on an H200 at B=64 those were ~23 us of kernels per KDA layer (fla's fused recurrent step ~14 us of it,
 benchmarks/results/profile_decode_sequence.txt). One program per (token, head) holds the head's whole state and value
 width (the norm needs all of V): K, V <= 128.
 
-Forward only, for no-grad calls (decode); k3.ops.kda.kda_decode_core picks it and logs which path runs.
+Forward only, for no-grad calls (decode); k3.ops.kda.decode_core_kernel picks it and logs which path runs.
 """
 
 from __future__ import annotations

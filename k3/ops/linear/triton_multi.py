@@ -5,26 +5,31 @@ once and multiplies it with x, BLOCK_M rows at a time (one pass at decode batch 
 programs in one launch, where torch launches one GEMV per weight. The program's weight is found by comparing its
 id with the running block counts (one ``if`` per weight slot, unused slots pruned at compile time).
 
-Launch: BLOCK_K = 128, 4 stages, 4 warps, and BLOCK_N = 32, or 16 where that leaves fewer than 64 programs (more
-programs in flight for small maps). The fastest configurations of benchmarks/multi_linear_configs.py on an H200 at 64
-rows (benchmarks/results/multi_linear_configs.md): 5.6 us for a KDA layer's six maps, 4.7 us for the shared experts'
-two. It replaced Triton's autotuner, re-run in every process, whose choices took 11.6-18.5 us per launch for the KDA
-maps inside compiled decode steps (5.6 us in the configurations' benchmark; 7.0-8.3 us in the step with this rule,
-benchmarks/results/profile_decode_sequence.txt).
+Launch: BLOCK_K = 128, 4 stages (2 on a GPU whose shared memory does not fit 4, logged), 4 warps, and BLOCK_N = 32,
+or 16 where that leaves fewer than 64 programs (more programs in flight for small maps): in
+benchmarks/multi_linear_configs.py on an H200 at 64 rows, 5.6 us for a KDA layer's six maps (the fastest
+configuration) and 4.7 us for the shared experts' two (the fastest, 4.5 us, takes BLOCK_K 256;
+benchmarks/results/multi_linear_configs.md). It replaced Triton's autotuner, re-run in every process, whose choices
+took 11.6-18.5 us per launch for the KDA maps inside compiled decode steps (5.6 us in the configurations' benchmark;
+7.0-8.3 us in the step with this rule, benchmarks/results/profile_decode_sequence.txt).
 
 Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it and logs which path runs.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from k3.ops.linear import MAX_WEIGHTS
 
 _SIZES = [f"N{i}" for i in range(MAX_WEIGHTS)]
+_fewer_stages: set[bool] = set()  # logged once: the rule's stages did not fit a GPU
 
 
 @triton.jit
@@ -96,8 +101,15 @@ def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     _check(x, weights)
     ys = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
     if x.shape[0] and any(w.shape[0] for w in weights):
-        _run(_multi_linear_kernel, x, [w.contiguous() for w in weights], ys, block_m(x.shape[0]),
-             **launch_config([w.shape[0] for w in weights]))
+        ws, config = [w.contiguous() for w in weights], launch_config([w.shape[0] for w in weights])
+        try:
+            _run(x, ws, ys, block_m(x.shape[0]), **config)
+        except OutOfResources:  # a GPU with less shared memory per block than the rule's 4 stages need (~96 KB)
+            if not _fewer_stages:
+                _fewer_stages.add(True)
+                logging.getLogger("k3.ops").warning("multi_linear: 4 stages do not fit this GPU's shared memory; "
+                                                    "launching with 2")
+            _run(x, ws, ys, block_m(x.shape[0]), **(config | {"num_stages": 2}))
     return ys
 
 
@@ -116,16 +128,14 @@ def _check(x: Tensor, weights: list[Tensor]) -> None:
                          "device) do not match")
 
 
-def _run(kernel, x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, **meta) -> None:
-    """Launch ``kernel`` with BLOCK_N, BLOCK_K (and optionally num_stages / num_warps) in ``meta``."""
+def _run(x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, BLOCK_N: int, BLOCK_K: int, **launch) -> None:
+    """Launch the kernel with these blocks (and optionally num_stages / num_warps in ``launch``)."""
     g = len(weights)
     pad = MAX_WEIGHTS - g
     sizes = [w.shape[0] for w in weights] + [0] * pad
     ws, outs = weights + [weights[0]] * pad, ys + [ys[0]] * pad  # unused slots: never read (G prunes them)
-
-    def grid(m):
-        return sum(triton.cdiv(n, m["BLOCK_N"]) for n in sizes),
-
     if x.stride(1) != 1:
         x = x.contiguous()
-    kernel[grid](x, *ws, *outs, *sizes, x.shape[0], x.stride(0), G=g, K=x.shape[1], BLOCK_M=bm, **meta)
+    grid = (sum(triton.cdiv(n, BLOCK_N) for n in sizes),)
+    _multi_linear_kernel[grid](x, *ws, *outs, *sizes, x.shape[0], x.stride(0), G=g, K=x.shape[1], BLOCK_M=bm,
+                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **launch)
