@@ -49,7 +49,9 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per token of token_ids
+    # with params.logprobs: those of the tokens whose text is now out (text held back for a possible stop string
+    # holds its tokens' entries too; tokens cut off by a stop string get none); a stop token's, last, when it ends
+    logprobs: list[TokenLogprob] | None = None
     stop_token: bool = False  # token_ids ends with a stop token (EOS / stop_token_ids), whose text is not returned
     # with params.prompt_logprobs, in a request's first output: None for the first prompt token, then one each
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -66,6 +68,8 @@ class _Sequence:
     fed: int = 0  # tokens already run through the model
     output: list[int] = field(default_factory=list)
     emitted: str = ""  # text already returned
+    ends: list[int] = field(default_factory=list)  # len(decode(output[:i + 1])) for each output token i
+    held: list[TokenLogprob] = field(default_factory=list)  # log-probabilities of output[-len(held):], not yet out
     cached_tokens: int = 0
     remembered: int = 0  # tokens already stored in the prefix cache
     image_features: torch.Tensor | None = None  # [M, d] encoded once at add(); M placeholders in the prompt
@@ -330,7 +334,7 @@ class Engine:
         p = seq.params
         reason = None
         stop_ids = set(p.stop_token_ids) | ({self.eos_id} if self.eos_id is not None and not p.ignore_eos else set())
-        text = self.tokenizer.decode(seq.output)
+        text = text_all = self.tokenizer.decode(seq.output)
         if token in stop_ids:
             reason = "stop"
             text = self.tokenizer.decode(seq.output[:-1])
@@ -349,11 +353,35 @@ class Engine:
         delta = safe[len(seq.emitted):] if safe.startswith(seq.emitted) else ""
         seq.emitted += delta
         out = StepOutput(seq.request_id, [token], delta, reason is not None, reason, len(seq.prompt), len(seq.output),
-                         seq.cached_tokens, logprobs=None if p.logprobs is None else [lp],
+                         seq.cached_tokens, logprobs=None if p.logprobs is None else self._release_logprobs(
+                             seq, lp, len(text_all), reason is not None, cut >= 0, token in stop_ids),
                          prompt_logprobs=seq.prompt_logprobs, stop_token=token in stop_ids)
         seq.prompt_logprobs = None  # handed out
         if reason is not None:
             self._release(seq)
+        return out
+
+    @staticmethod
+    def _release_logprobs(seq: _Sequence, lp: TokenLogprob, end: int, finished: bool, cut: bool, stop: bool
+                          ) -> list[TokenLogprob]:
+        """The newest token's entry (``end``: len(decode(output))) joins the held ones; out go those of the tokens
+        whose text is out. While the request runs: the held tokens whose text is wholly returned. When it ends: all,
+        except after a stop string's cut, where only the tokens whose text starts before the cut go (a token across
+        it counts, those wholly after it are dropped); a stop token's (``stop``) always, last."""
+        seq.ends.append(end)
+        seq.held.append(lp)
+        first = len(seq.output) - len(seq.held)  # the output index of held[0]
+        if not finished:
+            ready = 0
+            while ready < len(seq.held) and seq.ends[first + ready] <= len(seq.emitted):
+                ready += 1
+            out, seq.held = seq.held[:ready], seq.held[ready:]
+            return out
+        text_tokens = seq.held[:-1] if stop else seq.held
+        if cut:
+            text_tokens = [e for i, e in enumerate(text_tokens, first)
+                           if (seq.ends[i - 1] if i else 0) < len(seq.emitted)]
+        out, seq.held = text_tokens + seq.held[len(seq.held) - stop:], []
         return out
 
     def _finish_scoring(self, seq: _Sequence) -> StepOutput:

@@ -12,7 +12,8 @@ Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_
 when streaming) are the model's: the log-softmax of its logits at each generated token, before temperature,
 penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`). Completions list the chosen token among the
 alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) and a stop token's entry; chat
-leaves the stop token out (its text is not in the message). A completions ``prompt`` may be a list of up to
+leaves the stop token out (its text is not in the message). An entry goes out with its token's text: held while the
+text is (it may begin a stop string), none for tokens a stop string cuts off (one across the cut keeps its). A completions ``prompt`` may be a list of up to
 MAX_PROMPTS prompts, and ``n`` asks for up to MAX_N choices per prompt (neither streamed): choices come prompt by
 prompt, choice j seeded ``seed + j``. Each token is shown as its own decoded text (a piece of a multi-byte character
 decodes to U+FFFD), ``text_offset`` counts those texts. Completions with ``echo`` return the prompt before the

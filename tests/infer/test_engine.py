@@ -206,6 +206,32 @@ def test_logprobs_are_the_full_forward_log_softmax(model):
         SamplingParams(logprobs=21).validate()
 
 
+def test_logprobs_follow_the_returned_text(model):
+    """With stop strings, a token's log-probability goes out with its text: while text is held back (it may start a
+    stop string) its tokens' entries are held too; at a stop string's cut, the tokens whose text starts before the
+    cut keep theirs (one across the cut included) and those after it get none. Streamed step by step, the entries
+    out before the end never cover more text than was returned."""
+    torch.manual_seed(6)
+    prompt = torch.randint(0, 512, (12,)).tolist()
+    free = Engine(model, IdTokenizer(), max_batch=1).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=2))[0]
+    tokens, pieces = free["token_ids"], [f" {t}" for t in free["token_ids"]]
+    full, stop = "".join(pieces), pieces[6][1:] + pieces[7]  # starts inside token 6's text, ends with token 7's
+    assert full.index(stop) == len("".join(pieces[:6])) + 1
+    engine = Engine(model, IdTokenizer(), max_batch=1)
+    engine.add(prompt, SamplingParams(temperature=0, max_tokens=12, logprobs=2, stop=[stop]))
+    text, released = "", []
+    while engine.has_work():
+        for out in engine.step():
+            text += out.text
+            released += out.logprobs
+            if not out.finished:
+                assert text.startswith("".join(f" {e.token_id}" for e in released))  # never ahead of the text
+    assert out.finish_reason == "stop" and out.completion_tokens == 8 and text == "".join(pieces[:6]) + " "
+    assert [e.token_id for e in released] == tokens[:7]  # 0..5 whole, 6 across the cut; 7 (after it) has none
+    assert [e.logprob for e in released] == [e.logprob for e in free["logprobs"][:7]]
+
+
 def test_prompt_logprobs_score_the_prompt(model):
     """prompt_logprobs: None for the first token, then each prompt token's log-probability (and top-n) equal to the
     full forward's log-softmax, over several prefill chunks, beside a decoding request, with the prefix cache on
