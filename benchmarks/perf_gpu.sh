@@ -11,10 +11,10 @@
 # steps (default: tests, up to 8.7 minutes: 37 GPU tests, mostly compilation, plus fla's autotuning of any new
 # kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest
 # split it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
-# transformers peer), decode, profile, profile_stacks, attn_res, attn_res_compiled, train_ac, profile_decode,
-# ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), profile_attn_res, kernels (full),
-# moe_decode, decode_grouped_mm, tune_mla, multi_linear and profile_kernels on request, each under its own limit
-# below (one call runs at most 10 minutes)
+# transformers peer), decode, decode_goals, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
+# profile_decode, ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), profile_attn_res,
+# kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear and profile_kernels on request, each under its
+# own limit below (one call runs at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -45,6 +45,7 @@ step attn_res 240 python -m k3 bench model --cases attn_res
 step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
+step decode_goals 400 python -m k3 bench decode --cases goals  # only the goals' compiled rows (~5 min)
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
 step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
   --env $OFF  # every kernel; the decode kernels on (the default) and off

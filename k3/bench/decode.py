@@ -143,12 +143,20 @@ KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input m
                    "K3_KDA_DECODE": "KDA core"}  # the decode kernels, each turned off by VAR=torch
 
 
-def modes(batch: int, context: int, full: bool) -> tuple[str, ...]:
+GOAL_CASES = [(1, 4096), (64, 32768), (16, 131072)]  # the goals' cases: B=1 / 4K vs the peer, 80% at B=64 / 32K, 3x
+GOAL_TWIN = {(16, 131072)}  # the full-MLA twin where a goal compares it
+
+
+def modes(batch: int, context: int, full: bool, goals: bool = False) -> tuple[str, ...]:
+    if goals:
+        return ("compiled",) if not full or (batch, context) in GOAL_TWIN else ()
     eager = ("eager",) if (batch, context) in EAGER_CASES and not full else ()
     return ("graph",) + eager + (("compiled",) if (batch, context) in COMPILED_CASES else ())
 
 
-def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 240.0) -> None:
+def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 240.0, goals: bool = False) -> None:
+    """``quick``: the goals' three cases in every mode; ``goals``: only their compiled rows, the full-MLA twin at
+    B=16 / 128K only and no transformers peer (its figure is in decode-quick.md), about 5 minutes on an H200."""
     backend.set_backend("fast")
     started = time.perf_counter()
     bw = copy_bandwidth()
@@ -157,15 +165,15 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     experts = _experts_matmul(1, needs_grad=False)  # what the decode steps below run (K3_MOE_SMALL_GROUPS)
     kernels = ", ".join(f"{what} by {'torch' if backend.kernel_switch(var, _have_triton) else 'Triton'}"
                         for var, what in KERNEL_SWITCHES.items())  # where the shapes fit (the log says)
-    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": "fast (fla fused_recurrent_kda in place "
-                            f"by slot, Triton split-K MLA decode, {experts} experts, {kernels}), decode_step in CUDA "
-                            "graphs"}
+    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": f"fast (Triton split-K MLA decode, {experts} "
+                            f"experts, {kernels}; fla's fused_recurrent_kda where the KDA core is torch), decode_step "
+                            "in CUDA graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
-    if quick:
-        cases = [(1, 4096), (64, 32768), (16, 131072)]
+    if quick or goals:
+        cases = GOAL_CASES
     rows, peer = [], {}
-    for batch, context in [(1, 4096)] + ([] if quick else [(16, 4096)]):  # the peer first: it is the yardstick
+    for batch, context in [] if goals else [(1, 4096)] + ([] if quick else [(16, 4096)]):  # the peer first
         if time.perf_counter() - started > peer_budget_s:
             print(f"skipping the transformers peer at B={batch}: time budget spent", flush=True)
             continue
@@ -180,7 +188,7 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
         for batch, context in cases:
             limit = step_bytes(model, batch, context) / bw
             name = "full-MLA twin" if full else "hybrid 3:1"
-            for mode in modes(batch, context, full):
+            for mode in modes(batch, context, full, goals):
                 row = {"model": name + MODES[mode], "mode": mode, "batch": batch, "context": context,
                        "limit_ms": limit * 1e3}
                 try:

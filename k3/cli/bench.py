@@ -1,4 +1,5 @@
-"""``k3 bench NAME [--out DIR] [--quick]``: GPU benchmarks (decode, kernels, model); tables + JSON/markdown."""
+"""``k3 bench NAME [--out DIR] [--quick] [--cases ...]``: GPU benchmarks (decode, kernels, model); tables +
+JSON/markdown."""
 
 from __future__ import annotations
 
@@ -14,20 +15,25 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
     p.add_argument("--cases", default=None,
-                   help="model only: comma-separated subset of train,train_ac,peer,attn_res,attn_res_compiled,prefill "
-                        "(default all)")
+                   help="model: comma-separated subset of train,train_ac,peer,attn_res,attn_res_compiled,prefill "
+                        "(default all); decode: goals (only the goals' compiled rows, no transformers peer)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        raise ValueError("k3 bench needs a CUDA GPU")
     kwargs = {}
     if args.cases is not None:
-        if args.name != "model":
-            raise ValueError("--cases applies to k3 bench model only")
-        kwargs["cases"] = args.cases.split(",")
+        if args.name == "decode":
+            if args.cases != "goals":
+                raise ValueError(f"k3 bench decode --cases takes goals, not {args.cases!r}")
+            kwargs["goals"] = True
+        elif args.name == "model":
+            kwargs["cases"] = args.cases.split(",")
+        else:
+            raise ValueError("--cases applies to k3 bench model and decode only")
+    if not torch.cuda.is_available():
+        raise ValueError("k3 bench needs a CUDA GPU")
     importlib.import_module(f"k3.bench.{args.name}").run(out_dir=args.out, quick=args.quick, **kwargs)
     return 0
