@@ -117,6 +117,7 @@ def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch
             assert kda.decode_core_kernel(x, state, params) == "triton"
             assert kda.decode_core_kernel(x, torch.zeros(4, 2, 256, 32), params) == "torch"
             assert kda.decode_core_kernel(x, state.double(), params) == "torch"
+            assert kda.decode_core_kernel(x, state.transpose(2, 3), params) == "torch"  # [.., 32, 16]: fits, strided
             backend.set_backend("reference")
             try:
                 assert kda.decode_core_kernel(x, state, params) == "torch"
@@ -129,4 +130,5 @@ def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch
         "takes powers of two, 16..128)",
         "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: fp64 inputs (the kernel computes in "
         "fp32)",
+        "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: a non-contiguous state pool",
         "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: kda_decode_step runs its reference"]

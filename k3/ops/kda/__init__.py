@@ -79,6 +79,8 @@ def decode_core_kernel(x: torch.Tensor, state: torch.Tensor, inputs: list[torch.
             return "fp64 inputs (the kernel computes in fp32)"
         if not core_dims_supported(*state.shape[2:]):
             return f"head widths {tuple(state.shape[2:])} (the kernel takes powers of two, 16..{CORE_MAX_DIM})"
+        if not state.is_contiguous():
+            return "a non-contiguous state pool"
         return ""
 
     return backend.triton_or_torch("K3_KDA_DECODE", "kda decode step:", why_not,
