@@ -13,13 +13,13 @@ when streaming) are the model's: the log-softmax of its logits at each generated
 penalties and top-k / top-p (:class:`k3.infer.sampling.TokenLogprob`). Completions list the chosen token among the
 alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) and a stop token's entry; chat
 leaves the stop token out (its text is not in the message). An entry goes out with its token's text: held while the
-text is (it may begin a stop string), none for tokens a stop string cuts off (one across the cut keeps its). A completions ``prompt`` may be a list of up to
-MAX_PROMPTS prompts, and ``n`` asks for up to MAX_N choices per prompt (neither streamed): choices come prompt by
-prompt, choice j seeded ``seed + j``. Each token is shown as its own decoded text (a piece of a multi-byte character
-decodes to U+FFFD), ``text_offset`` counts those texts. Completions with ``echo`` return the prompt before the
-completion and, with ``logprobs``, the prompt tokens' too (null for the first); ``max_tokens: 0`` with ``echo`` only
-scores the prompt (how evaluation harnesses ask for log-likelihoods). A scored prompt runs whole (the prefix cache
-is not used for it).
+text is (it may begin a stop string), none for tokens a stop string cuts off (one across the cut keeps its). A
+completions ``prompt`` may be a list of up to MAX_PROMPTS prompts, and ``n`` asks for up to MAX_N choices per prompt
+(neither streamed): choices come prompt by prompt, choice j seeded ``seed + j``. Each token is shown as its own
+decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts. Completions
+with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too (null for the
+first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for log-likelihoods). A
+scored prompt runs whole (the prefix cache is not used for it).
 """
 
 from __future__ import annotations

@@ -6,10 +6,8 @@ rounding, 2^-8, summed over a row), the fp32 state within 1e-5 (fp32 sums in oth
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from k3.model.norm import gated_rms_norm
-from k3.ops.kda import reference
+from tests.ops.kda_core_reference import core_float64
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -42,13 +40,7 @@ def test_kda_decode_core_matches_the_float64_composition(H, K, V, RF, RG, bound)
     mine = pool.clone()
     y = kda_decode_core(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, mine, slots, bound, 1e-6,
                         1e-5, torch.bfloat16)
-    want_pool = pool.double()
-    f = F.linear(f_a.double(), w_fb.double())
-    o = reference.kda_decode_step(q.double().view(N, H, K), k.double().view(N, H, K), v.double().view(N, H, V),
-                                  f.view(N, H, K), b.double(), A_log=A_log.double(), dt_bias=dt_bias.double(),
-                                  lower_bound=bound, state=want_pool, slots=slots)
-    gate = gate_in.double() if w_gb is None else F.linear(gate_in.double(), w_gb.double())
-    want = gated_rms_norm(o, gate.view(N, H, V), norm_w.double(), 1e-5).reshape(N, H * V)
+    want, want_pool = core_float64(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, pool, slots, bound)
     assert y.dtype == torch.bfloat16 and _rel(y, want) <= 8e-3
     assert _rel(mine[slots], want_pool[slots]) <= 1e-5
     rest = torch.ones(S, dtype=torch.bool, device=DEV)

@@ -306,6 +306,9 @@ def test_fast_steps_run_the_kernel_only_without_gradients(monkeypatch, caplog):
 
 
 def test_steps_equal_three_single_steps():
+    """causal_conv1d_steps (on a CPU: the reference's three steps) pairs each input with its weight and pool: each
+    output equals the single step and the whole-sequence conv from the pool's window, whose final state is the
+    updated pool row; the other slots are untouched."""
     from k3.ops import conv
     from k3.ops.conv.reference import causal_conv1d_step
 
@@ -317,4 +320,8 @@ def test_steps_equal_three_single_steps():
     mine = [p.clone() for p in pools]
     got = conv.causal_conv1d_steps(xs, ws, states=mine, slots=slots)
     for x, w, p, m, y in zip(xs, ws, pools, mine, got):
+        whole, final = reference_conv(x[:, None], w, initial_state=p[slots], output_final_state=True)
+        check("steps vs whole-sequence conv", y, whole[:, 0], 1e-6)
+        check("updated pool rows vs final state", m[slots], final, 1e-6)
+        assert torch.equal(m[[0, 3]], p[[0, 3]])
         assert torch.equal(y, causal_conv1d_step(x, w, state=p, slots=slots)) and torch.equal(m, p)

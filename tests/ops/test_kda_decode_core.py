@@ -16,14 +16,13 @@ from tests.ops.kernel_switch import check_kernel_switch
 
 SCRIPT = textwrap.dedent("""
     import torch
-    import torch.nn.functional as F
     from k3.config import get_preset
     from k3.model.decoder import K3ForCausalLM
-    from k3.model.norm import gated_rms_norm
     from k3.ops import backend
-    from k3.ops.kda import fla, reference
+    from k3.ops.kda import fla
     from k3.ops.kda.triton_decode import kda_decode_core
     from k3.ops.moe import grouped
+    from tests.ops.kda_core_reference import core_float64
 
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -46,13 +45,8 @@ SCRIPT = textwrap.dedent("""
         got_pool = pool.clone()
         got = kda_decode_core(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, got_pool, slots, bound,
                               1e-6, 1e-5, dtype)
-        want_pool = pool.double()
-        f = F.linear(f_a.double(), w_fb.double())
-        o = reference.kda_decode_step(q.double().view(N, H, K), k.double().view(N, H, K), v.double().view(N, H, V),
-                                      f.view(N, H, K), b.double(), A_log=A_log.double(), dt_bias=dt_bias.double(),
-                                      lower_bound=bound, state=want_pool, slots=slots)
-        gate = gate_in.double() if w_gb is None else F.linear(gate_in.double(), w_gb.double())
-        want = gated_rms_norm(o, gate.view(N, H, V), norm_w.double(), 1e-5).reshape(N, H * V)
+        want, want_pool = core_float64(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, pool, slots,
+                                       bound)
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         assert got.dtype == dtype and rel(got, want) <= tol, (H, K, V, dtype, rel(got, want))
         state_tol = 1e-5 if state_dtype == torch.float32 else 2e-3

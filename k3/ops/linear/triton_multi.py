@@ -101,15 +101,16 @@ def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     _check(x, weights)
     ys = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
     if x.shape[0] and any(w.shape[0] for w in weights):
-        ws, config = [w.contiguous() for w in weights], launch_config([w.shape[0] for w in weights])
+        ws, bm = [w.contiguous() for w in weights], block_m(x.shape[0])
+        config = launch_config([w.shape[0] for w in ws])
         try:
-            _run(x, ws, ys, block_m(x.shape[0]), **config)
+            _run(x, ws, ys, bm, **config)
         except OutOfResources:  # a GPU with less shared memory per block than the rule's 4 stages need (~96 KB)
             if not _fewer_stages:
                 _fewer_stages.add(True)
                 logging.getLogger("k3.ops").warning("multi_linear: 4 stages do not fit this GPU's shared memory; "
                                                     "launching with 2")
-            _run(x, ws, ys, block_m(x.shape[0]), **(config | {"num_stages": 2}))
+            _run(x, ws, ys, bm, **(config | {"num_stages": 2}))
     return ys
 
 
