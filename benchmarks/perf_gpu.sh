@@ -4,7 +4,8 @@
 # others' time; results and logs land in $OUT (at most 8 files come back, hence one tar of the logs), Triton's
 # cache in $OUT/autotune.tgz (unpack into .triton so later calls skip fla's autotuning): the whole cache with
 # TorchInductor's (.inductor, compiled kernels) when both fit in 40 MB, else the autotune results alone.
-# Usage (device, repo root, .whl and .triton carried):
+# Usage (device, repo root, .whl and .triton carried; .whl holds fla-core 0.6.0 and, for the kernels step's fla layer,
+# flash-linear-attention 0.6.0, both pure-Python wheels):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
@@ -55,7 +56,7 @@ step ab_kernels_b 540 python benchmarks/profile_decode.py --compiled --cases 64x
   --env K3_MOE_ROUTE=torch --env K3_MOE_UP_GLU=torch --env $OFF
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
-step kernels 200 python -m k3 bench kernels  # full: the MoE rows at 4K / 16K / 64K tokens
+step kernels 420 python -m k3 bench kernels  # full: MoE and KDA rows at 4K / 16K / 64K (fla autotunes new shapes)
 step moe_decode 150 python benchmarks/moe_decode_mm.py  # grouped_mm vs the Triton small-groups kernel
 step decode_grouped_mm 260 env K3_MOE_SMALL_GROUPS=grouped_mm python -m k3 bench decode --quick --out "$LOGS/grouped_mm"
 step tune_mla 90 python benchmarks/tune_mla_decode.py

@@ -1,12 +1,14 @@
 """Where the layers of ``k3 bench kernels`` spend their time, kernel by kernel (the profile behind its goals).
 
-    python benchmarks/profile_kernels.py [--kda-t 4096] [--moe-tokens 65536] [--steps 3] [--device auto]
+    python benchmarks/profile_kernels.py [--kda-t 4096] [--moe-tokens 65536] [--steps 3] [--device auto] [--host N]
 
 - KDA layer, fwd + bwd under bf16 autocast at T tokens: ours and fla's ``KimiDeltaAttention`` (same shape as the
   benchmark), each with its kernels per step, device time and top kernels: why the ratio is what it is.
 - LatentMoE routed experts (E=896, k=16, latent 1024, width 768), forward at N tokens: the device time of the
   grouped GEMM kernels vs everything around them (sort, gathers, GLU, scatter-add), and the GEMMs' own TFLOP/s
   against the measured bf16 roof.
+``--host N`` adds, for each KDA layer, its wall time per fwd+bwd step against its device time and a cProfile of N
+steps (the Python functions by own time): where the host time of a host-bound layer goes.
 On a CPU (a smoke run, small sizes) it profiles the reference paths by operator instead of kernel.
 Writes $K3_BENCH_OUT/profile_kernels.txt when set.
 """
@@ -14,6 +16,10 @@ Writes $K3_BENCH_OUT/profile_kernels.txt when set.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import time
 from collections import defaultdict
 
 import torch
@@ -23,6 +29,7 @@ from k3.bench.common import write_profile
 from k3.bench.kernels import kda_layers, moe_block
 from k3.ops import backend
 from k3.ops.moe import moe_experts
+from k3.ops.segments import offsets_to
 
 GEMM_MARKS = ("grouped", "cutlass", "gemm", "nvjet", "sm90_xmma")  # kernel names of (grouped) matrix products
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm")  # the same, as CPU operators
@@ -57,12 +64,49 @@ def describe(title: str, table: dict[str, list], busy: float, top: int = 12) -> 
     return lines
 
 
+def host_profile(fn, steps: int, cuda: bool, top: int = 30) -> list[str]:
+    """Wall ms per call of fn() (synchronised at the end), then cProfile's top functions by own time."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    body = [ln for ln in buf.getvalue().splitlines() if ln.strip()][3:]  # from the "ncalls tottime" header on
+    # cProfile sees the calling thread only; the backward runs on the autograd engine's thread: its operators and
+    # autograd nodes (Python ones included) by CPU time from torch.profiler, which records every thread
+    with profile(activities=[ProfilerActivity.CPU]) as tp:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    table = tp.key_averages().table(sort_by="cpu_time_total", row_limit=top, max_name_column_width=60)
+    return ([f"  wall {wall:.3f} ms per step (host-bound when far above the busy time); cProfile of {steps} steps "
+             "(the forward's thread) by own time:"] + ["    " + ln for ln in body]
+            + [f"  torch.profiler, {steps} steps, every thread, by total CPU time:"]
+            + ["    " + ln for ln in table.splitlines()])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kda-t", type=int, default=4096)
     p.add_argument("--moe-tokens", type=int, default=65536)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="auto")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="also the KDA layers' host time: cProfile of N steps")
     a = p.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     cuda = device.type == "cuda"
@@ -72,7 +116,7 @@ def main() -> None:
     ours, theirs = kda_layers(device=device) if cuda else kda_layers(hidden=256, heads=2, head_dim=64, device=device)
     hidden = ours.q_proj.in_features
     x = torch.randn(a.kda_t, hidden, device=device, requires_grad=True)
-    cu = torch.tensor([0, a.kda_t], device=device)
+    cu = offsets_to(torch.tensor([0, a.kda_t]), device)  # host copy attached, as in the model (no syncs)
 
     def fwd_bwd(layer):
         def run():
@@ -86,7 +130,8 @@ def main() -> None:
             lines.append(f"KDA layer T={a.kda_t} {name}: not available")
             continue
         table, busy = kernel_times(fwd_bwd(layer), a.steps, cuda)
-        lines += describe(f"KDA layer T={a.kda_t} fwd+bwd, {name}", table, busy) + [""]
+        lines += describe(f"KDA layer T={a.kda_t} fwd+bwd, {name}", table, busy)
+        lines += (host_profile(fwd_bwd(layer), a.host, cuda) if a.host else []) + [""]
 
     moe = moe_block(device=device) if cuda else moe_block(hidden=256, latent=128, width=96, device=device)
     latent, width = moe.experts.w1.shape[2], moe.experts.w1.shape[1]

@@ -4,6 +4,8 @@ the router + QB share."""
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -13,9 +15,11 @@ from k3.model.balance import QBHistogram
 from k3.model.kda import KimiDeltaAttention
 from k3.model.moe import MoE
 from k3.ops import backend
+from k3.ops.segments import offsets_to
 
 
 def _fwd_bwd(module_fn, x):
+    """The forward and the forward + backward of module_fn(x) under bf16 autocast, as two callables."""
     def fwd():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return module_fn(x)
@@ -24,7 +28,20 @@ def _fwd_bwd(module_fn, x):
         out = fwd()
         out.float().sum().backward()
 
-    return cuda_time(fwd, 3, 10), cuda_time(fwd_bwd, 3, 10)  # at 4K both layers are host-bound: average more
+    return fwd, fwd_bwd
+
+
+def interleaved_times(fns: dict, rounds: int = 5, iters: int = 10, timer=cuda_time) -> dict:
+    """{name: fn} -> {name: median seconds per call over ``rounds`` rounds}, the callables timed in turn within
+    each round. At 4K and 16K tokens a KDA layer is host-bound (Python and launch overhead ~5-10x its device
+    time), and a host's speed drifts within minutes: timing each layer in one block measured that drift (on one
+    host the 4K ratio read 0.75x in this benchmark and 1.21x in a profile a minute later); alternating them makes
+    the ratio compare the two layers under the same conditions. ``timer(fn, warmup, iters)`` -> seconds per call."""
+    times: dict = {name: [] for name in fns}
+    for r in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn, 3 if r == 0 else 1, iters))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def kda_layers(hidden=1024, heads=8, head_dim=128, device="cuda") -> tuple:
@@ -47,14 +64,19 @@ def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, he
     ours, theirs = kda_layers(hidden, heads, head_dim)
     for t in lengths:
         x = torch.randn(t, hidden, device="cuda", requires_grad=True)
-        cu = torch.tensor([0, t], device="cuda")
-        f_ours, fb_ours = _fwd_bwd(lambda z: ours(z, cu), x)
-        row = {"case": "KDA layer", "T": t, "ours_fwd_ms": f_ours * 1e3, "ours_fwdbwd_ms": fb_ours * 1e3}
+        # the offsets with their host copy attached, as the model passes them (k3.ops.segments): bare device
+        # offsets are read back at every use (host syncs a model forward does not have)
+        cu = offsets_to(torch.tensor([0, t]), "cuda")
+        fns = dict(zip(("ours_fwd", "ours_fwdbwd"), _fwd_bwd(lambda z: ours(z, cu), x)))
         if theirs is not None:
-            f_fla, fb_fla = _fwd_bwd(lambda z: theirs(z[None])[0], x)
-            row |= {"fla_fwd_ms": f_fla * 1e3, "fla_fwdbwd_ms": fb_fla * 1e3, "ratio_fwdbwd": fb_ours / fb_fla}
+            fns |= dict(zip(("fla_fwd", "fla_fwdbwd"), _fwd_bwd(lambda z: theirs(z[None])[0], x)))
+        med = interleaved_times(fns)
+        row = {"case": "KDA layer", "T": t} | {f"{name}_ms": sec * 1e3 for name, sec in med.items()}
+        if theirs is not None:
+            row["ratio_fwdbwd"] = med["ours_fwdbwd"] / med["fla_fwdbwd"]
         q = torch.randn(1, heads, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        f_sdpa, fb_sdpa = _fwd_bwd(lambda z: F.scaled_dot_product_attention(z, z, z, is_causal=True), q)
+        f_sdpa, fb_sdpa = (cuda_time(fn, 3, 10) for fn in _fwd_bwd(
+            lambda z: F.scaled_dot_product_attention(z, z, z, is_causal=True), q))
         row |= {"sdpa_fwd_ms": f_sdpa * 1e3, "sdpa_fwdbwd_ms": fb_sdpa * 1e3}
         rows.append(row)
 
