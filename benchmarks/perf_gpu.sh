@@ -14,9 +14,9 @@
 # split it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
 # transformers peer), decode, decode_goals, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
 # profile_decode, ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), ab_router_gemm
-# (the opt-in one-launch router on vs off), profile_attn_res,
-# kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear and profile_kernels on request, each under its
-# own limit below (one call runs at most 10 minutes)
+# (the opt-in one-launch router on vs off), profile_attn_res, kernels (full), moe_decode, decode_grouped_mm,
+# tune_mla, multi_linear, small_groups and profile_kernels on request, each under its own limit below (one call runs
+# at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -64,6 +64,7 @@ step moe_decode 150 python benchmarks/moe_decode_mm.py  # grouped_mm vs the Trit
 step decode_grouped_mm 260 env K3_MOE_SMALL_GROUPS=grouped_mm python -m k3 bench decode --quick --out "$LOGS/grouped_mm"
 step tune_mla 90 python benchmarks/tune_mla_decode.py
 step multi_linear 200 python benchmarks/multi_linear_configs.py --batches 64  # the input maps' launch configurations
+step small_groups 300 python benchmarks/small_groups_configs.py  # the expert matmuls' configurations vs the autotuner
 step profile_kernels 120 python benchmarks/profile_kernels.py
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"
 if [ -n "${TRITON_CACHE_DIR:-}" ]; then
