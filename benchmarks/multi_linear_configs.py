@@ -33,6 +33,18 @@ def graph_time(fn, reps: int) -> float:
     return cuda_time(graphed(fn), warmup=3, iters=10) / reps
 
 
+def time_forms(forms: dict, reps: int, label: str) -> list[tuple[float, str]]:
+    """(seconds per call, name) of each form (a callable making ``reps`` calls) that runs, fastest first; a
+    configuration that does not compile (shared memory) is printed and left out."""
+    results = []
+    for form, fn in forms.items():
+        try:
+            results.append((graph_time(fn, reps), form))
+        except Exception as e:
+            print(f"{label} {form}: {type(e).__name__}", flush=True)
+    return sorted(results)
+
+
 @torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,15 +69,7 @@ def main() -> None:
                 forms[f"BN={bn} BK={bk} stages={st} warps={wp}"] = (
                     lambda bn=bn, bk=bk, st=st, wp=wp: [triton_multi._run(
                         x, ws, ys, bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=wp) for ws in weights])
-            results = []
-            for form, fn in forms.items():
-                try:
-                    t = graph_time(fn, sets)
-                except Exception as e:  # a configuration that does not compile (shared memory): recorded
-                    print(f"{name} B={batch} {form}: {type(e).__name__}", flush=True)
-                    continue
-                results.append((t, form))
-            results.sort()
+            results = time_forms(forms, sets, f"{name} B={batch}")
             keep = [r for r in results if not r[1].startswith("BN=")]  # and the six fastest configurations:
             keep += [r for r in results if r[1].startswith("BN=")][:6]
             for t, form in sorted(keep):

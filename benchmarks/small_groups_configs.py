@@ -26,7 +26,7 @@ import triton
 from k3.bench.common import copy_bandwidth, environment, write_results
 from k3.ops.moe import grouped, small_groups
 from moe_decode_mm import SHAPES  # this folder is on sys.path when the script runs
-from multi_linear_configs import graph_time
+from multi_linear_configs import time_forms
 
 GLU_SPACE = dict(BLOCK_N=(16, 32, 64, 128), BLOCK_K=(64, 128), num_warps=(4, 8), num_stages=(3,))
 MM_SPACE = dict(BLOCK_N=(16, 32, 64, 128), BLOCK_K=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4))
@@ -82,19 +82,9 @@ def main() -> None:
                 lambda cfg=cfg: [small_groups._run(small_groups._small_groups_kernel.fn, h, w2, offs, out_y, bm, **cfg)
                                  for _, w2, _ in weights])
         for kernel, table in forms.items():
-            results = []
-            for form, fn in table.items():
-                try:
-                    t = graph_time(fn, sets)
-                except Exception as err:  # a configuration that does not compile (shared memory): recorded
-                    print(f"{kernel} B={batch} {form}: {type(err).__name__}", flush=True)
-                    continue
-                if form == "autotuned":
-                    tuner = (small_groups._small_groups_glu_kernel if kernel == "up + GLU"
-                             else small_groups._small_groups_kernel)
-                    form = f"autotuned ({tuner.best_config})"
-                results.append((t, form))
-            results.sort()
+            tuner = small_groups._small_groups_glu_kernel if kernel == "up + GLU" else small_groups._small_groups_kernel
+            results = [(t, f"autotuned ({tuner.best_config})" if form == "autotuned" else form)
+                       for t, form in time_forms(table, sets, f"{kernel} B={batch}")]
             keep = [r for r in results if r[1].startswith("autotuned")] + [r for r in results
                                                                            if not r[1].startswith("autotuned")][:6]
             for t, form in sorted(keep):
