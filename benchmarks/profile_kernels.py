@@ -7,8 +7,9 @@
 - LatentMoE routed experts (E=896, k=16, latent 1024, width 768), forward at N tokens: the device time of the
   grouped GEMM kernels vs everything around them (sort, gathers, GLU, scatter-add), and the GEMMs' own TFLOP/s
   against the measured bf16 roof.
-``--host N`` adds, for each KDA layer, its wall time per fwd+bwd step against its device time and a cProfile of N
-steps (the Python functions by own time): where the host time of a host-bound layer goes.
+``--host N`` adds, for each KDA layer, its wall time per fwd+bwd step against its device time, a cProfile of N
+steps (the Python functions by own time) and the CPU time of every thread's operators (the backward's too): where
+the host time of a host-bound layer goes.
 On a CPU (a smoke run, small sizes) it profiles the reference paths by operator instead of kernel.
 Writes $K3_BENCH_OUT/profile_kernels.txt when set.
 """
@@ -65,7 +66,8 @@ def describe(title: str, table: dict[str, list], busy: float, top: int = 12) -> 
 
 
 def host_profile(fn, steps: int, cuda: bool, top: int = 30) -> list[str]:
-    """Wall ms per call of fn() (synchronised at the end), then cProfile's top functions by own time."""
+    """Wall ms per call of fn() (synchronised at the end), cProfile's top functions by own time (the calling
+    thread) and torch.profiler's top operators and autograd nodes by CPU time (every thread)."""
     fn()
     if cuda:
         torch.cuda.synchronize()
