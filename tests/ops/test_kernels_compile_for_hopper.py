@@ -1,7 +1,7 @@
 """The Triton kernels written without a GPU compile for Hopper (sm_90a) on this CPU: Triton's NVIDIA backend lowers
 each to PTX and ptxas (shipped with Triton) assembles it, at the decode shapes they are meant for. Triton's CPU
-interpreter, which the other kernel tests use, accepts programs the GPU compiler rejects (layouts, constructs) and
-never sees registers; this catches those before a GPU session does. Skipped without Triton's NVIDIA backend."""
+interpreter, which the other kernel tests use, runs the Python of a kernel, never the GPU compiler's lowering passes
+or ptxas: what those reject would first show on a GPU. Skipped without Triton's NVIDIA backend."""
 
 import glob
 import os
