@@ -1,62 +1,179 @@
-"""The Triton kernels written without a GPU compile for Hopper (sm_90a) on this CPU: Triton's NVIDIA backend lowers
-each to PTX and ptxas (shipped with Triton) assembles it, at the decode shapes they are meant for. Triton's CPU
-interpreter, which the other kernel tests use, runs the Python of a kernel, never the GPU compiler's lowering passes
-or ptxas: what those reject would first show on a GPU. Skipped without Triton's NVIDIA backend."""
+"""Our Triton kernels compile for Hopper (sm_90a) on this CPU: each op runs on CPU tensors with its kernel launch
+captured instead of made (the arguments exactly as the op passes them), then Triton's NVIDIA backend lowers the
+kernel with those argument types and constants to PTX and ptxas (shipped with Triton) assembles it, at decode
+shapes. Triton's CPU interpreter, which the other kernel tests use, runs the Python of a kernel, never the GPU
+compiler's lowering passes or ptxas: what those reject would first show on a GPU. Skipped without Triton's NVIDIA
+backend (CI has no Triton)."""
 
 import glob
 import os
 import subprocess
+from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 targets = pytest.importorskip("triton.backends.compiler")
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
 PTXAS = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 pytestmark = pytest.mark.skipif(not PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed")
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.bool: "i1"}
+_OPTIONS = ("num_warps", "num_stages")
 
 
-def assemble(kernel, types: dict, constants: dict, options: dict, tmp_path) -> str:
-    """Compile ``kernel`` (arguments typed by ``types``, the rest constexprs from ``constants``) for sm_90a and
-    assemble it with ptxas (``options``: num_warps, num_stages); -> ptxas's resource report."""
-    sig = {a: types.get(a, "constexpr") for a in kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names) if sig[a].startswith("*")}
-    src = compiler.ASTSource(kernel, sig, {a: v for a, v in constants.items() if sig.get(a) == "constexpr"}, attrs)
+def launches(monkeypatch, op) -> list[tuple]:
+    """Run ``op()`` with every Triton launch captured, not made -> [(kernel, {argument: value}, options)]. An
+    autotuned kernel is captured with its first configuration."""
+    seen = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in self.arg_names}
+        seen.append((self, bound, {k: v for k, v in kwargs.items() if k in _OPTIONS}))
+
+    def tuned(self, *args, **kwargs):
+        config = self.configs[0]
+        return run(self.fn, *args, **kwargs, **config.all_kwargs())
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    monkeypatch.setattr(Autotuner, "run", tuned)
+    op()
+    return seen
+
+
+def assemble(kernel, values: dict, options: dict, tmp_path) -> str:
+    """Compile ``kernel`` for sm_90a with the argument types of ``values`` (tensors: pointers to their dtype;
+    ints: i32 or i64; floats: fp32) and its constexprs' values, assemble it with ptxas -> ptxas's report."""
+    sig, constants = {}, {}
+    for p in kernel.params:
+        v = values.get(p.name, p.default)
+        if p.is_constexpr:
+            sig[p.name], constants[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        else:
+            sig[p.name] = "fp32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if sig[p.name].startswith("*")}
+    src = compiler.ASTSource(kernel, sig, constants, attrs)
     compiled = triton.compile(src, target=targets.GPUTarget("cuda", 90, 32), options=options)
-    ptx = tmp_path / "kernel.ptx"
+    ptx = tmp_path / f"{kernel.__name__}.ptx"
     ptx.write_text(compiled.asm["ptx"])
-    done = subprocess.run([PTXAS[0], "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
+    done = subprocess.run([PTXAS[0], "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "k.cubin")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stderr + done.stdout
 
 
-@pytest.mark.parametrize("n,e,d,k,wdt", [(64, 64, 1024, 8, "fp32"), (1, 64, 1024, 8, "fp32"),
-                                         (8, 896, 2048, 16, "bf16"), (200, 32, 64, 4, "fp32")])
-def test_one_launch_router_compiles(n, e, d, k, wdt, tmp_path):
-    from k3.ops.router import triton_gemm_topk as tg
+def _router_gemm(n, e, d, k, wdtype):
+    from k3.ops.router.triton_gemm_topk import router_gemm_topk
 
-    shape = tg.launch_shape(n, e, d)
-    shape.pop("programs")
-    types = dict(X="*bf16", W=f"*{wdt}", BIAS="*fp32", PART="*fp32", COUNTER="*i32", SCORES="*fp32", IDX="*i64",
-                 WEIGHT="*fp32", N="i32", E="i32", D="i32", stride_x="i32", scaling="fp32")
-    constants = dict(K=k, RENORMALIZE=True, BLOCK_E=tg.BLOCK_E, BLOCK_D=tg.BLOCK_D,
-                     BLOCK_K=triton.next_power_of_2(k), **shape)
-    assert "Used" in assemble(tg._router_gemm_topk_kernel, types, constants, {"num_warps": 8}, tmp_path)
+    return lambda: router_gemm_topk(torch.randn(n, d).bfloat16(), torch.randn(e, d).to(wdtype), torch.randn(e), k,
+                                    True, 2.5)
 
 
-@pytest.mark.parametrize("rows,width,state,conv", [(64, 4, "fp32", True), (16, 3, "bf16", True),
-                                                   (64, 4, "fp32", False)])
-def test_maps_with_convs_compile(rows, width, state, conv, tmp_path):
-    from k3.ops.linear import triton_multi as tm
+def _maps_conv(rows, width, state_dtype):
+    from k3.ops.linear.triton_multi import multi_linear_conv
 
-    types = {a: "*bf16" for a in ("X", *(f"W{i}" for i in range(8)), *(f"Y{i}" for i in range(8)))}
-    types |= {a: "i32" for a in (*(f"N{i}" for i in range(8)), "M", "stride_xm")}
-    types |= {a: ("*fp32" if conv else "*bf16") for a in ("CW0", "CW1", "CW2")}
-    types |= {a: (f"*{state}" if conv else "*bf16") for a in ("S0", "S1", "S2")}
-    types["SLOTS"] = "*i64" if conv else "*bf16"
-    launch = tm.launch_config([1024, 1024, 1024, 64, 16, 64])
-    constants = dict(G=6, K=1024, BLOCK_M=tm.block_m(rows), CONV=conv, WIDTH=width, SILU=True,
-                     BLOCK_N=launch["BLOCK_N"], BLOCK_K=launch["BLOCK_K"])
-    options = {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
-    assert "Used" in assemble(tm._multi_linear_kernel, types, constants, options, tmp_path)
+    sizes = (1024, 1024, 1024, 64, 16, 64)
+    ws = [torch.randn(n, 1024).bfloat16() for n in sizes]
+    cws = [torch.randn(n, width) for n in sizes[:3]]
+    pools = [torch.randn(rows + 2, n, width - 1).to(state_dtype) for n in sizes[:3]]
+    return lambda: multi_linear_conv(torch.randn(rows, 1024).bfloat16(), ws, *cws, *pools, torch.arange(rows), True)
+
+
+def _maps(rows):
+    from k3.ops.linear.triton_multi import multi_linear
+
+    return lambda: multi_linear(torch.randn(rows, 1024).bfloat16(), [torch.randn(n, 1024).bfloat16()
+                                                                      for n in (3072, 576)])
+
+
+def _conv_steps(rows):
+    from k3.ops.conv.triton_step import conv_steps
+
+    xs = [torch.randn(rows, n).bfloat16() for n in (1024, 1024, 1024)]
+    return lambda: conv_steps(*xs, *(torch.randn(1024, 4) for _ in range(3)),
+                              *(torch.randn(rows + 1, 1024, 3) for _ in range(3)), torch.arange(rows), True)
+
+
+def _router_topk(n, e, k):
+    from k3.ops.router.triton_topk import router_topk
+
+    return lambda: router_topk(torch.randn(n, e), torch.randn(e), k, True, 2.5)
+
+
+def _moe_route(n, k, e):
+    from k3.ops.moe.triton_route import moe_route
+
+    return lambda: moe_route(torch.randint(0, e, (n, k)), e)
+
+
+def _small_groups(n, e, k, d, i):
+    from k3.ops.moe import grouped
+    from k3.ops.moe.small_groups import small_groups_glu, small_groups_mm
+
+    route = grouped._route(torch.rand(n, e).topk(k).indices, e)
+    w1, w3, w2 = torch.randn(e, i, d).bfloat16(), torch.randn(e, i, d).bfloat16(), torch.randn(e, d, i).bfloat16()
+
+    def both():
+        h = small_groups_glu(torch.randn(n, d).bfloat16(), route.src_pair, k, w1, w3, route.offs, "situ", 1.0, 0.5)
+        small_groups_mm(h, w2, route.offs)
+    return both
+
+
+def _kda_core(n, h, dk, dv, rg, bound):
+    from k3.ops.kda.triton_decode import kda_decode_core
+
+    bf = torch.bfloat16
+    args = (torch.randn(n, h * dk).to(bf), torch.randn(n, h * dk).to(bf), torch.randn(n, h * dv).to(bf),
+            torch.randn(n, dk).to(bf), torch.randn(h * dk, dk).to(bf), torch.randn(n, h).to(bf),
+            torch.randn(n, rg or h * dv).to(bf), torch.randn(h * dv, rg).to(bf) if rg else None, torch.rand(h),
+            torch.randn(h * dk), torch.rand(dv), torch.randn(n + 1, h, dk, dv), torch.arange(n), bound, 1e-6, 1e-5, bf)
+    return lambda: kda_decode_core(*args)
+
+
+def _mla(b, h, length):
+    from k3.ops.mla import triton_decode
+
+    kv = torch.randn(b, length + 8, 576).bfloat16()
+    h200 = SimpleNamespace(multi_processor_count=132)  # the split count reads the GPU's SM count
+
+    def run():
+        with patch("torch.cuda.get_device_properties", lambda device: h200):
+            triton_decode.mla_decode(torch.randn(b, h, 576).bfloat16(), kv, torch.arange(b).int(),
+                                     torch.full((b,), length).int(), 0.1, 512, max_length=length)
+    return run
+
+
+CASES = {
+    "router_gemm_topk 64x64": _router_gemm(64, 64, 1024, 8, torch.float32),
+    "router_gemm_topk 1x64": _router_gemm(1, 64, 1024, 8, torch.float32),
+    "router_gemm_topk 8x896 bf16 weight": _router_gemm(8, 896, 2048, 16, torch.bfloat16),
+    "multi_linear_conv 64 rows": _maps_conv(64, 4, torch.float32),
+    "multi_linear_conv 16 rows bf16 pools width 3": _maps_conv(16, 3, torch.bfloat16),
+    "multi_linear": _maps(64),
+    "conv_steps": _conv_steps(64),
+    "router_topk": _router_topk(64, 896, 16),
+    "moe_route": _moe_route(64, 8, 64),
+    "small_groups": _small_groups(64, 64, 8, 1024, 512),
+    "kda_decode_core low-rank gate": _kda_core(64, 16, 64, 64, 64, None),
+    "kda_decode_core full gate, bounded": _kda_core(16, 8, 128, 128, 0, -5.0),
+    "mla_decode": _mla(4, 16, 4096),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_hopper(case, monkeypatch, tmp_path):
+    seen = launches(monkeypatch, CASES[case])
+    assert seen, "no Triton launch captured"
+    for kernel, values, options in seen:
+        assert "Used" in assemble(kernel, values, options, tmp_path), kernel.__name__
