@@ -17,13 +17,10 @@ import torch
 from k3.ops import backend
 from k3.ops import router
 from k3.ops.router import reference
+from tests.ops.routing_checks import assert_same_routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
-
-
-def _max_rel(a, b):
-    return ((a.double() - b.double()).abs() / b.double().abs()).max().item()
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
@@ -37,24 +34,7 @@ def test_triton_router_matches_reference(n, e, k, renormalize):
     bias = torch.randn(e, device=DEV, generator=g) * 0.3
     got = router_topk(logits, bias, k, renormalize, 2.5)
     assert got[1].dtype == torch.int64 and got[2].dtype == got[0].dtype == torch.float32
-    _assert_same_routing(got, reference.route(logits, bias, k, renormalize, 2.5), bias, k, 1e-5)
-
-
-def _assert_same_routing(got, want, bias, k, tol):
-    """A kernel's (scores, idx, weight) against the reference's: idx descending by score + bias, the same experts
-    per row (sorted: the reference's order is unspecified) except where the k-th and (k+1)-th keys nearly tie (at
-    most one row), scores and weights aligned by expert within ``tol`` relative, element by element."""
-    (s, i, w), (rs, ri, rw) = got, want
-    keys = (s + bias).gather(1, i)
-    assert (keys[:, :-1] >= keys[:, 1:]).all()  # descending by score + bias
-    cut = (rs + bias).topk(k + 1).values  # rows whose k-th and (k+1)-th keys nearly tie may choose either
-    clear = cut[:, k - 1] - cut[:, k] > 1e-5
-    assert clear.sum() >= s.shape[0] - 1, clear
-    mine, mine_at = i[clear].sort(1)
-    ref, ref_at = ri[clear].sort(1)
-    assert torch.equal(mine, ref)
-    assert _max_rel(s, rs) <= tol
-    assert _max_rel(w[clear].gather(1, mine_at), rw[clear].gather(1, ref_at)) <= tol
+    assert_same_routing(got, reference.route(logits, bias, k, renormalize, 2.5), bias, k, 1e-5, tie_gap=1e-5)
 
 
 def test_route_runs_the_kernel_only_without_gradients(monkeypatch):
@@ -106,9 +86,10 @@ def test_one_launch_router_matches_linear_then_route(n, e, k, d, wdtype, renorma
     bias = torch.randn(e, device=DEV, generator=g) * 0.3
     (x, w), (x2, w2) = inputs(), inputs()
     got = tg.router_gemm_topk(x, w, bias, k, renormalize, 2.5)
-    _assert_same_routing(got, _linear_then_route(x, w, bias, k, renormalize), bias, k, 2e-5)
+    assert_same_routing(got, _linear_then_route(x, w, bias, k, renormalize), bias, k, 2e-5, tie_gap=1e-5)
     got2 = tg.router_gemm_topk(x2, w2, bias, k, renormalize, 2.5)
-    _assert_same_routing(got2, _linear_then_route(x2, w2, bias, k, renormalize), bias, k, 2e-5)
+    assert_same_routing(got2, _linear_then_route(x2, w2, bias, k, renormalize), bias, k, 2e-5,
+                        tie_gap=1e-5)
     for step in range(40):
         xs, ws, want = (x, w, got) if step % 2 else (x2, w2, got2)
         again = tg.router_gemm_topk(xs, ws, bias, k, renormalize, 2.5)

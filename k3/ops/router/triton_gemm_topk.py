@@ -7,9 +7,9 @@ k3.ops.router.triton_topk (2.4 us), for a product of 4M multiply-adds. Here one 
   phase 1: program (b, s) multiplies the rows x [N, D] by experts b*BLOCK_E.. of the weight over the s-th of SPLITS
            slices of D (fp32 products and sums, as F.linear in fp32) and stores the partial logits PART[s] [N, E];
   phase 2: the last program to finish (a ticket counter, taken after each program's stores) sums the partials in
-           split order, then runs the top-k of triton_topk row block by row block: sigmoid, k rounds of argmax of
-           score + bias (ties: the lowest expert; NaN first, as torch.topk), the unbiased scores, renormalised
-           and scaled. It resets the counter for the next launch.
+           split order, then runs triton_topk's top-k (``_topk_rows``: sigmoid, k rounds of argmax of score + bias,
+           ties to the lowest expert, NaN first as torch.topk; the unbiased scores, renormalised) row block by row
+           block, and scales. It resets the counter for the next launch.
 
 The sums run in a fixed order, so the result is deterministic; it equals the torch route of F.linear's logits up to
 fp32 summation order. The counter is one int32 per device, kept at 0 between launches: launches on one stream only
@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3.ops.router import MAX_EXPERTS, MAX_LOGITS
+from k3.ops.router.triton_topk import _topk_rows
 
 BLOCK_E = 16  # experts per phase-1 program (tl.dot's smallest side)
 BLOCK_D = 64  # the reduction's step
@@ -69,22 +70,8 @@ def _router_gemm_topk_kernel(X, W, BIAS, PART, COUNTER, SCORES, IDX, WEIGHT, N, 
             for s in range(SPLITS):
                 logit += tl.load(PART + (s * N + rows[:, None]).to(tl.int64) * E + ecols[None, :], mask=live,
                                  other=0.0, cache_modifier=".cg")
-            sc = tl.sigmoid(logit)
+            sc, idx, w = _topk_rows(logit, live, bias, ecols, lanes, K, RENORMALIZE, BLOCK_EALL)
             tl.store(SCORES + rows[:, None].to(tl.int64) * E + ecols[None, :], sc, mask=live)
-            key = sc + bias[None, :]
-            key = tl.where(key != key, float("inf"), key)  # NaN ranks first, as in torch.topk
-            avail = live
-            idx = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
-            w = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-            for j in range(K):
-                best = tl.max(tl.where(avail, key, float("-inf")), axis=1)  # [ROWS]
-                pick = tl.min(tl.where(avail & (key == best[:, None]), ecols[None, :], BLOCK_EALL), axis=1)
-                idx = tl.where(lanes[None, :] == j, pick[:, None], idx)
-                score = tl.sum(tl.where(ecols[None, :] == pick[:, None], sc, 0.0), axis=1)  # its unbiased score
-                w = tl.where(lanes[None, :] == j, score[:, None], w)
-                avail = avail & (ecols[None, :] != pick[:, None])
-            if RENORMALIZE:
-                w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)  # lanes >= K hold 0
             out = rows[:, None].to(tl.int64) * K + lanes[None, :]
             keep = (rows[:, None] < N) & (lanes[None, :] < K)
             tl.store(IDX + out, idx.to(tl.int64), mask=keep)
