@@ -13,10 +13,9 @@
 # kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest
 # split it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
 # transformers peer), decode, decode_goals, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
-# profile_decode, ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), ab_opt_in
-# (session 26's opt-in kernels, each and both, vs the default), profile_attn_res, kernels (full), moe_decode, decode_grouped_mm,
-# tune_mla, multi_linear, small_groups and profile_kernels on request, each under its own limit below (one call runs
-# at most 10 minutes)
+# profile_decode, ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), profile_attn_res,
+# kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear, small_groups and profile_kernels on request,
+# each under its own limit below (one call runs at most 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -55,8 +54,6 @@ step ab_kernels_a 540 python benchmarks/profile_decode.py --compiled --cases 64x
   --env K3_ROUTER_TOPK=torch --env K3_MULTI_LINEAR=torch  # each decode kernel off alone vs the default, one process
 step ab_kernels_b 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
   --env K3_MOE_ROUTE=torch --env K3_MOE_UP_GLU=torch --env $OFF
-step ab_opt_in 560 python benchmarks/profile_decode.py --compiled --cases 64x32768 --top 40 --env K3_ROUTER_GEMM=triton \
-  --env K3_MAPS_CONV=triton --env K3_ROUTER_GEMM=triton,K3_MAPS_CONV=triton  # session 26's opt-in kernels vs default
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 420 python -m k3 bench kernels  # full: MoE and KDA rows at 4K / 16K / 64K (fla autotunes new shapes)

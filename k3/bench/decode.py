@@ -141,7 +141,6 @@ COMPILED_CASES = {(1, 4096), (64, 32768), (16, 131072)}  # also compiled (both m
 KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input maps", "K3_MOE_ROUTE": "MoE routing",
                    "K3_MOE_UP_GLU": "experts' up-projection and GLU", "K3_CONV_STEP": "short-conv steps",
                    "K3_KDA_DECODE": "KDA core"}  # the decode kernels, each turned off by VAR=torch
-OPT_IN_SWITCHES = {"K3_ROUTER_GEMM": "router GEMM with its top-k", "K3_MAPS_CONV": "KDA maps with their short convs"}
 
 
 GOAL_CASES = [(1, 4096), (64, 32768), (16, 131072)]  # the goals' cases: B=1 / 4K vs the peer, 80% at B=64 / 32K, 3x
@@ -164,10 +163,8 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
                "x_transformers", "hybrid_speedup", "error"]
     experts = _experts_matmul(1, needs_grad=False)  # what the decode steps below run (K3_MOE_SMALL_GROUPS)
-    switches = [(var, what, False) for var, what in KERNEL_SWITCHES.items()]
-    switches += [(var, what, True) for var, what in OPT_IN_SWITCHES.items()]  # on only with VAR=triton
-    kernels = ", ".join(f"{what} by {'torch' if backend.kernel_switch(var, _have_triton, opt_in) else 'Triton'}"
-                        for var, what, opt_in in switches)  # where the shapes fit (the log says)
+    kernels = ", ".join(f"{what} by {'torch' if backend.kernel_switch(var, _have_triton) else 'Triton'}"
+                        for var, what in KERNEL_SWITCHES.items())  # where the shapes fit (the log says)
     meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": f"fast (Triton split-K MLA decode, {experts} "
                             f"experts, {kernels}; fla's fused_recurrent_kda where the KDA core is torch), decode_step "
                             "in CUDA graphs"}

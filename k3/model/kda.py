@@ -23,10 +23,10 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.cache import KDAState
 from k3.model.norm import GatedRMSNorm
-from k3.ops.conv import causal_conv1d
+from k3.ops.conv import causal_conv1d, causal_conv1d_steps
 from k3.ops.kda import (chunk_kda_raw, decode_core_kernel, kda_decode_core, kda_decode_step, kda_gate, l2norm,
                         recurrent_kda)
-from k3.ops.linear import multi_linear_conv
+from k3.ops.linear import multi_linear
 from k3.ops.dtypes import upcast
 
 
@@ -130,17 +130,16 @@ class KimiDeltaAttention(nn.Module):
         """Decode: x [N, d], one new token for each cached sequence ``slots[i]`` -> [N, d]. Conv and recurrent
         states are updated in place and nothing is read back to the host (CUDA-graph safe). On a GPU: the six input
         maps, the three short convs and the rest of the core (gates, recurrence, gated norm) one Triton launch each
-        where chosen (k3.ops.linear, k3.ops.conv, k3.ops.kda.decode_core_kernel; the maps and convs in one, opt-in),
-        then o_proj."""
+        where chosen (k3.ops.linear, k3.ops.conv, k3.ops.kda.decode_core_kernel), then o_proj."""
         n, h, dk, dv = x.shape[0], self.num_heads, self.head_dim, self.v_head_dim
         full_gate = hasattr(self, "g_proj")
         gate_in = self.g_proj if full_gate else self.g_a_proj
-        # the six maps of x, then the short convs of q, k, v (k3.ops.linear.multi_linear_conv: one Triton launch
-        # each where chosen, or both in one, opt-in)
+        # the six maps of x in one call (k3.ops.linear: one Triton launch where chosen, else six linears)
+        *qkv, f_a, b, g = multi_linear(x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
+                                                             self.b_proj, gate_in)])
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        q, k, v, f_a, b, g = multi_linear_conv(
-            x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)],
-            [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots, activation="silu")
+        q, k, v = causal_conv1d_steps(qkv, [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots,
+                                      activation="silu")  # one Triton launch where chosen
         gate_maps = [] if full_gate else [self.g_b_proj.weight]
         inputs = [q, k, v, f_a, b, g, self.f_b_proj.weight, *gate_maps, self.A_log, self.dt_bias, self.o_norm.weight]
         if decode_core_kernel(x, state.recurrent, inputs) == "triton":  # the rest in one launch

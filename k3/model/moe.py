@@ -15,6 +15,7 @@ the latent rows (expert parallelism); this module itself never communicates.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3.config import K3Config
@@ -23,7 +24,7 @@ from k3.model.balance import RouterStats
 from k3.model.norm import RMSNorm
 from k3.ops.linear import multi_linear
 from k3.ops.moe import moe_experts
-from k3.ops.router import route_input
+from k3.ops.router import route
 from k3.ops.dtypes import upcast
 
 
@@ -38,11 +39,10 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64 (a token's k experts in no particular order),
-        topk_weight [N, k] fp32. k3.ops.router.route_input: the GEMM in fp32, then the rest (sigmoid, biased top-k,
-        gather, renormalise, scale) in torch or, where no gradient is needed on a GPU (decode), one Triton kernel;
-        opt-in (K3_ROUTER_GEMM=triton), the GEMM and the rest in one launch."""
-        return route_input(x, self.weight, upcast(self.e_score_correction_bias), self.top_k, self.renormalize,
-                           self.scaling)
+        topk_weight [N, k] fp32. The GEMM is here; the rest (sigmoid, biased top-k, gather, renormalise, scale)
+        is k3.ops.router.route: torch, or one Triton kernel where no gradient is needed on a GPU (decode)."""
+        logits = F.linear(upcast(x), upcast(self.weight))
+        return route(logits, upcast(self.e_score_correction_bias), self.top_k, self.renormalize, self.scaling)
 
 
 class RoutedExperts(nn.Module):

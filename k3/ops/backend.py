@@ -84,18 +84,15 @@ def dispatch(op: str, device: torch.device, *args, **kwargs):
     return resolve(op, device)[1](*args, **kwargs)
 
 
-def kernel_switch(var: str, triton_usable: Callable[[], bool], opt_in: bool = False) -> str:
+def kernel_switch(var: str, triton_usable: Callable[[], bool]) -> str:
     """The reason against a fast path's own Triton kernel that the environment variable ``var`` gives, or "" for
     none. Unset or ``triton``: none where Triton is usable (``triton_usable()``); unset elsewhere: that it is not;
-    ``triton`` elsewhere, or any value other than torch / triton: one clear error. ``torch``: "<var>=torch".
-    An ``opt_in`` kernel (not yet measured on a GPU) runs only when ``var`` is triton: unset is a reason too."""
+    ``triton`` elsewhere, or any value other than torch / triton: one clear error. ``torch``: "<var>=torch"."""
     choice = os.environ.get(var)
     if choice not in (None, "torch", "triton"):
         raise ValueError(f"{var}={choice!r} must be one of torch, triton")
     if choice == "torch":
         return f"{var}=torch"
-    if choice is None and opt_in:
-        return f"{var} is not set (the kernel is opt-in until measured on a GPU: {var}=triton)"
     if triton_usable():
         return ""
     if choice == "triton":
@@ -104,12 +101,12 @@ def kernel_switch(var: str, triton_usable: Callable[[], bool], opt_in: bool = Fa
 
 
 def triton_or_torch(var: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
-                    triton_usable: Callable[[], bool], logged: set[str], opt_in: bool = False) -> str:
+                    triton_usable: Callable[[], bool], logged: set[str]) -> str:
     """'triton' or 'torch': what a fast path runs that has its own Triton kernel: the kernel unless
-    :func:`kernel_switch` (``opt_in`` passed on) or ``why_not()`` gives a reason against it (a gradient is needed,
-    a shape the kernel does not take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[:
-    <reason>]", labels = (the kernel's, torch's)."""
-    why = kernel_switch(var, triton_usable, opt_in) or why_not()
+    :func:`kernel_switch` or ``why_not()`` gives a reason against it (a gradient is needed, a shape the kernel does
+    not take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]", labels = (the
+    kernel's, torch's)."""
+    why = kernel_switch(var, triton_usable) or why_not()
     name = "torch" if why else "triton"
     if name + why not in logged:
         logged.add(name + why)

@@ -73,23 +73,6 @@ def assemble(kernel, values: dict, options: dict, tmp_path) -> str:
     return done.stderr + done.stdout
 
 
-def _router_gemm(n, e, d, k, wdtype):
-    from k3.ops.router.triton_gemm_topk import router_gemm_topk
-
-    return lambda: router_gemm_topk(torch.randn(n, d).bfloat16(), torch.randn(e, d).to(wdtype), torch.randn(e), k,
-                                    True, 2.5)
-
-
-def _maps_conv(rows, width, state_dtype):
-    from k3.ops.linear.triton_multi import multi_linear_conv
-
-    sizes = (1024, 1024, 1024, 64, 16, 64)
-    ws = [torch.randn(n, 1024).bfloat16() for n in sizes]
-    cws = [torch.randn(n, width) for n in sizes[:3]]
-    pools = [torch.randn(rows + 2, n, width - 1).to(state_dtype) for n in sizes[:3]]
-    return lambda: multi_linear_conv(torch.randn(rows, 1024).bfloat16(), ws, *cws, *pools, torch.arange(rows), True)
-
-
 def _maps(rows):
     from k3.ops.linear.triton_multi import multi_linear
 
@@ -155,11 +138,6 @@ def _mla(b, h, length):
 
 
 CASES = {
-    "router_gemm_topk 64x64": _router_gemm(64, 64, 1024, 8, torch.float32),
-    "router_gemm_topk 1x64": _router_gemm(1, 64, 1024, 8, torch.float32),
-    "router_gemm_topk 8x896 bf16 weight": _router_gemm(8, 896, 2048, 16, torch.bfloat16),
-    "multi_linear_conv 64 rows": _maps_conv(64, 4, torch.float32),
-    "multi_linear_conv 16 rows bf16 pools width 3": _maps_conv(16, 3, torch.bfloat16),
     "multi_linear": _maps(64),
     "conv_steps": _conv_steps(64),
     "router_topk": _router_topk(64, 896, 16),

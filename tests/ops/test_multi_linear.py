@@ -163,15 +163,14 @@ def spy_calls(monkeypatch, module) -> list[int]:
 
 
 def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
-    """The KDA decode step sends x through multi_linear once (inside k3.ops.linear.multi_linear_conv, with the
-    short convs after it), with its six input weights (q, k, v, the forget and output gates' first maps, beta), and
-    still equals the layer's chunked forward over the same tokens (fp64), with a low-rank and with a full-rank
-    output gate."""
+    """The KDA decode step sends x through multi_linear once, with its six input weights (q, k, v, the forget and
+    output gates' first maps, beta), and still equals the layer's chunked forward over the same tokens (fp64),
+    with a low-rank and with a full-rank output gate."""
     from k3.config import get_preset
     from k3.model import kda as kda_module
     from k3.model.cache import K3Cache
 
-    calls = spy_calls(monkeypatch, linear)
+    calls = spy_calls(monkeypatch, kda_module)
     torch.manual_seed(2)
     for full_gate in (False, True):
         cfg = get_preset("tiny").replace(**{"kda.full_rank_output_gate": full_gate})

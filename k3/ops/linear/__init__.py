@@ -8,9 +8,6 @@ microseconds each on an H200, most of it launch and tail. The ``fast`` backend c
 and at most MAX_WEIGHTS weights; the torch form otherwise. ``K3_MULTI_LINEAR=torch`` turns the kernel off
 (:func:`k3.ops.backend.triton_or_torch`); it is the default since it was measured on an H200 in session 24
 (benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
-
-``multi_linear_conv`` is a KDA decode step's maps followed by the short convs of the first three (q, k, v); opt-in
-(``K3_MAPS_CONV=triton``, until run on a GPU), both in the maps' one launch.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import torch
 from torch import Tensor
 
 from k3.ops import backend
-from k3.ops.conv import causal_conv1d_steps, steps_kernel
 from k3.ops.linear.reference import multi_linear as multi_linear_reference
 from k3.ops.moe import grouped as _grouped
 
@@ -65,49 +61,6 @@ def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 
         return multi_linear_triton(x, weights)
     return multi_linear_reference(x, weights)
-
-
-_conv_logged: set[str] = set()
-
-
-def conv_kernel(x: Tensor, weights: list[Tensor], conv_weights: list[Tensor], states: list[Tensor],
-                activation: str | None) -> str:
-    """Whether :func:`multi_linear_conv` runs as one launch (k3.ops.linear.triton_multi.multi_linear_conv): 'triton'
-    when K3_MAPS_CONV=triton (opt-in: not yet run on a GPU), both parts' kernels would run (:func:`kernel` and
-    k3.ops.conv.steps_kernel say triton: neither switched off, no gradient, supported shapes and dtypes), the
-    activation is silu or None and the three convs have one width of at most 4; else 'torch' (logged once each,
-    with the reason)."""
-    def why_not() -> str:
-        if len(weights) < 3 or len(conv_weights) != 3 or len(states) != 3:
-            return "the kernel takes three convolved maps first"
-        if kernel(x, weights) != "triton":
-            return "multi_linear's own kernel does not run here (its log line says why)"
-        # x stands for the three maps' outputs (their dtype, and a gradient iff x or a weight needs one)
-        if steps_kernel([x] * 3, conv_weights, states, activation) != "triton":
-            return "the short conv's own kernel does not run here (its log line says why)"
-        if len({c.shape[-1] for c in conv_weights}) != 1 or conv_weights[0].shape[-1] > 4:
-            return "the kernel takes three convs of one width, at most 4"
-        return ""
-
-    return backend.triton_or_torch("K3_MAPS_CONV", "multi_linear_conv:", why_not,
-                                   ("one Triton launch (k3.ops.linear.triton_multi.multi_linear_conv)",
-                                    "multi_linear, then causal_conv1d_steps"), _grouped._have_triton, _conv_logged,
-                                   opt_in=True)
-
-
-def multi_linear_conv(x: Tensor, weights: list[Tensor], conv_weights: list[Tensor], *, states: list[Tensor],
-                      slots: Tensor, activation: str | None = "silu") -> list[Tensor]:
-    """A KDA decode step's input maps and short convs: multi_linear(x, weights), then the first three outputs
-    through k3.ops.conv.causal_conv1d_steps (conv weights [N_i, W], state pools [S, N_i, W-1] updated in place,
-    ``slots`` [M]) -> [conv'd y_0..y_2, x @ W_3^T, ...]. Under the fast backend, where :func:`conv_kernel` chooses
-    it, one Triton launch for both (opt-in: K3_MAPS_CONV=triton)."""
-    if backend.resolve("multi_linear", x.device)[0] == "fast" and conv_kernel(
-            x, weights, conv_weights, states, activation) == "triton":
-        from k3.ops.linear.triton_multi import multi_linear_conv as fused  # Triton: imported on use
-
-        return list(fused(x, weights, *conv_weights, *states, slots, activation == "silu")[:len(weights)])
-    ys = multi_linear(x, weights)
-    return causal_conv1d_steps(ys[:3], conv_weights, states=states, slots=slots, activation=activation) + ys[3:]
 
 
 backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")

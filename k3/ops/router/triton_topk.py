@@ -23,43 +23,29 @@ from k3.ops.router import MAX_EXPERTS
 
 
 @triton.jit
-def _topk_rows(logit, live, bias, ecols, lanes, K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Rows of fp32 logits [R, BLOCK_E] (``live``: the real experts of real rows), bias [BLOCK_E], ecols = arange
-    BLOCK_E, lanes = arange BLOCK_K -> scores = sigmoid(logit), idx [R, BLOCK_K] int32 and w [R, BLOCK_K] (lanes >= K
-    hold 0): k rounds of argmax of score + bias (ties: the lowest expert; NaN first), each pick's unbiased score,
-    renormalised if RENORMALIZE (unscaled). Shared by this module's kernel and k3.ops.router.triton_gemm_topk."""
-    sc = tl.sigmoid(logit)
-    key = sc + bias[None, :]
-    key = tl.where(key != key, float("inf"), key)  # NaN ranks first, as in torch.topk (and keeps picks in range)
-    avail = live  # the experts not yet picked
-    idx = tl.zeros([logit.shape[0], lanes.shape[0]], dtype=tl.int32)
-    w = tl.zeros([logit.shape[0], lanes.shape[0]], dtype=tl.float32)
-    for j in range(K):
-        best = tl.max(tl.where(avail, key, float("-inf")), axis=1)  # [R]
-        pick = tl.min(tl.where(avail & (key == best[:, None]), ecols[None, :], BLOCK_E), axis=1)  # ties: lowest
-        idx = tl.where(lanes[None, :] == j, pick[:, None], idx)
-        score = tl.sum(tl.where(ecols[None, :] == pick[:, None], sc, 0.0), axis=1)  # its unbiased score, exactly
-        w = tl.where(lanes[None, :] == j, score[:, None], w)
-        avail = avail & (ecols[None, :] != pick[:, None])
-    if RENORMALIZE:
-        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
-    return sc, idx, w
-
-
-@triton.jit
 def _router_topk_kernel(LOGITS, BIAS, SCORES, IDX, WEIGHT, E, scaling, K: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
+    avail = cols < E  # the experts not yet picked
+    s = tl.sigmoid(tl.load(LOGITS + row * E + cols, mask=avail, other=0.0))  # [BLOCK_E] fp32
+    tl.store(SCORES + row * E + cols, s, mask=avail)
+    key = s + tl.load(BIAS + cols, mask=avail, other=0.0)
+    key = tl.where(key != key, float("inf"), key)  # NaN ranks first, as in torch.topk (and keeps picks in range)
     lanes = tl.arange(0, BLOCK_K)
-    real = cols < E
-    logit = tl.load(LOGITS + row * E + cols, mask=real, other=0.0)[None, :]  # [1, BLOCK_E] fp32
-    sc, idx, w = _topk_rows(logit, real[None, :], tl.load(BIAS + cols, mask=real, other=0.0), cols, lanes, K,
-                            RENORMALIZE, BLOCK_E)
-    tl.store(SCORES + row * E + cols[None, :], sc, mask=real[None, :])
-    out = row * K + lanes[None, :]
-    tl.store(IDX + out, idx.to(tl.int64), mask=(lanes < K)[None, :])
-    tl.store(WEIGHT + out, w * scaling, mask=(lanes < K)[None, :])
+    idx = tl.zeros([BLOCK_K], dtype=tl.int32)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in range(K):
+        best = tl.max(tl.where(avail, key, float("-inf")), axis=0)
+        pick = tl.min(tl.where(avail & (key == best), cols, BLOCK_E), axis=0)  # ties: the lowest index
+        idx = tl.where(lanes == j, pick, idx)
+        w = tl.where(lanes == j, tl.sum(tl.where(cols == pick, s, 0.0), axis=0), w)  # its unbiased score, exactly
+        avail = avail & (cols != pick)
+    if RENORMALIZE:
+        w = w / (tl.sum(w, axis=0) + 1e-20)  # lanes >= K hold 0
+    out = row * K + lanes
+    tl.store(IDX + out, idx.to(tl.int64), mask=lanes < K)
+    tl.store(WEIGHT + out, w * scaling, mask=lanes < K)
 
 
 @torch.library.custom_op("k3::router_topk", mutates_args=())
