@@ -1,5 +1,5 @@
-"""One comparison of a router kernel's routing with the torch reference's, for the Triton top-k and one-launch
-router tests (Triton's interpreter: tests/ops/test_router*.py; GPU: tests/gpu/test_router_kernel.py)."""
+"""One comparison of a router kernel's routing with the torch reference's, for the Triton top-k kernel's tests
+(Triton's interpreter: tests/ops/test_router.py; GPU: tests/gpu/test_router_kernel.py)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def run_pair(w0, ref_params, to_ref_grads, group_kw, steps=3, seed=0):
 
 
 def test_per_head_muon_equals_torch_muon_per_head(ns_dtype):
-    for heads, hd, d_in in [(4, 16, 48), (3, 32, 24)]:  # wide blocks, then tall blocks (transposed in NS)
+    for heads, hd, d_in in [(4, 16, 48), (3, 32, 24)]:  # wide blocks, then tall blocks (NS on their transpose)
         w0 = torch.randn(heads * hd, d_in, generator=torch.Generator().manual_seed(1)) * 0.02
         ref_params = [nn.Parameter(w0[h * hd:(h + 1) * hd].clone()) for h in range(heads)]
         ours = run_pair(w0, ref_params, lambda g: g.split(hd, 0),
