@@ -41,7 +41,7 @@ step tests_k 400 $T -k "$TESTS_K"
 step profile 110 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048
 step profile_stacks 170 python benchmarks/profile_train_step.py --preset small-1b --batch-size 8 --seq-len 2048 \
   --steps 2 --stacks
-step train 260 python -m k3 bench model --cases train,peer
+step train 420 python -m k3 bench model --cases train,peer,floor  # with the step's floor (k3/bench/floor.py)
 step attn_res 240 python -m k3 bench model --cases attn_res
 step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac

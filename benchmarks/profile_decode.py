@@ -36,7 +36,7 @@ from unittest.mock import patch
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3.bench.common import copy_bandwidth, cuda_time, write_profile
+from k3.bench.common import copy_bandwidth, cuda_time, device_activity, write_profile
 from k3.bench.decode import fill_cache, peer_config, step_bytes
 from k3.config import get_preset
 from k3.infer.graphs import COMPILE_OPTIONS, GraphedDecoder
@@ -126,9 +126,8 @@ def main() -> None:
             for _ in range(a.steps):
                 model.decode(ids, cache, seq)
             torch.cuda.synchronize()
-        events = prof.events()  # kernels; the parts' GPU-side annotations span idle gaps too: left out
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.startswith("part:")]
+        events = prof.events()
+        kernels = device_activity(events)  # not the parts' GPU-side ranges: they span idle gaps too
         busy = sum(e.device_time for e in kernels) / 1e3 / a.steps
         block = ["", f"B={batch} context={context}: graph {graphed[batch, context] * 1e3:.2f} ms/step, "
                  f"eager {eager * 1e3:.2f} ms/step, limit {limit * 1e3:.3f} ms "
@@ -174,8 +173,7 @@ def compiled_block(model, cache, ids, batch: int, context: int, limit: float, st
         for _ in range(steps):
             graph(ids, seq)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower()]  # the graph's kernels, not the input copies
+    kernels = device_activity(prof.events(), memcpy=False)  # the graph's kernels, not the input copies
     busy = sum(e.device_time for e in kernels) / 1e3 / steps
     block = ["", f"B={batch} context={context} compiled{label} + CUDA graph: {t * 1e3:.2f} ms/step, limit "
              f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "

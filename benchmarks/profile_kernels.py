@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3.bench.common import write_profile
+from k3.bench.common import device_activity, write_profile
 from k3.bench.kernels import kda_layers, moe_block
 from k3.ops import backend
 from k3.ops.moe import moe_experts
@@ -48,10 +48,9 @@ def kernel_times(fn, steps: int, cuda: bool) -> tuple[dict[str, list], float]:
             torch.cuda.synchronize()
     table: dict[str, list] = defaultdict(lambda: [0.0, 0.0])
     if cuda:
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                table[e.name][0] += e.device_time / 1e3 / steps
-                table[e.name][1] += 1 / steps
+        for e in device_activity(prof.events()):
+            table[e.name][0] += e.device_time / 1e3 / steps
+            table[e.name][1] += 1 / steps
     else:
         for e in prof.key_averages():
             table[e.key] = [e.self_cpu_time_total / 1e3 / steps, e.count / steps]

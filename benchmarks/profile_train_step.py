@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from k3.bench.common import cuda_time, write_profile
+from k3.bench.common import cuda_time, device_activity, write_profile
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     rest = profiled * 1e3 - sum(e.cpu_time_total for e in phases) / 1e3 / a.steps
     lines.append(f"{'rest (backward, metrics)':<28} wall {rest:7.1f} ms/step")
     if cuda:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = device_activity(prof.events())  # not the phases' GPU-side ranges: they would count twice
         busy = sum(e.device_time for e in kernels) / 1e3 / a.steps
         lines += [f"kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.1f} ms/step "
                   f"({busy / (profiled * 1e3):.0%} of the step)"]

@@ -43,6 +43,15 @@ def matmul_flops() -> float:
     return 2 * 8192**3 / t
 
 
+def device_activity(events, memcpy: bool = True) -> list:
+    """The device's own work among torch.profiler ``events``: CUDA kernels, memsets and (``memcpy``) memory copies.
+    Left out are the GPU-side ranges of user annotations (``record_function`` ranges, ``Optimizer.step#...``,
+    inductor's graph calls): each spans kernels counted already and the idle gaps between them, so summing them
+    with the kernels counts time twice."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+            and (memcpy or "memcpy" not in e.name.lower())]
+
+
 def environment() -> dict:
     p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     return {"torch": torch.__version__, "device": p.name if p else "cpu", "python": platform.python_version(),

@@ -1,5 +1,6 @@
 """Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
-peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory); (c) AttnRes
+peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory; case floor: the
+step's floor, k3.bench.floor, and the tokens/s, MFU and ratio to the peer it allows); (c) AttnRes
 none / snapshot / full overhead in training and decode, peak memory (case attn_res_compiled: the decode step
 compiled by torch.compile before its CUDA-graph capture); (f) one-GPU prefill of 128K and 1M tokens,
 hybrid vs a full-MLA twin (time, peak memory)."""
@@ -11,8 +12,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3.bench.common import cuda_time, environment, write_results
+from k3.bench.common import cuda_time, environment, matmul_flops, write_results
 from k3.bench.decode import fill_cache
+from k3.bench.floor import floor_parts
 from k3.infer.graphs import GraphedDecoder
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
@@ -82,7 +84,7 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     return t
 
 
-CASES = ("train", "train_ac", "peer", "attn_res", "attn_res_compiled", "prefill")
+CASES = ("train", "train_ac", "peer", "floor", "attn_res", "attn_res_compiled", "prefill")
 
 
 def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
@@ -124,6 +126,9 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
                      "tokens_per_s": batch * seq / peer})
         if t is not None:
             rows[0]["x_transformers"] = peer / t
+    if "floor" in cases:
+        floor_rows(rows, batch, seq, peer)
+        save()
     if "attn_res" in cases:
         attn_res_rows(rows, save)
     if "attn_res_compiled" in cases:
@@ -131,6 +136,24 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
     if "prefill" in cases:
         prefill_rows(rows, save, quick)
     save()
+
+
+def floor_rows(rows: list, batch: int, seq: int, peer: float | None) -> None:
+    """(d) continued: the parts of small-1b's training-step floor (k3.bench.floor), one row each, then their sum
+    with the tokens/s and MFU it allows and its ratio to the peer's step (when measured)."""
+    model = K3ForCausalLM(get_preset("small-1b")).cuda()
+    n_act = activated_matmul_params(model)
+    parts = floor_parts(model, batch, seq, matmul_flops(), cuda_time, n_act)
+    rows += [{"case": f"floor part: {name}", "ms": s * 1e3} for name, s in parts.items()]
+    total = sum(parts.values())
+    tps = batch * seq / total
+    row = {"case": f"floor of a small-1b step B{batch} T{seq}", "ms": total * 1e3, "tokens_per_s": tps,
+           "mfu_6N": 6 * n_act * tps / PEAK}
+    if peer:
+        row["x_transformers"] = peer / total
+    rows.append(row)
+    del model
+    torch.cuda.empty_cache()
 
 
 def attn_res_rows(rows: list, save, compiled: bool = False) -> None:

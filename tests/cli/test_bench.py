@@ -1,5 +1,6 @@
 """`k3 bench`: its arguments are checked before it asks for a GPU (one clear error each, exit code 2), and the decode
-benchmark's goals-only run picks the goals' compiled rows; the KDA layer comparison times the layers in turn."""
+benchmark's goals-only run picks the goals' compiled rows; the KDA layer comparison times the layers in turn; the
+profiles' device time counts kernels, not the annotation ranges that span them."""
 
 import pytest
 import torch
@@ -40,3 +41,57 @@ def test_layers_are_timed_in_turn_and_compared_by_their_medians():
     med = kernels.interleaved_times(fns, rounds=5, timer=timer)
     assert calls == [("ours", 3), ("fla", 3)] + [("ours", 1), ("fla", 1)] * 4  # alternating, warm-up once each
     assert med == {"ours": 4.0, "fla": 5.0}  # medians of 0, 2, .., 8 and 1, 3, .., 9: the drift shared
+
+
+def test_device_activity_counts_kernels_not_the_annotations_that_span_them():
+    from types import SimpleNamespace
+
+    from k3.bench.common import device_activity
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation)
+
+    events = [event("phase: optimizer", cpu, True), event("phase: optimizer", cuda, True),  # a range, both sides
+              event("Optimizer.step#K3Muon.step", cuda, True), event("aten::mm", cpu),
+              event("nvjet_sm90_tst_256x128", cuda), event("Memcpy DtoD (Device -> Device)", cuda),
+              event("Memset (Device)", cuda)]
+    assert [e.name for e in device_activity(events)] == ["nvjet_sm90_tst_256x128", "Memcpy DtoD (Device -> Device)",
+                                                          "Memset (Device)"]
+    assert [e.name for e in device_activity(events, memcpy=False)] == ["nvjet_sm90_tst_256x128", "Memset (Device)"]
+
+
+def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers():
+    """k3.bench.floor on the tiny preset on the CPU (reference ops) with a timer that runs each part once and reports
+    one second: every part runs forward and backward, a layer's time counts once per layer of its kind, Newton-Schulz
+    covers every expert matrix, the matrix products are 6N FLOPs per token at the given rate."""
+    from k3.bench import floor
+    from k3.config import get_preset
+    from k3.model.decoder import K3ForCausalLM
+    from k3.ops import backend
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny"))
+    cfg = model.config
+    runs = []
+
+    def timer(fn, warmup, iters):
+        fn()
+        runs.append(fn)
+        return 1.0
+
+    backend.set_backend("reference")
+    try:
+        parts = floor.floor_parts(model, batch=2, seq=16, matmul_rate=1e6, timer=timer, activated_params=1000.0)
+    finally:
+        backend.set_backend("auto")
+    n_kda, n_mla = cfg.num_hidden_layers - len(cfg.mla_layers), len(cfg.mla_layers)
+    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    experts = 3 * n_moe * cfg.moe.num_experts  # w1, w2, w3 of every routed expert
+    assert parts == {f"fla chunked KDA (fwd+bwd) x{n_kda}": n_kda, f"fla short convs (fwd+bwd) x{n_kda}": n_kda,
+                     f"MLA attention (fwd+bwd) x{n_mla}": n_mla, f"Newton-Schulz of {experts} expert matrices": 1.0,
+                     "matrix products at 100% of the bf16 rate": 6 * 1000.0 * 32 / 1e6}
+    assert len(runs) == 4
+    kda = next(m for m in model.modules() if isinstance(m, floor.KimiDeltaAttention))
+    assert kda.A_log.grad is not None and kda.q_conv1d.weight.grad is not None  # the backward ran

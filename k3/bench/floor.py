@@ -1,0 +1,114 @@
+"""The training step's floor: the work no change to our own code removes, each part timed alone at the step's shapes.
+
+A small-1b step (8 x 4096, bf16, K3Muon) spends device time in fla's chunked KDA and its short convs (the kernels
+transformers' KimiLinear runs too), in MLA's attention, in Newton-Schulz on the experts' matrices (Muon's defining
+cost; the goal's peer uses AdamW) and in the model's matrix products. The parts are timed here by CUDA events in
+the benchmark's process, forward + backward where the step has both, on random inputs of the step's shapes; the
+matrix products are counted as 6N FLOPs per token at the bf16 rate measured in the same process (100% of it: a
+bound, no kernel reaches it). Their sum bounds the step from below, and with it the tokens/s and the MFU any step of
+this model and optimizer can reach at these shapes. What the step spends above it (norms, gates, routing, AttnRes,
+casts, the optimizer's element-wise work, the host) is ours to reduce.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import MultiheadLatentAttention
+from k3.ops.conv import causal_conv1d
+from k3.ops.kda import chunk_kda_raw
+from k3.ops.mla import attention
+from k3.ops.segments import offsets_to
+from k3.train.optim import newton_schulz, param_groups_for
+
+Timer = Callable[[Callable[[], object], int, int], float]  # (fn, warmup, iters) -> seconds per call
+
+
+def _randn(*shape, device, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_()
+
+
+def _fwd_bwd(fn: Callable[[], list[torch.Tensor]], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    """A call of fn() and the backward of its outputs against fixed random gradients (made on the first call). The
+    ``leaves``' gradients are dropped first, so each backward writes them as the step's does, rather than adding."""
+    grads: list[torch.Tensor] = []
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        outs = fn()
+        if not grads:
+            grads.extend(torch.randn_like(o) for o in outs)
+        torch.autograd.backward(outs, grads)
+    return run
+
+
+def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """One KDA layer's fla parts at n packed tokens: the chunked recurrence (its norms and gate inside) and the three
+    short convs, each forward + backward, with the layer's own A_log, dt_bias and conv weights."""
+    dev, h, dk, dv = layer.A_log.device, layer.num_heads, layer.head_dim, layer.v_head_dim
+    q, k, f = (_randn(1, n, h, dk, device=dev) for _ in range(3))
+    v, b = _randn(1, n, h, dv, device=dev), _randn(1, n, h, device=dev)
+
+    def core():
+        o, _ = chunk_kda_raw(q, k, v, f, b, A_log=layer.A_log, dt_bias=layer.dt_bias, lower_bound=layer.lower_bound,
+                             l2norm_eps=layer.l2norm_eps, chunk_size=layer.chunk_size, cu_seqlens=cu_seqlens)
+        return [o]
+
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    xs = [_randn(1, n, conv.weight.shape[0], device=dev) for conv in convs]
+
+    def conv_steps():
+        return [causal_conv1d(x, conv.weight[:, 0], cu_seqlens=cu_seqlens, activation="silu")[0]
+                for x, conv in zip(xs, convs)]
+    return {"fla chunked KDA": _fwd_bwd(core, [q, k, v, f, b, layer.A_log, layer.dt_bias]),
+            "fla short convs": _fwd_bwd(conv_steps, xs + [conv.weight for conv in convs])}
+
+
+def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) -> Callable[[], None]:
+    """One MLA layer's attention at n packed tokens as training runs it (heads expanded), forward + backward."""
+    dev = layer.kv_b_proj.weight.device
+    h, dq = layer.num_heads, layer.dn + layer.dr
+    q, k, v = _randn(n, h, dq, device=dev), _randn(n, h, dq, device=dev), _randn(n, h, layer.dv, device=dev)
+    return _fwd_bwd(lambda: [attention(q, k, v, scale=layer.scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)],
+                    [q, k, v])
+
+
+def expert_blocks(model: torch.nn.Module) -> Counter:
+    """(rows, cols) -> how many expert matrices of that shape K3Muon orthogonalises per step."""
+    blocks: Counter = Counter()
+    for group in param_groups_for(model, 1e-4):
+        if group["kind"] == "muon_expert":
+            for p in group["params"]:
+                blocks[tuple(p.shape[-2:])] += p.shape[:-2].numel()
+    return blocks
+
+
+def floor_parts(model: torch.nn.Module, batch: int, seq: int, matmul_rate: float, timer: Timer,
+                activated_params: float) -> dict[str, float]:
+    """Seconds per training step of each part of the floor (see the module docstring) for ``batch`` sequences of
+    ``seq`` tokens: each KDA and MLA layer's part timed alone and multiplied by the layer count where the layers
+    share their shapes, Newton-Schulz (bf16, 5 steps) on every expert matrix, batched by shape as K3Muon batches
+    them, and the matrix products as 6 x ``activated_params`` x tokens / ``matmul_rate``."""
+    n = batch * seq
+    dev = next(model.parameters()).device
+    cu_seqlens = offsets_to(torch.arange(0, n + 1, seq), dev)  # int64 with its host copy, as the model makes them
+    kda = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+    mla = [m for m in model.modules() if isinstance(m, MultiheadLatentAttention)]
+    parts: dict[str, float] = {}
+    if kda:
+        for name, fn in kda_parts(kda[0], n, cu_seqlens).items():
+            parts[f"{name} (fwd+bwd) x{len(kda)}"] = timer(fn, 2, 5) * len(kda)
+    if mla:
+        parts[f"MLA attention (fwd+bwd) x{len(mla)}"] = timer(mla_part(mla[0], n, cu_seqlens), 2, 5) * len(mla)
+    blocks = expert_blocks(model)
+    if blocks:
+        inputs = [torch.randn(count, *shape, device=dev, dtype=torch.bfloat16) for shape, count in blocks.items()]
+        parts[f"Newton-Schulz of {sum(blocks.values())} expert matrices"] = timer(
+            lambda: [newton_schulz(x, dtype=torch.bfloat16) for x in inputs], 1, 3)
+    parts["matrix products at 100% of the bf16 rate"] = 6 * activated_params * n / matmul_rate
+    return parts
