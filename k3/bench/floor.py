@@ -1,8 +1,9 @@
 """The training step's floor: the work no change to our own code removes, each part timed alone at the step's shapes.
 
 A small-1b step (8 x 4096, bf16, K3Muon) spends device time in fla's chunked KDA and its short convs (the kernels
-transformers' KimiLinear runs too), in MLA's attention, in Newton-Schulz on the experts' matrices (Muon's defining
-cost; the goal's peer uses AdamW) and in the model's matrix products. The parts are timed here by CUDA events in
+transformers' KimiLinear runs too), in MLA's attention, in Newton-Schulz on every Muon matrix (most of it the
+experts'; Muon's defining cost, which the goal's AdamW peer does not pay) and in the model's matrix
+products. The parts are timed here by CUDA events in
 the benchmark's process, forward + backward where the step has both, on random inputs of the step's shapes; the
 matrix products are counted as 6N FLOPs per token at the bf16 rate measured in the same process (100% of it: a
 bound, no kernel reaches it). Their sum bounds the step from below, and with it the tokens/s and the MFU any step of
@@ -23,7 +24,7 @@ from k3.ops.conv import causal_conv1d
 from k3.ops.kda import chunk_kda_raw
 from k3.ops.mla import attention
 from k3.ops.segments import offsets_to
-from k3.train.optim import newton_schulz, param_groups_for
+from k3.train.optim import NS_BATCH_BYTES, newton_schulz, param_groups_for
 
 Timer = Callable[[Callable[[], object], int, int], float]  # (fn, warmup, iters) -> seconds per call
 
@@ -78,22 +79,34 @@ def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) 
                     [q, k, v])
 
 
-def expert_blocks(model: torch.nn.Module) -> Counter:
-    """(rows, cols) -> how many expert matrices of that shape K3Muon orthogonalises per step."""
-    blocks: Counter = Counter()
+def muon_batches(model: torch.nn.Module) -> list[tuple[int, int, int]]:
+    """(blocks, rows, cols) of each batched Newton-Schulz call K3Muon makes per step on ``model``'s parameters: per
+    group, blocks of one shape (a head [head_dim, in], an expert matrix, a whole matrix) batched over whole
+    parameters up to NS_BATCH_BYTES of bf16 per call."""
+    budget = NS_BATCH_BYTES // 2
+    calls: list[list[int]] = []
     for group in param_groups_for(model, 1e-4):
-        if group["kind"] == "muon_expert":
-            for p in group["params"]:
-                blocks[tuple(p.shape[-2:])] += p.shape[:-2].numel()
-    return blocks
+        kind = group["kind"]
+        if kind == "adamw":
+            continue
+        last: dict[tuple[int, int], list[int]] = {}  # (rows, cols) -> its open batch [blocks, rows, cols]
+        for p in group["params"]:
+            rows, cols = (group["head_dim"], p.shape[1]) if kind == "muon_head" else tuple(p.shape[-2:])
+            blocks = p.numel() // (rows * cols)
+            open_batch = last.get((rows, cols))
+            if open_batch is None or (open_batch[0] + blocks) * rows * cols > budget:
+                open_batch = last[rows, cols] = [0, rows, cols]
+                calls.append(open_batch)
+            open_batch[0] += blocks
+    return [tuple(c) for c in calls]
 
 
 def floor_parts(model: torch.nn.Module, batch: int, seq: int, matmul_rate: float, timer: Timer,
                 activated_params: float) -> dict[str, float]:
     """Seconds per training step of each part of the floor (see the module docstring) for ``batch`` sequences of
     ``seq`` tokens: each KDA and MLA layer's part timed alone and multiplied by the layer count where the layers
-    share their shapes, Newton-Schulz (bf16, 5 steps) on every expert matrix, batched by shape as K3Muon batches
-    them, and the matrix products as 6 x ``activated_params`` x tokens / ``matmul_rate``."""
+    share their shapes, Newton-Schulz (bf16, 5 steps) on every Muon matrix in K3Muon's batches
+    (:func:`muon_batches`), and the matrix products as 6 x ``activated_params`` x tokens / ``matmul_rate``."""
     n = batch * seq
     dev = next(model.parameters()).device
     cu_seqlens = offsets_to(torch.arange(0, n + 1, seq), dev)  # int64 with its host copy, as the model makes them
@@ -105,10 +118,10 @@ def floor_parts(model: torch.nn.Module, batch: int, seq: int, matmul_rate: float
             parts[f"{name} (fwd+bwd) x{len(kda)}"] = timer(fn, 2, 5) * len(kda)
     if mla:
         parts[f"MLA attention (fwd+bwd) x{len(mla)}"] = timer(mla_part(mla[0], n, cu_seqlens), 2, 5) * len(mla)
-    blocks = expert_blocks(model)
-    if blocks:
-        inputs = [torch.randn(count, *shape, device=dev, dtype=torch.bfloat16) for shape, count in blocks.items()]
-        parts[f"Newton-Schulz of {sum(blocks.values())} expert matrices"] = timer(
+    calls = muon_batches(model)
+    if calls:
+        inputs = [torch.randn(*call, device=dev, dtype=torch.bfloat16) for call in calls]
+        parts[f"Newton-Schulz of {sum(c[0] for c in calls)} Muon matrices in {len(calls)} calls"] = timer(
             lambda: [newton_schulz(x, dtype=torch.bfloat16) for x in inputs], 1, 3)
     parts["matrix products at 100% of the bf16 rate"] = 6 * activated_params * n / matmul_rate
     return parts

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
     p.add_argument("--cases", default=None,
-                   help="model: comma-separated subset of train,train_ac,peer,attn_res,attn_res_compiled,prefill "
+                   help="model: comma-separated subset of train,train_ac,peer,floor,attn_res,attn_res_compiled,prefill "
                         "(default all); decode: goals (only the goals' compiled rows, no transformers peer)")
     p.set_defaults(func=run)
 

@@ -62,14 +62,16 @@ def test_device_activity_counts_kernels_not_the_annotations_that_span_them():
     assert [e.name for e in device_activity(events, memcpy=False)] == ["nvjet_sm90_tst_256x128", "Memset (Device)"]
 
 
-def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers():
+def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers(monkeypatch):
     """k3.bench.floor on the tiny preset on the CPU (reference ops) with a timer that runs each part once and reports
     one second: every part runs forward and backward, a layer's time counts once per layer of its kind, Newton-Schulz
-    covers every expert matrix, the matrix products are 6N FLOPs per token at the given rate."""
+    covers every Muon matrix (a head of a per-head group, an expert, a whole matrix) in K3Muon's batches, the matrix
+    products are 6N FLOPs per token at the given rate."""
     from k3.bench import floor
     from k3.config import get_preset
     from k3.model.decoder import K3ForCausalLM
     from k3.ops import backend
+    from k3.train.optim import param_groups_for
 
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny"))
@@ -87,10 +89,19 @@ def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers():
     finally:
         backend.set_backend("auto")
     n_kda, n_mla = cfg.num_hidden_layers - len(cfg.mla_layers), len(cfg.mla_layers)
-    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
-    experts = 3 * n_moe * cfg.moe.num_experts  # w1, w2, w3 of every routed expert
+    groups = [g for g in param_groups_for(model, 1e-4) if g["kind"] != "adamw"]
+    blocks = {"muon_head": lambda p, g: p.shape[0] // g["head_dim"], "muon_expert": lambda p, g: p.shape[0],
+              "muon": lambda p, g: 1}
+    matrices = sum(blocks[g["kind"]](p, g) for g in groups for p in g["params"])
+    shapes = {(i, (g["head_dim"], p.shape[1]) if g["kind"] == "muon_head" else tuple(p.shape[-2:]))
+              for i, g in enumerate(groups) for p in g["params"]}  # a call per group and block shape
+    calls = floor.muon_batches(model)
+    assert sum(c[0] for c in calls) == matrices and len(calls) == len(shapes)  # tiny: each fits one call
+    monkeypatch.setattr(floor, "NS_BATCH_BYTES", 2)  # below one block: each parameter its own call, never split
+    assert [c[0] for c in floor.muon_batches(model)] == [blocks[g["kind"]](p, g) for g in groups for p in g["params"]]
     assert parts == {f"fla chunked KDA (fwd+bwd) x{n_kda}": n_kda, f"fla short convs (fwd+bwd) x{n_kda}": n_kda,
-                     f"MLA attention (fwd+bwd) x{n_mla}": n_mla, f"Newton-Schulz of {experts} expert matrices": 1.0,
+                     f"MLA attention (fwd+bwd) x{n_mla}": n_mla,
+                     f"Newton-Schulz of {matrices} Muon matrices in {len(calls)} calls": 1.0,
                      "matrix products at 100% of the bf16 rate": 6 * 1000.0 * 32 / 1e6}
     assert len(runs) == 4
     kda = next(m for m in model.modules() if isinstance(m, floor.KimiDeltaAttention))
