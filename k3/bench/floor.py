@@ -2,18 +2,16 @@
 
 A small-1b step (8 x 4096, bf16, K3Muon) spends device time in fla's chunked KDA and its short convs (the kernels
 transformers' KimiLinear runs too), in MLA's attention, in Newton-Schulz on every Muon matrix (most of it the
-experts'; Muon's defining cost, which the goal's AdamW peer does not pay) and in the model's matrix
-products. The parts are timed here by CUDA events in
-the benchmark's process, forward + backward where the step has both, on random inputs of the step's shapes; the
-matrix products are counted as 6N FLOPs per token at the bf16 rate measured in the same process (100% of it: a
-bound, no kernel reaches it). Their sum bounds the step from below, and with it the tokens/s and the MFU any step of
-this model and optimizer can reach at these shapes. What the step spends above it (norms, gates, routing, AttnRes,
-casts, the optimizer's element-wise work, the host) is ours to reduce.
+experts'; Muon's defining cost, which the goal's AdamW peer does not pay) and in the model's matrix products. The
+parts are timed here by CUDA events in the benchmark's process, forward + backward where the step has both, on
+random inputs of the step's shapes; the matrix products are counted as 6N FLOPs per token at the bf16 rate measured
+in the same process (100% of it: a bound, no kernel reaches it). Their sum bounds the step from below, and with it
+the tokens/s and the MFU any step of this model and optimizer can reach at these shapes. What the step spends above
+it (norms, gates, routing, AttnRes, casts, the optimizer's element-wise work, the host) is ours to reduce.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Callable
 
 import torch
@@ -24,7 +22,7 @@ from k3.ops.conv import causal_conv1d
 from k3.ops.kda import chunk_kda_raw
 from k3.ops.mla import attention
 from k3.ops.segments import offsets_to
-from k3.train.optim import NS_BATCH_BYTES, newton_schulz, param_groups_for
+from k3.train.optim import NS_BATCH_BYTES, block_shape, newton_schulz, ns_batches, param_groups_for
 
 Timer = Callable[[Callable[[], object], int, int], float]  # (fn, warmup, iters) -> seconds per call
 
@@ -80,25 +78,16 @@ def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) 
 
 
 def muon_batches(model: torch.nn.Module) -> list[tuple[int, int, int]]:
-    """(blocks, rows, cols) of each batched Newton-Schulz call K3Muon makes per step on ``model``'s parameters: per
-    group, blocks of one shape (a head [head_dim, in], an expert matrix, a whole matrix) batched over whole
-    parameters up to NS_BATCH_BYTES of bf16 per call."""
-    budget = NS_BATCH_BYTES // 2
-    calls: list[list[int]] = []
+    """(blocks, rows, cols) of each batched Newton-Schulz call K3Muon makes per step on ``model``'s parameters (its
+    own batching, :func:`k3.train.optim.ns_batches`, at NS_BATCH_BYTES of bf16 per call)."""
+    calls = []
     for group in param_groups_for(model, 1e-4):
-        kind = group["kind"]
-        if kind == "adamw":
+        if group["kind"] == "adamw":
             continue
-        last: dict[tuple[int, int], list[int]] = {}  # (rows, cols) -> its open batch [blocks, rows, cols]
-        for p in group["params"]:
-            rows, cols = (group["head_dim"], p.shape[1]) if kind == "muon_head" else tuple(p.shape[-2:])
-            blocks = p.numel() // (rows * cols)
-            open_batch = last.get((rows, cols))
-            if open_batch is None or (open_batch[0] + blocks) * rows * cols > budget:
-                open_batch = last[rows, cols] = [0, rows, cols]
-                calls.append(open_batch)
-            open_batch[0] += blocks
-    return [tuple(c) for c in calls]
+        items = ((block_shape(group, p.shape), p.numel(), p) for p in group["params"])
+        for (rows, cols), queue in ns_batches(items, NS_BATCH_BYTES // 2).items():
+            calls += [(sum(p.numel() for p in batch) // (rows * cols), rows, cols) for batch in queue]
+    return calls
 
 
 def floor_parts(model: torch.nn.Module, batch: int, seq: int, matmul_rate: float, timer: Timer,

@@ -96,9 +96,31 @@ def newton_schulz(G: Tensor, steps: int = 5, coeffs: tuple[float, float, float] 
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     for _ in range(steps):
         gram = X.mT @ X if tall else X @ X.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # P = b A + c A^2
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # P = b gram + c gram^2
         X = torch.baddbmm(X, X, poly.mT, beta=a) if tall else torch.baddbmm(X, poly, X, beta=a)  # a X + P X
     return X.reshape(*lead, rows, cols)
+
+
+def block_shape(group: dict, shape) -> tuple[int, int]:
+    """[rows, cols] of the blocks Newton-Schulz orthogonalises one by one in a parameter of ``shape`` of a Muon
+    ``group``: a head [head_dim, in] (muon_head), else the last two dims (an expert matrix, or the whole matrix)."""
+    return (group["head_dim"], shape[1]) if group["kind"] == "muon_head" else tuple(shape[-2:])
+
+
+def ns_batches(items: Iterable[tuple], budget: int) -> dict:
+    """[(key, elements, item)] -> {key: [[item, ...], ...]}: the items of each key (blocks of one shape, on one
+    device) in order, batched for one Newton-Schulz call each: a new batch whenever an item would take a non-empty
+    one past ``budget`` elements (an item larger than the budget gets a batch of its own)."""
+    batches: dict = {}
+    filled: dict = {}  # key -> elements in its last batch
+    for key, size, item in items:
+        queue = batches.setdefault(key, [[]])
+        if queue[-1] and filled[key] + size > budget:
+            queue.append([])
+            filled[key] = 0
+        queue[-1].append(item)
+        filled[key] = filled.get(key, 0) + size
+    return batches
 
 
 def muon_scale(rows: int, cols: int, rule: str = "match_rms_adamw") -> float:
@@ -193,23 +215,18 @@ class K3Muon(torch.optim.Optimizer):
         lr = group["lr"] * group["lr_scale"]
         wd, mu, kind = group["weight_decay"], group["momentum"], group["kind"]
         ns_dtype = _DTYPES[group["ns_dtype"]]
+
+        def queued():  # ((device, rows, cols), elements, _Queued) of each parameter with a gradient
+            for p, g, state in self._with_grads(group):
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                gathered = _is_dtensor(p) and not (kind == "muon_expert" and _sharded_only_on_dim0(p))
+                shape = p.shape if gathered else local_shard(g).shape  # gathered: NS sees the whole matrix
+                yield ((local_shard(g).device, *block_shape(group, shape)), math.prod(shape),
+                       _Queued(p, local_shard(g), local_shard(state["momentum_buffer"]), gathered, shape))
+
         budget = NS_BATCH_BYTES // torch.empty((), dtype=ns_dtype).element_size()  # elements per call
-        batches: dict[tuple, list[list[_Queued]]] = {}  # (device, rows, cols) -> batches
-        filled: dict[tuple, int] = {}  # (device, rows, cols) -> elements in its last batch
-        for p, g, state in self._with_grads(group):
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-            gathered = _is_dtensor(p) and not (kind == "muon_expert" and _sharded_only_on_dim0(p))
-            shape = p.shape if gathered else local_shard(g).shape  # gathered: NS sees the whole matrix
-            rows, cols = (group["head_dim"], shape[1]) if kind == "muon_head" else shape[-2:]
-            key, size = (local_shard(g).device, rows, cols), math.prod(shape)
-            queue = batches.setdefault(key, [[]])
-            if queue[-1] and filled[key] + size > budget:
-                queue.append([])
-                filled[key] = 0
-            queue[-1].append(_Queued(p, local_shard(g), local_shard(state["momentum_buffer"]), gathered, shape))
-            filled[key] = filled.get(key, 0) + size
-        for (_, rows, cols), queue in batches.items():
+        for (_, rows, cols), queue in ns_batches(queued(), budget).items():
             scale = muon_scale(rows, cols, group["scale_rule"])
             for batch in queue:
                 params = [local_shard(q.param) for q in batch]

@@ -360,6 +360,18 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     assert max(moved) > 1e-3  # the step did move the weights
 
 
+def test_ns_batches_fill_each_shape_up_to_the_budget_in_order():
+    """Items of one key share a Newton-Schulz call while their elements fit the budget; a new call starts when the
+    next would not fit; an item larger than the budget is a call of its own; keys never mix."""
+    from k3.train.optim import block_shape, ns_batches
+
+    items = [("a", 4, 1), ("a", 4, 2), ("b", 9, 3), ("a", 3, 4), ("a", 20, 5), ("a", 1, 6), ("b", 1, 7)]
+    assert ns_batches(items, 10) == {"a": [[1, 2], [4], [5], [6]], "b": [[3, 7]]}
+    assert block_shape({"kind": "muon_head", "head_dim": 16}, (64, 48)) == (16, 48)
+    assert block_shape({"kind": "muon_expert"}, (8, 32, 48)) == (32, 48)
+    assert block_shape({"kind": "muon"}, (32, 48)) == (32, 48)
+
+
 @pytest.mark.parametrize("kind", ["muon", "adamw"])
 def test_weight_decay_of_bf16_parameters_multiplies_in_fp32(kind):
     """With zero gradients a step is the decay alone (Muon: NS(0) = 0; AdamW: 0 / (0 + eps) = 0): every bf16
