@@ -17,7 +17,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from k3.bench.common import cuda_time, device_activity, write_profile
+import k3.train.trainer as trainer_module
+from k3.bench.common import busy_seconds, cuda_time, device_activity, write_profile
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -30,6 +31,32 @@ def phase(obj, name: str, label: str) -> None:
             return fn(*args, **kwargs)
 
     setattr(obj, name, wrapped)
+
+
+def device_timeline(events, kernels, steps: int) -> list[str]:
+    """Where on the device's timeline it waits: each phase's GPU-side range (from its first kernel to its last),
+    the device's work inside it and the idle rest, per step; the rest of the profiled window (from the first kernel
+    to the last) is one more row. Idle time inside a phase whose host time exceeds its device work is the host's:
+    fewer launches there pay, faster kernels do not. Only ranges the profiler records on the device count: the
+    backward's kernels are launched from autograd's own thread, outside its range, and the optimizer's range has
+    had no device-side counterpart (torch 2.11): their kernels and gaps land in the last row."""
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.is_user_annotation and e.name.startswith("phase:"):
+            acc = spans.setdefault(e.name, [0.0, 0.0])
+            acc[0] += (e.time_range.end - e.time_range.start) / 1e6
+            acc[1] += busy_seconds(kernels, e.time_range.start, e.time_range.end)
+    window = (max(k.time_range.end for k in kernels) - min(k.time_range.start for k in kernels)) / 1e6
+    spans = {name: v for name, v in spans.items() if v[0] > 0}  # (a range without kernels on the device)
+    spans["outside those ranges"] = [window - sum(v[0] for v in spans.values()),
+                                     busy_seconds(kernels) - sum(v[1] for v in spans.values())]
+    lines = ["device timeline (ms per step): span of the phase's kernels, device busy in it, idle in it"]
+    for name, (span, busy) in spans.items():
+        lines.append(f"  {name[:44]:<44} {span * 1e3 / steps:8.1f} {busy * 1e3 / steps:8.1f} "
+                     f"{(span - busy) * 1e3 / steps:8.1f}")
+    lines.append(f"  {'window (first kernel to last)':<44} {window * 1e3 / steps:8.1f} "
+                 f"{busy_seconds(kernels) * 1e3 / steps:8.1f} {(window - busy_seconds(kernels)) * 1e3 / steps:8.1f}")
+    return lines
 
 
 def main() -> None:
@@ -67,6 +94,8 @@ def main() -> None:
     phase(trainer.optimizer, "step", "phase: optimizer")
     phase(trainer.balancer, "observe", "phase: balancer observe")
     phase(trainer.balancer, "step", "phase: balancer update")
+    phase(torch.Tensor, "backward", "phase: backward")
+    phase(trainer_module, "to_host", "phase: host read (the step's one sync)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True) if a.stacks else None  # (else no stacks, 2.x)
     with profile(activities=activities, with_stack=a.stacks, experimental_config=stacks) as prof:
@@ -76,14 +105,15 @@ def main() -> None:
              f"step time {plain * 1e3:.1f} ms (profiled {profiled * 1e3:.1f} ms)", ""]
     phases = sorted((e for e in ev if e.key.startswith("phase:")), key=lambda e: e.key)
     for e in phases:
-        lines.append(f"{e.key:<28} CPU {e.cpu_time_total / 1e3 / a.steps:8.1f} ms/step")
+        lines.append(f"{e.key:<40} CPU {e.cpu_time_total / 1e3 / a.steps:8.1f} ms/step")
     rest = profiled * 1e3 - sum(e.cpu_time_total for e in phases) / 1e3 / a.steps
-    lines.append(f"{'rest (backward, metrics)':<28} wall {rest:7.1f} ms/step")
+    lines.append(f"{'rest (metrics, host)':<40} wall {rest:7.1f} ms/step")
     if cuda:
         kernels = device_activity(prof.events())  # not the phases' GPU-side ranges: they would count twice
-        busy = sum(e.device_time for e in kernels) / 1e3 / a.steps
+        busy = busy_seconds(kernels) * 1e3 / a.steps
         lines += [f"kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.1f} ms/step "
-                  f"({busy / (profiled * 1e3):.0%} of the step)"]
+                  f"({busy / (profiled * 1e3):.0%} of the step)", ""]
+        lines += device_timeline(prof.events(), kernels, a.steps)
     ops = [e for e in ev if not e.key.startswith("phase:")]
     lines += ["", "top operators by self CPU time (ms per step, calls per step):"]
     for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:25]:

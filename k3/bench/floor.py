@@ -3,9 +3,12 @@
 A small-1b step (8 x 4096, bf16, K3Muon) spends device time in fla's chunked KDA and its short convs (the kernels
 transformers' KimiLinear runs too), in MLA's attention, in Newton-Schulz on every Muon matrix (most of it the
 experts'; Muon's defining cost, which the goal's AdamW peer does not pay) and in the model's matrix products. The
-parts are timed here by CUDA events in the benchmark's process, forward + backward where the step has both, on
-random inputs of the step's shapes; the matrix products are counted as 6N FLOPs per token at the bf16 rate measured
-in the same process (100% of it: a bound, no kernel reaches it). Their sum bounds the step from below, and with it
+parts are timed by the caller's timer in the benchmark's process, forward + backward where the step has both, on
+random inputs of the step's shapes (`k3 bench model --cases floor`: the device's own work in them by torch.profiler,
+k3.bench.common.device_time, which a step that keeps the device fed pays; fla's parts alone by CUDA events also wait
+on the host, which launches fla's many Triton kernels more slowly than the device runs them); the matrix products
+are counted as 6N FLOPs per token at the bf16 rate measured in the same process (100% of it: a bound, no kernel
+reaches it). Their sum bounds the step from below, and with it
 the tokens/s and the MFU any step of this model and optimizer can reach at these shapes. What the step spends above
 it (norms, gates, routing, AttnRes, casts, the optimizer's element-wise work, the host) is ours to reduce.
 """
@@ -47,8 +50,9 @@ def _fwd_bwd(fn: Callable[[], list[torch.Tensor]], leaves: list[torch.Tensor]) -
 
 
 def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """One KDA layer's fla parts at n packed tokens: the chunked recurrence (its norms and gate inside) and the three
-    short convs, each forward + backward, with the layer's own A_log, dt_bias and conv weights."""
+    """One KDA layer's fla parts at n packed tokens: the chunked recurrence (its norms and gate inside) and the short
+    convs (one conv over the stacked q|k|v channels, as the layer runs them), each forward + backward, with the
+    layer's own A_log, dt_bias and conv weights."""
     dev, h, dk, dv = layer.A_log.device, layer.num_heads, layer.head_dim, layer.v_head_dim
     q, k, f = (_randn(1, n, h, dk, device=dev) for _ in range(3))
     v, b = _randn(1, n, h, dv, device=dev), _randn(1, n, h, device=dev)
@@ -58,14 +62,13 @@ def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: torch.Tensor) -> di
                              l2norm_eps=layer.l2norm_eps, chunk_size=layer.chunk_size, cu_seqlens=cu_seqlens)
         return [o]
 
-    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
-    xs = [_randn(1, n, conv.weight.shape[0], device=dev) for conv in convs]
+    x = _randn(1, n, sum(layer.qkv_widths()), device=dev)  # q|k|v side by side, as the layer convolves them
 
     def conv_steps():
-        return [causal_conv1d(x, conv.weight[:, 0], cu_seqlens=cu_seqlens, activation="silu")[0]
-                for x, conv in zip(xs, convs)]
+        return [causal_conv1d(x, layer.conv_weight(), cu_seqlens=cu_seqlens, activation="silu")[0]]
+    convs = [layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight]
     return {"fla chunked KDA": _fwd_bwd(core, [q, k, v, f, b, layer.A_log, layer.dt_bias]),
-            "fla short convs": _fwd_bwd(conv_steps, xs + [conv.weight for conv in convs])}
+            "fla short convs": _fwd_bwd(conv_steps, [x] + convs)}
 
 
 def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) -> Callable[[], None]:

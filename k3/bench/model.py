@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3.bench.common import cuda_time, environment, matmul_flops, write_results
+from k3.bench.common import cuda_time, device_time, environment, matmul_flops, write_results
 from k3.bench.decode import fill_cache
 from k3.bench.floor import floor_parts
 from k3.infer.graphs import GraphedDecoder
@@ -97,9 +97,9 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
     rows = []
 
     def save():  # a subset writes model-<cases>.{json,md}, leaving the full run's model.{json,md} in place
-        write_results(name, rows, ["case", "ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms",
-                                      "train_overhead", "decode_overhead", "peak_GiB", "error"], environment(),
-                      out_dir=out_dir)
+        columns = ["case", "ms", "alone_ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms", "train_overhead",
+                   "decode_overhead", "peak_GiB", "error"]
+        write_results(name, rows, columns, environment(), out_dir=out_dir)
 
     batch, seq = (8, 4096)  # the peer's shapes
     t = None
@@ -140,11 +140,16 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
 
 def floor_rows(rows: list, batch: int, seq: int, peer: float | None) -> None:
     """(d) continued: the parts of small-1b's training-step floor (k3.bench.floor), one row each, then their sum
-    with the tokens/s and MFU it allows and its ratio to the peer's step (when measured)."""
+    with the tokens/s and MFU it allows and its ratio to the peer's step (when measured). A part's ``ms`` is the
+    device's own work in it (:func:`device_time`), what a step that keeps the device fed pays; ``alone_ms`` the same
+    calls by CUDA events, with the gaps where the device waits for the host when the part runs alone."""
     model = K3ForCausalLM(get_preset("small-1b")).cuda()
     n_act = activated_matmul_params(model)
-    parts = floor_parts(model, batch, seq, matmul_flops(), cuda_time, n_act)
-    rows += [{"case": f"floor part: {name}", "ms": s * 1e3} for name, s in parts.items()]
+    rate = matmul_flops()
+    parts = floor_parts(model, batch, seq, rate, device_time, n_act)
+    walls = floor_parts(model, batch, seq, rate, cuda_time, n_act)  # alone: the host's gaps included
+    rows += [{"case": f"floor part: {name}", "ms": s * 1e3, "alone_ms": walls[name] * 1e3}
+             for name, s in parts.items()]
     total = sum(parts.values())
     tps = batch * seq / total
     row = {"case": f"floor of a small-1b step B{batch} T{seq}", "ms": total * 1e3, "tokens_per_s": tps,

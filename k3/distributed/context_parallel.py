@@ -285,22 +285,20 @@ def _kda_forward(self: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, state=
     if state is not None:
         raise ValueError("context parallelism runs training forwards only (no cache)")
     ctx = cp.ctx
-    convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-    projected = self.project(x)
+    projected = self.project(x)  # q|k|v [N, Ch]
     width = self.q_conv1d.weight.shape[-1]
-    widths = [y.shape[-1] for y in projected]
-    init = [None] * 3
+    init = None
     if ctx.any_crossing:
         L = ctx.local_len
         m = min(width - 1, L)
         rows = torch.arange(L - m, L, device=x.device) + L * torch.arange(ctx.batch, device=x.device)[:, None]
-        tails = _gather(torch.cat(projected, dim=-1)[rows], cp.group)  # [C, B, m, Ch]
+        tails = _gather(projected[rows], cp.group)  # [C, B, m, Ch]
         history = _conv_history(tails, ctx, width)  # [B, Ch, W-1]
         full = history.new_zeros(len(ctx.seg_doc), history.shape[1], width - 1)
-        full = _Anchor.apply(full.index_copy(0, torch.tensor(ctx.heads, device=x.device), history), tails)
-        init = list(full.split(widths, dim=1))
-    qkv = [causal_conv1d(y.unsqueeze(0), conv.weight[:, 0], cu_seqlens=cu_seqlens, initial_state=s,
-                         activation="silu")[0] for conv, y, s in zip(convs, projected, init)]
+        init = _Anchor.apply(full.index_copy(0, torch.tensor(ctx.heads, device=x.device), history), tails)
+    y = causal_conv1d(projected.unsqueeze(0), self.conv_weight(), cu_seqlens=cu_seqlens, initial_state=init,
+                      activation="silu")[0]
+    qkv = list(y[0].split(self.qkv_widths(), dim=-1))
     q, k, v, g, beta = self.recurrence_inputs(x, qkv)
     o = kda_context_parallel(q, k, v, g, beta, cu_seqlens, ctx, cp.group, chunk_size=self.chunk_size)
     return self._output(x, o[0])

@@ -1,7 +1,7 @@
 """Kimi Delta Attention layer (spec §3).
 
 For each token x (width d), H heads of key width K and value width V:
-  q, k, v = SiLU(causal depthwise conv_W(W_{q,k,v} x))            three separate short convs
+  q, k, v = SiLU(causal depthwise conv_W(W_{q,k,v} x))            three short convs (one GEMM, one conv)
   q, k    = L2Norm(q), L2Norm(k) per head (eps 1e-6)               q is scaled by K^-1/2 inside the op
   beta    = sigmoid(W_b x)                                          one scalar per head
   g       = -exp(A_log) softplus(f + dt_bias)          (Kimi Linear)     with f = W_fb W_fa x
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3.config import K3Config
@@ -70,12 +71,21 @@ class KimiDeltaAttention(nn.Module):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [N, d] -> the q, k, v projections before the short convs ([N, H*dk], [N, H*dk], [N, H*dv])."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def project(self, x: Tensor) -> Tensor:
+        """x [N, d] -> the q, k, v projections before the short convs side by side, [N, 2*H*dk + H*dv]: one
+        matrix product with the three weights stacked (the convs are depthwise, so they run as one conv over the
+        stacked channels: :meth:`conv_weight`)."""
+        return F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+
+    def conv_weight(self) -> Tensor:
+        """The three short convs' weights stacked in :meth:`project`'s channel order: [2*H*dk + H*dv, W]."""
+        return torch.cat([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
+
+    def qkv_widths(self) -> list[int]:
+        return [self.q_conv1d.weight.shape[0], self.k_conv1d.weight.shape[0], self.v_conv1d.weight.shape[0]]
 
     def raw_inputs(self, x: Tensor, qkv: list[Tensor]) -> tuple[Tensor, ...]:
-        """The convolved q, k, v ([1, N, C] each) and x [N, d] -> q, k (before their L2 norms), v [1, N, H, d*],
+        """The convolved q, k, v ([N, C] each, views) and x [N, d] -> q, k (before their L2 norms), v [1, N, H, d*],
         the raw forget projection f [1, N, H, dk] and beta logits b [1, N, H]."""
         n, h, dk = x.shape[0], self.num_heads, self.head_dim
         q, k = (t.view(1, n, h, dk) for t in qkv[:2])
@@ -97,15 +107,14 @@ class KimiDeltaAttention(nn.Module):
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its rows are updated).
         """
         n = x.shape[0]
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        qkv = []
-        for i, (conv, y) in enumerate(zip(convs, self.project(x))):
-            y, conv_state = causal_conv1d(y.unsqueeze(0), conv.weight[:, 0], cu_seqlens=cu_seqlens,
-                                          initial_state=None if state is None else state.conv[i][seq_ids],
-                                          output_final_state=state is not None, activation="silu")
-            if state is not None:
-                state.conv[i].index_copy_(0, seq_ids, conv_state.to(state.conv[i].dtype))
-            qkv.append(y)
+        widths = self.qkv_widths()
+        init = None if state is None else torch.cat([c[seq_ids] for c in state.conv], dim=1)
+        y, conv_state = causal_conv1d(self.project(x).unsqueeze(0), self.conv_weight(), cu_seqlens=cu_seqlens,
+                                      initial_state=init, output_final_state=state is not None, activation="silu")
+        qkv = list(y[0].split(widths, dim=-1))  # q, k, v [N, C] each (column views)
+        if state is not None:
+            for c, s in zip(state.conv, conv_state.split(widths, dim=1)):
+                c.index_copy_(0, seq_ids, s.to(c.dtype))
 
         segments = cu_seqlens.numel() - 1
         mode = self.mode

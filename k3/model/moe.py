@@ -82,8 +82,9 @@ class MoE(nn.Module):
         scores, topk_idx, topk_weight = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         shared = getattr(self, "shared_experts", None)
-        # x's maps in one call (k3.ops.linear: one Triton launch where chosen, else one linear each): the latent
-        # down-projection and the shared experts' gate and up
+        # x's maps in one call (k3.ops.linear: one Triton launch where chosen, one linear over the stacked weights
+        # where a gradient is needed, else one linear each): the latent down-projection and the shared experts' gate
+        # and up
         maps = [self.routed_expert_down_proj] if latent else []
         if shared is not None:
             maps += [shared.gate_proj, shared.up_proj]

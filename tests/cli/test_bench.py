@@ -62,6 +62,47 @@ def test_device_activity_counts_kernels_not_the_annotations_that_span_them():
     assert [e.name for e in device_activity(events, memcpy=False)] == ["nvjet_sm90_tst_256x128", "Memset (Device)"]
 
 
+def test_busy_seconds_is_the_union_of_the_intervals_that_start_in_the_window():
+    from types import SimpleNamespace
+
+    from k3.bench.common import busy_seconds
+
+    def ev(start, end):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev(30, 40), ev(0, 10), ev(5, 12), ev(6, 8), ev(20, 25)]  # (us) unsorted; overlaps count once
+    assert busy_seconds(events) == 27e-6  # 0..12, 20..25, 30..40
+    assert busy_seconds(events, 5, 30) == 12e-6  # those starting in [5, 30): 5..12 and 20..25
+    assert busy_seconds(events, 31, 100) == 0.0 and busy_seconds([]) == 0.0
+
+
+def test_profile_train_steps_device_timeline_splits_busy_and_idle_time_by_phase():
+    """benchmarks/profile_train_step.py's timeline on fake events (us): a phase's span, the kernels inside it and
+    the idle rest, per step; a phase range without device time is left out; the rest of the window is one row."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).parents[2] / "benchmarks" / "profile_train_step.py"
+    spec = importlib.util.spec_from_file_location("profile_train_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(name, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=cuda, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    ms = 1000  # the profiler's clock is in us
+    kernels = [ev("k", 0, 10 * ms), ev("k", 20 * ms, 30 * ms), ev("k", 40 * ms, 45 * ms), ev("k", 60 * ms, 100 * ms)]
+    phases = [ev("phase: forward + loss", 0, 30 * ms, True), ev("phase: backward", 0, 0, True)]
+    lines = module.device_timeline(phases + kernels, kernels, steps=2)
+    rows = {line[:46].strip(): [float(v) for v in line[46:].split()] for line in lines[1:]}
+    assert rows == {"phase: forward + loss": [15.0, 10.0, 5.0],  # ms per step: span, busy, idle
+                    "outside those ranges": [35.0, 22.5, 12.5],
+                    "window (first kernel to last)": [50.0, 32.5, 17.5]}
+
+
 def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers(monkeypatch):
     """k3.bench.floor on the tiny preset on the CPU (reference ops) with a timer that runs each part once and reports
     one second: every part runs forward and backward, a layer's time counts once per layer of its kind, Newton-Schulz

@@ -66,7 +66,8 @@ KIMI_LINEAR_STYLE = {"kda.gate_lower_bound": None, "kda.full_rank_output_gate": 
                      "mla.output_gate": False, "moe.latent_size": None, "moe.routed_scaling_factor": 2.446,
                      "hidden_act": "silu", "attn_res.mode": "none"}
 VARIANTS = {"k3": {}, "kimi_linear": KIMI_LINEAR_STYLE, "block_sum": {"attn_res.mode": "block_sum"},
-            "full_rope": {"attn_res.mode": "full", "mla.rope_theta": 10000.0}}
+            "full_rope": {"attn_res.mode": "full", "mla.rope_theta": 10000.0},
+            "narrow_values": {"kda.v_head_dim": 8}}  # q|k|v of unequal widths (one stacked conv, its states split)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

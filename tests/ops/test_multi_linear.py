@@ -67,13 +67,52 @@ def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
             assert linear.kernel(x, [torch.zeros(8, 12, dtype=torch.bfloat16)]) == "torch"  # another width
         assert linear.kernel(x, ws) == "triton"  # grad mode on, but nothing to differentiate
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["multi_linear: one torch linear per weight (k3.ops.linear.reference): a gradient is needed",
+    assert lines == [f"multi_linear: {linear.TORCH_FORM}: a gradient is needed",
                      "multi_linear: one Triton launch (k3.ops.linear.triton_multi)",
-                     "multi_linear: one torch linear per weight (k3.ops.linear.reference): the kernel takes 2-D "
-                     "bf16 / fp16 inputs, not 2-D torch.float32",
-                     "multi_linear: one torch linear per weight (k3.ops.linear.reference): more than 256 rows",
-                     "multi_linear: one torch linear per weight (k3.ops.linear.reference): the kernel takes 1..8 "
-                     "[N, K] weights of the input's dtype"]
+                     f"multi_linear: {linear.TORCH_FORM}: the kernel takes 2-D bf16 / fp16 inputs, not 2-D "
+                     "torch.float32",
+                     f"multi_linear: {linear.TORCH_FORM}: more than 256 rows",
+                     f"multi_linear: {linear.TORCH_FORM}: the kernel takes 1..8 [N, K] weights of the "
+                     "input's dtype"]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 1e-2)])
+def test_concatenated_is_the_reference_in_one_product_with_its_gradients(dtype, tol):
+    """One linear over the stacked weights = one linear per weight, outputs and the gradients of x and every weight
+    (random cotangents); fp64: the same sums (<= 1e-12), bf16: the products' rounding (2^-8 ~ 3.9e-3 per element)
+    with room. Strided outputs (views of one [M, sum N] product). Mixed dtypes fall back to the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 48, dtype=dtype, requires_grad=True)
+    ws = [torch.randn(n, 48, dtype=dtype, requires_grad=True) for n in (16, 3, 40)]
+    cots = [torch.randn(300, n, dtype=dtype) for n in (16, 3, 40)]
+    got = linear.concatenated(x, ws)
+    assert [tuple(y.shape) for y in got] == [(300, 16), (300, 3), (300, 40)] and got[1].stride() == (59, 1)
+    grads = torch.autograd.grad(got, [x, *ws], cots)
+    want = reference.multi_linear(x, ws)
+    want_grads = torch.autograd.grad(want, [x, *ws], cots)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    assert all(rel(a, b) <= tol for a, b in zip(got + list(grads), want + list(want_grads)))
+    mixed = [ws[0].detach().float(), ws[1].detach().bfloat16()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # where mixed weights meet (autocast casts each)
+        assert all(y.is_contiguous() for y in linear.concatenated(x.detach().float(), mixed))  # one linear each
+
+
+def test_fast_backend_stacks_the_weights_where_a_gradient_is_needed(monkeypatch):
+    """The torch form of the fast backend: one product over the stacked weights where a gradient is needed (a
+    training step), one linear per weight otherwise (a prefill gains nothing; a decode step's GEMVs, more than
+    MAX_ROWS rows at large batches, would pay the stacking's weight copy)."""
+    monkeypatch.setattr(linear, "kernel", lambda x, ws: "torch")
+    ws = [torch.randn(8, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)]
+    x = torch.randn(linear.MAX_ROWS + 1, 16)
+    assert [y.is_contiguous() for y in linear._multi_linear_fast(x, ws)] == [False, False]  # views of one product
+    with torch.no_grad():
+        assert [y.is_contiguous() for y in linear._multi_linear_fast(x, ws)] == [True, True]
+    frozen = [w.detach() for w in ws]
+    assert [y.is_contiguous() for y in linear._multi_linear_fast(x, frozen)] == [True, True]
+    assert [y.is_contiguous() for y in linear._multi_linear_fast(x.requires_grad_(), frozen)] == [False, False]
 
 
 def test_kernel_rejects_bad_inputs():

@@ -5,7 +5,10 @@ low-rank inputs, beta), a MoE layer by three (the latent down-projection, the sh
 decode step by two or three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV launches of a few
 microseconds each on an H200, most of it launch and tail. The ``fast`` backend can run them as one Triton launch
 (k3.ops.linear.triton_multi) for calls that need no gradient, with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows
-and at most MAX_WEIGHTS weights; the torch form otherwise. ``K3_MULTI_LINEAR=torch`` turns the kernel off
+and at most MAX_WEIGHTS weights; the torch form otherwise: where a gradient is needed (a training step) one linear
+over the stacked weights (:func:`concatenated`: one matrix product forward and two backward instead of one and two
+per weight), else one linear per weight (a prefill's GEMMs gain nothing from stacking, a decode step's GEMVs would
+pay for its copy of the weights: they read each weight once). ``K3_MULTI_LINEAR=torch`` turns the kernel off
 (:func:`k3.ops.backend.triton_or_torch`); it is the default since it was measured on an H200 in session 24
 (benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
 """
@@ -13,6 +16,7 @@ and at most MAX_WEIGHTS weights; the torch form otherwise. ``K3_MULTI_LINEAR=tor
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from k3.ops import backend
@@ -22,6 +26,8 @@ from k3.ops.moe import grouped as _grouped
 MAX_WEIGHTS = 8  # the kernel's weight slots
 MAX_ROWS = 256  # decode batches; bigger ones are GEMMs, where cuBLAS is the better choice
 _logged: set[str] = set()
+TORCH_FORM = ("torch: one linear over the stacked weights where a gradient is needed (k3.ops.linear.concatenated), "
+              "else one linear per weight (k3.ops.linear.reference)")
 
 
 def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
@@ -51,8 +57,18 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
 
     return backend.triton_or_torch("K3_MULTI_LINEAR", "multi_linear:", why_not,
                                    ("one Triton launch (k3.ops.linear.triton_multi)",
-                                    "one torch linear per weight (k3.ops.linear.reference)"), _grouped._have_triton,
+                                    TORCH_FORM), _grouped._have_triton,
                                    _logged)
+
+
+def concatenated(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """The maps as one matrix product with the weights stacked ([sum N_i, K]), its output split into column views
+    [M, N_i] (strided: row stride sum N_i): one GEMM and, in backward, one for x's gradient and one for the stacked
+    weights' instead of a few per weight. Weights of one dtype (else one linear each, the reference). The stacking
+    copies the weights once per call: small beside a training step's products over its rows."""
+    if len(weights) < 2 or any(w.dtype != weights[0].dtype for w in weights):
+        return multi_linear_reference(x, weights)
+    return list(F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1))
 
 
 def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
@@ -60,9 +76,12 @@ def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
         from k3.ops.linear.triton_multi import multi_linear as multi_linear_triton  # Triton: imported on use
 
         return multi_linear_triton(x, weights)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return concatenated(x, weights)
     return multi_linear_reference(x, weights)
 
 
 backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")
 backend.register("multi_linear", "fast", _multi_linear_fast, _fast_supported,
-                 label="one Triton launch where no gradient is needed (K3_MULTI_LINEAR=torch: never), else torch")
+                 label="one Triton launch where no gradient is needed (K3_MULTI_LINEAR=torch: never), else torch "
+                 "(one linear over the stacked weights where a gradient is needed)")
