@@ -23,8 +23,11 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     order = torch.argsort(flat_idx, stable=True)  # (token, slot) pairs grouped by expert
     tokens = flat_token[order]
     # one gather, one split into the experts' rows, one concatenation of their outputs: the backward is a
-    # scatter, a concatenation and a split (per-expert gathers would each build a full-size gradient)
-    outs = [glu(xe @ w1[e].t(), xe @ w3[e].t()) @ w2[e].t()
+    # scatter, a concatenation and a split (per-expert gathers would each build a full-size gradient); the weights
+    # unbound once, so their backward is one stack (indexing w[e] per expert made each expert's weight gradient a
+    # zero-filled [E, ...] tensor, summed E times: 55% of this loop's fwd + bwd on 2 CPU cores at E=32)
+    w1s, w2s, w3s = w1.unbind(0), w2.unbind(0), w3.unbind(0)
+    outs = [glu(xe @ w1s[e].t(), xe @ w3s[e].t()) @ w2s[e].t()
             for e, xe in enumerate(x.index_select(0, tokens).split(counts)) if counts[e]]
     weight = upcast(topk_weight.reshape(-1).index_select(0, order)).unsqueeze(-1)
     y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
