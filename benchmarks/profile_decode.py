@@ -36,7 +36,7 @@ from unittest.mock import patch
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3.bench.common import copy_bandwidth, cuda_time, device_activity, write_profile
+from k3.bench.common import busy_seconds, copy_bandwidth, cuda_time, device_activity, write_profile
 from k3.bench.decode import fill_cache, peer_config, step_bytes
 from k3.config import get_preset
 from k3.infer.graphs import COMPILE_OPTIONS, GraphedDecoder
@@ -128,7 +128,7 @@ def main() -> None:
             torch.cuda.synchronize()
         events = prof.events()
         kernels = device_activity(events)  # not the parts' GPU-side ranges: they span idle gaps too
-        busy = sum(e.device_time for e in kernels) / 1e3 / a.steps
+        busy = busy_seconds(kernels) * 1e3 / a.steps
         block = ["", f"B={batch} context={context}: graph {graphed[batch, context] * 1e3:.2f} ms/step, "
                  f"eager {eager * 1e3:.2f} ms/step, limit {limit * 1e3:.3f} ms "
                  f"({limit / graphed[batch, context]:.1%} of it in the graph)",
@@ -174,7 +174,7 @@ def compiled_block(model, cache, ids, batch: int, context: int, limit: float, st
             graph(ids, seq)
         torch.cuda.synchronize()
     kernels = device_activity(prof.events(), memcpy=False)  # the graph's kernels, not the input copies
-    busy = sum(e.device_time for e in kernels) / 1e3 / steps
+    busy = busy_seconds(kernels) * 1e3 / steps
     block = ["", f"B={batch} context={context} compiled{label} + CUDA graph: {t * 1e3:.2f} ms/step, limit "
              f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "
              f"{busy:.2f} ms/step"] + kernel_table(kernels, steps, top)

@@ -47,15 +47,16 @@ def device_timeline(events, kernels, steps: int) -> list[str]:
             acc[0] += (e.time_range.end - e.time_range.start) / 1e6
             acc[1] += busy_seconds(kernels, e.time_range.start, e.time_range.end)
     window = (max(k.time_range.end for k in kernels) - min(k.time_range.start for k in kernels)) / 1e6
+    total = busy_seconds(kernels)
     spans = {name: v for name, v in spans.items() if v[0] > 0}  # (a range without kernels on the device)
     spans["outside those ranges"] = [window - sum(v[0] for v in spans.values()),
-                                     busy_seconds(kernels) - sum(v[1] for v in spans.values())]
+                                     total - sum(v[1] for v in spans.values())]
     lines = ["device timeline (ms per step): span of the phase's kernels, device busy in it, idle in it"]
     for name, (span, busy) in spans.items():
         lines.append(f"  {name[:44]:<44} {span * 1e3 / steps:8.1f} {busy * 1e3 / steps:8.1f} "
                      f"{(span - busy) * 1e3 / steps:8.1f}")
-    lines.append(f"  {'window (first kernel to last)':<44} {window * 1e3 / steps:8.1f} "
-                 f"{busy_seconds(kernels) * 1e3 / steps:8.1f} {(window - busy_seconds(kernels)) * 1e3 / steps:8.1f}")
+    lines.append(f"  {'window (first kernel to last)':<44} {window * 1e3 / steps:8.1f} {total * 1e3 / steps:8.1f} "
+                 f"{(window - total) * 1e3 / steps:8.1f}")
     return lines
 
 
@@ -164,7 +165,7 @@ def main() -> None:
         for key, n in sorted(census.items(), key=lambda kv: -kv[1])[:40]:
             lines.append(f"  {n:6d}  {key[:100]}")
         del loss_sum
-        from k3.train.optim import newton_schulz
+        from k3.train.optim import block_shape, newton_schulz
 
         lines += ["", "Newton-Schulz alone per group and block shape (device ms, CUDA events; random blocks):"]
         for group in trainer.optimizer.param_groups:
@@ -172,7 +173,7 @@ def main() -> None:
                 continue
             shapes: dict[tuple[int, int], int] = {}
             for p in group["params"]:
-                rows, cols = (group["head_dim"], p.shape[1]) if group["kind"] == "muon_head" else p.shape[-2:]
+                rows, cols = block_shape(group, p.shape)
                 shapes[rows, cols] = shapes.get((rows, cols), 0) + p.numel() // (rows * cols)
             for (rows, cols), n in shapes.items():
                 x = torch.randn(n, rows, cols, device=trainer.device, dtype=torch.bfloat16)

@@ -35,6 +35,10 @@ def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     return backend.dispatch("multi_linear", x.device, x, weights)
 
 
+def _needs_grad(x: Tensor, weights: list[Tensor]) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+
+
 def _fast_supported(device: torch.device) -> bool:
     return device.type == "cuda"  # the kernel, where chosen, also needs Triton: checked when chosen
 
@@ -44,7 +48,7 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
     is needed, x is 2-D bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its dtype and width;
     else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
     def why_not() -> str:
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        if _needs_grad(x, weights):
             return "a gradient is needed"
         if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
             return f"the kernel takes 2-D bf16 / fp16 inputs, not {x.dim()}-D {x.dtype}"
@@ -76,7 +80,7 @@ def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
         from k3.ops.linear.triton_multi import multi_linear as multi_linear_triton  # Triton: imported on use
 
         return multi_linear_triton(x, weights)
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+    if _needs_grad(x, weights):
         return concatenated(x, weights)
     return multi_linear_reference(x, weights)
 
