@@ -8,7 +8,8 @@ MLA over the latent cache, fla's fused recurrent KDA, grouped-GEMM experts), rep
 time is generate(1 + n new tokens) - generate(1 new token), divided by n (prefill cancels).
 Limit per step = bytes that must move / measured copy bandwidth: dense weights + the experts hit (expected
 distinct experts E (1 - (1 - k/E)^B) per layer) + lm_head and embedding rows + KDA state read and write +
-conv state + every cached latent row.
+conv state + every cached latent row. The same bytes over the measured read bandwidth (an fp32 sum, a few percent
+higher on an H200) give a tighter limit, reported beside it (``fraction_of_read_limit``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import time
 import torch
 
 from k3.audit.accounting import classify
-from k3.bench.common import copy_bandwidth, cuda_time, environment, write_results
+from k3.bench.common import copy_bandwidth, cuda_time, environment, read_bandwidth, write_results
 from k3.config import K3Config, KDAConfig, MLAConfig, MoEConfig
 from k3.config.config import AttnResConfig
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
-from k3.ops import backend
+from k3.ops import backend, pdl
 from k3.ops.moe.grouped import _experts_matmul, _have_triton
 
 
@@ -159,15 +160,19 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     B=16 / 128K only and no transformers peer (its figure is in decode-quick.md), about 5 minutes on an H200."""
     backend.set_backend("fast")
     started = time.perf_counter()
-    bw = copy_bandwidth()
+    bw, read_bw = copy_bandwidth(), read_bandwidth()
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
-               "x_transformers", "hybrid_speedup", "error"]
+               "fraction_of_read_limit", "x_transformers", "hybrid_speedup", "error"]
     experts = _experts_matmul(1, needs_grad=False)  # what the decode steps below run (K3_MOE_SMALL_GROUPS)
     kernels = ", ".join(f"{what} by {'torch' if backend.kernel_switch(var, _have_triton) else 'Triton'}"
                         for var, what in KERNEL_SWITCHES.items())  # where the shapes fit (the log says)
-    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "backend": f"fast (Triton split-K MLA decode, {experts} "
-                            f"experts, {kernels}; fla's fused_recurrent_kda where the KDA core is torch), decode_step "
-                            "in CUDA graphs"}
+    cuda = torch.device("cuda")
+    ours_pdl, inductor_pdl = pdl.enabled(cuda), bool(pdl.inductor_options(cuda))
+    launches = (f"our Triton kernels {'with' if ours_pdl else 'without'} programmatic dependent launch, the "
+                f"compiled steps' inductor kernels {'with' if inductor_pdl else 'without'}")
+    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "read_bandwidth_TBps": read_bw / 1e12,
+                            "backend": f"fast (Triton split-K MLA decode, {experts} experts, {kernels}; fla's "
+                            f"fused_recurrent_kda where the KDA core is torch; {launches}), decode_step in CUDA graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
     if quick or goals:
@@ -193,7 +198,8 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
                        "limit_ms": limit * 1e3}
                 try:
                     t = ours(model, batch, context, mode=mode)
-                    row |= {"tokens_per_s": batch / t, "ms_per_step": t * 1e3, "fraction_of_limit": limit / t}
+                    row |= {"tokens_per_s": batch / t, "ms_per_step": t * 1e3, "fraction_of_limit": limit / t,
+                            "fraction_of_read_limit": limit * bw / read_bw / t}
                 except Exception as e:  # recorded in the table, never hidden
                     row["error"] = f"{type(e).__name__}: {e}"[:120]
                 rows.append(row)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from k3.model.cache import K3Cache, KDAState
+from k3.ops import pdl
 
 log = logging.getLogger("k3.infer")
 # Inductor options of a compiled decode step. combo_kernels fuses independent kernels side by side (on GPUs; the
@@ -53,9 +54,10 @@ class GraphedDecoder:
         self.model, self.cache, self.device, self.headroom = model, cache, device, headroom
         self.step = model.decode_step
         if compile:  # inductor fuses the step's pointwise chains; compiled in the warm-up, never under capture
-            self.step = torch.compile(model.decode_step, dynamic=False, options=COMPILE_OPTIONS)
+            options = COMPILE_OPTIONS | pdl.inductor_options(device)
+            self.step = torch.compile(model.decode_step, dynamic=False, options=options)
             log.info("decode graphs: decode_step compiled by torch.compile (inductor, %s) before each capture",
-                     ", ".join(f"{k}={v}" for k, v in COMPILE_OPTIONS.items()))
+                     ", ".join(f"{k}={v}" for k, v in options.items()))
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}
         self.bound = self._tensors()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from k3.ops.dtypes import upcast
 from k3.ops.fused import fused
+from k3.ops.linear import multi_linear
 
 
 
@@ -73,5 +74,8 @@ class GatedFFN(nn.Module):
         return self.finish(self.gate_proj(x), self.up_proj(x))
 
     def finish(self, gate: Tensor, up: Tensor) -> Tensor:
-        """down_proj(act(gate, up)) from the two input maps [..., I] (computed by the caller) -> [..., d]."""
-        return self.down_proj(self.glu(gate, up))
+        """down_proj(act(gate, up)) from the two input maps [..., I] (computed by the caller) -> [..., d]. 2-D
+        inputs (the model's packed tokens: the dense FFN and the shared experts, in training, prefill and decode) go
+        through k3.ops.linear.multi_linear: the same linear in torch, one Triton launch for a decode step's GEMV."""
+        h = self.glu(gate, up)
+        return multi_linear(h, [self.down_proj.weight])[0] if h.dim() == 2 else self.down_proj(h)

@@ -156,7 +156,7 @@ class KimiDeltaAttention(nn.Module):
                                 self.A_log, self.dt_bias, self.o_norm.weight, state.recurrent, slots,
                                 self.lower_bound, self.l2norm_eps, self.o_norm.eps,
                                 self.o_norm.out_dtype(v) or self.o_proj.weight.dtype)
-            return self.o_proj(y)
+            return multi_linear(y, [self.o_proj.weight])[0]  # a GEMV: one Triton launch where chosen
         o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv), self.f_b_proj(f_a).view(n, h, dk),
                             b, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                             state=state.recurrent, slots=slots, l2norm_eps=self.l2norm_eps)

@@ -41,7 +41,10 @@ class Router(nn.Module):
         """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64 (a token's k experts in no particular order),
         topk_weight [N, k] fp32. The GEMM is here; the rest (sigmoid, biased top-k, gather, renormalise, scale)
         is k3.ops.router.route: torch, or one Triton kernel where no gradient is needed on a GPU (decode)."""
-        logits = F.linear(upcast(x), upcast(self.weight))
+        return self.route(F.linear(upcast(x), upcast(self.weight)))
+
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """What :meth:`forward` does after its GEMM: logits [N, E] (fp32) -> scores, topk_idx, topk_weight."""
         return route(logits, upcast(self.e_score_correction_bias), self.top_k, self.renormalize, self.scaling)
 
 
@@ -79,16 +82,16 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, RouterStats]:
         """x [N, d] -> (out [N, d], router statistics of this layer)."""
-        scores, topk_idx, topk_weight = self.gate(x)
         latent = hasattr(self, "routed_expert_down_proj")
         shared = getattr(self, "shared_experts", None)
         # x's maps in one call (k3.ops.linear: one Triton launch where chosen, one linear over the stacked weights
-        # where a gradient is needed, else one linear each): the latent down-projection and the shared experts' gate
-        # and up
+        # where a gradient is needed, else one linear each): the latent down-projection, the shared experts' gate
+        # and up, and last the router's GEMM in fp32 (x and its weight upcast, as in Router.forward)
         maps = [self.routed_expert_down_proj] if latent else []
         if shared is not None:
             maps += [shared.gate_proj, shared.up_proj]
-        outs = multi_linear(x, [m.weight for m in maps]) if maps else []
+        *outs, logits = multi_linear(x, [m.weight for m in maps] + [self.gate.weight], fp32=1)
+        scores, topk_idx, topk_weight = self.gate.route(logits)
         z = outs[0] if latent else x
         w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
         if self.expert_dispatch is not None:

@@ -392,6 +392,38 @@ def test_cuda_graph_decode_equals_eager_and_survives_cache_growth(compile):
     assert max(full_errs) <= 5e-2, full_errs
 
 
+def test_cuda_graph_decode_back_to_back_equals_eager():
+    """Back-to-back GraphedDecoder calls with no sync of the test's own between them (each step's tokens come from
+    the last step's logits on the GPU; the runner copies slots and positions from the host, which the driver may
+    synchronise): 24 greedy steps with the slot order flipped every step, the logits kept on the GPU, == the same
+    steps decoded eagerly after."""
+    from k3.infer.graphs import GraphedDecoder
+    from k3.ops import backend
+
+    model = _decode_model(seed=9)
+    prompt = torch.randint(0, 512, (4, 30), device=DEV)
+    backend.set_backend("fast")
+    try:
+        with torch.no_grad():
+            eager, graphed = model.new_cache(4, capacity=128), model.new_cache(4, capacity=128)
+            for c in (eager, graphed):
+                model(prompt, cache=c)
+            runner = GraphedDecoder(model, graphed, headroom=16)
+            orders = [[0, 1, 2, 3], [3, 1, 0, 2]]
+            index = [torch.tensor(o, device=DEV) for o in orders]  # device indices: no host copy in the loop
+            tok, got, fed = prompt[:, -1].clone(), [], []
+            for t in range(24):
+                fed.append(tok[index[t % 2]])
+                logits = runner(fed[-1], orders[t % 2])
+                got.append(logits.clone())
+                tok = torch.empty_like(tok).index_copy_(0, index[t % 2], logits.argmax(-1))
+            for t in range(24):
+                want = model.decode(fed[t], eager, orders[t % 2]).float()
+                assert rel(got[t].float(), want) <= 1e-2, t
+    finally:
+        backend.set_backend("auto")
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["default", "torch_forms"])
 def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
     """The decode step's Triton launches (the split-K MLA decode, the small-groups expert matmul and, unless turned

@@ -31,6 +31,25 @@ def test_triton_multi_linear_matches_reference(m, sizes, k):
         assert ((y.float() - want).norm() / want.norm()).item() <= 5e-3
 
 
+@pytest.mark.parametrize("router_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 64])
+def test_triton_multi_linear_router_slot_is_fp32(m, router_dtype):
+    """A MoE layer's call at the decode benchmark's shapes: the shared experts' gate and up (bf16 outputs) and the
+    router's 64 logits in fp32 (fp32=1) from an fp32 weight (x upcast, fp32 products) or a bf16 one (exact products,
+    fp32 sums): the router's relative error <= 1e-5 against the fp32 reference (the sums' order only)."""
+    from k3.ops.linear.triton_multi import multi_linear
+
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, 1024, device=DEV, generator=g).bfloat16()
+    ws = [(torch.randn(n, 1024, device=DEV, generator=g) * 0.03).bfloat16() for n in (512, 512)]
+    ws.append((torch.randn(64, 1024, device=DEV, generator=g) * 0.03).to(router_dtype))
+    got = multi_linear(x, ws, 1)
+    want = reference.multi_linear(x, ws, 1)
+    assert [y.dtype for y in got] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for y, w, tol in zip(got, want, (5e-3, 5e-3, 1e-5)):
+        assert ((y.float() - w.float()).norm() / w.float().norm()).item() <= tol
+
+
 def test_multi_linear_runs_the_kernel_only_without_gradients(monkeypatch):
     from k3.ops.linear.triton_multi import multi_linear
 

@@ -20,11 +20,13 @@ targets = pytest.importorskip("triton.backends.compiler")
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from k3.ops import pdl  # noqa: E402
+
 PTXAS = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 pytestmark = pytest.mark.skipif(not PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed")
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.bool: "i1"}
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
 def launches(monkeypatch, op) -> list[tuple]:
@@ -73,11 +75,11 @@ def assemble(kernel, values: dict, options: dict, tmp_path) -> str:
     return done.stderr + done.stdout
 
 
-def _maps(rows):
+def _maps(rows, router=False):
     from k3.ops.linear.triton_multi import multi_linear
 
-    return lambda: multi_linear(torch.randn(rows, 1024).bfloat16(), [torch.randn(n, 1024).bfloat16()
-                                                                      for n in (3072, 576)])
+    ws = [torch.randn(n, 1024).bfloat16() for n in (3072, 576)] + [torch.randn(64, 1024)] * router  # fp32 slot
+    return lambda: multi_linear(torch.randn(rows, 1024).bfloat16(), ws, int(router))
 
 
 def _conv_steps(rows):
@@ -113,7 +115,7 @@ def _small_groups(n, e, k, d, i):
     return both
 
 
-def _kda_core(n, h, dk, dv, rg, bound):
+def _kda_core(n, h, dk, dv, rg, bound, warps=None):
     from k3.ops.kda.triton_decode import kda_decode_core
 
     bf = torch.bfloat16
@@ -121,7 +123,13 @@ def _kda_core(n, h, dk, dv, rg, bound):
             torch.randn(n, dk).to(bf), torch.randn(h * dk, dk).to(bf), torch.randn(n, h).to(bf),
             torch.randn(n, rg or h * dv).to(bf), torch.randn(h * dv, rg).to(bf) if rg else None, torch.rand(h),
             torch.randn(h * dk), torch.rand(dv), torch.randn(n + 1, h, dk, dv), torch.arange(n), bound, 1e-6, 1e-5, bf)
-    return lambda: kda_decode_core(*args)
+    if warps is None:
+        return lambda: kda_decode_core(*args)
+
+    def run():
+        with patch("k3.ops.kda.triton_decode._warps", lambda *a: warps):  # what a GPU with <= 256 SMs picks
+            kda_decode_core(*args)
+    return run
 
 
 def _mla(b, h, length):
@@ -139,12 +147,14 @@ def _mla(b, h, length):
 
 CASES = {
     "multi_linear": _maps(64),
+    "multi_linear with a router": _maps(64, router=True),
     "conv_steps": _conv_steps(64),
     "router_topk": _router_topk(64, 896, 16),
     "moe_route": _moe_route(64, 8, 64),
     "small_groups": _small_groups(64, 64, 8, 1024, 512),
     "kda_decode_core low-rank gate": _kda_core(64, 16, 64, 64, 64, None),
     "kda_decode_core full gate, bounded": _kda_core(16, 8, 128, 128, 0, -5.0),
+    "kda_decode_core one warp": _kda_core(64, 16, 64, 64, 64, None, warps=1),
     "mla_decode": _mla(4, 16, 4096),
 }
 
@@ -155,3 +165,21 @@ def test_kernel_compiles_for_hopper(case, monkeypatch, tmp_path):
     assert seen, "no Triton launch captured"
     for kernel, values, options in seen:
         assert "Used" in assemble(kernel, values, options, tmp_path), kernel.__name__
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_waits_for_its_predecessor_with_pdl(case, monkeypatch, tmp_path):
+    """With programmatic dependent launch on (k3.ops.pdl), each kernel is launched with it and waits for the kernel
+    before it (griddepcontrol.wait) before its first global load or store, then releases the next one."""
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    seen = launches(monkeypatch, CASES[case])
+    assert seen, "no Triton launch captured"
+    for kernel, values, options in seen:
+        assert options.get("launch_pdl") is True and values["PDL"] is True, kernel.__name__
+        assemble(kernel, values, options, tmp_path)
+        ptx = (tmp_path / f"{kernel.__name__}.ptx").read_text()
+        body = ptx[ptx.index(".entry"):]
+        memory = [i for i in (body.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.global")) if i >= 0]
+        wait = body.find("griddepcontrol.wait")
+        assert 0 <= wait < min(memory), kernel.__name__
+        assert wait < body.find("griddepcontrol.launch_dependents"), kernel.__name__

@@ -30,6 +30,22 @@ def test_reference_is_one_linear_per_weight():
     assert all(torch.equal(y, F.linear(x, w)) for y, w in zip(got, ws))
 
 
+def test_reference_computes_the_last_fp32_maps_in_fp32():
+    """fp32=n: the last n maps are x and the weight upcast (a router's GEMM), whatever the weight's dtype; the
+    others stay in x's dtype."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 48).bfloat16()
+    ws = [torch.randn(16, 48).bfloat16(), torch.randn(8, 48).bfloat16(), torch.randn(8, 48)]
+    got = reference.multi_linear(x, ws, fp32=2)
+    assert [y.dtype for y in got] == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(got[0], F.linear(x, ws[0]))
+    assert all(torch.equal(y, F.linear(x.float(), w.float())) for y, w in zip(got[1:], ws[1:]))
+    for fp32 in (-1, 4):
+        for fn in (reference.multi_linear, linear.multi_linear):
+            with pytest.raises(ValueError, match=f"fp32={fp32} must be between 0 and the number of weights"):
+                fn(x, ws, fp32=fp32)
+
+
 def test_dispatch_runs_the_reference_on_cpu_and_logs_it(monkeypatch, caplog):
     """The reference on CPU (the fast backend is for CUDA devices), logged; backend=fast there is an error."""
     entry = backend._OPS["multi_linear"]
@@ -65,6 +81,10 @@ def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
             assert linear.kernel(torch.zeros(999, 16, dtype=torch.bfloat16), ws) == "torch"  # no new line per length
             assert linear.kernel(x, ws * 5) == "torch"  # 10 weights
             assert linear.kernel(x, [torch.zeros(8, 12, dtype=torch.bfloat16)]) == "torch"  # another width
+            router = torch.zeros(4, 16)
+            assert linear.kernel(x, ws + [router], fp32=1) == "triton"  # an fp32 weight in an fp32 slot
+            assert linear.kernel(x, ws + [router.bfloat16()], fp32=1) == "triton"
+            assert linear.kernel(x, [router] + ws, fp32=1) == "torch"  # an fp32 weight in a slot of x's dtype
         assert linear.kernel(x, ws) == "triton"  # grad mode on, but nothing to differentiate
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"multi_linear: {linear.TORCH_FORM}: a gradient is needed",
@@ -73,14 +93,15 @@ def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
                      "torch.float32",
                      f"multi_linear: {linear.TORCH_FORM}: more than 256 rows",
                      f"multi_linear: {linear.TORCH_FORM}: the kernel takes 1..8 [N, K] weights of the "
-                     "input's dtype"]
+                     "input's dtype (fp32 ones: also fp32)"]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 1e-2)])
 def test_concatenated_is_the_reference_in_one_product_with_its_gradients(dtype, tol):
     """One linear over the stacked weights = one linear per weight, outputs and the gradients of x and every weight
     (random cotangents); fp64: the same sums (<= 1e-12), bf16: the products' rounding (2^-8 ~ 3.9e-3 per element)
-    with room. Strided outputs (views of one [M, sum N] product). Mixed dtypes fall back to the reference."""
+    with room. Strided outputs (views of one [M, sum N] product). Mixed dtypes fall back to the reference. With
+    fp32=1 the last map (a router's) is the reference's fp32 product, outside the stack, gradients included."""
     torch.manual_seed(0)
     x = torch.randn(300, 48, dtype=dtype, requires_grad=True)
     ws = [torch.randn(n, 48, dtype=dtype, requires_grad=True) for n in (16, 3, 40)]
@@ -98,13 +119,21 @@ def test_concatenated_is_the_reference_in_one_product_with_its_gradients(dtype, 
     mixed = [ws[0].detach().float(), ws[1].detach().bfloat16()]
     with torch.autocast("cpu", dtype=torch.bfloat16):  # where mixed weights meet (autocast casts each)
         assert all(y.is_contiguous() for y in linear.concatenated(x.detach().float(), mixed))  # one linear each
+    router = torch.randn(6, 48, dtype=dtype, requires_grad=True)  # fp32=1: the last map is the reference's
+    got = linear.concatenated(x, ws + [router], fp32=1)
+    want = reference.multi_linear(x, ws + [router], fp32=1)
+    assert got[1].stride() == (59, 1) and got[-1].dtype == want[-1].dtype == torch.promote_types(dtype, torch.float32)
+    cots = cots + [torch.randn(300, 6, dtype=want[-1].dtype)]
+    grads = torch.autograd.grad(got, [x, *ws, router], cots)
+    want_grads = torch.autograd.grad(want, [x, *ws, router], cots)
+    assert all(rel(a, b) <= tol for a, b in zip(got + list(grads), want + list(want_grads)))
 
 
 def test_fast_backend_stacks_the_weights_where_a_gradient_is_needed(monkeypatch):
     """The torch form of the fast backend: one product over the stacked weights where a gradient is needed (a
     training step), one linear per weight otherwise (a prefill gains nothing; a decode step's GEMVs, more than
     MAX_ROWS rows at large batches, would pay the stacking's weight copy)."""
-    monkeypatch.setattr(linear, "kernel", lambda x, ws: "torch")
+    monkeypatch.setattr(linear, "kernel", lambda x, ws, fp32=0: "torch")
     ws = [torch.randn(8, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)]
     x = torch.randn(linear.MAX_ROWS + 1, 16)
     assert [y.is_contiguous() for y in linear._multi_linear_fast(x, ws)] == [False, False]  # views of one product
@@ -119,7 +148,9 @@ def test_kernel_rejects_bad_inputs():
     tm = pytest.importorskip("k3.ops.linear.triton_multi")
     x = torch.zeros(2, 8, dtype=torch.float16)
     for args in [(x.float(), [torch.zeros(4, 8)]), (x, []), (x, [torch.zeros(4, 9, dtype=torch.float16)]),
-                 (x, [torch.zeros(4, 8)]), (x, [torch.zeros(4, 8, dtype=torch.float16)] * 9)]:
+                 (x, [torch.zeros(4, 8)]), (x, [torch.zeros(4, 8, dtype=torch.float16)] * 9),
+                 (x, [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16)], 1),
+                 (x, [torch.zeros(4, 8, dtype=torch.float16)], 2)]:
         with pytest.raises(ValueError, match="multi_linear: .* do not match"):
             tm.multi_linear(*args)
 
@@ -148,6 +179,17 @@ INTERPRETED = textwrap.dedent("""
         for y, want in zip(ys, reference.multi_linear(x.float(), [w.float() for w in ws])):
             assert y.shape == want.shape and not y.isnan().any(), (m, sizes)
             assert want.numel() == 0 or rel(y, want) <= 2e-3, (m, sizes, rel(y, want))
+    # fp32 slots (a router's logits): the last weights in fp32 or x's dtype, fp32 outputs; the products are exact
+    # in fp32 either way (fp16 x fp16, or x upcast x fp32), so only the sums' order differs from the reference
+    for m, sizes, fp32 in [(64, (96, 64, 64), 2), (5, (40, 33), 1), (100, (24, 70), 1)]:
+        x = torch.randn(m, 64).half()
+        ws = [torch.randn(n, 64).half() for n in sizes[:-fp32]] + [torch.randn(n, 64) for n in sizes[-fp32:]]
+        ws[-1] = ws[-1].half() if fp32 == 2 else ws[-1]  # one slot of each kind
+        got = tm.multi_linear(x, ws, fp32)
+        want = reference.multi_linear(x, ws, fp32)
+        assert [y.dtype for y in got] == [y.dtype for y in want] and got[-1].dtype == torch.float32
+        assert all(rel(a, b.float()) <= (2e-3 if a.dtype == torch.float16 else 1e-5) for a, b in zip(got, want)), (
+            [rel(a, b.float()) for a, b in zip(got, want)])
     assert tm.launch_config([1024, 1024, 1024, 64, 16, 64])["BLOCK_N"] == 32  # 101 programs of 32 columns
     assert tm.launch_config([512, 512])["BLOCK_N"] == 16  # 32 programs of 32 columns: 64 of 16 instead
     x = torch.randn(7, 64).half()[:, ::2]  # a strided input
@@ -171,6 +213,8 @@ INTERPRETED = textwrap.dedent("""
     x, ws = torch.randn(4, 32).half(), [torch.randn(n, 32).half() for n in (24, 8, 16)]
     checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws))
     assert all(r == "SUCCESS" for r in checks.values()), checks
+    checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws[:2] + [torch.randn(4, 32)], 1))
+    assert all(r == "SUCCESS" for r in checks.values()), checks
     grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
     fast = lambda t: [y * 2 for y in linear._multi_linear_fast(t + 1, ws)]  # noqa: E731  (the fast backend's function)
     with torch.no_grad():
@@ -193,9 +237,9 @@ def spy_calls(monkeypatch, module) -> list[int]:
     """Record the number of weights of each multi_linear call made through ``module``."""
     calls, real = [], module.multi_linear
 
-    def spy(x, weights):
+    def spy(x, weights, fp32=0):
         calls.append(len(weights))
-        return real(x, weights)
+        return real(x, weights, fp32)
 
     monkeypatch.setattr(module, "multi_linear", spy)
     return calls
@@ -227,9 +271,9 @@ def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
 @pytest.mark.parametrize("latent,shared", [(True, True), (False, True), (True, False), (False, False)])
 def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
     """A MoE layer sends x through multi_linear once, with the maps it has (the latent down-projection, the
-    shared experts' gate and up), and its output is the former one to the bit: routed experts on the (latent) z,
-    the up-projection of the normed sum, plus the shared experts' GatedFFN of x. Without any such map (a plain
-    MoE with no shared expert) nothing is called."""
+    shared experts' gate and up) and last its router's weight (fp32 logits), and its output is the former one to the
+    bit: routed experts on the (latent) z, the up-projection of the normed sum, plus the shared experts' GatedFFN of
+    x. Gradients reach every map and the router (through the routing weights)."""
     from k3.config import get_preset
     from k3.model import moe as moe_module
     from k3.ops.moe import moe_experts
@@ -243,8 +287,7 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
         torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(7, cfg.hidden_size)
     y, _ = moe(x)
-    n_maps = int(latent) + 2 * int(shared)
-    assert calls == ([n_maps] if n_maps else [])
+    assert calls == [int(latent) + 2 * int(shared) + 1]
     _, idx, w = moe.gate(x)
     z = moe.routed_expert_down_proj(x) if latent else x
     want = moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.glu)
@@ -255,7 +298,7 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
     assert torch.equal(y, want)
     y.sum().backward()  # gradients reach every map through the torch path
     maps = ([moe.routed_expert_down_proj] if latent else []) + (
-        [moe.shared_experts.gate_proj, moe.shared_experts.up_proj] if shared else [])
+        [moe.shared_experts.gate_proj, moe.shared_experts.up_proj] if shared else []) + [moe.gate]
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in maps)
 
 

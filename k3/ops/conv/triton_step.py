@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3.ops.pdl import launch, wait_then_release
+
 BLOCK_C = 256  # channels per program
 
 
@@ -51,7 +53,9 @@ def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: t
 
 @triton.jit
 def _conv_steps_kernel(X0, X1, X2, W0, W1, W2, S0, S1, S2, Y0, Y1, Y2, SLOTS, C0, C1, C2, sx0, sx1, sx2,
-                       WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+                       WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_then_release(PDL)
     n = tl.program_id(0)
     blk = tl.program_id(1)
     slot = tl.load(SLOTS + n).to(tl.int64)
@@ -79,7 +83,8 @@ def conv_steps(x0: Tensor, x1: Tensor, x2: Tensor, w0: Tensor, w1: Tensor, w2: T
         blocks = sum(triton.cdiv(x.shape[1], BLOCK_C) for x in xs)
         _conv_steps_kernel[(n, blocks)](*xs, *(w.contiguous() for w in (w0, w1, w2)), s0, s1, s2, *ys, slots,
                                         *(x.shape[1] for x in xs), *(x.stride(0) for x in xs), WIDTH=width,
-                                        BLOCK_W=triton.next_power_of_2(width), SILU=silu, BLOCK_C=BLOCK_C)
+                                        BLOCK_W=triton.next_power_of_2(width), SILU=silu, BLOCK_C=BLOCK_C,
+                                        **launch(x0.device))
     return tuple(ys)
 
 

@@ -26,13 +26,16 @@ import triton.language as tl
 from torch import Tensor
 
 from k3.ops.kda import CORE_MAX_DIM as MAX_DIM, core_dims_supported as supported
+from k3.ops.pdl import launch, wait_then_release
 
 
 @triton.jit
 def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, STATE, SLOTS, Y,
                        stride_q, stride_k, stride_v, stride_fa, stride_b, stride_g, stride_y, H,
                        lower_bound, scale, eps_l2, eps_norm, K: tl.constexpr, V: tl.constexpr, RF: tl.constexpr,
-                       RG: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_RF: tl.constexpr, BLOCK_RG: tl.constexpr):
+                       RG: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_RF: tl.constexpr, BLOCK_RG: tl.constexpr,
+                       PDL: tl.constexpr):
+    wait_then_release(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(SLOTS + n).to(tl.int64)
@@ -70,6 +73,19 @@ def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, S
     tl.store(Y + n * stride_y + h * V + vs, y.to(Y.dtype.element_ty))
 
 
+def _warps(state_size: int, programs: int, device: torch.device) -> int:
+    """Warps per program: 8 for states over 64 x 64; for 64 x 64, one warp (128 state elements per thread) once the
+    programs are at least 4 per SM, else 4. On an H200 at the decode benchmark's shapes (CUDA graphs of 20 launches,
+    benchmarks/results/kernels_micro_s29.txt): B=64 (1024 programs, 7.8 per SM) 10.1 us with one warp, 14.4 with
+    four; B=16 (256, 1.9 per SM) 5.3 with four, 6.7 with one; B=1 3.6 with four, 5.9 with one. The threshold between
+    the two measured counts is a choice."""
+    if state_size > 64 * 64:
+        return 8
+    if device.type != "cuda":  # Triton's interpreter (tests): no warps
+        return 4
+    return 1 if programs >= 4 * torch.cuda.get_device_properties(device).multi_processor_count else 4
+
+
 def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -97,7 +113,7 @@ def kda_decode_core(q: Tensor, k: Tensor, v: Tensor, f_a: Tensor, w_fb: Tensor, 
             gate_in.stride(0), y.stride(0), h, 0.0 if lower_bound is None else lower_bound, kd ** -0.5,
             l2norm_eps, norm_eps, K=kd, V=vd, RF=rf, RG=rg, BOUNDED=lower_bound is not None,
             BLOCK_RF=triton.next_power_of_2(rf), BLOCK_RG=triton.next_power_of_2(max(rg, 1)),
-            num_warps=8 if kd * vd > 64 * 64 else 4)
+            num_warps=_warps(kd * vd, n * h, q.device), **launch(q.device))
     return y
 
 

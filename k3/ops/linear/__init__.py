@@ -3,7 +3,12 @@
 A decode step's KDA layer multiplies its input by six weights (q, k, v, the forget gate's and the output gate's
 low-rank inputs, beta), a MoE layer by three (the latent down-projection, the shared experts' gate and up), an MLA
 decode step by two or three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV launches of a few
-microseconds each on an H200, most of it launch and tail. The ``fast`` backend can run them as one Triton launch
+microseconds each on an H200, most of it launch and tail. A MoE layer's router goes with its maps as the last one,
+computed in fp32 (``fp32=1``: x and the weight upcast, as the router's own GEMM); in the kernel that is the input's
+products accumulated in fp32, with the weight in fp32 or in the input's dtype, where cuBLAS took an fp32 GEMM and a
+split-K reduction, ~8 us per MoE layer at B=64 on an H200. One-weight calls (a KDA decode step's o_proj, the shared
+experts' down-projection) take the launch too: cuBLAS's kernels do not use programmatic dependent launch
+(k3.ops.pdl), ours do. The ``fast`` backend can run them as one Triton launch
 (k3.ops.linear.triton_multi) for calls that need no gradient, with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows
 and at most MAX_WEIGHTS weights; the torch form otherwise: where a gradient is needed (a training step) one linear
 over the stacked weights (:func:`concatenated`: one matrix product forward and two backward instead of one and two
@@ -30,9 +35,11 @@ TORCH_FORM = ("torch: one linear over the stacked weights where a gradient is ne
               "else one linear per weight (k3.ops.linear.reference)")
 
 
-def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+def multi_linear(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
     """See :func:`k3.ops.linear.reference.multi_linear`."""
-    return backend.dispatch("multi_linear", x.device, x, weights)
+    if not 0 <= fp32 <= len(weights):
+        raise ValueError(f"multi_linear: fp32={fp32} must be between 0 and the number of weights ({len(weights)})")
+    return backend.dispatch("multi_linear", x.device, x, weights, fp32)
 
 
 def _needs_grad(x: Tensor, weights: list[Tensor]) -> bool:
@@ -43,10 +50,11 @@ def _fast_supported(device: torch.device) -> bool:
     return device.type == "cuda"  # the kernel, where chosen, also needs Triton: checked when chosen
 
 
-def kernel(x: Tensor, weights: list[Tensor]) -> str:
+def kernel(x: Tensor, weights: list[Tensor], fp32: int = 0) -> str:
     """Which form the fast backend runs: 'triton' when Triton is usable, K3_MULTI_LINEAR is not torch, no gradient
-    is needed, x is 2-D bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its dtype and width;
-    else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
+    is needed, x is 2-D bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its width and dtype
+    (the last ``fp32`` ones: its dtype or fp32); else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once
+    each, with the reason)."""
     def why_not() -> str:
         if _needs_grad(x, weights):
             return "a gradient is needed"
@@ -54,9 +62,8 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
             return f"the kernel takes 2-D bf16 / fp16 inputs, not {x.dim()}-D {x.dtype}"
         if x.shape[0] > MAX_ROWS:  # a prefill's rows (the reason names no length: logged once, not once per length)
             return f"more than {MAX_ROWS} rows"
-        if not 1 <= len(weights) <= MAX_WEIGHTS or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1]
-                                                       for w in weights):
-            return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype"
+        if not 1 <= len(weights) <= MAX_WEIGHTS or not weights_fit(x, weights, fp32):
+            return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype (fp32 ones: also fp32)"
         return ""
 
     return backend.triton_or_torch("K3_MULTI_LINEAR", "multi_linear:", why_not,
@@ -65,24 +72,35 @@ def kernel(x: Tensor, weights: list[Tensor]) -> str:
                                    _logged)
 
 
-def concatenated(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+def weights_fit(x: Tensor, weights: list[Tensor], fp32: int) -> bool:
+    """Whether the kernel takes these weights: [N_i, K] with x's K, in x's dtype; the last ``fp32`` also in fp32."""
+    n = len(weights) - fp32
+    return 0 <= fp32 <= len(weights) and all(
+        w.dim() == 2 and w.shape[1] == x.shape[1] and (w.dtype == x.dtype or (i >= n and w.dtype == torch.float32))
+        for i, w in enumerate(weights))
+
+
+def concatenated(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
     """The maps as one matrix product with the weights stacked ([sum N_i, K]), its output split into column views
     [M, N_i] (strided: row stride sum N_i): one GEMM and, in backward, one for x's gradient and one for the stacked
     weights' instead of a few per weight. Weights of one dtype (else one linear each, the reference). The stacking
-    copies the weights once per call: small beside a training step's products over its rows."""
-    if len(weights) < 2 or any(w.dtype != weights[0].dtype for w in weights):
-        return multi_linear_reference(x, weights)
-    return list(F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1))
+    copies the weights once per call: small beside a training step's products over its rows. The last ``fp32``
+    maps are the reference's (each its own fp32 product)."""
+    n = len(weights) - fp32
+    stacked, rest = weights[:n], multi_linear_reference(x, weights[n:], fp32) if fp32 else []
+    if len(stacked) < 2 or any(w.dtype != stacked[0].dtype for w in stacked):
+        return multi_linear_reference(x, stacked) + rest
+    return list(F.linear(x, torch.cat(stacked)).split([w.shape[0] for w in stacked], dim=-1)) + rest
 
 
-def _multi_linear_fast(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
-    if kernel(x, weights) == "triton":
+def _multi_linear_fast(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
+    if kernel(x, weights, fp32) == "triton":
         from k3.ops.linear.triton_multi import multi_linear as multi_linear_triton  # Triton: imported on use
 
-        return multi_linear_triton(x, weights)
+        return multi_linear_triton(x, weights, fp32)
     if _needs_grad(x, weights):
-        return concatenated(x, weights)
-    return multi_linear_reference(x, weights)
+        return concatenated(x, weights, fp32)
+    return multi_linear_reference(x, weights, fp32)
 
 
 backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")

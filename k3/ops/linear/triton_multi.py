@@ -13,6 +13,9 @@ benchmarks/results/multi_linear_configs.md). It replaced Triton's autotuner, re-
 took 11.6-18.5 us per launch for the KDA maps inside compiled decode steps (5.6 us in the configurations' benchmark;
 7.0-8.3 us in the step with this rule, benchmarks/results/profile_decode_sequence.txt).
 
+The last ``fp32`` weights' outputs are fp32 (a MoE router's logits): their weights in x's dtype (exact products,
+fp32 sums) or in fp32 (x upcast, fp32 products).
+
 Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it and logs which path runs.
 """
 
@@ -26,7 +29,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from k3.ops.linear import MAX_WEIGHTS
+from k3.ops import pdl
+from k3.ops.linear import MAX_WEIGHTS, weights_fit
+from k3.ops.pdl import wait_then_release
 
 _SIZES = [f"N{i}" for i in range(MAX_WEIGHTS)]
 _fewer_stages: set[bool] = set()  # logged once: the rule's stages did not fit a GPU
@@ -46,7 +51,10 @@ def _mm_block(X, w, y, n, blk, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.conste
                          mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
             wk = tl.load(w + cols[None, :].to(tl.int64) * K + ks[:, None],
                          mask=(ks[:, None] < K) & (cols[None, :] < n), other=0.0)  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(xk, wk, acc)
+            if wk.dtype == tl.float32:  # an fp32 weight (a router's): x upcast, fp32 products
+                acc = tl.dot(xk.to(tl.float32), wk, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xk, wk, acc)
         tl.store(y + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(y.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < n))
 
@@ -64,7 +72,8 @@ def _slot(X, w, y, n, pid, start, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.con
 @triton.jit(do_not_specialize=["M"] + _SIZES)
 def _multi_linear_kernel(X, W0, W1, W2, W3, W4, W5, W6, W7, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7,
                          N0, N1, N2, N3, N4, N5, N6, N7, M, stride_xm, G: tl.constexpr, K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     pid = tl.program_id(0)
     end = _slot(X, W0, Y0, N0, pid, 0, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
     if G > 1:
@@ -95,11 +104,12 @@ def launch_config(sizes: list[int]) -> dict:
 
 
 @torch.library.custom_op("k3::multi_linear", mutates_args=())
-def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+def multi_linear(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
     """x [M, K], weights [N_i, K] (1..MAX_WEIGHTS, x's dtype: bf16 or fp16) -> [x @ W_i^T, [M, N_i] each], fp32
-    accumulation. A custom op (``torch.ops.k3.multi_linear``): a compiled decode step keeps it inside its graph."""
-    _check(x, weights)
-    ys = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+    accumulation; the last ``fp32`` outputs in fp32, their weights in x's dtype or fp32 (x upcast). A custom op
+    (``torch.ops.k3.multi_linear``): a compiled decode step keeps it inside its graph."""
+    _check(x, weights, fp32)
+    ys = _outputs(x, weights, fp32)
     if x.shape[0] and any(w.shape[0] for w in weights):
         ws, bm = [w.contiguous() for w in weights], block_m(x.shape[0])
         config = launch_config([w.shape[0] for w in ws])
@@ -115,18 +125,23 @@ def multi_linear(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 
 
 @multi_linear.register_fake
-def _(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
-    _check(x, weights)
-    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+def _(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
+    _check(x, weights, fp32)
+    return _outputs(x, weights, fp32)
 
 
-def _check(x: Tensor, weights: list[Tensor]) -> None:
+def _outputs(x: Tensor, weights: list[Tensor], fp32: int) -> list[Tensor]:
+    n = len(weights) - fp32
+    return [x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if i < n else torch.float32)
+            for i, w in enumerate(weights)]
+
+
+def _check(x: Tensor, weights: list[Tensor], fp32: int) -> None:
     if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not 1 <= len(weights) <= MAX_WEIGHTS
-            or any(w.dim() != 2 or w.dtype != x.dtype or w.shape[1] != x.shape[1] or w.device != x.device
-                   for w in weights)):
+            or not weights_fit(x, weights, fp32) or any(w.device != x.device for w in weights)):
         raise ValueError(f"multi_linear: x {tuple(x.shape)} {x.dtype} (bf16 / fp16 [M, K]) and weights "
-                         f"{[(tuple(w.shape), w.dtype) for w in weights]} (1..{MAX_WEIGHTS} of [N, K], x's dtype and "
-                         "device) do not match")
+                         f"{[(tuple(w.shape), w.dtype) for w in weights]} with fp32={fp32} (1..{MAX_WEIGHTS} of "
+                         "[N, K], x's dtype, the last fp32 ones also fp32, and device) do not match")
 
 
 def _run(x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, BLOCK_N: int, BLOCK_K: int, **launch) -> None:
@@ -139,4 +154,4 @@ def _run(x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, BLOCK_N: i
         x = x.contiguous()
     grid = (sum(triton.cdiv(n, BLOCK_N) for n in sizes),)
     _multi_linear_kernel[grid](x, *ws, *outs, *sizes, x.shape[0], x.stride(0), G=g, K=x.shape[1], BLOCK_M=bm,
-                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **launch)
+                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **launch, **pdl.launch(x.device))

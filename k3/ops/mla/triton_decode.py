@@ -17,13 +17,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3.ops.pdl import launch, wait_then_release
+
 
 @triton.jit
 def _mla_decode_kernel(Q, KV, SLOT, LEN, O, LSE, scale_log2,
                        stride_qb, stride_qh, stride_kvs, stride_kvt, stride_ob, stride_os, stride_oh,
                        stride_lb, stride_ls, H,
                        SPLIT_ROWS, R: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     b = tl.program_id(0)
     split = tl.program_id(1)
     hg = tl.program_id(2)
@@ -71,11 +74,12 @@ def supported(r: int, dr: int) -> bool:
 
 @triton.jit
 def _mla_combine_kernel(O, LSE, Y, S, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_yb, stride_yh,
-                        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """y[b, h, cols] = sum_s w_s o[b, s, h, cols] / sum_s w_s, w_s = 2^(lse[b, s, h] - max_s lse): the softmax
     over all rows, put together from the splits' (all -inf: an empty sequence, 0). One pass over the splits,
     BLOCK_S at a time, each block's log-sum-exps and outputs loaded together, the running sums rescaled to the
     running maximum (online softmax): at most 32 splits are one round of loads."""
+    wait_then_release(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -108,18 +112,19 @@ def _launch(q: Tensor, kv: Tensor, slots: Tensor, lengths: Tensor, scale: float,
     (17 splits, 36 MB of partial outputs, benchmarks/results/profile_decode.txt), then a two-pass Triton merge of
     28 us (1.3 TB/s; benchmarks/results/profile_decode_sequence.txt)."""
     B, H = q.shape[:2]
+    pdl = launch(q.device)
     o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, splits, H, device=q.device, dtype=torch.float32)
     _mla_decode_kernel[(B, splits, groups)](
         q, kv, slots, lengths, o, lse, scale * math.log2(math.e), q.stride(0), q.stride(1), kv.stride(0),
         kv.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), H, split_rows,
-        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages, num_warps=num_warps)
+        R=R, DR=DR, BLOCK_H=block_h, BLOCK_N=block_n, num_stages=num_stages, num_warps=num_warps, **pdl)
     y = torch.empty(B, H, R, device=q.device, dtype=q.dtype)
     block_s = min(32, triton.next_power_of_2(splits))
     block_r = min(R, 4096 // block_s)  # [BLOCK_S, BLOCK_R] outputs in flight per program
     _mla_combine_kernel[(B, H, R // block_r)](o, lse, y, splits, o.stride(0), o.stride(1), o.stride(2),
                                               lse.stride(0), lse.stride(1), y.stride(0), y.stride(1),
-                                              BLOCK_S=block_s, BLOCK_R=block_r)
+                                              BLOCK_S=block_s, BLOCK_R=block_r, **pdl)
     return y
 
 
@@ -130,13 +135,16 @@ def _(q, kv, slots, lengths, scale, splits, split_rows, groups, R, DR, block_h, 
 
 def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: float, v_dim: int,
                max_length: int | None = None, block_n: int = 32, num_stages: int = 3, num_warps: int | None = None,
-               programs_per_sm: int = 8) -> Tensor:
+               programs_per_sm: int = 2) -> Tensor:
     """q [B, H, r + dr] (one token per sequence); kv [slots, capacity, r + dr]; seq_ids, lengths [B] (int);
     -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once.
     Launch: block_n rows per iteration, num_stages / num_warps (default 8 for 32-head groups, else 4), and
-    sequences split until about programs_per_sm programs per SM (splits of at least 256 rows); on an H200, 8
-    instead of 2 took B=64 / 32K from 68% to 89% of the bandwidth limit (benchmarks/results/tune_mla_decode.md,
-    measured by benchmarks/tune_mla_decode.py)."""
+    sequences split into as many splits as keep the programs at most programs_per_sm per SM (splits of at least 256
+    rows). On an H200 two programs of 16-head groups (4 warps) are resident per SM, and one whole wave of programs was
+    fastest (CUDA graphs of 5 calls, benchmarks/results/kernels_micro_s29.txt): at B=64 / 32K 4 splits (256 programs)
+    541 us per call, 8 splits 543, 16 splits 560 (the former rule, rounding 8 per SM up, took 17: 612 us against 566
+    for 16 timed launch by launch); at B=16 / 128K 16 splits 537 us, 33 splits 554 and 66 (the former rule) 573.
+    Groups of 32 heads (8 warps) were not measured."""
     B, H, D = q.shape
     R, DR = v_dim, D - v_dim
     if not supported(R, DR):
@@ -146,7 +154,7 @@ def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: f
     block_h = min(32, max(16, triton.next_power_of_2(H)))
     groups = triton.cdiv(H, block_h)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = max(1, min(triton.cdiv(max_length, 256), triton.cdiv(programs_per_sm * sms, B * groups)))
+    splits = max(1, min(triton.cdiv(max_length, 256), programs_per_sm * sms // (B * groups)))
     split_rows = triton.cdiv(triton.cdiv(max_length, splits), block_n) * block_n
     splits = triton.cdiv(max_length, split_rows)
     return _launch(q, kv, seq_ids.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous(), scale, splits,

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3.ops.moe.grouped import GLU_ACTS
+from k3.ops.pdl import launch, wait_then_release
 
 _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
             for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
@@ -36,7 +37,8 @@ _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"])
 @triton.jit
 def _small_groups_kernel(X, W, OFFS, Y, stride_xr, stride_we, stride_wn, stride_yr, N: tl.constexpr, K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     end = tl.load(OFFS + e)
@@ -73,10 +75,12 @@ def _tanh(x):
 @triton.jit
 def _small_groups_glu_kernel(X, SRC, W1, W3, OFFS, H, stride_xr, stride_we, stride_wn, stride_hr, pairs_per_token,
                              beta, linear_beta, N: tl.constexpr, K: tl.constexpr, SITU: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PDL: tl.constexpr):
     """h[r] = act(w1[e] @ x[token(r)], w3[e] @ x[token(r)]) for the rows r of group e, token(r) = SRC[r] // k;
     padding rows (SRC = -1) read zeros. Each product is rounded to h's dtype before the activation, as when the
     matmuls and the GLU run apart."""
+    wait_then_release(PDL)
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     end = tl.load(OFFS + e)
@@ -151,7 +155,7 @@ def small_groups_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tens
     grid = lambda m: (E, triton.cdiv(N, m["BLOCK_N"]))  # noqa: E731
     _small_groups_glu_kernel[grid](x, src_pair, w1, w3, offs.to(torch.int32), h, x.stride(0), w1.stride(0),
                                    w1.stride(1), h.stride(0), pairs_per_token, beta, linear_beta, N=N, K=K,
-                                   SITU=act == "situ", BLOCK_M=bm)
+                                   SITU=act == "situ", BLOCK_M=bm, **launch(x.device))
     return h
 
 
@@ -186,4 +190,5 @@ def _run(kernel, x: Tensor, w: Tensor, offs: Tensor, y: Tensor, bm: int, **meta)
     def grid(m):
         return E, triton.cdiv(N, m["BLOCK_N"])
 
-    kernel[grid](x, w, offs, y, x.stride(0), w.stride(0), w.stride(1), y.stride(0), N=N, K=K, BLOCK_M=bm, **meta)
+    kernel[grid](x, w, offs, y, x.stride(0), w.stride(0), w.stride(1), y.stride(0), N=N, K=K, BLOCK_M=bm, **meta,
+                 **launch(x.device))

@@ -25,11 +25,13 @@ import triton.language as tl
 from torch import Tensor
 
 from k3.ops.moe.grouped import ALIGN, COUNT_PAIRS, ROUTE_MAX_EXPERTS as MAX_EXPERTS
+from k3.ops.pdl import launch, wait_then_release
 
 
 @triton.jit
 def _route_kernel(IDX, PAIR_ROWS, SRC_PAIR, OFFS, P, E, R, ALIGN: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     lanes = tl.arange(0, BLOCK_P)
     live = lanes < P
     expert = tl.load(IDX + lanes, mask=live, other=0).to(tl.int32)  # [BLOCK_P]
@@ -67,7 +69,7 @@ def moe_route(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     block_p = triton.next_power_of_2(max(p, 1))
     _route_kernel[(1,)](topk_idx.contiguous(), pair_rows, src_pair, offs, p, num_experts, src_pair.numel(),
                         ALIGN=ALIGN, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=1024,
-                        num_warps=8 if block_p > 512 else 4)
+                        num_warps=8 if block_p > 512 else 4, **launch(topk_idx.device))
     return pair_rows, src_pair, offs
 
 

@@ -20,11 +20,13 @@ import triton.language as tl
 from torch import Tensor
 
 from k3.ops.router import MAX_EXPERTS
+from k3.ops.pdl import launch, wait_then_release
 
 
 @triton.jit
 def _router_topk_kernel(LOGITS, BIAS, SCORES, IDX, WEIGHT, E, scaling, K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     avail = cols < E  # the experts not yet picked
@@ -65,7 +67,7 @@ def router_topk(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
         block_e = triton.next_power_of_2(e)
         _router_topk_kernel[(n,)](logits, bias, scores, idx, weight, e, scaling, K=top_k, RENORMALIZE=renormalize,
                                   BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-                                  num_warps=min(8, max(1, block_e // 256)))
+                                  num_warps=min(8, max(1, block_e // 256)), **launch(logits.device))
     return scores, idx, weight
 
 
