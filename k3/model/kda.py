@@ -82,6 +82,7 @@ class KimiDeltaAttention(nn.Module):
         return torch.cat([self.q_conv1d.weight[:, 0], self.k_conv1d.weight[:, 0], self.v_conv1d.weight[:, 0]])
 
     def qkv_widths(self) -> list[int]:
+        """The widths of q, k, v in :meth:`project`'s output (and the convs' channels), in that order."""
         return [self.q_conv1d.weight.shape[0], self.k_conv1d.weight.shape[0], self.v_conv1d.weight.shape[0]]
 
     def raw_inputs(self, x: Tensor, qkv: list[Tensor]) -> tuple[Tensor, ...]:

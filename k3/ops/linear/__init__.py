@@ -36,9 +36,7 @@ TORCH_FORM = ("torch: one linear over the stacked weights where a gradient is ne
 
 
 def multi_linear(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
-    """See :func:`k3.ops.linear.reference.multi_linear`."""
-    if not 0 <= fp32 <= len(weights):
-        raise ValueError(f"multi_linear: fp32={fp32} must be between 0 and the number of weights ({len(weights)})")
+    """See :func:`k3.ops.linear.reference.multi_linear` (every form ends in its check of ``fp32``)."""
     return backend.dispatch("multi_linear", x.device, x, weights, fp32)
 
 
