@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import time
 import traceback
 from queue import Empty
 
@@ -63,7 +64,7 @@ def run(world: int, fn, *args, timeout: float = 300.0) -> list:
                     if waited >= timeout:
                         raise TimeoutError(f"no rank reported for {timeout:.0f} s (ranks done: {sorted(results)})")
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(_failures({rank: value}, queue, world, len(results)))
             results[rank] = pickle.loads(value)
     finally:
         if len(results) < world:
@@ -73,3 +74,20 @@ def run(world: int, fn, *args, timeout: float = 300.0) -> list:
             p.join(timeout)
         shutil.rmtree(folder, ignore_errors=True)
     return [results[r] for r in range(world)]
+
+
+def _failures(errors: dict, queue, world: int, done: int, grace: float = 10.0) -> str:
+    """Every failing rank's traceback: after the first error, the other ranks' reports for up to ``grace`` seconds.
+    A rank that fails can make another's collective fail ("Connection reset by peer"), and the collateral report
+    can arrive first; the cause is then among the others."""
+    deadline = time.monotonic() + grace
+    while len(errors) + done < world and time.monotonic() < deadline:
+        try:
+            rank, status, value = queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Empty:
+            break
+        if status == "error":
+            errors[rank] = value
+        else:
+            done += 1
+    return "\n".join(f"rank {r} failed:\n{tb}" for r, tb in errors.items())

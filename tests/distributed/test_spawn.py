@@ -1,5 +1,5 @@
-"""The multi-process harness itself: results in rank order, and a hung or dead rank fails the call quickly
-instead of hanging the suite."""
+"""The multi-process harness itself: results in rank order, every failing rank's traceback, and a hung or dead
+rank fails the call quickly instead of hanging the suite."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def _rank_one_dies(rank, world):
         os._exit(3)
     time.sleep(30)
     return rank
+
+
+def _both_fail_rank_zero_later(rank, world):
+    time.sleep(1.0 if rank == 0 else 0.0)  # rank 1's (collateral) report comes first
+    raise ValueError(f"cause on rank {rank}")
+
+
+def test_every_failing_rank_is_reported():
+    """The first report to arrive need not hold the cause: the other ranks' tracebacks are collected too."""
+    with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*cause on rank 1(.|\n)*rank 0 failed(.|\n)*cause "
+                                           "on rank 0"):
+        run(2, _both_fail_rank_zero_later, timeout=25)
 
 
 def test_results_in_rank_order():
