@@ -1,0 +1,77 @@
+"""A/B of decode-step variants in one process: the decode benchmark's compiled step (``k3.bench.decode.ours``, greedy
+argmax between steps) timed for each variant, the variants in alternating order over several rounds, against the
+bandwidth limit of the same bytes (``k3.bench.decode.step_bytes`` / the copy bandwidth measured once here).
+
+    python benchmarks/decode_ab.py [--cases 64x32768,1x4096] [--rounds 2] [VARIANT ...]
+
+A VARIANT is a comma-separated list of environment settings (``K3_PDL=0``, ``K3_MOE_UP_GLU=torch,K3_MOE_ROUTE=torch``);
+``''`` is the tree as it stands (the default, alone). Each variant's step is compiled again (dynamo reset) with its
+settings in place. To compare two trees, run the script once in each, one process after the other on the same
+machine (a process's copy bandwidth, and with it the limit, moves by up to ~1.5% between processes on an H200:
+benchmarks/results/decode-s30.md). Prints one line per timing and a summary (every time, the fastest, its share of
+the limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from k3.bench.common import copy_bandwidth
+from k3.bench.decode import ours, peer_config, step_bytes
+from k3.model.decoder import K3ForCausalLM
+from k3.ops import backend
+
+
+def settings(variant: str) -> dict[str, str]:
+    """'A=1,B=x' -> {'A': '1', 'B': 'x'}; '' -> {}."""
+    pairs = [kv for kv in variant.split(",") if kv]
+    if any("=" not in kv for kv in pairs):
+        raise SystemExit(f"variant {variant!r}: expected NAME=value[,NAME=value...]")
+    return dict(kv.split("=", 1) for kv in pairs)
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("variants", nargs="*", default=[""])
+    p.add_argument("--cases", default="64x32768", help="BATCHxCONTEXT[,...]")
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
+    variants = {v: settings(v) for v in a.variants}
+    names = {k for s in variants.values() for k in s}
+    saved = {k: os.environ.get(k) for k in names}
+    backend.set_backend("fast")
+    bw = copy_bandwidth()
+    torch.manual_seed(0)
+    model = K3ForCausalLM(peer_config()).cuda().to(torch.bfloat16).eval()
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for r in range(a.rounds):
+        for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+            for k in names:
+                os.environ.pop(k, None)
+            os.environ.update(variants[v])
+            torch._dynamo.reset()
+            for b, c in cases:
+                t0 = time.time()
+                t = ours(model, b, c, mode="compiled")
+                times.setdefault((v, b, c), []).append(t)
+                print(f"round {r} [{v or 'tree'}] B={b} context={c}: {t * 1e3:.3f} ms/step, "
+                      f"{step_bytes(model, b, c) / bw / t:.1%} of the limit ({time.time() - t0:.0f} s)", flush=True)
+    for k, old in saved.items():
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    for (v, b, c), ts in times.items():
+        print(f"[{v or 'tree'}] B={b} context={c}: " + " ".join(f"{t * 1e3:.3f}" for t in ts)
+              + f" ms; fastest {min(ts) * 1e3:.3f} ms, {step_bytes(model, b, c) / bw / min(ts):.1%} of the limit")
+
+
+if __name__ == "__main__":
+    main()
