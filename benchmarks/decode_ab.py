@@ -44,7 +44,6 @@ def main() -> None:
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
     variants = {v: settings(v) for v in a.variants}
     names = {k for s in variants.values() for k in s}
-    saved = {k: os.environ.get(k) for k in names}
     backend.set_backend("fast")
     bw = copy_bandwidth()
     torch.manual_seed(0)
@@ -62,11 +61,6 @@ def main() -> None:
                 times.setdefault((v, b, c), []).append(t)
                 print(f"round {r} [{v or 'tree'}] B={b} context={c}: {t * 1e3:.3f} ms/step, "
                       f"{step_bytes(model, b, c) / bw / t:.1%} of the limit ({time.time() - t0:.0f} s)", flush=True)
-    for k, old in saved.items():
-        if old is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = old
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     for (v, b, c), ts in times.items():
         print(f"[{v or 'tree'}] B={b} context={c}: " + " ".join(f"{t * 1e3:.3f}" for t in ts)
