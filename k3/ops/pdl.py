@@ -4,9 +4,17 @@ A kernel launched with PDL may start while the kernel before it on the stream is
 up to ``gdc_wait`` (PTX griddepcontrol.wait), which returns once that kernel has completed and its writes are
 visible. ``gdc_launch_dependents`` then lets the next PDL kernel start the same way. In a decode step replayed
 from a CUDA graph (about 200 short kernels at batch 64) this overlaps each kernel's launch and start-up with the
-tail of the one before. Every kernel here calls :func:`wait_then_release` before it touches global memory (reads
-or writes), so what each kernel sees and overwrites is as without PDL; a kernel launched without PDL after one of
-ours waits for it as usual.
+tail of the one before. Every kernel here calls :func:`wait_then_release` before it writes global memory and before
+it reads anything the kernel before it may write, so what each kernel sees and overwrites is as without PDL; a
+kernel launched without PDL after one of ours waits for it as usual.
+
+Reads before the wait: a PDL kernel starts only once the kernel before it has passed its own wait, so everything
+launched earlier than that one has completed; what that one kernel does not write can be read at once. Two kernels
+do so with their main reads: the KDA decode core (its slots and recurrent states, which only the core itself
+writes) and the short-conv step (its slots, conv state rows and weights; the KDA maps before it write the inputs,
+read after the wait). At B=64 / 32K on an H200 that took ~15-45 us off a ~2.95 ms step
+(benchmarks/results/decode-s31.md). tests/ops/test_kernels_compile_for_hopper.py checks that no other kernel reads
+before its wait and that none writes before it.
 
 ``K3_PDL=0`` turns it off (``1``: on, the default where the GPU and Triton support it). Inductor's own kernels in
 a compiled decode step follow the same switch (:func:`inductor_options`, its ``triton.enable_pdl``, off by default

@@ -178,3 +178,12 @@ def test_rejects_mismatched_inputs():
                  (x.float(), src, 1, w, w, offs, "silu")]:
         with pytest.raises(ValueError, match="small_groups_glu: .* do not match"):
             sg.small_groups_glu(*args, 4.0, 25.0)
+
+
+def test_block_m_covers_large_groups():
+    """BLOCK_M covers mu + 4 sqrt(mu) rows (mu: pairs per expert), so that at decode a group just above the average
+    takes one pass: 32 at B=64 (k=8, E=64: mu = 8, groups of 24 occur); 16 at B=16 and B=1; 64 at most."""
+    sg = pytest.importorskip("k3.ops.moe.small_groups")
+    rows = lambda b, k, e: b * k + grouped.ALIGN * e  # noqa: E731  (the routed buffer's rows)
+    assert [sg.block_m(rows(b, 8, 64), 64) for b in (1, 16, 64, 128, 256, 1024)] == [16, 16, 32, 32, 64, 64]
+    assert sg.block_m(rows(16, 16, 896), 896) == 16  # K3's router at B=16

@@ -28,16 +28,19 @@ BLOCK_C = 256  # channels per program
 
 @triton.jit
 def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr,
-         BLOCK_C: tl.constexpr):
-    """Channel block ``cb`` of token ``n`` for one input: y and the state row's shift."""
+         BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    """Channel block ``cb`` of token ``n`` for one input: y and the state row's shift. The state row's taps and the
+    weights are read before the wait (k3.ops.pdl: the kernel before this one does not write them), x after."""
     cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cs < C
     js = tl.arange(0, BLOCK_W)  # window taps; the last (WIDTH - 1) is the new input
     old = js < WIDTH - 1
-    x = tl.load(X + n * stride_x + cs, mask=cmask, other=0.0)
     s_row = St + slot * C * (WIDTH - 1) + cs[:, None] * (WIDTH - 1)
     s = tl.load(s_row + js[None, :], mask=cmask[:, None] & old[None, :], other=0.0)  # [BLOCK_C, BLOCK_W]
     w = tl.load(Wt + cs[:, None] * WIDTH + js[None, :], mask=cmask[:, None] & (js < WIDTH)[None, :], other=0.0)
+    nxt = tl.load(s_row + js[None, :] + 1, mask=cmask[:, None] & (js < WIDTH - 2)[None, :], other=0.0)
+    wait_then_release(PDL)
+    x = tl.load(X + n * stride_x + cs, mask=cmask, other=0.0)
     window = tl.where((js == WIDTH - 1)[None, :], x.to(tl.float32)[:, None], s.to(tl.float32))
     y = tl.sum(window * w.to(tl.float32), axis=1)
     if SILU:
@@ -45,8 +48,7 @@ def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: t
     tl.store(Y + n * C + cs, y.to(Y.dtype.element_ty), mask=cmask)
     # the shifted row: tap j takes tap j + 1 (the new input at the end), stored over the old one once every thread
     # of the program has loaded it (another thread may hold tap j + 1 of the same row)
-    shifted = tl.where((js == WIDTH - 2)[None, :], x.to(St.dtype.element_ty)[:, None],
-                       tl.load(s_row + js[None, :] + 1, mask=cmask[:, None] & (js < WIDTH - 2)[None, :], other=0.0))
+    shifted = tl.where((js == WIDTH - 2)[None, :], x.to(St.dtype.element_ty)[:, None], nxt)
     tl.debug_barrier()
     tl.store(s_row + js[None, :], shifted, mask=cmask[:, None] & old[None, :])
 
@@ -55,18 +57,17 @@ def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: t
 def _conv_steps_kernel(X0, X1, X2, W0, W1, W2, S0, S1, S2, Y0, Y1, Y2, SLOTS, C0, C1, C2, sx0, sx1, sx2,
                        WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
                        PDL: tl.constexpr):
-    wait_then_release(PDL)
     n = tl.program_id(0)
     blk = tl.program_id(1)
     slot = tl.load(SLOTS + n).to(tl.int64)
     end0 = tl.cdiv(C0, BLOCK_C)
     end1 = end0 + tl.cdiv(C1, BLOCK_C)
     if blk < end0:
-        _one(X0, W0, S0, Y0, slot, n, blk, C0, sx0, WIDTH, BLOCK_W, SILU, BLOCK_C)
+        _one(X0, W0, S0, Y0, slot, n, blk, C0, sx0, WIDTH, BLOCK_W, SILU, BLOCK_C, PDL)
     elif blk < end1:
-        _one(X1, W1, S1, Y1, slot, n, blk - end0, C1, sx1, WIDTH, BLOCK_W, SILU, BLOCK_C)
+        _one(X1, W1, S1, Y1, slot, n, blk - end0, C1, sx1, WIDTH, BLOCK_W, SILU, BLOCK_C, PDL)
     else:
-        _one(X2, W2, S2, Y2, slot, n, blk - end1, C2, sx2, WIDTH, BLOCK_W, SILU, BLOCK_C)
+        _one(X2, W2, S2, Y2, slot, n, blk - end1, C2, sx2, WIDTH, BLOCK_W, SILU, BLOCK_C, PDL)
 
 
 @torch.library.custom_op("k3::conv_steps", mutates_args=("s0", "s1", "s2"))

@@ -35,12 +35,15 @@ def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, S
                        lower_bound, scale, eps_l2, eps_norm, K: tl.constexpr, V: tl.constexpr, RF: tl.constexpr,
                        RG: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_RF: tl.constexpr, BLOCK_RG: tl.constexpr,
                        PDL: tl.constexpr):
-    wait_then_release(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    slot = tl.load(SLOTS + n).to(tl.int64)
     ks = tl.arange(0, K)
     vs = tl.arange(0, V)
+    # the slot and the state are read before the wait (k3.ops.pdl: the kernel before this one does not write them)
+    slot = tl.load(SLOTS + n).to(tl.int64)
+    s_ptr = STATE + ((slot * H + h) * K + ks[:, None]) * V + vs[None, :]
+    s = tl.load(s_ptr)  # [K, V]
+    wait_then_release(PDL)
     q = tl.load(Q + n * stride_q + h * K + ks).to(tl.float32)
     k = tl.load(Kt + n * stride_k + h * K + ks).to(tl.float32)
     v = tl.load(Vt + n * stride_v + h * V + vs).to(tl.float32)
@@ -56,8 +59,7 @@ def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, S
     beta = tl.sigmoid(tl.load(Bt + n * stride_b + h).to(tl.float32))
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps_l2)
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps_l2)
-    s_ptr = STATE + ((slot * H + h) * K + ks[:, None]) * V + vs[None, :]
-    s = tl.load(s_ptr).to(tl.float32) * tl.exp(g)[:, None]  # [K, V]
+    s = s.to(tl.float32) * tl.exp(g)[:, None]
     u = beta * (v - tl.sum(k[:, None] * s, axis=0))
     s = s + k[:, None] * u[None, :]
     tl.store(s_ptr, s.to(STATE.dtype.element_ty))

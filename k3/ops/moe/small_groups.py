@@ -5,9 +5,9 @@ At decode the expert-sorted buffer of k3.ops.moe.grouped holds a handful of rows
 reached about half the copy bandwidth there on an H200 (benchmarks/results/profile_decode.txt: 33 launches, 1.01 ms
 for ~2.2 GB of expert weights per step). Here each program takes one expert and one block of BLOCK_N output
 columns, streams that block of the expert's weight through K, and multiplies it with the expert's rows BLOCK_M at
-a time (one pass when the group fits BLOCK_M, the decode case): E * N / BLOCK_N programs, each reading its
-weights once. Groups as in grouped.py: expert e owns rows [offs[e-1], offs[e]) (offs[-1] = 0), in any number,
-possibly none; rows after offs[E-1] are not written.
+a time (one pass when the group fits BLOCK_M, the decode case: :func:`block_m`): E * N / BLOCK_N programs, each
+reading its weights once per pass. Groups as in grouped.py: expert e owns rows [offs[e-1], offs[e]) (offs[-1] =
+0), in any number, possibly none; rows after offs[E-1] are not written.
 
 The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usable (``K3_MOE_SMALL_GROUPS=
 grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200 (benchmarks/results/moe_decode_mm.md).
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.moe.grouped import GLU_ACTS
+from k3.ops.moe.grouped import ALIGN, GLU_ACTS
 from k3.ops.pdl import launch, wait_then_release
 
 _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
@@ -59,7 +59,7 @@ def _small_groups_kernel(X, W, OFFS, Y, stride_xr, stride_we, stride_wn, stride_
         m0 += BLOCK_M
 
 
-# one num_stages: the K loop sits in a loop of loaded bounds, which Triton does not pipeline (stages change nothing)
+# one num_stages: other values measured the same (Triton does pipeline the K loop: cp.async at 2-4 stages for sm_90a)
 _GLU_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4)
                 for n in (32, 64, 128) for k in (64, 128)]
 
@@ -112,8 +112,15 @@ def _small_groups_glu_kernel(X, SRC, W1, W3, OFFS, H, stride_xr, stride_we, stri
 
 
 def block_m(rows: int, groups: int) -> int:
-    """Rows per pass: the average group (padded to 8 by the router) rounded up to a power of two, 16..64."""
-    return min(64, max(16, triton.next_power_of_2(-(-rows // max(groups, 1)))))
+    """Rows per pass. A group of more than BLOCK_M rows streams its expert's weights again for each further BLOCK_M,
+    so BLOCK_M covers a large group, not the average one: k3.ops.moe.grouped's buffer holds the P pairs and ALIGN
+    rows per group, so groups average mu = rows / groups - ALIGN pairs, and an expert's count under uniform routing
+    is about Poisson(mu): BLOCK_M is mu + 4 sqrt(mu) padded to ALIGN, as a power of two in 16..64. At the decode
+    benchmark's B=64 (k=8, E=64: mu = 8) that is 32; with the average (16), the one or two groups of 24 rows per
+    layer took two passes (benchmarks/results/decode-s31.md). B=16 and B=1 keep 16."""
+    mu = max(rows / max(groups, 1) - ALIGN, 0.0)
+    large = -(-(mu + 4 * mu ** 0.5) // ALIGN) * ALIGN
+    return min(64, max(16, triton.next_power_of_2(int(large))))
 
 
 @torch.library.custom_op("k3::small_groups_mm", mutates_args=())
