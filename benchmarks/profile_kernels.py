@@ -126,7 +126,8 @@ def main() -> None:
             out.float().sum().backward()
         return run
 
-    for name, layer in (("ours", lambda z: ours(z, cu)), ("fla", None if theirs is None else lambda z: theirs(z[None])[0])):
+    fla = None if theirs is None else lambda z: theirs(z[None])[0]
+    for name, layer in (("ours", lambda z: ours(z, cu)), ("fla", fla)):
         if layer is None:
             lines.append(f"KDA layer T={a.kda_t} {name}: not available")
             continue

@@ -41,7 +41,8 @@ def main() -> None:
     gap = rows[1]["final_val_loss"] - rows[0]["final_val_loss"]
     write_results("qat_vs_bf16", rows, ["run", "steps", "initial_val_loss", "final_val_loss", "final_val_bpb",
                                         "last10_train_loss", "wall_s"], environment(),
-                  notes=f"validation-loss gap QAT - bf16 = {gap:+.4f} nats/token ({gap / rows[0]['final_val_loss']:+.2%})")
+                  notes=f"validation-loss gap QAT - bf16 = {gap:+.4f} nats/token "
+                        f"({gap / rows[0]['final_val_loss']:+.2%})")
 
 
 if __name__ == "__main__":

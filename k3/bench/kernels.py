@@ -46,9 +46,9 @@ def interleaved_times(fns: dict, rounds: int = 5, iters: int = 10, timer=cuda_ti
 
 def kda_layers(hidden=1024, heads=8, head_dim=128, device="cuda") -> tuple:
     """Our KDA layer and fla's ``KimiDeltaAttention`` (None, reason printed, when fla is missing) of one shape."""
-    cfg = get_preset("small").replace(hidden_size=hidden, **{"kda.num_heads": heads, "kda.head_dim": head_dim,
-                                                            "kda.v_head_dim": head_dim, "kda.forget_gate_rank": head_dim,
-                                                            "kda.output_gate_rank": head_dim, "moe.latent_size": min(1024, hidden)})
+    cfg = get_preset("small").replace(hidden_size=hidden, **{
+        "kda.num_heads": heads, "kda.head_dim": head_dim, "kda.v_head_dim": head_dim, "kda.forget_gate_rank": head_dim,
+        "kda.output_gate_rank": head_dim, "moe.latent_size": min(1024, hidden)})
     ours = KimiDeltaAttention(cfg).to(device)
     try:
         from fla.layers import KimiDeltaAttention as FlaKDA
@@ -83,9 +83,9 @@ def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, he
 
 def moe_block(hidden=2048, latent=1024, width=768, device="cuda") -> MoE:
     """The benchmark's LatentMoE layer (E=896, k=16, 2 shared experts), bf16, weights N(0, 0.02)."""
-    cfg = get_preset("small").replace(hidden_size=hidden, **{"moe.num_experts": 896, "moe.num_experts_per_token": 16,
-                                                            "moe.latent_size": latent, "moe.moe_intermediate_size": width,
-                                                            "moe.num_shared_experts": 2})
+    cfg = get_preset("small").replace(hidden_size=hidden, **{
+        "moe.num_experts": 896, "moe.num_experts_per_token": 16, "moe.latent_size": latent,
+        "moe.moe_intermediate_size": width, "moe.num_shared_experts": 2})
     moe = MoE(cfg, layer_idx=1).to(device).to(torch.bfloat16)
     with torch.no_grad():
         for p in moe.parameters():

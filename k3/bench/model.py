@@ -206,8 +206,9 @@ def prefill_rows(rows: list, save, quick: bool) -> None:
                 with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                     m(ids, last_only=True)
                 torch.cuda.synchronize()
-                rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "ms": (time.perf_counter() - t0) * 1e3,
-                             "tokens_per_s": length / (time.perf_counter() - t0),
+                dt = time.perf_counter() - t0
+                rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "ms": dt * 1e3,
+                             "tokens_per_s": length / dt,
                              "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
             except torch.OutOfMemoryError as e:
                 rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "error": f"OOM: {e}"[:80]})

@@ -46,9 +46,11 @@ def run(args: argparse.Namespace) -> int:
               f"+ merge/projector to the LM width {_human(r['params_vision_projector'])}")
     f = r["flops_per_token_breakdown"]
     print(f"\nforward FLOPs per token at context {r['context']}: {_human(r['flops_per_token_forward'], 'FLOP')} "
-          f"(matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, KDA state {_human(f['kda_state'])})")
+          f"(matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, "
+          f"KDA state {_human(f['kda_state'])})")
     print(f"weight bytes read per token (batch 1, bf16): {_bytes(r['weight_bytes_per_token'])}")
     c = r["cache_per_sequence"]
-    print(f"cache per sequence at {c['context']} tokens: {_bytes(c['total_bytes'])} (KDA state {_bytes(c['kda_state_bytes'])} "
-          f"fp32, conv {_bytes(c['conv_state_bytes'])}, MLA latents {_bytes(c['mla_cache_bytes'])} bf16)")
+    print(f"cache per sequence at {c['context']} tokens: {_bytes(c['total_bytes'])} "
+          f"(KDA state {_bytes(c['kda_state_bytes'])} fp32, conv {_bytes(c['conv_state_bytes'])}, "
+          f"MLA latents {_bytes(c['mla_cache_bytes'])} bf16)")
     return 0

@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps (default {d.steps}; vision: {VISION_DEFAULTS['steps']})")
     p.add_argument("--batch-size", type=int, default=None,
-                   help=f"rows per micro-batch (default {d.batch_size}; vision: {VISION_DEFAULTS['batch_size']} examples)")
+                   help=f"rows per micro-batch (default {d.batch_size}; "
+                        f"vision: {VISION_DEFAULTS['batch_size']} examples)")
     p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)

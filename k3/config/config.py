@@ -22,11 +22,12 @@ def _fail(path: str, msg: str) -> None:
     raise ValueError(f"{path} {msg}")
 
 
-def _positive_int(obj: Any, prefix: str, *names: str) -> None:
+def _positive_int(obj: Any, prefix: str, *names: str, least: int = 1) -> None:
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            _fail(f"{prefix}{name}={value!r}", "must be a positive integer")
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            _fail(f"{prefix}{name}={value!r}", "must be a positive integer" if least == 1 else
+                  "must be a non-negative integer")
 
 
 def _positive_float(obj: Any, prefix: str, *names: str) -> None:
@@ -87,8 +88,7 @@ class MLAConfig:
         _positive_int(self, prefix, "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
         if self.q_lora_rank is not None:
             _positive_int(self, prefix, "q_lora_rank")
-        if isinstance(self.qk_rope_head_dim, bool) or not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
-            _fail(f"{prefix}qk_rope_head_dim={self.qk_rope_head_dim!r}", "must be a non-negative integer")
+        _positive_int(self, prefix, "qk_rope_head_dim", least=0)
         _positive_float(self, prefix, "norm_eps")
         if self.rope_theta is not None:
             _positive_float(self, prefix, "rope_theta")
@@ -118,8 +118,7 @@ class MoEConfig:
 
     def validate(self, prefix: str = "moe.") -> None:
         _positive_int(self, prefix, "num_experts", "num_experts_per_token", "moe_intermediate_size")
-        if isinstance(self.num_shared_experts, bool) or not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
-            _fail(f"{prefix}num_shared_experts={self.num_shared_experts!r}", "must be a non-negative integer")
+        _positive_int(self, prefix, "num_shared_experts", least=0)
         if self.num_experts_per_token > self.num_experts:
             _fail(f"{prefix}num_experts_per_token={self.num_experts_per_token}",
                   f"must be <= {prefix}num_experts={self.num_experts}")

@@ -73,7 +73,7 @@ class GraphedDecoder:
     def __call__(self, input_ids: Tensor, seq_ids: list[int]) -> Tensor:
         ids = [int(i) for i in seq_ids]
         n = len(ids)
-        if input_ids.shape != (n,) or len(set(ids)) != n or not all(0 <= i < self.cache.batch_size for i in ids):
+        if input_ids.shape != (n,) or not self.cache.distinct_slots(ids):
             raise ValueError(f"need input_ids [N] and N distinct seq_ids in [0, {self.cache.batch_size}); got "
                              f"shape {tuple(input_ids.shape)} and seq_ids={ids}")
         need = max(self.cache.seq_lens[i] for i in ids) + 1

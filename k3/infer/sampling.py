@@ -79,7 +79,8 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -2**63 <= self.seed < 2**64):
             bad("seed", "must be None or an integer in [-2**63, 2**64)")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop) or len(self.stop) > 16:
+        if (not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
+                or len(self.stop) > 16):
             bad("stop", "must be a list of at most 16 non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")

@@ -78,6 +78,10 @@ class K3Cache:
                 self.layers.append(MLAState(torch.zeros(batch_size, capacity, width, dtype=dtype, device=device),
                                             [0] * batch_size))
 
+    def distinct_slots(self, seq_ids: list[int]) -> bool:
+        """Whether ``seq_ids`` name distinct sequences of this cache (each in [0, batch_size))."""
+        return len(set(seq_ids)) == len(seq_ids) and all(0 <= i < self.batch_size for i in seq_ids)
+
     def advance(self, seq_ids: list[int], lengths: list[int]) -> None:
         """Record that sequence seq_ids[i] received lengths[i] more tokens (called by the model)."""
         for i, n in zip(seq_ids, lengths):

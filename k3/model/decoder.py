@@ -101,7 +101,8 @@ class K3Model(nn.Module):
 
     def forward(self, tokens: Tensor, cu_seqlens: Tensor | None, cache: K3Cache | None = None,
                 seq_ids: Tensor | None = None, record_attn_res: bool = False,
-                positions: Tensor | None = None, inputs_embeds: Tensor | None = None) -> tuple[Tensor, list, list | None]:
+                positions: Tensor | None = None, inputs_embeds: Tensor | None = None
+                ) -> tuple[Tensor, list, list | None]:
         """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats, AttnRes records).
         Decode step: ``positions`` [N] given, one token per cached sequence ``seq_ids`` (see decode_step).
         ``inputs_embeds`` [N, d]: the token embeddings to use (images spliced in), instead of embedding ``tokens``."""
@@ -207,7 +208,7 @@ class K3ForCausalLM(nn.Module):
         """Eager decode step: input_ids [N] extend cached sequences ``seq_ids`` (distinct) -> logits [N, V].
         Equal to ``forward(..., last_only=True)`` with one token per sequence."""
         ids = [int(i) for i in seq_ids]
-        if input_ids.shape != (len(ids),) or len(set(ids)) != len(ids) or not all(0 <= i < cache.batch_size for i in ids):
+        if input_ids.shape != (len(ids),) or not cache.distinct_slots(ids):
             raise ValueError(f"decode needs input_ids [N] and N distinct seq_ids in [0, {cache.batch_size}); got "
                              f"shape {tuple(input_ids.shape)} and seq_ids={ids}")
         cache.reserve(max(cache.seq_lens[i] for i in ids) + 1)
@@ -243,8 +244,9 @@ class K3ForCausalLM(nn.Module):
         else:
             listed = [int(i) for i in seq_ids]
         ids = attach_host(torch.as_tensor(listed, dtype=torch.int64).to(device), listed)
-        if len(listed) != segments or len(set(listed)) != segments or not all(0 <= i < cache.batch_size for i in listed):
-            raise ValueError(f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})")
+        if len(listed) != segments or not cache.distinct_slots(listed):
+            raise ValueError(f"seq_ids={listed} must name {segments} distinct cached sequences in "
+                             f"[0, {cache.batch_size})")
         return ids
 
     def save_pretrained(self, directory, fmt: str = "k3", max_shard_bytes: int | None = None,

@@ -157,7 +157,8 @@ def test_wrong_shape_missing_and_unexpected(saved):
     bad = dict(tensors)
     bad["model.layers.0.self_attn.q_proj.weight"] = torch.randn(7, 64)
     save_file(bad, path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"shape mismatch: model.layers.0.self_attn.q_proj.weight: checkpoint \(7, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"shape mismatch: model.layers.0.self_attn.q_proj.weight: checkpoint \(7, 64\)"):
         k3.from_pretrained(path)
     bad = dict(tensors)
     del bad["model.norm.weight"]
@@ -246,6 +247,7 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
     assert loaded.state_dict().keys() == want.keys()
     for name, t in loaded.state_dict().items():
         assert torch.equal(t, want[name]), name
-    (path / "config.json").write_text(json.dumps(to_hf_config(cfg.replace(num_hidden_layers=cfg.num_hidden_layers + 4))))
+    deeper = cfg.replace(num_hidden_layers=cfg.num_hidden_layers + 4)
+    (path / "config.json").write_text(json.dumps(to_hf_config(deeper)))
     with pytest.raises(ValueError, match="does not match the model .*Missing key"):
         ckpt.from_pretrained(path)

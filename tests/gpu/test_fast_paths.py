@@ -308,7 +308,7 @@ def test_grouped_mm_qat_path_matches_reference():
     torch.manual_seed(4)
     n, d, i, e = 256, 128, 256, 16
     x = torch.randn(n, d, device=DEV)
-    ws = [torch.randn(e, i, d, device=DEV) * 0.1, torch.randn(e, d, i, device=DEV) * 0.1, torch.randn(e, i, d, device=DEV) * 0.1]
+    ws = [torch.randn(shape, device=DEV) * 0.1 for shape in ((e, i, d), (e, d, i), (e, i, d))]
     wq = [fake_quantize(w, "e2m1") for w in ws]
     aq = lambda t: fake_quantize(t, "e4m3")  # noqa: E731
     idx = torch.stack([torch.randperm(e, device=DEV)[:2] for _ in range(n)])

@@ -152,7 +152,8 @@ def test_seeded_sampling_is_batch_independent(model):
 def test_stops_eos_and_abort(model):
     torch.manual_seed(6)
     prompt = torch.randint(0, 512, (12,)).tolist()
-    greedy = Engine(model, IdTokenizer(), max_batch=2).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    greedy = Engine(model, IdTokenizer(), max_batch=2).generate([prompt],
+                                                                SamplingParams(temperature=0, max_tokens=8))[0]
     third = greedy["token_ids"][2]
     eos = Engine(model, IdTokenizer(eos_id=third), max_batch=2)
     r = eos.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]

@@ -26,7 +26,8 @@ def test_fp32_compute_for_bf16_inputs():
     u = torch.randn(64).to(torch.bfloat16)
     y = situ_glu(g, u)
     assert y.dtype == torch.bfloat16
-    ref = (4 * torch.tanh(g.float() / 4) * torch.sigmoid(g.float()) * 25 * torch.tanh(u.float() / 25)).to(torch.bfloat16)
+    g, u = g.float(), u.float()
+    ref = (4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)).to(torch.bfloat16)
     assert torch.equal(y, ref)
 
 

@@ -105,7 +105,8 @@ def test_two_phase_equals_reference_with_gradients(n_fixed, n_live):
     """Phase 1 over the fixed sources + online-softmax merge of the live ones == the reference mix of the whole
     list, values and gradients (fp64: equal to rounding); gradcheck of the two phases."""
     torch.manual_seed(n_fixed * 10 + n_live)
-    src = [(torch.randn(9, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(n_fixed + n_live)]
+    src = [(torch.randn(9, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_()
+           for i in range(n_fixed + n_live)]
     q = torch.randn(16, dtype=torch.float64, requires_grad=True)
     split = lambda s: (list(s[:n_fixed]), list(s[n_fixed:]))  # noqa: E731
     assert torch.autograd.gradcheck(lambda qq, *s: two_phase(*split(s), qq, 1e-5), [q, *src])

@@ -29,7 +29,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Te
     has Lq queries and Lk >= Lq keys (see :func:`segment_attention`). Returns o [N, H, Dv] in q.dtype.
     """
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} differ")
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+                         "differ")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
     for s in range(len(bq) - 1):
