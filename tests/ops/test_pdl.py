@@ -1,6 +1,7 @@
 """Programmatic dependent launch (k3.ops.pdl): when our Triton kernels launch with it, and what a launch passes.
-That each kernel waits for its predecessor before touching memory: tests/ops/test_kernels_compile_for_hopper.py
-(the PTX of every kernel with PDL on); that decode steps give the same results with it: the GPU tests."""
+That each kernel waits for its predecessor before writing memory, and reads before the wait only where allowed:
+tests/ops/test_kernels_compile_for_hopper.py (the PTX of every kernel with PDL on); that decode steps give the same
+results with it: the GPU tests."""
 
 import logging
 

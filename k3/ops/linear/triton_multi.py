@@ -29,9 +29,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
-from k3.ops import pdl
 from k3.ops.linear import MAX_WEIGHTS, weights_fit
-from k3.ops.pdl import wait_then_release
+from k3.ops.pdl import launch as pdl_launch, wait_then_release
 
 _SIZES = [f"N{i}" for i in range(MAX_WEIGHTS)]
 _fewer_stages: set[bool] = set()  # logged once: the rule's stages did not fit a GPU
@@ -154,4 +153,4 @@ def _run(x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, BLOCK_N: i
         x = x.contiguous()
     grid = (sum(triton.cdiv(n, BLOCK_N) for n in sizes),)
     _multi_linear_kernel[grid](x, *ws, *outs, *sizes, x.shape[0], x.stride(0), G=g, K=x.shape[1], BLOCK_M=bm,
-                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **launch, **pdl.launch(x.device))
+                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **launch, **pdl_launch(x.device))
