@@ -156,7 +156,10 @@ class VisionConfig:
     merge_size: int = 2
     pos_grid: int = 64
     media_placeholder_token_id: int = 163605
-    media_begin_token_id: int | None = None  # wrap each image's tokens (K3's ids are unpublished: None)
+    # Wrap each image's tokens as begin, placeholder x n, end; None: no wrapping. The `k3` preset sets K3's
+    # <|media_begin|> 163602 / <|media_end|> 163604, taken from a third-party transcription of K3's
+    # tokenizer_config.json, not from a file of Moonshot's we have read (k3.config.presets.k3_vision).
+    media_begin_token_id: int | None = None
     media_end_token_id: int | None = None
 
     def __post_init__(self) -> None:

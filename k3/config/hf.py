@@ -9,7 +9,8 @@ Two formats, both ``model_type: kimi_linear`` (K3's text model is a Kimi-Linear 
   Kimi-Linear-shaped configs can be written this way.
 Reading accepts both, transformers' native spellings (``layer_types``, ``mlp_layer_types``, ``linear_num_heads``,
 ``num_local_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``norm_topk_prob``, ``model_max_length``)
-and the multimodal ``kimi_k3`` wrapper (its ``text_config``).
+and the multimodal ``kimi_k3`` wrapper: its ``text_config`` gives the text model, its ``vision_config`` and media
+token ids the vision tower (K3's tower and media ids, ``k3.config.presets.k3_vision``, for what it does not spell).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig, VisionConfig
+from k3.config.presets import k3_vision
 
 FORMATS = ("k3", "kimi_linear")
 
@@ -166,11 +168,44 @@ def _first_dense(d: dict, n: int) -> int:
     return int(d.get("first_k_dense_replace", 1))
 
 
+def _release_vision(top: dict) -> VisionConfig:
+    """The vision tower of a release ``kimi_k3`` config.json: K3's tower (``k3_vision``) with the release's keys
+    where present. Shape: ``vision_config``'s ``vt_*`` / ``qkv_hidden_size`` / ``patch_size`` /
+    ``merge_kernel_size`` (the K3 release's spellings); media ids: the top-level ``media_placeholder_token_id``
+    and, if given, ``media_begin_token_id`` / ``media_end_token_id``. The release is not known to carry begin /
+    end ids, so K3's (163602 / 163604) apply unless it does."""
+    v = dataclasses.asdict(k3_vision())
+    vc = top.get("vision_config") or {}
+    for key, field in (("vt_num_hidden_layers", "num_layers"), ("vt_hidden_size", "hidden_size"),
+                       ("vt_num_attention_heads", "num_heads"), ("vt_intermediate_size", "intermediate_size"),
+                       ("patch_size", "patch_size")):
+        if vc.get(key) is not None:
+            v[field] = int(vc[key])
+    if vc.get("qkv_hidden_size") is not None:
+        qkv = int(vc["qkv_hidden_size"])
+        if qkv % v["num_heads"]:
+            raise ValueError(f"config.json: vision_config.qkv_hidden_size={qkv} is not a multiple of "
+                             f"{v['num_heads']} heads")
+        v["head_dim"] = qkv // v["num_heads"]
+    merge = vc.get("merge_kernel_size")
+    if merge is not None:
+        merge = [int(m) for m in merge] if isinstance(merge, (list, tuple)) else [int(merge)] * 2
+        if len(merge) != 2 or merge[0] != merge[1]:
+            raise ValueError(f"config.json: vision_config.merge_kernel_size={merge} is not supported (square only)")
+        v["merge_size"] = merge[0]
+    for key in ("media_placeholder_token_id", "media_begin_token_id", "media_end_token_id"):
+        if key in top:
+            v[key] = top[key]
+    return VisionConfig(**v)
+
+
 def from_hf_config(d: dict[str, Any]) -> K3Config:
     """Parse a ``config.json`` dict (any format above); unsupported features raise one clear ValueError."""
+    release_vision = None
     if d.get("model_type") == "kimi_k3":
         if "text_config" not in d:
             raise ValueError("config.json: model_type kimi_k3 without text_config")
+        release_vision = _release_vision(d)
         d = d["text_config"]
     if d.get("model_type") not in ("kimi_linear", None):
         raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not kimi_linear / kimi_k3")
@@ -247,5 +282,5 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
         initializer_range=float(d.get("initializer_range", 0.02)),
         bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), pad_token_id=token("pad_token_id"),
         kda=kda, mla=mla, moe=moe, attn_res=attn_res,
-        vision=VisionConfig(**ext["vision"]) if ext.get("vision") else None,
+        vision=VisionConfig(**ext["vision"]) if ext.get("vision") else release_vision,
     )

@@ -81,9 +81,21 @@ def k2() -> K3Config:
     )
 
 
+# K3's <|media_begin|> / <|media_end|> ids. They come from a third-party transcription of K3's tokenizer_config.json
+# (<|media_begin|> 163602, <|media_content|> 163603, <|media_end|> 163604, <|media_pad|> 163605), not from a file
+# of Moonshot's we have read; the placeholder 163605 matches the release config's media_placeholder_token_id.
+K3_MEDIA_BEGIN_TOKEN_ID = 163602
+K3_MEDIA_END_TOKEN_ID = 163604
+
+
+def k3_vision() -> VisionConfig:
+    """K3's MoonViT-V2 tower (the VisionConfig defaults, spec §11), each image wrapped in K3's media begin / end."""
+    return VisionConfig(media_begin_token_id=K3_MEDIA_BEGIN_TOKEN_ID, media_end_token_id=K3_MEDIA_END_TOKEN_ID)
+
+
 def k3() -> K3Config:
     """Kimi K3 as released (spec §2): 93 layers, 69 KDA + 24 gated NoPE MLA, Stable LatentMoE 896/16 + 2 shared."""
-    return K3Config(name="k3", vision=VisionConfig())
+    return K3Config(name="k3", vision=k3_vision())
 
 
 # Vision towers for the small presets (spec §11 shape, scaled down); the text presets stay text-only and
@@ -109,7 +121,7 @@ VISION_PRESETS: dict[str, Callable[[], VisionConfig]] = {
     "tiny": tiny_vision,
     "small": small_vision,
     "small-1b": small_1b_vision,
-    "k3": VisionConfig,
+    "k3": k3_vision,
 }
 
 

@@ -4,11 +4,14 @@ Our module names are the K3 / original Kimi-Linear checkpoint names, with two st
 - routed experts are stacked ``block_sparse_moe.experts.w{1,2,3}`` [E, out, in] (files: one tensor per
   expert, ``block_sparse_moe.experts.{j}.w{1,2,3}.weight``); packed MXFP4 experts (k3.quant.packed) likewise
   stack ``experts.w{1,2,3}_packed`` / ``_scale`` <-> ``experts.{j}.w{1,2,3}.weight_packed`` / ``weight_scale``;
-- KDA ``A_log`` is [H] (files: [1, 1, H, 1], as Kimi-Linear stores it).
+- KDA ``A_log`` is [H]. Files: with K3's bounded gate (``kda.gate_lower_bound`` set) 1-D, zero-padded to the
+  next multiple of 128 (:func:`a_log_file_size`; the K3 release stores 96 heads as [128]); with the softplus gate
+  [1, 1, H, 1], as Kimi-Linear stores it (transformers' ``KimiLinearForCausalLM`` loads that shape).
 Writing always uses the file names above (the K3 release and transformers' ``save_pretrained`` both do).
 Reading also accepts transformers' runtime names (``self_attn.forget_gate.*``, one fused ``self_attn.conv1d``,
 ``mlp.experts.gate_up_proj`` / ``down_proj``, ``mlp.gate`` / ``mlp.shared_experts`` for MoE layers, a dense
-FFN under ``block_sparse_moe.``), the multimodal ``language_model.`` prefix, and an ``A_log`` zero-padded past H.
+FFN under ``block_sparse_moe.``), the multimodal ``language_model.`` prefix, and either ``A_log`` layout (any
+shape holding H values, or more with zeros past H).
 """
 
 from __future__ import annotations
@@ -26,8 +29,28 @@ _STACKED = re.compile(r"\.block_sparse_moe\.experts\.(w[123])(_packed|_scale)?$"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
+A_LOG_PAD = 128
+
+
+def a_log_file_size(num_heads: int) -> int:
+    """Length of a bounded-gate ``A_log`` in a file: ``num_heads`` rounded up to a multiple of 128.
+
+    The one data point is the K3 release, which stores its 96 heads as [128]. That fits a fixed length of 128 and
+    rounding up to a multiple of 128 alike; the two agree up to 128 heads, and only the multiple holds more, so we
+    read it as the multiple. Our reader takes the first H values of any zero-padded length."""
+    return -(-num_heads // A_LOG_PAD) * A_LOG_PAD
+
+
+def _a_log_to_file(t: Tensor, config: K3Config) -> Tensor:
+    """One layer's A_log [H] in its file layout (see the module docstring)."""
+    if config.kda.gate_lower_bound is None:
+        return t.reshape(1, 1, -1, 1).contiguous()
+    flat = t.reshape(-1)
+    return torch.cat([flat, flat.new_zeros(a_log_file_size(flat.numel()) - flat.numel())])
+
+
 def to_files(state: dict[str, Tensor], config: K3Config) -> dict[str, Tensor]:
-    """Our state dict -> checkpoint tensors (per-expert matrices, A_log as [1, 1, H, 1]); contiguous copies."""
+    """Our state dict -> checkpoint tensors (per-expert matrices, A_log in its file layout); contiguous copies."""
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         m = _STACKED.search(name)
@@ -36,7 +59,7 @@ def to_files(state: dict[str, Tensor], config: K3Config) -> dict[str, Tensor]:
             for j in range(t.shape[0]):
                 out[f"{prefix}.{j}.{m.group(1)}.weight{suffix}"] = t[j].contiguous()
         elif name.endswith(".self_attn.A_log"):
-            out[name] = t.reshape(1, 1, -1, 1).contiguous()
+            out[name] = _a_log_to_file(t, config)
         else:
             out[name] = t.contiguous()
     return out

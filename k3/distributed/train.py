@@ -189,6 +189,7 @@ class DistributedTrainer(Trainer):
     def write_plots(self) -> None:
         if self.is_main:
             plots.loss_curves(self.history, self.run_dir / "loss.png")
+            plots.maxvio_curves(self.history, self.run_dir / "maxvio.png")
             if self.recent_loads:
                 plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
         self.recent_loads = {}

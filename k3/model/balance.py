@@ -7,8 +7,8 @@ Each MoE layer reports a :class:`RouterStats` per forward.
 Quantile Balancing (QB) reads the balanced-assignment problem "every token takes k experts, every expert takes
 q = N k / E tokens" through its dual. For each token the (k+1)-th largest biased score is the cutoff c_t; a token
 would pick expert j under a new bias b'_j iff s_tj + b'_j > c_t, i.e. iff b'_j > r_tj with r_tj = c_t - s_tj.
-Setting b'_j to the (k/E)-quantile of the column r_{:,j} gives every expert exactly q tokens *under the old
-cutoffs*; after re-routing the cutoffs move, so the balance is approximate (and improves step by step).
+Setting b'_j to the (q+1)-th smallest of the column r_{:,j} (its (k/E)-quantile as an order statistic, the spec's
+exact form) gives every expert exactly q tokens *under the old cutoffs* (the (q+1)-th on a tie); after re-routing the cutoffs move, so the balance is approximate (and improves step by step).
 
 Everything on the update paths is vectorised and free of host syncs (no ``.item()``, no ``bincount``: on CUDA
 ``torch.bincount`` reads min/max back to the host to size its output, so loads use ``scatter_add_``). Only
@@ -24,17 +24,21 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from k3.ops.dtypes import upcast
+
 __all__ = [
     "RouterStats",
     "expert_loads",
     "qb_required_bias",
     "qb_target_bias",
+    "qb_quota",
     "qb_update",
     "QBHistogram",
     "sign_update",
     "switch_aux_loss",
     "seq_aux_loss",
     "max_vio",
+    "seq_max_vio",
     "drop_fraction",
     "dead_experts",
     "router_entropy",
@@ -104,54 +108,51 @@ def _as_2d(scores: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 def qb_required_bias(scores: Tensor, bias: Tensor, k: int) -> Tensor:
-    """r_tj = c_t - s_tj, fp32 [N, E]: the bias expert j would need to clear token t's cutoff.
+    """r_tj = c_t - s_tj [N, E], in promote(scores dtype, fp32): the bias expert j would need to clear token t's cutoff.
 
     c_t is the (k+1)-th largest of s_t + b (the best expert the token did *not* take); s is the raw score.
     With sigmoid scores (0 < s < 1) every r lies inside (min(b) - 1, max(b) + 1). No gradient.
     """
-    s = _as_2d(scores).detach().float()
-    b = bias.detach().float()
+    s = upcast(_as_2d(scores).detach())
+    b = bias.detach().to(s.dtype)
     _check_k(k, s.shape[-1])
     cutoff = torch.topk(s + b, k + 1, dim=-1, sorted=False).values.amin(dim=-1)
     return cutoff.unsqueeze(-1) - s
 
 
-def _quantile_linear_dim0(x: Tensor, p: float) -> Tensor:
-    """Per-column p-quantile of x [N, E] with ``torch.quantile``'s 'linear' rule (position p (N-1), lerp).
+def qb_quota(num_tokens: int, k: int, num_experts: int) -> int:
+    """q = N k / E rounded to the nearest integer (halves up), at most N - 1: the tokens each expert should take
+    (spec §7 and its notes: "round q"; the bias takes the (q+1)-th order statistic, so q < N)."""
+    return min(math.floor(num_tokens * k / num_experts + 0.5), num_tokens - 1)
 
-    Written with ``topk`` so it has no input-size cap (``torch.quantile`` refuses inputs over 2^24 elements)
-    and only partially sorts. The position comes from the shape, so there is no host sync.
-    """
-    n = x.shape[0]
-    pos = p * (n - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, n - 1)
-    vals = torch.topk(x, hi + 1, dim=0, largest=False, sorted=True).values
-    return torch.lerp(vals[lo], vals[hi], pos - lo)
+
+def _order_statistic_bias(r: Tensor, k: int) -> Tensor:
+    """b^_j = the (q+1)-th smallest of column r_{:,j} (q = :func:`qb_quota`) for r [N, E] -> [E] in r's dtype.
+
+    Written with ``topk`` (the q+1 smallest, then their maximum): no input-size cap (``torch.quantile`` refuses
+    over 2^24 elements), a partial sort only, and no host sync (q comes from the shape)."""
+    q = qb_quota(r.shape[0], k, r.shape[1])
+    return torch.topk(r, q + 1, dim=0, largest=False, sorted=False).values.amax(dim=0)
 
 
 def qb_target_bias(scores: Tensor, bias: Tensor, k: int) -> Tensor:
-    """The pre-centring QB bias b^_j = (k/E)-quantile of r_{:,j}, fp32 [E].
+    """The pre-centring QB bias b^_j = -((q+1)-th largest of s_{:,j} - c) = (q+1)-th smallest of r_{:,j}, [E] in
+    promote(scores dtype, fp32); q = N k / E rounded (:func:`qb_quota`).
 
-    Order-statistic convention: ``torch.quantile``'s 'linear' rule. Its position is p (N-1) = q - k/E
-    (0-indexed, q = N k / E), which for integral q lies strictly between the q-th and (q+1)-th smallest r
-    (1-indexed order statistics r_(q) < b^ < r_(q+1) when they differ). Hence exactly q tokens have r_tj < b^_j:
-    under the old cutoffs every expert gets exactly q tokens and no token sits on a tie with its cutoff.
-    Su's form b^ = -((q+1)-th largest of s - c) = r_(q+1) is the right end of the same gap; it puts the
-    (q+1)-th token exactly on its cutoff (a tie the top-k then breaks arbitrarily). For non-integral q the
-    rule rounds implicitly (the position still falls in one gap).
-    Ties: every column has an atom at r_tj = b_j (up to fp32 rounding) from the tokens whose (k+1)-th pick is j
-    itself (about N/E of them). When the quantile lands in it, b^_j = b_j and the count under the old cutoffs
-    is the current load, off from q by at most the atom's size; exact ties in s (sigmoid saturating to 1.0 in
-    fp32) act the same way. Either way b^_j stays a valid quantile: #{r < b^} <= q <= #{r <= b^}.
+    This is the spec's order statistic, not an interpolated quantile. Under the old cutoffs the q tokens with
+    r_tj < b^_j clear expert j's new threshold, and token (q+1) sits exactly on its cutoff (s_tj + b^_j = c_t), a
+    tie its top-k breaks either way; after re-routing the cutoffs move, so the balance is approximate.
+    Ties: every column has an atom at r_tj = b_j (up to rounding) from the tokens whose (k+1)-th pick is j itself
+    (about N/E of them); when the order statistic lands in it, b^_j = b_j and the count under the old cutoffs is
+    the current load, off from q by at most the atom's size. Exact ties in s (sigmoid saturating to 1.0 in fp32)
+    act the same way. Either way #{r < b^} <= q < #{r <= b^}.
     """
-    s = _as_2d(scores)
-    r = qb_required_bias(s, bias, k)
-    return _quantile_linear_dim0(r, k / s.shape[-1])
+    return _order_statistic_bias(qb_required_bias(scores, bias, k), k)
 
 
 def qb_update(scores: Tensor, bias: Tensor, k: int) -> Tensor:
-    """Exact Quantile Balancing step: new bias = b^ - mean(b^), fp32 [E]. Apply it from the next step.
+    """Exact Quantile Balancing step: new bias = b^ - mean(b^), [E] (fp32 for fp32 scores). Apply it from the next
+    step.
 
     The result depends on ``bias`` only through the cutoffs, so it is invariant to a constant shift of ``bias``.
     """
@@ -315,6 +316,36 @@ def max_vio(loads: Tensor) -> Tensor:
     load = loads.float()
     mean = load.mean()
     return torch.where(mean > 0, load.amax() / mean.clamp_min(1e-30) - 1.0, torch.zeros_like(mean))
+
+
+def seq_max_vio(topk_idx: Tensor, cu_seqlens: Tensor, num_experts: int) -> Tensor:
+    """Per-sequence MaxVio: the mean over sequences of max_i count_i / (T k / E) - 1, weighted by T (fp32 0-dim).
+
+    topk_idx [N, k] selected experts; cu_seqlens int [S + 1] (packed layout, cu[0] = 0) delimits the sequences.
+    Tokens at or past cu_seqlens[-1] (padding) are ignored; a sequence's T counts its tokens below N, so
+    segments reaching past N are cut there, and empty ones are left out. 0 when no sequence has a token.
+
+    Weighted by length T: the unweighted mean would let the one- or few-token fragments that packing leaves at row
+    ends dominate (one token always scores E / k - 1). With this weighting the figure equals
+    E sum_s max_i count_si / (N k) - 1 over the N counted tokens, so it is never below the MaxVio of their summed
+    loads (:func:`max_vio`), the sum of maxima being at least the maximum of sums. Counts per (sequence, expert)
+    with ``scatter_add_`` on segment ids (``searchsorted``): no host sync.
+    """
+    k = topk_idx.shape[-1]
+    idx = topk_idx.reshape(-1, k).to(torch.int64)
+    n, dev = idx.shape[0], idx.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+    num_seq = cu.numel() - 1
+    seg = torch.searchsorted(cu[1:], torch.arange(n, device=dev, dtype=torch.int64), right=True)
+    # seg == num_seq marks padding: it goes to a spare row that is dropped.
+    slot = (seg.unsqueeze(1) * num_experts + idx).reshape(-1)
+    counts = torch.zeros((num_seq + 1) * num_experts, dtype=torch.int64, device=dev)
+    counts = counts.scatter_add_(0, slot, torch.ones_like(slot)).view(num_seq + 1, num_experts)[:num_seq].float()
+    slots = counts.sum(dim=1)  # T k per sequence
+    # T * MaxVio_s = T (E max_i count_si / (T k) - 1) = (E max_i count_si - T k) / k; empty sequences give 0
+    weighted = (num_experts * counts.amax(dim=1) - slots) / k
+    total = slots.sum() / k
+    return torch.where(total > 0, weighted.sum() / total.clamp_min(1.0), torch.zeros_like(total))
 
 
 def _capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int) -> int:
@@ -514,7 +545,7 @@ class Balancer:
             if reduce_fn is not None:
                 raise NotImplementedError("qb_exact is single-process; use 'qb' (histograms) when distributed")
             for lay, parts in sorted(self._required.items()):
-                b_hat = _quantile_linear_dim0(torch.cat(parts), self.k / self.num_experts)
+                b_hat = _order_statistic_bias(torch.cat(parts), self.k)
                 self._write(bias_buffers, lay, b_hat - b_hat.mean())
         elif self.method in ("sign", "seqaux") and self._loads:
             layers = sorted(self._loads)

@@ -50,9 +50,9 @@ class DecoderLayer(nn.Module):
         self.mixer = config.mixer(layer_idx)
         self.self_attn = KimiDeltaAttention(config) if self.mixer == "kda" else MultiheadLatentAttention(config)
         self.input_layernorm = RMSNorm(d, eps=eps)
-        # a plain MoE (no latent projection) returns its routed sum in its input's dtype: keep it the stream's
-        plain_moe = config.ffn(layer_idx) == "moe" and config.moe.latent_size is None
-        self.post_attention_layernorm = RMSNorm(d, eps=eps, cast=not plain_moe)
+        # a MoE's input also feeds its fp32 router (docs/precision.md), and a plain MoE (no latent projection)
+        # returns its routed sum in its input's dtype: under autocast its pre-norm keeps the stream's dtype
+        self.post_attention_layernorm = RMSNorm(d, eps=eps, cast=config.ffn(layer_idx) == "dense")
         if config.ffn(layer_idx) == "dense":
             glu = make_glu(config.hidden_act, config.situ_beta, config.situ_linear_beta)
             self.mlp = GatedFFN(d, config.intermediate_size, glu)

@@ -15,7 +15,6 @@ the latent rows (expert parallelism); this module itself never communicates.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3.config import K3Config
@@ -23,6 +22,7 @@ from k3.model.activation import GatedFFN, make_glu
 from k3.model.balance import RouterStats
 from k3.model.norm import RMSNorm
 from k3.ops.linear import multi_linear
+from k3.ops.linear.reference import fp32_linear
 from k3.ops.moe import moe_experts
 from k3.ops.router import route
 from k3.ops.dtypes import upcast
@@ -41,7 +41,7 @@ class Router(nn.Module):
         """x [N, d] -> scores [N, E] fp32, topk_idx [N, k] int64 (a token's k experts in no particular order),
         topk_weight [N, k] fp32. The GEMM is here; the rest (sigmoid, biased top-k, gather, renormalise, scale)
         is k3.ops.router.route: torch, or one Triton kernel where no gradient is needed on a GPU (decode)."""
-        return self.route(F.linear(upcast(x), upcast(self.weight)))
+        return self.route(fp32_linear(x, self.weight))  # fp32 also under autocast
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """What :meth:`forward` does after its GEMM: logits [N, E] (fp32) -> scores, topk_idx, topk_weight."""
@@ -86,7 +86,7 @@ class MoE(nn.Module):
         shared = getattr(self, "shared_experts", None)
         # x's maps in one call (k3.ops.linear: one Triton launch where chosen, one linear over the stacked weights
         # where a gradient is needed, else one linear each): the latent down-projection, the shared experts' gate
-        # and up, and last the router's GEMM in fp32 (x and its weight upcast, as in Router.forward)
+        # and up, and last the router's GEMM in fp32, also under autocast (fp32_linear, as in Router.forward)
         maps = [self.routed_expert_down_proj] if latent else []
         if shared is not None:
             maps += [shared.gate_proj, shared.up_proj]

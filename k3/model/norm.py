@@ -42,7 +42,8 @@ def matmul_dtype(x: Tensor) -> torch.dtype | None:
 class RMSNorm(nn.Module):
     """``cast``: the output feeds only matmuls, so under autocast it is returned in autocast's dtype
     (:func:`matmul_dtype`); False where it also feeds something else (the image embeddings spliced into the text
-    stream, a plain MoE's routed sum, which is returned in its input's dtype)."""
+    stream; a MoE's input, which also feeds its fp32 router and, without a latent projection, its routed sum,
+    returned in its input's dtype)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, cast: bool = True):
         super().__init__()

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
 from k3.model.moe import RoutedExperts, Router
+from k3.ops.dtypes import autocast_off
 from k3.ops.segments import host_list
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -74,6 +75,7 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str:
 # Newton-Schulz
 # --------------------------------------------------------------------------------------------------------------
 
+@autocast_off  # runs in its ``dtype`` also if called under autocast
 def newton_schulz(G: Tensor, steps: int = 5, coeffs: tuple[float, float, float] = NS_COEFFICIENTS,
                   eps: float = 1e-7, dtype: torch.dtype | str | None = None) -> Tensor:
     """Approximate orthogonalisation U S' V^T (S'_ii roughly in (0.5, 1.5)) of every matrix in G [..., A, B].

@@ -1,4 +1,4 @@
-"""PNG plots of a training run: loss curves, per-layer expert load, AttnRes depth weights (matplotlib, Agg)."""
+"""PNG plots of a training run: loss curves, MaxVio, per-layer expert load, AttnRes depth weights (matplotlib, Agg)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,40 @@ def loss_curves(history: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+MAXVIO_SERIES = (("maxvio", "global batch (all ranks)"), ("maxvio_micro", "micro-batch"),
+                 ("maxvio_seq", "per sequence (length-weighted)"))
+
+
+def maxvio_curves(history: list[dict], path: Path) -> bool:
+    """MaxVio per step in its three forms, each the mean over MoE layers: over the global batch, over one
+    micro-batch (mean of the step's micro-batches) and per sequence (see k3.model.balance.seq_max_vio).
+
+    One y unit (max load / mean load - 1; 0 = perfectly balanced), x = step. Records without a form (skipped
+    steps, runs logged before it existed) are left out of its line. Writes nothing and returns False when no
+    record has any (a model without MoE layers).
+    """
+    series = [(label, [(h["step"], h[key]) for h in history
+                       if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])])
+              for key, label in MAXVIO_SERIES]
+    if not any(points for _, points in series):
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, points) in enumerate(series):
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, lw=1.2, color=f"C{i}", label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MaxVio (max load / mean \u2212 1)")
+    ax.set_title("expert-load imbalance, mean over MoE layers")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def expert_load_heatmap(loads: dict[int, torch.Tensor], path: Path) -> None:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from k3.config import get_preset
 from k3.convert.checkpoint import from_pretrained
 from k3.infer.generate import greedy_generate
-from k3.model.balance import BALANCE_METHODS, Balancer, balance_metric_rows, metrics_from_rows
+from k3.model.balance import BALANCE_METHODS, Balancer, balance_metric_rows, max_vio, metrics_from_rows, seq_max_vio
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
 from k3.ops.segments import offsets_to, to_device
@@ -329,15 +329,25 @@ class Trainer:
         # float64 sums on the device, added in micro-batch order: the numbers Python floats would give
         total = aux_total = torch.zeros((), dtype=torch.float64, device=self.device)
         stats_all = []
+        # per micro-batch and MoE layer: (micro-batch MaxVio, per-sequence MaxVio), device tensors. Both cover this
+        # rank's tokens only (under data parallelism its rows, under context parallelism its slices of them); the
+        # global-batch MaxVio below is over every rank.
+        local_vio = []
+        loads: dict[int, torch.Tensor] = {}  # this rank's, per layer
         try:
             for b in batches:
                 loss_sum, _, out = self._forward_loss(b)
-                aux = (self.balancer.observe(out.router_stats, offsets_to(b.cu_seqlens, self.device))
-                       / (cfg.grad_accum * self.data_ranks()))
+                cu = offsets_to(b.cu_seqlens, self.device)
+                aux = self.balancer.observe(out.router_stats, cu) / (cfg.grad_accum * self.data_ranks())
                 (loss_sum / valid + aux).backward()
                 total = total + loss_sum.detach().double()
                 aux_total = aux_total + aux.detach().double()
                 stats_all += [dataclasses.replace(s, scores=s.scores.detach()) for s in out.router_stats]
+                with torch.no_grad():
+                    for s in out.router_stats:
+                        ld = s.loads
+                        loads[s.layer] = loads[s.layer] + ld if s.layer in loads else ld
+                        local_vio.append(torch.stack([max_vio(ld), seq_max_vio(s.topk_idx, cu, s.num_experts)]))
         finally:
             for h in hooks:
                 h.remove()
@@ -349,11 +359,10 @@ class Trainer:
         wanted = {"sums": torch.stack([total, aux_total]), "grad_norm": grad_norm}
         if layers:
             wanted["metrics"] = rows
+        if local_vio:
+            wanted["local_vio"] = torch.stack(local_vio)
         if max_logits:
             wanted["mla_max_logit"] = torch.stack([m.max() for m in max_logits.values()]).max()
-        loads: dict[int, torch.Tensor] = {}  # this rank's, per layer
-        for s in stats_all:
-            loads[s.layer] = loads[s.layer] + s.loads if s.layer in loads else s.loads
         wanted.update({("loads", layer): ld for layer, ld in loads.items()})
         host = to_host(wanted, self.device)
         (total, aux_total), grad_norm = host["sums"].tolist(), host["grad_norm"].item()
@@ -380,6 +389,9 @@ class Trainer:
                 self.recent_loads[layer] = self.recent_loads.get(layer, 0) + host["loads", layer]
             record.update(grad_norm=grad_norm, aux_loss=aux_total, maxvio=metrics.get("maxvio/mean"),
                           maxvio_max=metrics.get("maxvio/max"), dead_experts=metrics.get("dead/total"))
+            if local_vio:  # means over micro-batches and MoE layers, this rank's
+                micro, seq = host["local_vio"].double().mean(dim=0).tolist()
+                record.update(maxvio_micro=micro, maxvio_seq=seq)
         dt = time.perf_counter() - t0
         record.update(step_time=dt, tokens_per_s=cfg.batch_size * cfg.grad_accum * cfg.seq_len / dt)
         return record
@@ -438,6 +450,7 @@ class Trainer:
 
     def write_plots(self) -> None:
         plots.loss_curves(self.history, self.run_dir / "loss.png")
+        plots.maxvio_curves(self.history, self.run_dir / "maxvio.png")
         if self.recent_loads:
             plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
         if self.model_cfg.attn_res.mode != "none":

@@ -102,3 +102,23 @@ def test_schedule_helpers():
     assert [c.mixer(i) for i in range(5)] == ["kda", "kda", "kda", "mla", "mla"]
     assert [c.ffn(i) for i in range(5)] == ["dense", "moe", "moe", "moe", "moe"]
     assert [c.attn_res_block(i) for i in range(5)] == [0, 0, 1, 1, 2]
+
+
+def test_release_kimi_k3_config_gives_k3_tower_and_media_ids():
+    """A release-style kimi_k3 config.json (no ``k3`` extension keys) reads as K3's tower with its media ids;
+    ids the release spells win, and a plain Kimi-Linear config stays text-only."""
+    from k3.config.hf import from_hf_config, to_hf_config
+
+    text = to_hf_config(get_preset("k3"))
+    del text["k3"]
+    vision_config = {"vt_num_hidden_layers": 27, "vt_hidden_size": 1024, "vt_num_attention_heads": 12,
+                     "qkv_hidden_size": 1536, "vt_intermediate_size": 4096, "patch_size": 14,
+                     "merge_kernel_size": [2, 2]}
+    release = {"model_type": "kimi_k3", "text_config": text, "vision_config": vision_config,
+               "media_placeholder_token_id": 163605}
+    assert from_hf_config(release).vision == get_preset("k3").vision
+    v = from_hf_config({**release, "media_begin_token_id": 5, "media_end_token_id": 6}).vision
+    assert (v.media_begin_token_id, v.media_end_token_id) == (5, 6)
+    assert from_hf_config({**release, "vision_config": {**vision_config, "vt_num_hidden_layers": 3}}).vision \
+        .num_layers == 3
+    assert from_hf_config(text).vision is None

@@ -251,3 +251,35 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
     (path / "config.json").write_text(json.dumps(to_hf_config(deeper)))
     with pytest.raises(ValueError, match="does not match the model .*Missing key"):
         ckpt.from_pretrained(path)
+
+
+@pytest.mark.parametrize("style", ["k3", "kimi_linear"])
+def test_A_log_file_layout_and_round_trip(tmp_path, style):
+    """Bounded gate (K3): A_log written 1-D, zero-padded to a multiple of 128 (the release's 96 -> [128]);
+    softplus gate (Kimi-Linear): [1, 1, H, 1]. Both read back bit-exact."""
+    from k3.convert.names import a_log_file_size, from_files, to_files
+
+    assert [a_log_file_size(h) for h in (1, 2, 96, 128, 129)] == [128, 128, 128, 128, 256]
+    cfg = get_preset("tiny") if style == "k3" else get_preset("tiny").replace(**KIMI_LINEAR_STYLE)
+    h = cfg.kda.num_heads
+    assert (cfg.kda.gate_lower_bound is not None) == (style == "k3")
+    model = random_model(cfg)
+    with torch.no_grad():  # non-zero values in every head (the bounded gate's init is 0)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.randn(h))
+    state = model.state_dict()
+    files = to_files(state, cfg)
+    a_logs = {k: v for k, v in files.items() if k.endswith(".self_attn.A_log")}
+    assert len(a_logs) == len(cfg.kda_layers)
+    for k, t in a_logs.items():
+        if style == "k3":
+            assert t.shape == (128,) and torch.equal(t[:h], state[k]) and not t[h:].any()
+        else:
+            assert t.shape == (1, 1, h, 1) and torch.equal(t.reshape(-1), state[k])
+    back = from_files(files, cfg)
+    assert all(torch.equal(back[k], state[k]) for k in a_logs)
+    model.save_pretrained(tmp_path / "ck")
+    assert ckpt.read_tensors(tmp_path / "ck")["model.layers.0.self_attn.A_log"].shape == next(
+        iter(a_logs.values())).shape
+    assert_same(model, k3.from_pretrained(tmp_path / "ck"))

@@ -19,13 +19,14 @@ from k3.model.balance import (
     max_vio,
     qb_required_bias,
     qb_target_bias,
+    qb_quota,
     qb_update,
     router_entropy,
     seq_aux_loss,
+    seq_max_vio,
     sign_update,
     switch_aux_loss,
 )
-from k3.model.balance import _quantile_linear_dim0
 
 E, K, N = 64, 8, 4096
 
@@ -77,10 +78,10 @@ def test_qb_same_batch_threshold_counts_and_reroute():
     b_hat = qb_target_bias(a, bias, K)
     below = (r < b_hat).sum(0)
     at_or_below = (r <= b_hat).sum(0)
-    # b^ is a (k/E)-quantile of each column: under the OLD cutoffs at most q tokens clear it strictly and at
-    # least q weakly. Exactly q unless the quantile falls on the atom r_tj = b_j (tokens whose (k+1)-th pick is
+    # b^ is the (q+1)-th order statistic of each column: under the OLD cutoffs at most q tokens clear it strictly
+    # and at least q + 1 weakly. Exactly q unless it falls on the atom r_tj = b_j (tokens whose (k+1)-th pick is
     # j itself all have r_tj = b_j up to rounding), a tie no threshold can split.
-    assert (below <= q).all() and (at_or_below >= q).all()
+    assert (below <= q).all() and (at_or_below >= q + 1).all()
     atom = (r - bias).abs() < 1e-6
     exact = (below == q) | ((r <= b_hat) & atom).any(0)
     assert exact.all()
@@ -98,11 +99,35 @@ def test_qb_same_batch_threshold_counts_and_reroute():
     assert mv5 < 0.06, msg
 
 
-def test_quantile_convention_matches_torch_quantile():
-    x = torch.randn(1001, 9, generator=_gen(6))
-    for p in (0.0, 8 / 64, 16 / 896, 0.5, 1.0):
-        ref = torch.quantile(x, p, dim=0, interpolation="linear")
-        torch.testing.assert_close(_quantile_linear_dim0(x, p), ref)
+def _qb_spec_fp64(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact QB from the spec (section 7), in fp64 and plain Python per expert: cutoff c_t = (k+1)-th largest of
+    s_t + b; M = s - c; q = N k / E rounded (halves up, below N); b^_j = -((q+1)-th largest of M_{:,j});
+    b <- b^ - mean(b^)."""
+    s, b = scores.double(), bias.double()
+    n, e = s.shape
+    c = (s + b).sort(dim=-1, descending=True).values[:, k]
+    m = s - c[:, None]
+    q = min(int(math.floor(n * k / e + 0.5)), n - 1)
+    b_hat = torch.tensor([-sorted(m[:, j].tolist(), reverse=True)[q] for j in range(e)], dtype=torch.float64)
+    return b_hat - b_hat.mean()
+
+
+@pytest.mark.parametrize("n,e,k", [(1000, 64, 8), (777, 32, 3), (5, 8, 6), (130, 896, 16)])
+def test_exact_qb_is_the_spec_order_statistic(n, e, k):
+    """The exact form equals an fp64 implementation written from the spec's text: to 1e-9 on fp64 scores (same
+    arithmetic), to fp32 rounding on the fp32 scores the router produces; no interpolation between order
+    statistics (the linear-quantile rule differed by 7e-5 to 3e-3 here)."""
+    g = _gen(n + e)
+    s64 = torch.sigmoid(torch.randn(n, e, generator=g, dtype=torch.float64) + torch.randn(e, generator=g,
+                                                                                           dtype=torch.float64))
+    bias = 0.1 * torch.randn(e, generator=g, dtype=torch.float64)
+    ref = _qb_spec_fp64(s64, bias, k)
+    assert (qb_update(s64, bias, k) - ref).abs().max().item() <= 1e-9
+    s32 = s64.float()
+    ref32 = _qb_spec_fp64(s32, bias.float(), k)
+    out32 = qb_update(s32, bias.float(), k)
+    assert out32.dtype == torch.float32 and (out32.double() - ref32).abs().max().item() <= 1e-6
+    assert qb_quota(n, k, e) == min(int(math.floor(n * k / e + 0.5)), n - 1)
 
 
 @settings(max_examples=20, deadline=None)
@@ -272,6 +297,62 @@ def test_metrics_hand_made():
     assert drop_fraction(balanced, 1, 28, 1.0).item() == 0.0
     # C = ceil(1.1 * 10 * 1 / 4) = ceil(2.75) = 3 -> one slot over on the first expert
     assert drop_fraction(torch.tensor([4, 3, 2, 1]), 1, 10, 1.1).item() == pytest.approx(0.1)
+
+
+def _seq_max_vio_loop(topk_idx: torch.Tensor, cu: list[int], e: int) -> float:
+    """Plain Python: each sequence's max_i count_i / (T k / E) - 1, averaged with weights T."""
+    rows, k = topk_idx.tolist(), topk_idx.shape[1]
+    num = den = 0.0
+    for start, end in zip(cu[:-1], cu[1:]):
+        toks = rows[start:min(end, len(rows))]
+        if not toks:
+            continue
+        counts = [0] * e
+        for t in toks:
+            for j in t:
+                counts[j] += 1
+        num += len(toks) * (max(counts) / (len(toks) * k / e) - 1)
+        den += len(toks)
+    return num / den if den else 0.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_seq_max_vio_matches_a_loop_over_sequences(seed):
+    """Random packed layouts: an empty segment, a one-token fragment, padding past cu[-1] (every other seed), and
+    a last segment reaching past N (seed 5); routes with a skew so that sequences differ."""
+    g = _gen(100 + seed)
+    e, k = 16, 3
+    n = int(torch.randint(40, 200, (), generator=g))
+    skew = torch.randn(e, generator=g)
+    topk_idx = torch.topk(torch.rand(n, e, generator=g) + skew, k, dim=-1).indices
+    used = n - (int(torch.randint(1, 20, (), generator=g)) if seed % 2 else 0)
+    cuts = sorted(torch.randint(1, used, (5,), generator=g).tolist())
+    cu = [0] + cuts[:2] + [cuts[2], cuts[2]] + cuts[3:] + [cuts[-1] + 1, used]  # empty segment, one-token fragment
+    cu = sorted(cu)
+    if seed == 5:
+        cu[-1] = n + 7  # a segment cut at N
+    got = seq_max_vio(topk_idx, torch.tensor(cu), e)
+    want = _seq_max_vio_loop(topk_idx, cu, e)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert got.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    # never below the MaxVio of the counted tokens' summed loads (the sum of maxima >= the maximum of sums)
+    counted = topk_idx[:min(cu[-1], n)]
+    assert got.item() >= max_vio(expert_loads(counted, e)).item() - 1e-6
+    # padding's routes do not matter
+    noisy = topk_idx.clone()
+    noisy[min(cu[-1], n):] = torch.arange(k)
+    assert seq_max_vio(noisy, torch.tensor(cu), e).item() == got.item()
+
+
+def test_seq_max_vio_hand_made():
+    e, k = 4, 2
+    # sequence 0: 3 tokens on experts {0,1} -> counts [3,3,0,0], T k / E = 1.5, MaxVio 1; sequence 1: 2 tokens
+    # balanced -> 0; a one-token fragment -> E / k - 1 = 1. Weighted by T: (3 * 1 + 2 * 0 + 1 * 1) / 6.
+    idx = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1], [2, 3], [3, 2], [0, 0]])
+    cu = torch.tensor([0, 3, 5, 6])  # the last row is padding
+    assert seq_max_vio(idx, cu, e).item() == pytest.approx(4 / 6)
+    assert seq_max_vio(idx, torch.tensor([0]), e).item() == 0.0  # no sequence
+    assert seq_max_vio(idx, torch.tensor([0, 0, 0]), e).item() == 0.0  # only empty ones
 
 
 def test_router_entropy():

@@ -42,9 +42,9 @@ def perturbed(model):
 @pytest.mark.parametrize("mode,latent", [("snapshot", True), ("full", True), ("none", False), ("block_sum", False)])
 def test_model_under_autocast_matches_per_consumer_casts(mode, latent, monkeypatch):
     """The tiny model's forward under autocast with the norms casting (the default) against the norms returning
-    fp32 and every matmul casting its input itself (matmul_dtype patched to None). The same bf16 inputs reach
-    every projection (the router's linear too: autocast casts it), so the logits are identical, also with a plain
-    MoE (no latent projection), whose pre-norm does not cast: its routed sum comes back in its input's dtype. The
+    fp32 and every matmul casting its input itself (matmul_dtype patched to None). The same inputs reach every
+    projection: bf16 ones, and the fp32 normed input at a MoE's router (fp32 under autocast), since a MoE's pre-norm
+    does not cast (a plain MoE's routed sum also comes back in its input's dtype), so the logits are identical. The
     gradients differ by where the consumers' input gradients are summed (bf16 now, fp32 before): measured 0.9%,
     a few bf16 roundings (2^-9 each) of sums that propagate to every parameter."""
     cfg = get_preset("tiny")

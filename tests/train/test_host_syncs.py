@@ -44,7 +44,8 @@ def test_train_step_reads_device_values_once(tmp_path, monkeypatch):
     record = trainer.train_step()
     assert reads == [], f"values read back inside the model's forward: {reads}"
     assert len(fetches) == 1, fetches
-    assert {"loss", "grad_norm", "aux_loss", "maxvio", "dead_experts", "mla_max_logit"} <= set(record)
+    assert {"loss", "grad_norm", "aux_loss", "maxvio", "maxvio_micro", "maxvio_seq", "dead_experts",
+            "mla_max_logit"} <= set(record)
     assert set(trainer.recent_loads) == {1, 2, 3, 4}
 
 

@@ -140,3 +140,56 @@ def test_cli_train_end_to_end(tmp_path, capsys):
     assert "already holds a run" in capsys.readouterr().err
     assert main(args[:4] + ["6"] + args[5:] + ["--resume"]) == 0  # extend to 6 steps
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+@pytest.mark.parametrize("task,steps", [("text", 2), ("vision", 1)])  # vision rows are longer: one step
+def test_maxvio_three_forms(tmp_path, task, steps):
+    """maxvio (global batch), maxvio_micro and maxvio_seq in metrics.jsonl equal the figures recomputed from the
+    router statistics with plain Python, and maxvio.png is written; the vision task's offsets span the router's
+    tokens as the text task's do. With equal-sized micro-batches on one process the forms also obey
+    global <= micro <= per-sequence (a merged load's maximum is at most the sum of the parts')."""
+    trainer = Trainer(tiny_cfg(tmp_path / "run", task=task, steps=steps, grad_accum=2, save_every=0, eval_every=2,
+                               eval_rows=1, seq_len=32, tokenizer_train_bytes=20_000, max_tokens=4_000),
+                      progress=False)
+    real, seen = trainer._forward_loss, {}
+
+    def spy(batch, record=False):
+        loss_sum, n, out = real(batch, record)
+        if trainer.model.training:
+            seen.setdefault(trainer.step, []).append(
+                (batch.cu_seqlens.tolist(), [(s.layer, s.topk_idx.tolist()) for s in out.router_stats]))
+        return loss_sum, n, out
+
+    trainer._forward_loss = spy
+    trainer.run()
+    e = trainer.model_cfg.moe.num_experts
+    rec = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rec] == list(range(steps)) and (tmp_path / "run" / "maxvio.png").is_file()
+
+    def vio(counts):
+        return max(counts) / (sum(counts) / len(counts)) - 1
+
+    def counts_of(rows):
+        c = [0] * e
+        for t in rows:
+            for j in t:
+                c[j] += 1
+        return c
+
+    for r in rec:
+        micro_batches = seen[r["step"]]
+        assert len(micro_batches) == 2 and len(micro_batches[0][1]) >= 2  # grad_accum micro-batches, MoE layers
+        micro, seq, merged = [], [], {}
+        for cu, layers in micro_batches:
+            for layer, rows in layers:
+                assert len(rows) == cu[-1]  # the offsets span the router's tokens
+                c = counts_of(rows)
+                micro.append(vio(c))
+                merged[layer] = [a + b for a, b in zip(merged.get(layer, [0] * e), c)]
+                parts = [rows[a:b] for a, b in zip(cu[:-1], cu[1:]) if b > a]
+                seq.append(sum(len(p) * vio(counts_of(p)) for p in parts) / sum(len(p) for p in parts))
+        assert r["maxvio"] == pytest.approx(sum(map(vio, merged.values())) / len(merged), rel=1e-5)
+        assert r["maxvio_micro"] == pytest.approx(sum(micro) / len(micro), rel=1e-5)
+        assert r["maxvio_seq"] == pytest.approx(sum(seq) / len(seq), rel=1e-5)
+        assert 0 <= r["maxvio"] <= r["maxvio_micro"] + 1e-6 and r["maxvio_micro"] <= r["maxvio_seq"] + 1e-6
+        assert r["maxvio_seq"] > r["maxvio_micro"]  # packed documents differ: the per-sequence form is not the same

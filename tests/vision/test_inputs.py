@@ -166,3 +166,21 @@ def test_images_to_lm_tokens_end_to_end(proc):
                                    counts, cfg.vision.media_placeholder_token_id, 3, 4)
     assert feats.shape == (len(pos), cfg.hidden_size) == (2 + 9, 64) and torch.isfinite(feats).all()
     assert all(ids[p] == cfg.vision.media_placeholder_token_id for p in pos)
+
+
+def test_k3_preset_wraps_each_image_in_media_begin_and_end():
+    """The k3 preset's ids (config only, no model): one placeholder + an image of n merged tokens becomes
+    begin, pad x n, end, through expand_placeholders and through the engine's prepare."""
+    from types import SimpleNamespace
+
+    from k3.infer.engine import Engine
+
+    v = get_preset("k3").vision
+    assert (v.media_begin_token_id, v.media_placeholder_token_id, v.media_end_token_id) == (163602, 163605, 163604)
+    n = merged_tokens((6, 4), v.merge_size)  # 84 x 56 pixels, 14-pixel patches, 2 x 2 merge
+    assert n == 6
+    ids, pos = expand_placeholders([7, 163605, 8], [n], v.media_placeholder_token_id, v.media_begin_token_id,
+                                   v.media_end_token_id)
+    assert ids == [7, 163602] + [163605] * n + [163604, 8] and pos == list(range(2, 2 + n))
+    prompt, media = Engine.prepare(SimpleNamespace(vision=v), [7, 163605, 8], [noise_image(56, 84)])
+    assert prompt == ids and media.grids.tolist() == [[6, 4]]

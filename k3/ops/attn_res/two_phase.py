@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3.ops.dtypes import upcast
+from k3.ops.dtypes import autocast_off, upcast
 from k3.ops.fused import fused
 
 
@@ -29,6 +29,7 @@ ROWWISE_TOKENS = 2048  # compiled phase 1 of up to this many tokens (decode) sco
 
 
 @fused
+@autocast_off  # the logits' GEMM in fp32 also under autocast
 def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """queries [M, d] (key-norm weight * pseudo-query, one per mix), sources S x [N, d] -> (o [M, N, d] in the
     sources' dtype, lse [M, N] in fp32 (fp64 for fp64 inputs)): each query's depth mix of the sources and the

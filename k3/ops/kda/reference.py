@@ -16,7 +16,7 @@ Two functions compute the same thing:
 * ``chunk_kda``     - exact chunkwise (WY / UT) form: the intra-chunk work is one batched
   triangular solve over every chunk, only the inter-chunk state passing is sequential.
 
-Computation happens in ``promote(input dtype, float32)``; outputs are cast to ``v.dtype`` and
+Computation happens in ``promote(input dtype, float32)``, also under autocast; outputs are cast to ``v.dtype`` and
 final states are returned in the compute dtype. Everything is differentiable by autograd.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3.ops.dtypes import autocast_off
 from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 
 __all__ = ["kda_gate", "l2norm", "recurrent_kda", "chunk_kda", "chunk_kda_raw", "kda_decode_step"]
@@ -103,6 +104,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
 # --------------------------------------------------------------------------------------------
 
 
+@autocast_off  # the state and its products in fp32 also under autocast
 def recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,6 +295,7 @@ def _factored_scores(q, k, G):
     return A, Bqk
 
 
+@autocast_off  # the state and its products in fp32 also under autocast
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,

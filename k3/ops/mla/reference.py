@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3.ops.dtypes import upcast
+from k3.ops.dtypes import autocast_off, upcast
 from k3.ops.segments import host_list
 
 
+@autocast_off
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """One segment: q [Lq, H, D], k [Lk, Hk, D], v [Lk, Hk, Dv] with Hk in {1, H}; queries are the last Lq
-    of the Lk positions (query i sees keys j <= Lk - Lq + i). Scores and softmax in fp32. -> [Lq, H, Dv]."""
+    of the Lk positions (query i sees keys j <= Lk - Lq + i). Scores and softmax in fp32 (also under autocast).
+    -> [Lq, H, Dv]."""
     lq, lk = q.shape[0], k.shape[0]
     if lq > lk:
         raise ValueError(f"a segment has {lq} queries but only {lk} keys")
