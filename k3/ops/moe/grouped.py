@@ -21,8 +21,7 @@ from torch import Tensor
 
 from k3.ops import backend
 from k3.ops.fused import fused
-
-ALIGN = 8
+from k3.ops.moe.layout import ALIGN, COUNT_PAIRS, GLU_ACTS, ROUTE_MAX_EXPERTS
 
 
 def available(device: torch.device) -> bool:
@@ -41,8 +40,6 @@ class _Routing(NamedTuple):
     src_pair: Tensor  # [R] int64: the pair n*k + j a buffer row holds, -1 for padding rows
     offs: Tensor  # [E] int32: each expert's end row (grouped_mm's offsets)
 
-
-COUNT_PAIRS = 2048  # up to this many token-expert pairs (decode, small batches) rank them by counting, not sorting
 
 
 def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
@@ -75,7 +72,6 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
     return _Routing(dest.view(n, k), src_pair, pad_end.to(torch.int32))
 
 
-ROUTE_MAX_EXPERTS = 4096  # the Triton program holds one count per expert in a block of lanes
 _route_logged: set[str] = set()
 
 
@@ -214,7 +210,6 @@ def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     return kernel
 
 
-GLU_ACTS = ("silu", "situ")  # the kinds of k3.model.activation.GLU that small_groups_glu computes itself
 _glu_logged: set[str] = set()
 
 

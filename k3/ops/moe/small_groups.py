@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.moe.grouped import ALIGN, GLU_ACTS
+from k3.ops.moe.layout import ALIGN, GLU_ACTS
 from k3.ops.pdl import launch, wait_then_release
 
 _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.moe.grouped import ALIGN, COUNT_PAIRS, ROUTE_MAX_EXPERTS as MAX_EXPERTS
+from k3.ops.moe.layout import ALIGN, COUNT_PAIRS, ROUTE_MAX_EXPERTS as MAX_EXPERTS
 from k3.ops.pdl import launch, wait_then_release
 
 
