@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
 
 def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, images: list | None = None) -> dict:
     """Run one request, writing text deltas to ``out`` as they come; returns its last StepOutput's counts.
-    Ctrl-C aborts the request (finish_reason "abort")."""
+    Ctrl-C aborts the request (finish_reason "abort"); a request the engine failed raises one ValueError."""
     out = out or sys.stdout
     rid = engine.add(prompt, params, images=images)
     start, first, last = time.perf_counter(), None, None
@@ -58,6 +58,8 @@ def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, 
             for o in engine.step():
                 if o.request_id != rid:
                     continue
+                if o.error is not None:
+                    raise ValueError(f"generation failed: {o.error}")
                 first = first or time.perf_counter()
                 last = o
                 out.write(o.text)

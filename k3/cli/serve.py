@@ -1,11 +1,13 @@
 """``k3 serve --ckpt DIR``: an OpenAI-compatible HTTP server (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``/health``) over the continuous-batching engine. SIGINT/SIGTERM shut it down gracefully:
-uvicorn stops accepting connections, requests in flight finish (up to ``--drain-timeout`` seconds), then the
-engine thread stops."""
+uvicorn stops accepting connections and the engine starts draining at once (new requests answer 503), requests in
+flight finish (up to ``--drain-timeout`` seconds); those still running then end with an OpenAI-shaped error (an
+SSE error event and ``[DONE]``, or a 503) before the connections close and the engine thread stops."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -38,6 +40,8 @@ def add_parser(sub) -> None:
                    help="torch.compile the decode step before its CUDA-graph capture (GPU; compiles once per "
                         "batch size, and reserves the MLA cache for --max-context up front)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
+    p.add_argument("--max-request-mb", type=float, default=16.0,
+                   help="largest request body in MiB (larger answers 413; default 16, room for a ~10 MiB image)")
     p.set_defaults(func=run)
 
 
@@ -58,12 +62,21 @@ def build_engine(args: argparse.Namespace):
     return engine, tokenizer, path
 
 
-def _server(config):
+def _server(config, async_engine: AsyncEngine | None = None, drain_timeout: float = 30.0):
     """A uvicorn server whose graceful shutdown on SIGINT/SIGTERM ends ``k3 serve`` with status 0 (uvicorn's own
-    re-raises the signal after shutting down); a second SIGINT forces the exit."""
+    re-raises the signal after shutting down); a second SIGINT forces the exit. Its shutdown starts draining
+    ``async_engine`` first, so requests still running at the drain deadline get their error before uvicorn's own
+    (longer) timeout would cancel them mid-response."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            drain = None if async_engine is None else asyncio.ensure_future(
+                asyncio.to_thread(async_engine.shutdown, drain_timeout))
+            await super().shutdown(sockets)
+            if drain is not None:
+                await drain
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -86,12 +99,20 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} must be in [0, 65535]")
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout={args.drain_timeout} must be >= 0")
+    if not 0 < args.max_request_mb <= 4096:
+        raise ValueError(f"--max-request-mb={args.max_request_mb} must be in (0, 4096]")
     engine, tokenizer, path = build_engine(args)
-    app = create_app(AsyncEngine(engine), tokenizer, args.model_name, engine.max_context, args.drain_timeout)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, tokenizer, args.model_name, engine.max_context, args.drain_timeout,
+                     max_request_bytes=int(args.max_request_mb * 2**20))
     log.info("serving %s as %r on http://%s:%d (context %d, batch %d, device %s)", path, args.model_name, args.host,
              args.port, engine.max_context, engine.max_batch, engine.device)
+    # uvicorn cancels what is left after its timeout: give the engine's drain and the error responses it ends
+    # with a few seconds more
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.drain_timeout)
-    _server(config).run()  # returns after a graceful shutdown; the app's lifespan stops the engine thread
+                            timeout_graceful_shutdown=args.drain_timeout + 5)
+    _server(config, async_engine, args.drain_timeout).run()  # returns after a graceful shutdown
     log.info("k3 serve: stopped")
     return 0

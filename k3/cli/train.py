@@ -1,8 +1,10 @@
 """``k3 train``: train a K3 model (default: the ``small`` preset on the Python standard library), then sample.
 
 With no arguments this is the README's main job: about 10 minutes on a 2-core CPU, saved under runs/small.
-``--resume`` continues the run in ``--out`` from its latest checkpoint with its saved settings (``--steps``
-may extend it).
+``--resume`` continues the run in ``--out`` (the directory given, wherever it was first written) from its latest
+checkpoint with its recorded settings; a flag that contradicts them is refused, except ``--device``,
+``--save-every``, ``--eval-every``, ``--samples`` and ``--steps`` (which may extend the run: the learning-rate
+schedule keeps its recorded length, so the added steps run at its final, minimum rate).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from k3.model.balance import BALANCE_METHODS
 from k3.quant.mx import MODES as MX_MODES
 from k3.quant.qat import RECIPES as QAT_RECIPES
-from k3.train.trainer import TASKS, TrainConfig, Trainer, TrainingDiverged
+from k3.train.trainer import RESUME_MAY_CHANGE, TASKS, TrainConfig, Trainer, TrainingDiverged
 
 log = logging.getLogger("k3.train")
 
@@ -38,45 +40,45 @@ VISION_DEFAULTS = {"steps": 220, "batch_size": 32, "eval_every": 55, "eval_rows"
 def add_parser(sub) -> None:
     d = TrainConfig()
     p = sub.add_parser("train", help="train a model (default: small preset on the stdlib corpus), then sample")
-    p.add_argument("--preset", default=d.preset)
-    p.add_argument("--task", choices=TASKS, default=d.task,
+    p.add_argument("--preset", default=None)
+    p.add_argument("--task", choices=TASKS, default=None,
                    help="text: language modelling on --data; vision: the embedded image question-answering task")
     p.add_argument("--vision-eval", type=int, default=400, help="held-out questions scored at the end (vision)")
     p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field, e.g. --set moe.num_experts=16 (repeatable)")
     p.add_argument("--data", default=None, help="text file, directory, .jsonl (field text) or .parquet")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) or a tiktoken BPE file")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="BPE vocabulary when training one")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="cap on the tokenised training stream")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary when training one")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on the tokenised training stream")
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps (default {d.steps}; vision: {VISION_DEFAULTS['steps']})")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"rows per micro-batch (default {d.batch_size}; "
                         f"vision: {VISION_DEFAULTS['batch_size']} examples)")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--clip", type=float, default=d.clip, help="gradient-norm clip")
-    p.add_argument("--no-per-head-muon", dest="per_head_muon", action="store_false",
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--weight-decay", type=float, default=None)
+    p.add_argument("--clip", type=float, default=None, help="gradient-norm clip")
+    p.add_argument("--no-per-head-muon", dest="per_head_muon", action="store_false", default=None,
                    help="whole-matrix Muon for the head-structured projections")
-    p.add_argument("--balance", choices=BALANCE_METHODS, default=d.balance, help="router balancing (K3: qb)")
+    p.add_argument("--balance", choices=BALANCE_METHODS, default=None, help="router balancing (K3: qb)")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip MLA logits at TAU (K2: 100)")
     p.add_argument("--qat", choices=sorted(QAT_RECIPES), default=None,
                    help="quantisation-aware training of the routed experts: mxfp4 = MXFP4 weights + MXFP8 "
                         "activations (K3), mxfp4-weights = weights only")
-    p.add_argument("--qat-scale-mode", choices=MX_MODES, default=d.qat_scale_mode, help="MX scale rule for --qat")
-    p.add_argument("--activation-checkpointing", action="store_true",
+    p.add_argument("--qat-scale-mode", choices=MX_MODES, default=None, help="MX scale rule for --qat")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="recompute each mixer and FFN in the backward pass: less activation memory, ~1/3 more compute")
     p.add_argument("--eval-every", type=int, default=None, help=f"steps between evaluations (default {d.eval_every})")
     p.add_argument("--eval-rows", type=int, default=None,
                    help=f"validation rows (vision: questions) per evaluation (default {d.eval_rows})")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="also checkpoint every N steps (0: end)")
-    p.add_argument("--samples", type=int, default=d.samples, help="greedy continuations printed at the end")
+    p.add_argument("--save-every", type=int, default=None, help="also checkpoint every N steps (0: end)")
+    p.add_argument("--samples", type=int, default=None, help="greedy continuations printed at the end")
     p.add_argument("--out", default=None, help="run directory (default runs/PRESET)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
     p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (under torchrun; default: all)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (each sequence split in --cp pieces)")
@@ -84,17 +86,48 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    out = args.out or (f"runs/{args.preset}" + ("-vision" if args.task == "vision" else ""))
-    saved = Path(out) / "train_config.json"
-    if args.resume and saved.is_file():
-        cfg = TrainConfig(**json.loads(saved.read_text()))
-        return dataclasses.replace(cfg, steps=args.steps or cfg.steps, device=args.device)
+def _given(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields given on the command line (every such flag defaults to None: unset)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    if args.task == "vision":  # ~13 minutes on 2 CPU cores with the small preset
+    given = {k: v for k, v in vars(args).items() if k in fields - {"overrides"} and v is not None}
+    if args.overrides:
+        given["overrides"] = dict(args.overrides)
+    return given
+
+
+def resume_config(args: argparse.Namespace, out: str) -> TrainConfig:
+    """The recorded settings of the run in ``out``, resumed into ``out``; flags that contradict them are refused
+    (one error naming them) unless the trainer can honour them (k3.train.trainer.RESUME_MAY_CHANGE)."""
+    saved = Path(out) / "train_config.json"
+    if not saved.is_file():
+        raise FileNotFoundError(f"--resume: {saved} not found: {out} is not a training run")
+    try:
+        recorded = json.loads(saved.read_text())
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        cfg = TrainConfig(**{k: v for k, v in recorded.items() if k in known})
+    except (json.JSONDecodeError, TypeError, AttributeError) as e:
+        raise ValueError(f"--resume: {saved} is malformed: {e}") from None
+    given = _given(args)
+    plain = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    conflicts = [k for k, v in given.items() if k not in RESUME_MAY_CHANGE and json.loads(json.dumps(v)) != plain[k]]
+    if conflicts:
+        raise ValueError("--resume keeps the run's recorded settings; " + ", ".join(
+            f"--{k.replace('_', '-')} {given[k]!r} (recorded {plain[k]!r})" for k in conflicts)
+            + " conflict with them: drop them, or start a new run with another --out")
+    steps = given.get("steps", cfg.steps)
+    honoured = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and k not in ("steps", "out")}
+    return dataclasses.replace(cfg, **honoured, out=out, steps=steps,
+                               schedule_steps=cfg.schedule_steps or cfg.steps)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    task = args.task or TrainConfig.task
+    out = args.out or (f"runs/{args.preset or TrainConfig.preset}" + ("-vision" if task == "vision" else ""))
+    if args.resume:
+        return resume_config(args, out)
+    values = _given(args)
+    if task == "vision":  # ~13 minutes on 2 CPU cores with the small preset
         values = {**VISION_DEFAULTS, **values}
-    values["overrides"] = dict(args.overrides)
     values["out"] = out
     return TrainConfig(**values)
 

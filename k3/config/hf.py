@@ -24,11 +24,48 @@ from k3.config.presets import k3_vision
 FORMATS = ("k3", "kimi_linear")
 
 
+_REQUIRED = object()
+
+
 def _first(d: dict, *keys: str, default: Any = None) -> Any:
     for k in keys:
         if k in d and d[k] is not None:
             return d[k]
     return default
+
+
+def _as_int(value: Any, name: str) -> int:
+    """``value`` if it is a JSON integer; else one ValueError naming ``name`` (64.9 is not silently 64)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.json: {name}={value!r} must be an integer")
+    return value
+
+
+def _int(d: dict, *keys: str, default: Any = _REQUIRED, prefix: str = "") -> Any:
+    """The first of ``keys`` present and not null in ``d``, checked to be an integer; ``default`` when none is
+    (a required key: one ValueError naming it)."""
+    for k in keys:
+        if d.get(k) is not None:
+            return _as_int(d[k], prefix + k)
+    if default is _REQUIRED:
+        raise ValueError(f"config.json: {prefix}{keys[0]} is missing or null")
+    return default
+
+
+def _float(d: dict, key: str, default: float, prefix: str = "") -> float:
+    value = d.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.json: {prefix}{key}={value!r} must be a number")
+    return float(value)
+
+
+def _dict(d: dict, key: str) -> dict:
+    value = d.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"config.json: {key} must be a JSON object, not {type(value).__name__}")
+    return value
 
 
 def kimi_linear_incompatibilities(cfg: K3Config) -> list[str]:
@@ -139,11 +176,18 @@ def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
 
 
 def _mla_layers(d: dict, n: int) -> tuple[int, ...]:
-    lac = d.get("linear_attn_config") or {}
+    lac = _dict(d, "linear_attn_config")
+
+    def layers(key: str) -> list[int]:
+        value = lac[key]
+        if not isinstance(value, list):
+            raise ValueError(f"config.json: linear_attn_config.{key} must be a list of layer numbers")
+        return [_as_int(i, f"linear_attn_config.{key}[{j}]") - 1 for j, i in enumerate(value)]
+
     if "full_attn_layers" in lac:
-        mla = [int(i) - 1 for i in lac["full_attn_layers"]]
+        mla = layers("full_attn_layers")
         if "kda_layers" in lac:
-            kda = sorted(int(i) - 1 for i in lac["kda_layers"])
+            kda = sorted(layers("kda_layers"))
             if sorted(set(range(n)) - set(mla)) != kda:
                 raise ValueError("config.json: linear_attn_config.kda_layers and full_attn_layers must partition "
                                  f"layers 1..{n}")
@@ -165,7 +209,7 @@ def _first_dense(d: dict, n: int) -> int:
         if len(types) != n or any(t != "sparse" for t in types[k:]):
             raise ValueError("config.json: mlp_layer_types must be dense layers followed by sparse layers")
         return k
-    return int(d.get("first_k_dense_replace", 1))
+    return _int(d, "first_k_dense_replace", default=1)
 
 
 def _release_vision(top: dict) -> VisionConfig:
@@ -175,50 +219,61 @@ def _release_vision(top: dict) -> VisionConfig:
     and, if given, ``media_begin_token_id`` / ``media_end_token_id``. The release is not known to carry begin /
     end ids, so K3's (163602 / 163604) apply unless it does."""
     v = dataclasses.asdict(k3_vision())
-    vc = top.get("vision_config") or {}
+    vc = _dict(top, "vision_config")
     for key, field in (("vt_num_hidden_layers", "num_layers"), ("vt_hidden_size", "hidden_size"),
                        ("vt_num_attention_heads", "num_heads"), ("vt_intermediate_size", "intermediate_size"),
                        ("patch_size", "patch_size")):
-        if vc.get(key) is not None:
-            v[field] = int(vc[key])
+        v[field] = _int(vc, key, default=v[field], prefix="vision_config.")
     if vc.get("qkv_hidden_size") is not None:
-        qkv = int(vc["qkv_hidden_size"])
+        qkv = _int(vc, "qkv_hidden_size", prefix="vision_config.")
         if qkv % v["num_heads"]:
             raise ValueError(f"config.json: vision_config.qkv_hidden_size={qkv} is not a multiple of "
                              f"{v['num_heads']} heads")
         v["head_dim"] = qkv // v["num_heads"]
     merge = vc.get("merge_kernel_size")
     if merge is not None:
-        merge = [int(m) for m in merge] if isinstance(merge, (list, tuple)) else [int(merge)] * 2
+        name = "vision_config.merge_kernel_size"
+        merge = [_as_int(m, name) for m in merge] if isinstance(merge, list) else [_as_int(merge, name)] * 2
         if len(merge) != 2 or merge[0] != merge[1]:
             raise ValueError(f"config.json: vision_config.merge_kernel_size={merge} is not supported (square only)")
         v["merge_size"] = merge[0]
     for key in ("media_placeholder_token_id", "media_begin_token_id", "media_end_token_id"):
-        if key in top:
-            v[key] = top[key]
+        v[key] = _int(top, key, default=v[key])
     return VisionConfig(**v)
+
+
+def _vision(v: Any) -> VisionConfig:
+    """The ``k3.vision`` dict: VisionConfig's own fields (an unknown or missing one: one ValueError)."""
+    if not isinstance(v, dict):
+        raise ValueError("config.json: k3.vision must be a JSON object")
+    try:
+        return VisionConfig(**v)
+    except TypeError as e:
+        raise ValueError(f"config.json: k3.vision does not match VisionConfig: {e}") from None
 
 
 def from_hf_config(d: dict[str, Any]) -> K3Config:
     """Parse a ``config.json`` dict (any format above); unsupported features raise one clear ValueError."""
+    if not isinstance(d, dict):
+        raise ValueError(f"config.json must hold a JSON object, not {type(d).__name__}")
     release_vision = None
     if d.get("model_type") == "kimi_k3":
         if "text_config" not in d:
             raise ValueError("config.json: model_type kimi_k3 without text_config")
         release_vision = _release_vision(d)
-        d = d["text_config"]
+        d = _dict(d, "text_config")
     if d.get("model_type") not in ("kimi_linear", None):
         raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not kimi_linear / kimi_k3")
-    n = int(d["num_hidden_layers"])
-    heads = d.get("num_attention_heads")
+    n = _int(d, "num_hidden_layers")
+    heads = _int(d, "num_attention_heads")
     if d.get("num_key_value_heads") not in (None, heads):
         raise ValueError(f"config.json: num_key_value_heads={d['num_key_value_heads']} != num_attention_heads={heads} "
                          "(MLA here has one K/V per query head)")
-    if int(d.get("moe_layer_freq", 1)) != 1:
+    if _int(d, "moe_layer_freq", default=1) != 1:
         raise ValueError(f"config.json: moe_layer_freq={d['moe_layer_freq']} is not supported (only 1)")
-    if int(_first(d, "num_nextn_predict_layers", default=0)) != 0:
+    if _int(d, "num_nextn_predict_layers", default=0) != 0:
         raise ValueError("config.json: MTP layers (num_nextn_predict_layers > 0) are not supported")
-    groups, topk_groups = int(_first(d, "num_expert_group", "n_group", default=1)), d.get("topk_group")
+    groups, topk_groups = _int(d, "num_expert_group", "n_group", default=1), d.get("topk_group")
     if groups > 1 and topk_groups not in (None, groups):
         raise ValueError(f"config.json: grouped routing (num_expert_group={groups}, topk_group={topk_groups}) "
                          "is not supported")
@@ -227,60 +282,71 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
     act = d.get("moe_router_activation_func", "sigmoid")
     if act != "sigmoid":
         raise ValueError(f"config.json: moe_router_activation_func={act!r} is not supported (sigmoid only)")
-    lac = d.get("linear_attn_config") or {}
-    ext = d.get("k3") or {}
-    kda_head = int(_first(lac, "head_dim", default=_first(d, "linear_head_dim", default=128)))
+    lac = _dict(d, "linear_attn_config")
+    ext = _dict(d, "k3")
+    kda_head = _int(lac, "head_dim", default=_int(d, "linear_head_dim", default=128), prefix="linear_attn_config.")
+    lb = lac.get("gate_lower_bound")
     kda = KDAConfig(
-        num_heads=int(_first(lac, "num_heads", default=_first(d, "linear_num_heads", default=32))),
+        num_heads=_int(lac, "num_heads", default=_int(d, "linear_num_heads", default=32),
+                       prefix="linear_attn_config."),
         head_dim=kda_head,
-        v_head_dim=int(ext.get("kda_v_head_dim", kda_head)),
-        conv_kernel_size=int(_first(lac, "short_conv_kernel_size", default=_first(d, "linear_conv_kernel_dim",
-                                                                                   default=4))),
-        gate_lower_bound=lac.get("gate_lower_bound"),
+        v_head_dim=_int(ext, "kda_v_head_dim", default=kda_head, prefix="k3."),
+        conv_kernel_size=_int(lac, "short_conv_kernel_size", default=_int(d, "linear_conv_kernel_dim", default=4),
+                              prefix="linear_attn_config."),
+        gate_lower_bound=None if lb is None else _float(lac, "gate_lower_bound", 0.0, "linear_attn_config."),
         full_rank_output_gate=bool(lac.get("use_full_rank_gate", False)),
-        forget_gate_rank=int(ext.get("kda_forget_gate_rank", kda_head)),
-        output_gate_rank=int(ext.get("kda_output_gate_rank", kda_head)),
-        chunk_size=int(ext.get("kda_chunk_size", 64)),
-        l2norm_eps=float(ext.get("kda_l2norm_eps", 1e-6)),
+        forget_gate_rank=_int(ext, "kda_forget_gate_rank", default=kda_head, prefix="k3."),
+        output_gate_rank=_int(ext, "kda_output_gate_rank", default=kda_head, prefix="k3."),
+        chunk_size=_int(ext, "kda_chunk_size", default=64, prefix="k3."),
+        l2norm_eps=_float(ext, "kda_l2norm_eps", 1e-6, "k3."),
     )
     use_nope = d.get("mla_use_nope", True)
     mla = MLAConfig(
-        num_heads=int(heads), q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=int(d["kv_lora_rank"]),
-        qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-        v_head_dim=int(d["v_head_dim"]), output_gate=bool(d.get("mla_use_output_gate", False)),
-        rope_theta=None if use_nope else float(d.get("rope_theta", 10000.0)),
-        norm_eps=float(ext.get("mla_norm_eps", 1e-6)),
+        num_heads=heads, q_lora_rank=_int(d, "q_lora_rank", default=None), kv_lora_rank=_int(d, "kv_lora_rank"),
+        qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+        v_head_dim=_int(d, "v_head_dim"), output_gate=bool(d.get("mla_use_output_gate", False)),
+        rope_theta=None if use_nope else _float(d, "rope_theta", 10000.0),
+        norm_eps=_float(ext, "mla_norm_eps", 1e-6, "k3."),
     )
-    latent = d.get("routed_expert_hidden_size")
+    latent = _int(d, "routed_expert_hidden_size", default=None)
     moe = MoEConfig(
-        num_experts=int(_first(d, "num_experts", "num_local_experts", "n_routed_experts")),
-        num_experts_per_token=int(_first(d, "num_experts_per_token", "num_experts_per_tok")),
-        num_shared_experts=int(_first(d, "num_shared_experts", "n_shared_experts", default=0)),
-        moe_intermediate_size=int(d["moe_intermediate_size"]),
-        latent_size=None if latent is None else int(latent),
+        num_experts=_int(d, "num_experts", "num_local_experts", "n_routed_experts"),
+        num_experts_per_token=_int(d, "num_experts_per_token", "num_experts_per_tok"),
+        num_shared_experts=_int(d, "num_shared_experts", "n_shared_experts", default=0),
+        moe_intermediate_size=_int(d, "moe_intermediate_size"),
+        latent_size=latent,
         latent_norm=bool(d.get("latent_moe_use_norm", latent is not None)),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0),
         renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
     )
-    block = d.get("attn_res_block_size")
+    block = _int(d, "attn_res_block_size", default=None)
     attn_res = AttnResConfig(mode=ext.get("attn_res_mode", "snapshot") if block else "none",
-                             block_size=int(block) if block else 1)
-    vocab = int(d["vocab_size"])
+                             block_size=block if block else 1)
+    vocab = _int(d, "vocab_size")
 
     def token(key: str) -> int | None:
+        """A special-token id: null / absent is None; otherwise an integer inside the vocabulary (a list, as
+        some configs give several eos ids, contributes its first)."""
         v = d.get(key)
-        return v if isinstance(v, int) and 0 <= v < vocab else None
+        if isinstance(v, list) and v:
+            v = v[0]
+        if v is None:
+            return None
+        _as_int(v, key)
+        if not 0 <= v < vocab:
+            raise ValueError(f"config.json: {key}={v} is outside the vocabulary (vocab_size={vocab})")
+        return v
 
     return K3Config(
-        name=str(ext.get("name", "custom")), vocab_size=vocab, hidden_size=int(d["hidden_size"]),
+        name=str(ext.get("name", "custom")), vocab_size=vocab, hidden_size=_int(d, "hidden_size"),
         num_hidden_layers=n, mla_layers=_mla_layers(d, n), first_k_dense_replace=_first_dense(d, n),
-        intermediate_size=int(d["intermediate_size"]), hidden_act=str(d.get("hidden_act", "silu")),
-        situ_beta=float(d.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(d.get("activation_situ_linear_beta", 25.0)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=int(_first(d, "max_position_embeddings", "model_max_length", default=1048576)),
-        initializer_range=float(d.get("initializer_range", 0.02)),
+        intermediate_size=_int(d, "intermediate_size"), hidden_act=str(d.get("hidden_act", "silu")),
+        situ_beta=_float(d, "activation_situ_beta", 4.0),
+        situ_linear_beta=_float(d, "activation_situ_linear_beta", 25.0),
+        rms_norm_eps=_float(d, "rms_norm_eps", 1e-5),
+        max_position_embeddings=_int(d, "max_position_embeddings", "model_max_length", default=1048576),
+        initializer_range=_float(d, "initializer_range", 0.02),
         bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), pad_token_id=token("pad_token_id"),
         kda=kda, mla=mla, moe=moe, attn_res=attn_res,
-        vision=VisionConfig(**ext["vision"]) if ext.get("vision") else release_vision,
+        vision=_vision(ext["vision"]) if ext.get("vision") else release_vision,
     )

@@ -19,6 +19,25 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def umask() -> int:
+    """The process umask (read from /proc where it can be, so it is not changed even for a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_mode(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give ``path`` the mode a plain ``open`` / ``mkdir`` would (0666 / 0777 less the umask): temp files and
+    directories are created 0600 / 0700, and a checkpoint written through them must be readable like any other."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask())
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -54,7 +73,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)
+        normal_mode(tmp, directory=True)
         fsync_tree(tmp)
         if not target.exists():
             os.rename(tmp, target)
@@ -82,7 +101,7 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        os.chmod(tmp, 0o644)
+        normal_mode(tmp)
         fsync_file(tmp)
         os.replace(tmp, target)
         fsync_file(target.parent)

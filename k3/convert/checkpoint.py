@@ -4,8 +4,8 @@ Saving is atomic (``atomic_directory``) and records a SHA-256 per weight file in
 ``quantize="mxfp4"`` packs the routed experts (compressed-tensors ``mxfp4-pack-quantized``, k3.quant.packed);
 loading dequantises them (``packed="dequantize"``) or keeps them packed for inference (``packed="keep"``).
 Loading refuses, with one clear message, a missing or malformed config, missing shards, a truncated or
-corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), non-float
-tensors, missing / unexpected tensors and shape mismatches.
+corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), non-finite
+values, shard names outside the directory, non-float tensors, missing / unexpected tensors and shape mismatches.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from k3.config import K3Config
 from k3.config.hf import from_hf_config, to_hf_config
-from k3.convert.atomic import atomic_directory
+from k3.convert.atomic import atomic_directory, normal_mode
 from k3.convert.names import from_files, to_files
 from k3.quant.packed import pack_expert_tensors, quantization_config, read_quantization, unpack_expert_tensors, \
     use_packed_experts
@@ -74,6 +74,7 @@ def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_s
                                                for i in range(len(shards))]
     for fname, shard in zip(names, shards):
         save_file(shard, directory / fname, metadata={"format": "pt"})
+        normal_mode(directory / fname)  # safetensors writes through a 0600 temp file
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {k: fname for fname, shard in zip(names, shards) for k in shard}}
@@ -81,6 +82,30 @@ def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_s
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / CHECKSUMS).write_text(json.dumps({"sha256": {f: _sha256(directory / f) for f in names}}, indent=2))
     return names
+
+
+def add_checksums(directory: str | os.PathLike, names: list[str]) -> None:
+    """Record the SHA-256 of more files of ``directory`` (e.g. a training state) in its ``k3_checksums.json``."""
+    directory = Path(directory)
+    path = directory / CHECKSUMS
+    sums = json.loads(path.read_text()) if path.is_file() else {"sha256": {}}
+    sums["sha256"].update({f: _sha256(directory / f) for f in names})
+    path.write_text(json.dumps(sums, indent=2))
+
+
+def verify_checksum(directory: str | os.PathLike, name: str) -> None:
+    """Refuse ``directory/name`` unless ``k3_checksums.json`` lists it with a matching SHA-256."""
+    directory = Path(directory)
+    path = directory / CHECKSUMS
+    try:
+        expected = json.loads(path.read_text())["sha256"][name]
+    except FileNotFoundError:
+        raise ValueError(f"{directory / name} is not covered by checksums: {path} is missing") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{directory / name} is not covered by checksums: {path} has no valid entry for it") \
+            from None
+    if _sha256(directory / name) != expected:
+        raise ValueError(f"{directory / name} is corrupted: its SHA-256 differs from {CHECKSUMS}")
 
 
 def save_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -105,15 +130,26 @@ def read_config(directory: str | os.PathLike) -> K3Config:
     return from_hf_config(raw)
 
 
+def _inside(directory: Path, fname: str) -> None:
+    """Refuse a shard name that could read a file outside the checkpoint (``..``, absolute, a link out)."""
+    root = directory.resolve()
+    if (not isinstance(fname, str) or Path(fname).is_absolute() or ".." in Path(fname).parts
+            or not (root / fname).resolve().is_relative_to(root)):
+        raise ValueError(f"{directory / INDEX} names {fname!r}, which is outside the checkpoint directory")
+
+
 def _weight_files(directory: Path) -> dict[str, str | None]:
     """file name -> None, or tensor name -> file name when sharded."""
     index = directory / INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{index} is malformed: {e}") from None
-        for fname in sorted(set(weight_map.values())):
+        for fname in files:
+            _inside(directory, fname)
+        for fname in files:
             if not (directory / fname).is_file():
                 raise FileNotFoundError(f"{directory / fname} (listed in {INDEX}) is missing")
         return weight_map
@@ -140,7 +176,11 @@ def read_tensors(directory: str | os.PathLike, verify: bool = True) -> dict[str,
                 for key in f.keys():
                     if weight_map and weight_map.get(key) != fname:
                         raise ValueError(f"{directory / fname} holds {key!r}, which {INDEX} does not map to it")
-                    tensors[key] = f.get_tensor(key)
+                    t = f.get_tensor(key)
+                    if verify and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise ValueError(f"{directory / fname}: tensor {key!r} holds non-finite values (NaN or "
+                                         "inf); the checkpoint is corrupted or was saved from a diverged run")
+                    tensors[key] = t
         except SafetensorError as e:
             raise ValueError(f"{directory / fname} is not a valid safetensors file (truncated or corrupted): {e}") \
                 from None

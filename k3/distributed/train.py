@@ -38,7 +38,7 @@ from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
 from k3.train.checkpoint import publish_checkpoint
 from k3.train.data import Batch
-from k3.train.trainer import Trainer, TrainConfig
+from k3.train.trainer import Trainer, TrainConfig, write_expert_loads
 
 log = logging.getLogger("k3.train")
 
@@ -190,8 +190,9 @@ class DistributedTrainer(Trainer):
         if self.is_main:
             plots.loss_curves(self.history, self.run_dir / "loss.png")
             plots.maxvio_curves(self.history, self.run_dir / "maxvio.png")
-            if self.recent_loads:
+            if self.recent_loads:  # this rank's loads
                 plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
+                write_expert_loads(self.recent_loads, self.run_dir / "expert_loads.json")
         self.recent_loads = {}
 
     def sample(self) -> list[tuple[str, str]]:

@@ -10,7 +10,8 @@ there is nothing to do.
         print(out.text, end="")
     ae.shutdown()
 
-``engine.add`` errors (bad parameters, a prompt too long) reach the caller as ``ValueError``; an exception in
+``engine.add`` errors (bad parameters, a prompt too long) reach the caller as ``ValueError``; a request the engine
+ended with an error of its own (``StepOutput.error``) ends with :class:`EngineError` alone; an exception in
 ``engine.step`` fails the requests in flight with :class:`EngineError` and the thread keeps serving.
 """
 
@@ -254,6 +255,9 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._live[out.request_id]
+            if out.error is not None:  # this request alone failed
+                self._deliver(req, EngineError(f"the request failed: {out.error}"))
+                continue
             if not self._deliver(req, out) and not out.finished:
                 del self._live[out.request_id]
                 self.engine.abort(out.request_id)

@@ -15,6 +15,10 @@ request that could never fit (too long for ``max_context`` or for the whole budg
 With a ``prefix_cache_bytes`` budget, prompts resume from their longest cached prefix (see prefix_cache.py), but
 for scored ones (``prompt_logprobs``), which run whole.
 
+A sequence whose own part of a step fails (non-finite probabilities, any error while sampling its token) ends
+alone with a :class:`StepOutput` carrying ``error``; the other sequences of the step go on. Only a failure of the
+forward pass itself, shared by the whole batch, fails ``step()``.
+
 Log-probabilities (``logprobs``, ``prompt_logprobs``) are the model's log-softmax, before the mask that keeps image
 tokens from being sampled, the penalties, temperature and top-k / top-p.
 """
@@ -45,7 +49,7 @@ class StepOutput:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -55,6 +59,7 @@ class StepOutput:
     stop_token: bool = False  # token_ids ends with a stop token (EOS / stop_token_ids), whose text is not returned
     # with params.prompt_logprobs, in a request's first output: None for the first prompt token, then one each
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # this request failed alone (finish_reason "error"); the others in the step go on
 
 
 @dataclass
@@ -277,29 +282,47 @@ class Engine:
         rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
         outputs = []
         for i, (seq, n, row) in enumerate(zip(batch, lengths, rows)):
-            if scored[i]:  # the pass's positions predict the prompt's next tokens
-                targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
-                if targets:
-                    start = int(cu[i])
-                    seq.prompt_logprobs += token_logprobs(logits[start:start + len(targets)], targets,
-                                                          seq.params.prompt_logprobs)
-            seq.fed += n
-            if self.prefix is not None and seq.image_features is None:
-                self._remember(seq)
-            if seq.fed < len(seq.prompt):
-                continue
-            if seq.params.max_tokens == 0:  # scored only
-                outputs.append(self._finish_scoring(seq))
-                continue
-            p = seq.params
-            seen = torch.tensor(seq.tokens, device=self.device) if p.repetition_penalty != 1.0 else None
-            penalised = p.presence_penalty != 0 or p.frequency_penalty != 0
-            generated = torch.tensor(seq.output, dtype=torch.int64, device=self.device) if penalised else None
-            token = sample_next(row, p, seq.generator, seen, generated)
-            seq.output.append(token)
-            lp = None if p.logprobs is None else token_logprobs(raw[i:i + 1], [token], p.logprobs)[0]
-            outputs.append(self._emit(seq, token, lp))
+            try:
+                out = self._advance(seq, i, n, row, raw, logits, cu, scored[i])
+            except Exception as e:  # noqa: BLE001 - this sequence's sampling failed: end it alone, keep the rest
+                log.warning("request %s failed in sampling: %s: %s", seq.request_id, type(e).__name__, e)
+                out = self._fail(seq, f"{type(e).__name__}: {e}")
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _advance(self, seq: _Sequence, i: int, n: int, row: torch.Tensor, raw: torch.Tensor, logits: torch.Tensor,
+                 cu: torch.Tensor, scored: bool) -> StepOutput | None:
+        """Take the pass's results for batch entry ``i`` (``n`` tokens fed, ``row`` its sampling logits): gather
+        prompt log-probabilities, then, once its prompt is in, sample its next token; its output or None."""
+        if scored:  # the pass's positions predict the prompt's next tokens
+            targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
+            if targets:
+                start = int(cu[i])
+                seq.prompt_logprobs += token_logprobs(logits[start:start + len(targets)], targets,
+                                                      seq.params.prompt_logprobs)
+        seq.fed += n
+        if self.prefix is not None and seq.image_features is None:
+            self._remember(seq)
+        if seq.fed < len(seq.prompt):
+            return None
+        if seq.params.max_tokens == 0:  # scored only
+            return self._finish_scoring(seq)
+        p = seq.params
+        seen = torch.tensor(seq.tokens, device=self.device) if p.repetition_penalty != 1.0 else None
+        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0
+        generated = torch.tensor(seq.output, dtype=torch.int64, device=self.device) if penalised else None
+        token = sample_next(row, p, seq.generator, seen, generated)
+        seq.output.append(token)
+        lp = None if p.logprobs is None else token_logprobs(raw[i:i + 1], [token], p.logprobs)[0]
+        return self._emit(seq, token, lp)
+
+    def _fail(self, seq: _Sequence, error: str) -> StepOutput:
+        """End one sequence whose step failed: its slot is freed, its output carries ``error``."""
+        if seq in self.running:
+            self._release(seq)
+        return StepOutput(seq.request_id, [], "", True, "error", len(seq.prompt), len(seq.output), seq.cached_tokens,
+                          error=error)
 
     def _image_rows(self, batch: list[_Sequence], pieces: list[list[int]]) -> torch.Tensor | None:
         """The image-feature rows of this pass's prefill pieces, in packing order (None without images)."""
@@ -394,7 +417,8 @@ class Engine:
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Run requests to completion; returns per prompt {token_ids, text, finish_reason, cached_tokens} and, for
-        requests with ``logprobs`` / ``prompt_logprobs``, their TokenLogprobs under those keys."""
+        requests with ``logprobs`` / ``prompt_logprobs``, their TokenLogprobs under those keys (``error`` for one
+        that failed)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add(p, sp) for p, sp in zip(prompts, plist)]
         done: dict[str, dict] = {i: {"token_ids": [], "text": "", "finish_reason": None} for i in ids}
@@ -409,6 +433,8 @@ class Engine:
                     d["prompt_logprobs"] = out.prompt_logprobs
                 if out.finished:
                     d.update(finish_reason=out.finish_reason, cached_tokens=out.cached_tokens)
+                if out.error is not None:
+                    d["error"] = out.error
         return [done[i] for i in ids]
 
     def stats(self) -> dict:

@@ -3,15 +3,26 @@ the log-probabilities a request may ask for."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's chat limit)
+# The smallest temperature and repetition penalty above 0: both divide fp32 logits, and a divisor of 1e-2 keeps
+# |logit| / divisor <= 100 |logit|, finite for any logit a model produces (fp32 overflows at 3.4e38, so 1e-40, a
+# denormal, turns logit 10 into inf and softmax into NaN). Below 0.01 sampling is greedy in all but name (vLLM
+# raises smaller temperatures to the same 0.01 for the same reason).
+MIN_DIVISOR = 1e-2
+
+
+class SamplingError(ValueError):
+    """An out-of-range sampling parameter; ``param`` names it (the server's error body carries it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class TokenLogprob(NamedTuple):
@@ -57,21 +68,21 @@ class SamplingParams:
     def validate(self) -> None:
         """One ValueError naming the field for any out-of-range value."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+            raise SamplingError(name, f"{name}={getattr(self, name)!r} {why}")
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or \
                 self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             bad("max_tokens", "must be an integer >= 1 (0 only to score a prompt, with prompt_logprobs)")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
-                not math.isfinite(self.temperature) or not 0 <= self.temperature <= 100:
-            bad("temperature", "must be in [0, 100]")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or MIN_DIVISOR <= t <= 100):
+            bad("temperature", f"must be 0 (greedy) or in [{MIN_DIVISOR}, 100]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
-                not 0 < self.repetition_penalty <= 10:
-            bad("repetition_penalty", "must be in (0, 10]")
+                not MIN_DIVISOR <= self.repetition_penalty <= 10:
+            bad("repetition_penalty", f"must be in [{MIN_DIVISOR}, 10]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
@@ -139,4 +150,6 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
         drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
+    if not bool(torch.isfinite(probs).all()):  # NaN logits: multinomial would fail (or assert on a GPU)
+        raise ValueError("the next-token probabilities are not finite (NaN or inf logits)")
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -20,6 +20,15 @@ decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offse
 with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too (null for the
 first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for log-likelihoods). A
 scored prompt runs whole (the prefix cache is not used for it).
+
+Hostile or careless requests cost bounded work: a body over ``max_request_bytes`` answers 413 (checked from
+Content-Length and counted as a chunked body arrives); a text prompt longer than the context could hold in
+characters answers 400 before it is tokenised; tokenising runs off the event loop; echoed prompt log-probabilities
+are capped (MAX_PROMPT_LOGPROB_ENTRIES); text with an unpaired UTF-16 surrogate answers 400; a non-streamed request
+whose client disconnects is aborted; a failure in one request's sampling fails that request only; an unexpected
+error answers 500 without closing the keep-alive connection. Once ``AsyncEngine.shutdown`` begins (``k3 serve``
+starts it on SIGTERM), new requests answer 503 and requests still running at the drain deadline end with an error
+(an SSE ``error`` event then ``[DONE]``, or a 503).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
@@ -44,12 +55,17 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.chat import IMAGE_SLOT, render_chat
-from k3.infer.sampling import MAX_LOGPROBS, SamplingParams
+from k3.infer.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
 from k3.train.tokenizer import Tokenizer
 
 log = logging.getLogger("k3.serve")
 MAX_STOP = 4
 MAX_N = 16
+MAX_REQUEST_BYTES = 16 << 20  # default body limit: room for a ~10 MiB image as base64, far more than any prompt
+# Echoed prompt log-probabilities: (prompt tokens x choices) x (logprobs + 1) entries at most. Each renders as a
+# token text and a float (~25 bytes of JSON), so 2**18 keeps a response near 6 MB; scoring a whole 8192-token
+# context with logprobs=20 (172k entries) fits.
+MAX_PROMPT_LOGPROB_ENTRIES = 2**18
 
 
 class APIError(Exception):
@@ -64,6 +80,89 @@ class APIError(Exception):
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+class _Guard:
+    """ASGI middleware around the app's routes: refuses a body over ``max_bytes`` with 413 (Content-Length is
+    checked before reading, a chunked body is counted as it arrives, so at most ``max_bytes`` are ever buffered),
+    and turns an exception that escaped every handler into a 500 error body. It does not re-raise, as Starlette's
+    own last-resort handler does, because uvicorn closes a keep-alive connection whose app raised."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            replay = await self._read_body(scope, receive, tracked)
+            if replay is not None:
+                await self.app(scope, replay, tracked)
+        except Exception as exc:  # noqa: BLE001 - any bug: a 500 with a message; the server keeps serving
+            log.error("internal error on %s %s: %r", scope.get("method"), scope.get("path"), exc)
+            if not started:  # (backslashreplace: an exception's text may hold a lone surrogate JSON cannot encode)
+                message = f"internal error: {type(exc).__name__}: {exc}".encode("utf-8", "backslashreplace").decode()
+                await error_response(500, message, kind="server_error")(scope, receive, send)
+            else:  # a streamed response failed midway: end its body so the connection stays usable
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _read_body(self, scope, receive, send):
+        """The whole body within the limit, as a receive callable replaying it (then the client's own, which
+        reports a disconnect); None once a 413 went out or the client left."""
+        too_large = error_response(413, f"the request body is larger than this server's limit of {self.max_bytes} "
+                                        "bytes (k3 serve --max-request-mb)", code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await too_large(scope, receive, send)
+                return None
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+
+def _bad_text(value, path: str = "") -> str | None:
+    """The path (``messages.0.content``) of the first string in a parsed JSON value that is not valid Unicode (an
+    unpaired UTF-16 surrogate, which JSON's ``\\ud800`` escape can carry); None if every string is valid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(item, (str, list, dict)):
+            found = _bad_text(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -200,11 +299,22 @@ def _private_copy(tokenizer: Tokenizer) -> Tokenizer:
     return Tokenizer(HFTokenizer.from_str(tokenizer.hf.to_str()), tokenizer.eos_token, tokenizer.bos_token)
 
 
+def _max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most characters of text one token can stand for: its vocabulary entry's length (a byte-level token's
+    entry has one character per byte, and a character is at least one byte). A text of more than
+    ``context x this`` characters needs more than ``context`` tokens, so it is refused without tokenising."""
+    return max(1, max(len(piece) for piece in tokenizer.hf.get_vocab(with_added_tokens=True)))
+
+
 def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_context: int,
-               drain_timeout: float = 30.0) -> FastAPI:
+               drain_timeout: float = 30.0, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``async_engine`` (unless started) and shuts it down gracefully
-    (requests in flight get up to ``drain_timeout`` seconds)."""
+    (requests in flight get up to ``drain_timeout`` seconds). Bodies over ``max_request_bytes`` answer 413."""
     tok = _private_copy(tokenizer)
+    max_chars = max_context * _max_token_chars(tok)
+    # one thread: tokenising stays off the event loop, and calls never overlap (Tokenizer.encode sets a flag on
+    # the shared HF tokenizer before each call)
+    tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-tokenize")
     created = int(time.time())
     engine = async_engine.engine
     image_token_id = None if engine.vision is None else engine.vision.media_placeholder_token_id
@@ -215,8 +325,14 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
             async_engine.start()
         yield
         await asyncio.to_thread(async_engine.shutdown, drain_timeout)
+        tok_pool.shutdown(wait=False)
 
     app = FastAPI(title="k3", lifespan=lifespan)
+    app.add_middleware(_Guard, max_bytes=max_request_bytes)
+
+    async def off_loop(fn, *args, **kwargs):
+        """fn(*args, **kwargs) in the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(tok_pool, lambda: fn(*args, **kwargs))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -260,10 +376,20 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         return model_card()
 
     def check(req: _Request) -> None:
+        bad = _bad_text({name: getattr(req, name) for name in type(req).model_fields})
+        if bad is not None:
+            raise APIError(400, f"{bad}: the text is not valid Unicode (it holds an unpaired UTF-16 surrogate such "
+                                "as \\ud800)", bad, "invalid_text")
         if req.model != model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            "model", "model_not_found", "not_found_error")
         req.refuse_unsupported()
+
+    def check_chars(chars: int, param: str) -> None:
+        """A text of ``chars`` characters cannot fit the context: 400 without tokenising it (_max_token_chars)."""
+        if chars > max_chars:
+            raise APIError(400, f"the {param} is {chars} characters, more than this model's context of {max_context} "
+                                "tokens can hold", param, "context_length_exceeded")
 
     def sampling(req: _Request, prompt_len: int, max_tokens: int | None, default_max: int, stop: list[str],
                  stop_ids: list[int], logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -275,11 +401,16 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         elif prompt_len + max_tokens > max_context:
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                            f"context of {max_context} tokens", "max_tokens", "context_length_exceeded")
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                              frequency_penalty=req.frequency_penalty, seed=req.seed,
-                              stop=list(req.stop or []) + stop, stop_token_ids=stop_ids, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+                                top_p=req.top_p, repetition_penalty=req.repetition_penalty,
+                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                seed=req.seed, stop=list(req.stop or []) + stop, stop_token_ids=stop_ids,
+                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        try:  # the sampler's own ranges (what it can compute), with its message: `k3 generate` prints the same
+            params.validate()
+        except SamplingError as e:
+            raise APIError(400, str(e), e.param) from None
+        return params
 
     def copies(params: SamplingParams, n: int) -> list[SamplingParams]:
         """The params of n choices: choice j seeded seed + j, so a seeded request stays reproducible."""
@@ -326,9 +457,34 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                 lps += token_lps(out, text_only)
                 prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
                 last = out
-        except (EngineError, EngineClosed) as e:
+        except EngineClosed as e:
+            raise APIError(503, str(e), kind="server_error") from None
+        except EngineError as e:
             raise APIError(500, str(e), kind="server_error") from None
         return "".join(text), last, lps, prompt_lps
+
+    async def until_disconnected(request: Request) -> None:
+        """Returns once the client has gone (after the body, the ASGI receive channel only reports that)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def collect_all(request: Request, streams: list, text_only: bool = False) -> list:
+        """collect() of every stream; if the client disconnects first, the requests are aborted (their slots
+        freed at once) rather than run to the end for nobody."""
+        work = asyncio.gather(*(collect(s, text_only) for s in streams))
+        # a gather cancelled below ends with an exception nobody awaits: mark it seen (asyncio would log it)
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())
+        gone = asyncio.ensure_future(until_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            raise APIError(400, "the client disconnected before the response", code="client_disconnected")
+        finally:
+            gone.cancel()
+            work.cancel()
+            for s in streams:
+                await s.aclose()
 
     def piece(token_id: int) -> str:
         return tok.decode([token_id])
@@ -383,7 +539,7 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check(req)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
@@ -392,11 +548,20 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         scored = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
         jobs, prompt_tokens = [], 0  # (prompt as given, its ids, params) per choice, checked before any is submitted
         for p in req.prompt:
-            ids = p if isinstance(p, list) else tok.encode(p)
+            if isinstance(p, str):
+                check_chars(len(p), "prompt")
+        for p in req.prompt:
+            ids = p if isinstance(p, list) else await off_loop(tok.encode, p)
             params = sampling(req, len(ids), req.max_tokens, 16, [], [], req.logprobs,
                               (req.logprobs or 0) if scored else None)
             jobs += [(p, ids, params_j) for params_j in copies(params, req.n)]
             prompt_tokens += len(ids)  # once per prompt, whatever n
+        entries = sum(len(ids) for _, ids, _ in jobs) * ((req.logprobs or 0) + 1) if scored else 0
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise APIError(400, f"echo with logprobs={req.logprobs or 0} over these prompts would return {entries} "
+                                f"prompt log-probability entries (prompt tokens x choices x (logprobs + 1)); the limit "
+                                f"is {MAX_PROMPT_LOGPROB_ENTRIES}: send fewer or shorter prompts or a smaller logprobs",
+                           "logprobs", "response_too_large")
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await start_all([(ids, params, None) for _, ids, params in jobs], rid)
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -425,14 +590,14 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
             include = bool(req.stream_options and req.stream_options.include_usage)
             chunk = chunker(0, *jobs[0][:2])
             return StreamingResponse(stream_events(streams[0], [], chunk, include), media_type="text/event-stream")
-        results = await asyncio.gather(*(collect(s) for s in streams))
+        results = await collect_all(request, streams)
         choices = [chunker(i, p, ids)(text, last.finish_reason, lps, prompt_lps)["choices"][0]
                    for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))]
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
         return {**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
+    async def chat_completions(req: ChatRequest, request: Request):
         check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -440,8 +605,9 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
         messages = [_message_content(i, m, images) for i, m in enumerate(req.messages)]
         if images and image_token_id is None:
             raise APIError(400, f"model {model_name!r} takes no images (no vision tower)", "messages")
+        check_chars(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), "messages")
         try:
-            rendered = render_chat(messages, tok, image_token_id=image_token_id if images else None)
+            rendered = await off_loop(render_chat, messages, tok, image_token_id=image_token_id if images else None)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         try:  # expand the image placeholders first: the context check counts every image token
@@ -470,17 +636,12 @@ def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str,
                                   "finish_reason": None}]}
             return StreamingResponse(stream_events(streams[0], [first], chunk, include, text_only=True),
                                      media_type="text/event-stream")
-        results = await asyncio.gather(*(collect(s, text_only=True) for s in streams))
+        results = await collect_all(request, streams, text_only=True)
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
         return {**base, "object": "chat.completion",
                 "choices": [{"index": j, "message": {"role": "assistant", "content": text},
                              "logprobs": chat_logprobs(lps) if req.logprobs else None,
                              "finish_reason": last.finish_reason} for j, (text, last, lps, _) in enumerate(results)],
                 "usage": usage(len(prompt), completion_tokens)}
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):  # any bug: 500 with a message; the server keeps serving
-        log.error("internal error on %s %s: %r", request.method, request.url.path, exc)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
     return app

@@ -3,14 +3,20 @@
     RUN/checkpoints/step-000040/   config.json, model*.safetensors, k3_checksums.json (HF layout, router
                                    biases included as buffers), tokenizer.json, trainer_state.pt
     RUN/checkpoints/latest         the name of the newest complete step directory
+    RUN/.lock                      held (``flock``) by the process training in RUN; holds its pid
 
 Each step directory is written with ``atomic_directory`` and the pointer is replaced atomically after it,
 so an interruption at any point leaves the previous checkpoint loadable and ``latest`` naming it.
+``trainer_state.pt`` holds tensors and plain data only (read with ``torch.load(weights_only=True)``, so a run
+directory from elsewhere cannot run code) and is covered by ``k3_checksums.json`` like the weights.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -20,14 +26,23 @@ import numpy as np
 import torch
 
 from k3.convert.atomic import atomic_directory, atomic_write_text
-from k3.convert.checkpoint import write_pretrained
+from k3.convert.checkpoint import add_checksums, verify_checksum, write_pretrained
+
+log = logging.getLogger("k3.train")
 
 STATE_FILE = "trainer_state.pt"
+LOCK_FILE = ".lock"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STRAY = re.compile(r"^\.(step-\d+|latest)\.(tmp|old)-")
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """The RNG states as tensors and plain types (numpy's key array as an int64 tensor), so they load with
+    ``weights_only=True``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,10 +50,79 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    """``ckpt/trainer_state.pt`` after its checksum is verified, read as tensors and plain data only."""
+    path = Path(ckpt) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {ckpt} is not a training checkpoint")
+    verify_checksum(ckpt, STATE_FILE)
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} holds more than tensors and plain data, refused: {first}") from None
+
+
+class RunLock:
+    """An exclusive ``flock`` on RUN/.lock, so two processes never train into one run directory at once. The
+    file holds the holder's pid for the error message; the lock goes with the process (a kill releases it)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.file = None
+
+    @property
+    def held(self) -> bool:
+        return self.file is not None
+
+    def acquire(self) -> None:
+        if self.file is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise ValueError(f"{self.path.parent} is in use by another k3 train (pid {holder}); wait for it to "
+                             "finish or stop it, or pass another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self.file = f
+
+    def release(self) -> None:
+        if self.file is not None:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+            self.file = None
+
+
+def clean_stray(run_dir: Path) -> list[Path]:
+    """Remove what an interrupted checkpoint write leaves in RUN/checkpoints (``.step-N.tmp-*`` directories,
+    ``.latest.tmp-*`` files); call it holding the run lock, so no write in progress is removed."""
+    root = Path(run_dir) / "checkpoints"
+    removed = [p for p in root.iterdir() if _STRAY.match(p.name)] if root.is_dir() else []
+    for p in removed:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    if removed:
+        log.warning("removed %d leftover(s) of an interrupted checkpoint write: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 3) -> Path:
@@ -49,6 +133,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         write_pretrained(model, tmp)
         tokenizer.save(tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
+        add_checksums(tmp, [STATE_FILE])
     return publish_checkpoint(target, keep)
 
 

@@ -7,10 +7,17 @@ one big batch) + the balancer's auxiliary loss -> skip the step if the loss is n
 default), applied from the next step -> optional QK-Clip of the MLA layers -> metrics.jsonl. With ``qat`` the
 routed experts are fake-quantised (k3.quant.qat) and the optimiser updates the high-precision masters.
 
-The run directory holds ``train_config.json``, ``metrics.jsonl``, ``tokenizer.json``, the plots and
-``checkpoints/`` (see :mod:`k3.train.checkpoint`). ``resume`` continues bitwise-identically: weights, router
+Divergence: a step whose loss, auxiliary loss, gradient norm or router scores are not finite is skipped. A
+fused finiteness check of the weights after each update rides along the next step's one host transfer (or is
+read before a save); non-finite weights are replaced by the last verified-finite state (weights, buffers and
+optimizer state, kept in host memory: taken at the start and after every save, so it costs one copy of them in
+RAM and no device memory) and the steps since it are lost. ``max_bad_steps`` bad steps in a row stop the run
+with a finite checkpoint; a non-finite one is never saved.
+
+The run directory holds ``train_config.json``, ``metrics.jsonl``, ``tokenizer.json``, the plots, ``.lock``
+and ``checkpoints/`` (see :mod:`k3.train.checkpoint`). ``resume`` continues bitwise-identically: weights, router
 biases, optimizer state, RNG states and the data position are restored, and the schedule is a function of
-the step.
+the step and ``schedule_steps``.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from k3.quant.mx import MODES as MX_MODES
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train import plots
-from k3.train.checkpoint import STATE_FILE, latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from k3.convert.atomic import atomic_write_text
+from k3.train.checkpoint import RunLock, clean_stray, latest_checkpoint, load_trainer_state, rng_state, \
+    save_checkpoint, set_rng_state
 from k3.train.data import IGNORE_INDEX, PackedDataset, load_corpus
 from k3.train.optim import K3Muon, clip_grad_norm, cosine_schedule, describe_groups, mla_max_logits, \
     param_groups_for, qk_clip_
@@ -52,8 +61,13 @@ TASKS = ("text", "vision")
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many non-finite losses in a row."""
+    """Too many bad steps (non-finite loss, gradients or weights) in a row."""
 
+
+# fields a resume may change: where and how often it reports and saves, the device, the step count (the schedule
+# keeps its recorded length, ``schedule_steps``), and the tokenizer (a resumed run reads its checkpoint's)
+RESUME_MAY_CHANGE = ("out", "device", "steps", "schedule_steps", "save_every", "eval_every", "samples",
+                     "keep_checkpoints", "tokenizer")
 
 @dataclass
 class TrainConfig:
@@ -66,6 +80,7 @@ class TrainConfig:
     tokenizer_train_bytes: int = 4_000_000  # BPE training text budget (from the training split)
     max_tokens: int | None = 3_000_000  # cap on the tokenised training stream
     steps: int = 120
+    schedule_steps: int | None = None  # the cosine schedule's length (None: steps); a resume that extends keeps it
     batch_size: int = 8
     grad_accum: int = 1
     seq_len: int = 256
@@ -92,8 +107,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "vocab_size", "eval_every", "eval_rows",
-                     "max_bad_steps"):
+                     "max_bad_steps", "schedule_steps"):
             v = getattr(self, name)
+            if name == "schedule_steps" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
         if not self.lr > 0 or not math.isfinite(self.lr):
@@ -125,6 +142,13 @@ def _load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_tiktoken(p)
 
 
+
+def write_expert_loads(loads: dict[int, torch.Tensor], path: Path) -> None:
+    """Each MoE layer's token-slots per expert since the previous write (this process's tokens), as JSON
+    ``{"layers": {layer: [counts...]}}``: what ``k3 plan --loads RUN_DIR`` reads."""
+    layers = {str(layer): [int(x) for x in torch.as_tensor(t).tolist()] for layer, t in sorted(loads.items())}
+    atomic_write_text(path, json.dumps({"layers": layers}))
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False, progress: bool = True):
         cfg.validate()
@@ -133,6 +157,18 @@ class Trainer:
         self.run_dir = Path(cfg.out)
         self.device = _device(cfg.device)
         self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.lock = RunLock(self.run_dir)
+        if self.is_main:  # one holder per run (the ranks of one run share it)
+            self.lock.acquire()
+        try:
+            self._setup(cfg, resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _setup(self, cfg: TrainConfig, resume: bool) -> None:
+        if self.is_main:
+            clean_stray(self.run_dir)
         ckpt = latest_checkpoint(self.run_dir) if resume else None
         if resume and ckpt is None:
             raise FileNotFoundError(f"--resume: {self.run_dir} has no checkpoint to resume from")
@@ -168,20 +204,24 @@ class Trainer:
         self.bad_steps = 0
         self.history: list[dict] = []
         self.recent_loads: dict[int, torch.Tensor] = {}
+        self._weights_check: torch.Tensor | None = None  # non-finite weight count after the last update
         if self.resume_from is not None:
             state = self.load_state(self.resume_from)
+            check_resume_config(cfg, state.get("train_config") or {}, self.data_ranks(), state.get("data_ranks"))
             self.train_data.load_state_dict(state["data"])
             if state.get("rng") is not None:
                 set_rng_state(state["rng"])
             self.step = state["step"]
+            if self.step >= cfg.steps:
+                raise ValueError(f"--resume: the run is already at step {self.step}; pass a larger --steps to "
+                                 "extend it")
             if self.is_main:  # the one writer of metrics.jsonl (other ranks would race its rewrite)
-                self.history = [json.loads(line) for line in self.metrics_path.read_text().splitlines()
-                                if line.strip()]
-                self.history = [h for h in self.history if h["step"] < self.step]
-                self.metrics_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+                self.history = [h for h in read_metrics(self.metrics_path) if h["step"] < self.step]
+                atomic_write_text(self.metrics_path, "".join(json.dumps(h) + "\n" for h in self.history))
             log.info("resumed %s at step %d", self.resume_from, self.step)
-        elif self.is_main:
-            (self.run_dir / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        if self.is_main:
+            atomic_write_text(self.run_dir / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        self.snapshot()
         n = sum(p.numel() for p in self.model.parameters())
         log.info("model %s: %.2fM parameters on %s, autocast %s", self.model_cfg.name, n / 1e6, self.device.type,
                  "bf16" if self.device.type == "cuda" else "off (fp32)")
@@ -201,9 +241,83 @@ class Trainer:
 
     def load_state(self, ckpt) -> dict:
         """Optimizer state loaded from ``ckpt``; returns the trainer state (step, data, rng)."""
-        state = torch.load(ckpt / STATE_FILE, weights_only=False)
+        state = load_trainer_state(ckpt)
         self.optimizer.load_state_dict(state["optimizer"])
         return state
+
+    # ------------------------------------------------------------------ the last verified-finite state
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The floating tensors a divergence can poison, as this process's local pieces: weights, buffers (router
+        biases) and optimizer state, in a fixed order."""
+        out = [p for p in self.model.parameters()] + [b for b in self.model.buffers() if b.is_floating_point()]
+        for p in self.model.parameters():
+            out += [v for v in self.optimizer.state.get(p, {}).values()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        return [_local(t) for t in out]
+
+    @torch.no_grad()
+    def nonfinite_count(self) -> torch.Tensor:
+        """How many of the weights / buffers / optimizer-state tensors hold a NaN or inf, summed over processes: a
+        device tensor, no host sync (one fused max-abs per tensor list; NaN and inf both make it non-finite)."""
+        tensors = [t for t in self._state_tensors() if t.numel()]
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        if tensors:
+            norms = torch._foreach_norm(tensors, float("inf"))
+            count = count + (~torch.isfinite(torch.stack([n.float() for n in norms]))).sum().double()
+        return self.all_sum(count)
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """Keep the current (finite) state in host memory, to come back to if an update makes it non-finite."""
+        params = list(self.model.parameters())
+        self._snap_params = [_local(t).to("cpu", copy=True) for t in params]
+        self._snap_buffers = [_local(b).to("cpu", copy=True) for b in self.model.buffers()]
+        self._snap_optim = {i: {k: (_local(v).to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                                for k, v in self.optimizer.state[p].items()}
+                            for i, p in enumerate(params) if p in self.optimizer.state}
+        self.snapshot_step = self.step
+
+    @torch.no_grad()
+    def restore_snapshot(self) -> None:
+        """Put back the state :meth:`snapshot` kept (in place: the optimizer keeps its parameters)."""
+        params = list(self.model.parameters())
+        for t, saved in zip(params, self._snap_params):
+            _local(t).copy_(saved)
+        for b, saved in zip(self.model.buffers(), self._snap_buffers):
+            _local(b).copy_(saved)
+        for i, p in enumerate(params):
+            saved = self._snap_optim.get(i)
+            if saved is None:
+                self.optimizer.state.pop(p, None)
+                continue
+            state = self.optimizer.state[p]
+            for k, v in saved.items():
+                if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
+                    _local(state[k]).copy_(v)
+                else:
+                    state[k] = v.to(_local(p).device) if isinstance(v, torch.Tensor) else v
+        self._weights_check = None
+
+    def _roll_back(self, record: dict | None) -> None:
+        self.restore_snapshot()
+        self.bad_steps += 1
+        log.warning("step %d: the weights became non-finite; restored those of step %d (%d bad in a row)",
+                    self.step, self.snapshot_step, self.bad_steps)
+        if record is not None:
+            record.update(skipped="non-finite weights", restored_step=self.snapshot_step)
+
+    def verify_weights(self) -> bool:
+        """Read the weight check of the last update (or check now); roll back if non-finite. True: they were
+        finite."""
+        verifies_update = self._weights_check is not None
+        pending = self._weights_check if verifies_update else self.nonfinite_count()
+        self._weights_check = None
+        if pending.item() > 0:
+            self._roll_back(None)
+            return False
+        if verifies_update:
+            self.bad_steps = 0
+        return True
 
     def next_batches(self) -> list:
         """This process's micro-batches of the step."""
@@ -319,7 +433,7 @@ class Trainer:
         process's one host sync outside the model; the update is then queued without waiting for the device."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        lr = cfg.lr * cosine_schedule(self.step, cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
+        lr = cfg.lr * cosine_schedule(self.step, cfg.schedule_steps or cfg.steps, cfg.warmup_frac, cfg.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         batches = self.next_batches()
@@ -338,7 +452,10 @@ class Trainer:
             for b in batches:
                 loss_sum, _, out = self._forward_loss(b)
                 cu = offsets_to(b.cu_seqlens, self.device)
-                aux = self.balancer.observe(out.router_stats, cu) / (cfg.grad_accum * self.data_ranks())
+                # NaN scores (a diverging step) would index QB's histogram out of range; such a step is skipped
+                # below and its balancer statistics dropped, and finite scores pass unchanged
+                safe = [dataclasses.replace(s, scores=torch.nan_to_num(s.scores, nan=0.0)) for s in out.router_stats]
+                aux = self.balancer.observe(safe, cu) / (cfg.grad_accum * self.data_ranks())
                 (loss_sum / valid + aux).backward()
                 total = total + loss_sum.detach().double()
                 aux_total = aux_total + aux.detach().double()
@@ -357,6 +474,10 @@ class Trainer:
         grad_norm = self.clip()
         layers, rows = balance_metric_rows(stats_all, reduce_fn=self.reduce_fn())  # global batch over ranks
         wanted = {"sums": torch.stack([total, aux_total]), "grad_norm": grad_norm}
+        if stats_all:
+            wanted["scores_finite"] = torch.stack([torch.isfinite(s.scores).all() for s in stats_all]).all()
+        if self._weights_check is not None:  # the previous update's weight check, read with this step's numbers
+            wanted["weights_bad"] = self._weights_check
         if layers:
             wanted["metrics"] = rows
         if local_vio:
@@ -369,14 +490,24 @@ class Trainer:
         loss = total / valid
         record = {"step": self.step, "loss": loss, "lr": lr, "tokens": (self.step + 1) * cfg.batch_size *
                   cfg.grad_accum * cfg.seq_len}
-        if not math.isfinite(loss) or not math.isfinite(aux_total):
+        weights_bad = "weights_bad" in host and host["weights_bad"].item() > 0
+        self._weights_check = None
+        if "weights_bad" in host and not weights_bad:  # the previous update is verified finite
+            self.bad_steps = 0
+        finite = (math.isfinite(loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
+                  and bool(host.get("scores_finite", True)))
+        if weights_bad or not finite:
             self.optimizer.zero_grad(set_to_none=True)
             self.balancer.reset()
-            self.bad_steps += 1
-            record.update(skipped=True, loss=str(loss))
-            log.warning("step %d: non-finite loss %s, step skipped (%d in a row)", self.step, loss, self.bad_steps)
+            if weights_bad:  # the previous update made them non-finite; this step ran on them
+                self._roll_back(record)
+            else:
+                self.bad_steps += 1
+                record.update(skipped=True)
+                log.warning("step %d: non-finite loss %s or gradient norm %s, step skipped (%d in a row)",
+                            self.step, loss, grad_norm, self.bad_steps)
+            record.update(loss=str(loss))
         else:
-            self.bad_steps = 0
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.balancer.step(self.bias_buffers, reduce_fn=self.reduce_fn())
@@ -392,6 +523,7 @@ class Trainer:
             if local_vio:  # means over micro-batches and MoE layers, this rank's
                 micro, seq = host["local_vio"].double().mean(dim=0).tolist()
                 record.update(maxvio_micro=micro, maxvio_seq=seq)
+            self._weights_check = self.nonfinite_count()  # queued on the device, read with the next step
         dt = time.perf_counter() - t0
         record.update(step_time=dt, tokens_per_s=cfg.batch_size * cfg.grad_accum * cfg.seq_len / dt)
         return record
@@ -440,12 +572,17 @@ class Trainer:
                 "rng": rng_state(), "scheduler": {"kind": "cosine", "total_steps": self.cfg.steps,
                                                   "warmup_frac": self.cfg.warmup_frac,
                                                   "min_ratio": self.cfg.min_lr_ratio},
-                "train_config": dataclasses.asdict(self.cfg)}
+                "train_config": dataclasses.asdict(self.cfg), "data_ranks": self.data_ranks()}
 
     def save(self) -> Path:
+        """Checkpoint the current step, with finite weights only: a pending or fresh weight check is read first
+        (non-finite: the last finite state is restored and saved); afterwards that state is the new snapshot."""
+        if not self.verify_weights() and self.nonfinite_count().item() > 0:
+            raise TrainingDiverged("the weights are not finite and no finite state is kept; nothing was saved")
         path = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.trainer_state(),
                                keep=self.cfg.keep_checkpoints)
         log.info("saved %s", path)
+        self.snapshot()
         return path
 
     def write_plots(self) -> None:
@@ -453,6 +590,7 @@ class Trainer:
         plots.maxvio_curves(self.history, self.run_dir / "maxvio.png")
         if self.recent_loads:
             plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
+            write_expert_loads(self.recent_loads, self.run_dir / "expert_loads.json")
         if self.model_cfg.attn_res.mode != "none":
             b = self.val_data.rows_batch([0])
             self.model.eval()
@@ -484,6 +622,14 @@ class Trainer:
     def run(self, stop_at: int | None = None) -> dict:
         """Train to ``cfg.steps`` (or stop after step ``stop_at`` without the final save, as an interruption
         would), then save, plot and return {"checkpoint", "history"}."""
+        if self.is_main:
+            self.lock.acquire()  # released when a run ends, so the same process may resume in a new Trainer
+        try:
+            return self._run(stop_at)
+        finally:
+            self.lock.release()
+
+    def _run(self, stop_at: int | None) -> dict:
         cfg = self.cfg
         self.model.train()
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.is_main), desc="train",
@@ -509,8 +655,9 @@ class Trainer:
                 self.step += 1
                 if self.bad_steps >= cfg.max_bad_steps:
                     path = self.save()
-                    raise TrainingDiverged(f"{self.bad_steps} non-finite losses in a row at step {self.step - 1}; "
-                                           f"stopped. The weights are those of the last good step: {path}")
+                    raise TrainingDiverged(f"{self.bad_steps} bad steps in a row (non-finite loss, gradients or "
+                                           f"weights) at step {self.step - 1}; stopped. The checkpoint holds the "
+                                           f"last finite weights: {path}")
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.save()
                     self.write_plots()
@@ -518,6 +665,45 @@ class Trainer:
         path = self.save()
         self.write_plots()
         return {"checkpoint": str(path), "history": self.history}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's piece of a (possibly distributed) tensor; itself for a plain tensor."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def check_resume_config(cfg: TrainConfig, recorded: dict, data_ranks: int = 1,
+                        recorded_ranks: int | None = None) -> None:
+    """Refuse (one ValueError naming the flags) a resume whose settings differ from the checkpoint's recorded ones,
+    except those in ``RESUME_MAY_CHANGE``. A per-rank ``batch_size`` may change with the number of data ranks when
+    the global batch stays the same (a distributed run resumed on fewer or more GPUs)."""
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    differ = [k for k, v in recorded.items() if k in now and k not in RESUME_MAY_CHANGE and now[k] != v]
+    if "batch_size" in differ and recorded_ranks and cfg.batch_size * data_ranks == \
+            recorded["batch_size"] * recorded_ranks:
+        differ.remove("batch_size")
+    if differ:
+        raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')}={now[k]!r} (recorded {recorded[k]!r})"
+                                                  for k in differ) +
+                         " differ from the run's recorded settings; drop them to resume, or start a new --out")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of metrics.jsonl; a partial last line (a kill mid-write) is dropped with a warning, a bad line
+    elsewhere is an error."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                log.warning("%s: ignored a partial last line (an interrupted write): %r", path, line[:80])
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON; the metrics file is damaged") from None
+    return out
 
 
 def to_host(tensors: dict, device: torch.device) -> dict:

@@ -122,3 +122,46 @@ def test_release_kimi_k3_config_gives_k3_tower_and_media_ids():
     assert from_hf_config({**release, "vision_config": {**vision_config, "vt_num_hidden_layers": 3}}).vision \
         .num_layers == 3
     assert from_hf_config(text).vision is None
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("hidden_size", None, "hidden_size is missing or null"),
+    ("vocab_size", "DELETE", "vocab_size is missing or null"),
+    ("num_attention_heads", None, "num_attention_heads is missing or null"),
+    ("hidden_size", 64.9, "hidden_size=64.9 must be an integer"),
+    ("num_hidden_layers", 5.0, "num_hidden_layers=5.0 must be an integer"),
+    ("kv_lora_rank", True, "kv_lora_rank=True must be an integer"),
+    ("moe_intermediate_size", "32", "moe_intermediate_size='32' must be an integer"),
+    ("eos_token_id", 10**6, "eos_token_id=1000000 is outside the vocabulary"),
+    ("bos_token_id", -1, "bos_token_id=-1 is outside the vocabulary"),
+    ("eos_token_id", 2.5, "eos_token_id=2.5 must be an integer"),
+    ("rms_norm_eps", "tiny", "rms_norm_eps='tiny' must be a number"),
+])
+def test_config_json_values_are_checked(key, value, match):
+    """config.json: a missing / null required key, a non-integer where an integer belongs and an out-of-range
+    token id each give one ValueError naming the key (before: KeyError / TypeError, truncation, silent drop)."""
+    from k3.config.hf import from_hf_config, to_hf_config
+
+    d = to_hf_config(get_preset("tiny"))
+    if value == "DELETE":
+        del d[key]
+    else:
+        d[key] = value
+    with pytest.raises(ValueError, match=match) as err:
+        from_hf_config(d)
+    assert "\n" not in str(err.value)
+
+
+def test_config_json_nested_values_are_checked():
+    from k3.config.hf import from_hf_config, to_hf_config
+
+    d = to_hf_config(get_preset("tiny"))
+    d["linear_attn_config"]["num_heads"] = 2.5
+    with pytest.raises(ValueError, match=r"linear_attn_config\.num_heads=2\.5 must be an integer"):
+        from_hf_config(d)
+    d = to_hf_config(get_preset("tiny"))
+    d["linear_attn_config"]["full_attn_layers"] = [4, None]
+    with pytest.raises(ValueError, match="full_attn_layers"):
+        from_hf_config(d)
+    with pytest.raises(ValueError, match="config.json must hold a JSON object"):
+        from_hf_config([1, 2])

@@ -283,3 +283,40 @@ def test_A_log_file_layout_and_round_trip(tmp_path, style):
     assert ckpt.read_tensors(tmp_path / "ck")["model.layers.0.self_attn.A_log"].shape == next(
         iter(a_logs.values())).shape
     assert_same(model, k3.from_pretrained(tmp_path / "ck"))
+
+
+def test_weight_files_get_the_umask_mode(saved, tmp_path):
+    """Temp files are created 0600; the written checkpoint's files and directory get what the umask gives."""
+    model, _ = saved
+    old = os.umask(0o022)
+    try:
+        model.save_pretrained(tmp_path / "modes")
+    finally:
+        os.umask(old)
+    for f in (tmp_path / "modes").iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644, f.name
+    assert (tmp_path / "modes").stat().st_mode & 0o777 == 0o755
+
+
+def test_nonfinite_tensor_without_checksums_is_refused(saved):
+    _, path = saved
+    tensors = ckpt.read_tensors(path)
+    os.remove(path / ckpt.CHECKSUMS)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*non-finite"):
+        k3.from_pretrained(path)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/tmp/abs.safetensors", "sub/../../x.safetensors",
+                                  "link.safetensors"])
+def test_shard_index_cannot_leave_the_directory(saved, tmp_path, name):
+    _, path = saved
+    outside = tmp_path / "outside.safetensors"
+    os.replace(path / "model.safetensors", outside)
+    os.symlink(outside, path / "link.safetensors")
+    index = {"weight_map": {"model.norm.weight": name}}
+    (path / ckpt.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        k3.from_pretrained(path)

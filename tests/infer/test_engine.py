@@ -307,3 +307,34 @@ def test_sampling_rules():
                 dict(seed=2**64), dict(temperature=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad).validate()
+
+
+def test_sampler_refuses_what_it_cannot_compute():
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(repetition_penalty=1e-40),
+                   SamplingParams(temperature=float("nan"))):
+        with pytest.raises(ValueError, match="temperature|repetition_penalty"):
+            params.validate()
+    SamplingParams(temperature=0.01, repetition_penalty=0.01).validate()
+    with pytest.raises(ValueError, match="not finite"):
+        sample_next(torch.full((10,), float("nan")), SamplingParams(temperature=1.0), None)
+
+
+def test_a_sequence_that_fails_in_sampling_ends_alone(model, monkeypatch):
+    """Its output carries the error and frees its slot; the others of the step produce what they would alone."""
+    real = engine_mod.sample_next
+
+    def sampler(logits, params, generator, *history):
+        if params.seed == 4242:
+            raise RuntimeError("simulated sampler failure")
+        return real(logits, params, generator, *history)
+
+    monkeypatch.setattr(engine_mod, "sample_next", sampler)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    alone = [Engine(model, IdTokenizer(), max_batch=4).generate([p], greedy)[0]["token_ids"] for p in prompts]
+    engine = Engine(model, IdTokenizer(), max_batch=4)
+    victim = SamplingParams(max_tokens=5, temperature=0, seed=4242)
+    out = engine.generate(prompts[:1] + [[1, 2]] + prompts[1:], [greedy, victim, greedy, greedy])
+    assert [o["token_ids"] for i, o in enumerate(out) if i != 1] == alone
+    assert out[1]["finish_reason"] == "error" and "simulated sampler failure" in out[1]["error"]
+    assert not engine.has_work() and len(engine.free_slots) == 4

@@ -36,6 +36,7 @@ from k3.model.decoder import K3ForCausalLM
 from k3.train.tokenizer import train_bpe
 
 MODEL, CONTEXT = "k3-test", 256
+LIMIT = 256 << 10  # the served app's body limit
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -90,7 +91,7 @@ def served(ckpt):
 
     engine.step = step
     async_engine = AsyncEngine(engine)
-    live = LiveServer(create_app(async_engine, tok, MODEL, CONTEXT))
+    live = LiveServer(create_app(async_engine, tok, MODEL, CONTEXT, max_request_bytes=LIMIT))
     yield argparse.Namespace(url=live.url, engine=engine, async_engine=async_engine, tok=tok, batches=batches)
     live.stop()
     # graceful shutdown: the lifespan stopped the engine thread
@@ -339,6 +340,15 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {**OK, "repetition_penalty": 1e-40}, 400, "repetition_penalty=1e-40 must be in [0.01"),
+    ("/v1/completions", {**OK, "temperature": 1e-40}, 400, "temperature=1e-40 must be 0 (greedy) or in [0.01"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 1e-3}, 400, "temperature"),
+    ("/v1/completions", {**OK, "prompt": "x" * 100_000}, 400, "characters"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}, 400,
+     "characters"),
+    ("/v1/completions", b'{"model": "k3-test", "prompt": "ab\\ud800cd", "max_tokens": 2}', 400, "surrogate"),
+    ("/v1/chat/completions", b'{"model": "k3-test", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages.0.content"),
     ("/v1/completions", {**OK, "n": 17}, 400, "n"),
     ("/v1/completions", {**OK, "n": 2, "stream": True}, 400, "n=1"),
     ("/v1/completions", {**OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -555,3 +565,244 @@ def test_async_engine_generate_errors_idle_and_shutdown():
     asyncio.run(shutdown_with_one_in_flight())
     assert not ae._thread.is_alive() and not ae.running
     ae.shutdown()  # idempotent
+
+
+# ---------------------------------------------------------------------- faults a hostile client can cause
+def test_sampling_ranges_are_the_samplers_with_its_message(served):
+    from k3.infer.sampling import SamplingParams
+
+    for name in ("temperature", "repetition_penalty"):
+        with pytest.raises(ValueError) as alone:
+            SamplingParams(**{name: 1e-40}).validate()
+        r = post(served, "/v1/completions", {**OK, name: 1e-40})
+        assert r.status_code == 400 and r.json()["error"]["message"] == str(alone.value), r.text
+        assert r.json()["error"]["param"] == name
+    assert post(served, "/v1/completions", {**OK, "temperature": 0.01, "repetition_penalty": 0.01}).status_code == 200
+
+
+def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
+    import dataclasses as dc
+
+    import k3.infer.engine as engine_mod
+
+    real = engine_mod.sample_next
+
+    def sampler(logits, params, generator, *history):  # seed 4242 marks the victim: its logits turn NaN
+        if params.seed == 4242:
+            return real(torch.full_like(logits, float("nan")), dc.replace(params, temperature=1.0), None, *history)
+        return real(logits, params, generator, *history)
+
+    monkeypatch.setattr(engine_mod, "sample_next", sampler)
+    prompts = [f"item {i}: json" for i in range(6)]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as ac:
+            async def good(p, stream):
+                body = {**OK, "prompt": p, "max_tokens": 6, "stream": stream}
+                if not stream:
+                    return (await ac.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+                async with ac.stream("POST", "/v1/completions", json=body) as r:
+                    events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+            async def victim(stream):
+                body = {**OK, "prompt": "victim", "max_tokens": 6, "seed": 4242, "stream": stream}
+                if not stream:
+                    return await ac.post("/v1/completions", json=body)
+                async with ac.stream("POST", "/v1/completions", json=body) as r:
+                    return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+
+            return await asyncio.gather(victim(False), victim(True),
+                                        *(good(p, i % 2 == 0) for i, p in enumerate(prompts)))
+
+    failed, failed_stream, *others = asyncio.run(scenario())
+    assert others == alone
+    assert failed.status_code == 500 and "not finite" in failed.json()["error"]["message"]
+    assert failed_stream[-1] == "[DONE]" and "not finite" in json.loads(failed_stream[-2])["error"]["message"]
+    assert httpx.get(served.url + "/health").json()["running"] == 0
+
+
+def test_body_over_the_limit_is_413_declared_or_chunked(served):
+    big = json.dumps({**OK, "prompt": "x" * (LIMIT + 1)}).encode()
+    for content in (big, iter([big[i:i + 8192] for i in range(0, len(big), 8192)])):  # Content-Length, chunked
+        r = httpx.post(served.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert "larger than" in err["message"] and err["code"] == "request_too_large" and set(err) == {
+            "message", "type", "param", "code"}
+    assert post(served, "/v1/completions", OK).status_code == 200
+
+
+def test_tokenising_runs_off_the_event_loop(served, monkeypatch):
+    from k3.train.tokenizer import Tokenizer
+
+    threads, real = [], Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, *a, **k: (threads.append(
+        threading.current_thread().name), real(self, *a, **k))[1])
+    assert post(served, "/v1/completions", OK).status_code == 200
+    assert post(served, "/v1/chat/completions", CHAT).status_code == 200
+    assert threads and all(t.startswith("k3-tokenize") for t in threads), threads
+
+
+def test_echoed_logprobs_are_capped(served, monkeypatch):
+    import k3.infer.server as server_mod
+
+    monkeypatch.setattr(server_mod, "MAX_PROMPT_LOGPROB_ENTRIES", 1000)
+    body = {**OK, "prompt": [5] * 100, "echo": True, "logprobs": 20, "max_tokens": 1}
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large", r.text
+    assert "2100" in r.json()["error"]["message"]
+    assert post(served, "/v1/completions", {**body, "logprobs": 5}).status_code == 200  # 600 entries
+
+
+def test_abandoned_non_streamed_request_is_aborted(served):
+    aborted = []
+    real_abort = served.engine.abort
+    served.engine.abort = lambda rid: (aborted.append(rid), real_abort(rid))
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up; ~15 ms a step: 240 tokens take seconds
+            httpx.post(served.url + "/v1/completions", json={**OK, "max_tokens": 240, "n": 2}, timeout=0.5)
+        deadline = time.monotonic() + 2
+        while len(aborted) < 2 or served.engine.has_work():
+            assert time.monotonic() < deadline, f"still running after the client left (aborted {aborted})"
+            time.sleep(0.02)
+        assert all(rid.startswith("cmpl-") for rid in aborted)
+    finally:
+        served.engine.abort = real_abort
+
+
+def raw_exchange(url: str, requests: list[tuple[str, bytes]]) -> list[tuple[int, dict, bytes]]:
+    """POST each (path, JSON body) in turn on ONE connection: (status, headers, body) each. A server that closed
+    the connection fails the next request here (no reconnect, unlike httpx's pool)."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        f = sock.makefile("rb")
+        for path, body in requests:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            status = f.readline()
+            assert status, "the server closed the connection"
+            headers = {}
+            for line in iter(f.readline, b"\r\n"):
+                k, _, v = line.decode().partition(":")
+                headers[k.strip().lower()] = v.strip()
+            out.append((int(status.split()[1]), headers, f.read(int(headers["content-length"]))))
+    return out
+
+
+def test_bad_text_and_internal_errors_keep_the_connection(served, monkeypatch):
+    import k3.infer.server as server_mod
+
+    good = json.dumps(OK).encode()
+    bad_text = b'{"model": "k3-test", "prompt": "ab\\ud800cd", "max_tokens": 2}'
+    chat = json.dumps(CHAT).encode()
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(server_mod, "render_chat", bug)  # an unexpected exception inside a handler
+    replies = raw_exchange(served.url, [("/v1/completions", bad_text), ("/v1/completions", good),
+                                        ("/v1/chat/completions", chat), ("/v1/completions", good)])
+    assert [status for status, _, _ in replies] == [400, 200, 500, 200]
+    assert "surrogate" in json.loads(replies[0][2])["error"]["message"]
+    assert json.loads(replies[2][2])["error"] == {"message": "internal error: RuntimeError: simulated bug",
+                                                  "type": "server_error", "param": None, "code": None}
+    assert all(h.get("connection") != "close" for _, h, _ in replies)
+
+
+def test_drain_ends_open_requests_with_errors_and_refuses_new_ones(ckpt):
+    model, tok, _ = load_for_inference(ckpt, "cpu", "float32")
+    async_engine = AsyncEngine(Engine(model, tok, max_batch=4, max_context=CONTEXT))
+    live = LiveServer(create_app(async_engine, tok, MODEL, CONTEXT))
+    try:
+        long = {**OK, "max_tokens": 240}
+        results = {}
+
+        def stream():
+            with httpx.stream("POST", live.url + "/v1/completions", json={**long, "stream": True}, timeout=30) as r:
+                results["stream"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+        def whole():
+            results["whole"] = httpx.post(live.url + "/v1/completions", json=long, timeout=30)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while async_engine.stats()["running"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        drain = threading.Thread(target=async_engine.shutdown, args=(0.3,))
+        drain.start()
+        r = post(argparse.Namespace(url=live.url), "/v1/completions", OK)  # a new request while draining
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+        for t in (*threads, drain):
+            t.join(30)
+        events = results["stream"]
+        assert events[-1] == "[DONE]" and "shut down" in json.loads(events[-2])["error"]["message"]
+        assert results["whole"].status_code == 503 and "shut down" in results["whole"].json()["error"]["message"]
+    finally:
+        live.stop()
+
+
+def test_k3_serve_sigterm_past_the_drain_ends_requests_with_errors(ckpt):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--port", str(port),
+                             "--device", "cpu", "--max-context", "2048", "--drain-timeout", "0.5"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"model": "k3", "prompt": "Hello", "max_tokens": 2000, "temperature": 0}  # far past the drain
+        whole = {}
+        t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", json=body,
+                                                                        timeout=60)))
+        t.start()
+        while httpx.get(url + "/health").json()["running"] < 1:  # the non-streamed one is in before the SIGTERM
+            assert time.monotonic() < deadline + 30 and t.is_alive()
+            time.sleep(0.05)
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    if not events:
+                        proc.send_signal(signal.SIGTERM)
+                    events.append(line[6:])
+        t.join(60)
+        assert events[-1] == "[DONE]" and "shut down" in json.loads(events[-2])["error"]["message"]
+        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["type"] == "server_error"
+        assert proc.wait(30) == 0
+        out = proc.stdout.read()
+        assert "Traceback" not in out and "Cancel" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_k3_serve_request_limit_flag(ckpt, monkeypatch, capsys):
+    import k3.cli.serve as serve_mod
+    from k3.cli.main import main
+
+    assert main(["serve", "--ckpt", str(ckpt), "--max-request-mb", "0"]) == 2
+    assert capsys.readouterr().err == "k3 serve: error: --max-request-mb=0.0 must be in (0, 4096]\n"
+    seen = {}
+    monkeypatch.setattr(serve_mod, "_server", lambda config, engine, drain: seen.update(
+        config=config, drain=drain) or argparse.Namespace(run=lambda: None))
+    assert main(["serve", "--ckpt", str(ckpt), "--device", "cpu", "--max-request-mb", "2",
+                 "--drain-timeout", "3"]) == 0
+    guard = next(m for m in seen["config"].app.user_middleware if m.cls.__name__ == "_Guard")
+    assert guard.kwargs["max_bytes"] == 2 << 20 and seen["drain"] == 3
+    assert seen["config"].timeout_graceful_shutdown > 3  # uvicorn waits past the drain for the error responses
