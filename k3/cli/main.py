@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
-from k3.cli import ablate, audit, bench, chat, convert, generate, info, scaling, serve, train
+from k3.cli import ablate, audit, bench, chat, convert, generate, info, plan, scaling, serve, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch: train, serve and audit.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train, info, audit, ablate, scaling, convert, serve, generate, chat, bench):
+    for module in (train, info, plan, audit, ablate, scaling, convert, serve, generate, chat, bench):
         module.add_parser(sub)
     return parser
 

@@ -1,0 +1,125 @@
+"""``k3 plan``: where a model's weights, experts and caches go on a cluster of GPUs, and what a step costs.
+
+    k3 plan --preset k3 --gpus 64 --hbm-gib 141 [--precision mxfp4] [--concurrency 1024 --context 32768]
+            [--loads RUN_DIR | --zipf 0.5] [--workload serve|train] [--json] [--report DIR]
+
+Prints the layout, each GPU's memory, the expert load before and after placement, and the predicted step with
+every term; exits 1 when the model does not fit, saying by how much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from k3.config import PRESETS, get_preset
+from k3.config.hf import from_hf_config
+from k3.plan.cluster import PROFILES, cluster
+from k3.plan.cost import model_shape
+from k3.plan.loads import read_loads, zipf_shares
+from k3.plan.plan import Serving, Training, plan_serving, plan_training, summary
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="place a model on a cluster: layout, memory per GPU, expert placement, step time")
+    p.add_argument("--preset", default="k3", help=f"one of: {', '.join(PRESETS)}")
+    p.add_argument("--config", help="a config.json (a checkpoint's) instead of --preset")
+    p.add_argument("--profile", help=f"cluster profile: {', '.join(PROFILES)}")
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--hbm-gib", type=float, help="memory per GPU (GiB)")
+    p.add_argument("--hbm-tbps", type=float, help="HBM bandwidth per GPU (TB/s)")
+    p.add_argument("--intra-gbps", type=float, help="all-to-all bandwidth inside a node per GPU (GB/s)")
+    p.add_argument("--inter-gbps", type=float, help="all-to-all bandwidth across nodes per GPU (GB/s)")
+    p.add_argument("--intra-latency-us", type=float)
+    p.add_argument("--inter-latency-us", type=float)
+    p.add_argument("--precision", choices=("mxfp4", "bf16"), default="mxfp4", help="routed experts' storage")
+    p.add_argument("--workload", choices=("serve", "train"), default="serve")
+    p.add_argument("--concurrency", type=int, default=1024, help="sequences decoding together (serve)")
+    p.add_argument("--context", default="32768",
+                   help="context length, or a distribution LEN:FRACTION,... e.g. 4096:0.7,131072:0.3 (serve)")
+    p.add_argument("--prefix-hit", type=float, default=0.0, help="fraction of prompt tokens the prefix cache serves")
+    p.add_argument("--global-tokens", type=int, default=4 * 2 ** 20, help="tokens per optimizer step (train)")
+    p.add_argument("--seq-len", type=int, default=4096, help="sequence length (train)")
+    p.add_argument("--micro-tokens", type=int, default=4096, help="tokens per GPU per micro-batch (train)")
+    p.add_argument("--no-checkpointing", action="store_true", help="train without activation checkpointing")
+    p.add_argument("--loads", help="expert loads: a training run directory (expert_loads.json) or a JSON of counts")
+    p.add_argument("--zipf", type=float, default=0.5,
+                   help="without --loads: expert popularity rank^-s (0 = uniform; serving default 0.5, assumed; "
+                        "training uses uniform, what Quantile Balancing holds, unless --loads)")
+    p.add_argument("--tp", type=int, help="attention tensor-parallel degree (default: searched)")
+    p.add_argument("--replicas", type=int, help="extra expert slots per GPU per layer for replicas (default: searched)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON, with every layer's placement")
+    p.add_argument("--report", help="write DIR/report.md: the plan on 64 and 128 GPUs, layouts compared, "
+                                    "predicted vs measured, the simulated balance check")
+    p.set_defaults(func=run)
+
+
+def _contexts(text: str) -> tuple:
+    try:
+        if ":" not in text:
+            return ((int(text), 1.0),)
+        return tuple((int(c), float(f)) for c, f in (part.split(":") for part in text.split(",")))
+    except ValueError:
+        raise ValueError(f"--context={text!r}: give LENGTH or LENGTH:FRACTION,... (e.g. 4096:0.7,131072:0.3)") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    config = from_hf_config(json.loads(Path(args.config).read_text())) if args.config else get_preset(args.preset)
+    if config.moe is None or not any(config.ffn(i) == "moe" for i in range(config.num_hidden_layers)):
+        raise ValueError(f"{config.name} has no MoE layers: nothing to place")
+    c = cluster(args.profile, gpus=args.gpus, gpus_per_node=args.gpus_per_node, hbm_gib=args.hbm_gib,
+                hbm_bytes_per_s=args.hbm_tbps and args.hbm_tbps * 1e12,
+                intra_bytes_per_s=args.intra_gbps and args.intra_gbps * 1e9,
+                inter_bytes_per_s=args.inter_gbps and args.inter_gbps * 1e9,
+                intra_latency_s=args.intra_latency_us and args.intra_latency_us * 1e-6,
+                inter_latency_s=args.inter_latency_us and args.inter_latency_us * 1e-6)
+    shape = model_shape(config)
+    if args.loads:
+        shares = read_loads(args.loads, shape.moe_layers, shape.experts).numpy()
+    elif args.workload == "train":
+        shares = np.full((shape.moe_layers, shape.experts), 1 / shape.experts)
+    else:
+        shares = zipf_shares(shape.moe_layers, shape.experts, shape.top_k, args.zipf).numpy()
+    if args.workload == "train":
+        plan = plan_training(config, c, Training(args.global_tokens, args.seq_len, args.micro_tokens,
+                                                 not args.no_checkpointing), shares)
+    else:
+        work = Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
+        plan = plan_serving(config, c, args.precision, work, shares, tp=args.tp, replicas=args.replicas)
+        if args.report:
+            from k3.plan.report import write_report
+
+            plans = {g: plan_serving(config, cluster(gpus=g, hbm_gib=c.hbm_gib), args.precision, work, shares,
+                                     placements=False) for g in (64, 128)}
+            path = write_report(config, shares, work, Path(args.report), plans, args.zipf)
+            print(f"report: {path}")
+    plan = {"model": config.name, "workload": args.workload, "precision": args.precision, **plan}
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        _print(summary(plan), c)
+    return 0 if plan["fits"] else 1
+
+
+def _print(plan: dict, c) -> None:
+    print(f"{plan['model']} on {c.gpus} GPUs ({c.nodes} nodes of {c.per_node}, {c.hbm_gib:g} GiB each), "
+          f"{plan['workload']}, {plan['precision']} experts")
+    print("layout: " + ", ".join(f"{k} {v}" for k, v in plan["layout"].items()))
+    print("memory per GPU (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in plan["memory_gib"].items()
+                                               if isinstance(v, float)))
+    if not plan["fits"]:
+        short = -plan["memory_gib"]["headroom"]
+        print(f"does not fit: {plan.get('why') or f'short by {short:.1f} GiB per GPU'}")
+        return
+    load = plan["load"]
+    print(f"expert load max / mean per GPU: {load['max_over_mean_before']['mean']:.3f} in contiguous blocks -> "
+          f"{load['max_over_mean_after']['mean']:.3f} placed (worst layer {load['max_over_mean_after']['worst']:.3f})")
+    step = plan.get("decode") or plan["step"]
+    terms = ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in step.items()
+                      if k.endswith("_s") and k != "tokens_per_s")
+    print(f"{'decode' if 'decode' in plan else 'training'} step (ms): {terms}")
+    print(f"tokens/s: {step['tokens_per_s']:,.0f}" + (f", MFU {step['mfu']:.3f}" if "mfu" in step else ""))
