@@ -64,8 +64,8 @@ def final_val(history: list[dict]) -> float | None:
 def dcp_on_one(a, run_dir: Path, tok: Path, rows: int) -> dict:
     """Load the newest DCP checkpoint of ``run_dir`` into one process and evaluate it as the trainer does."""
     from k3.cli.train import _override
-    from k3.distributed.checkpoint import load_into_single
-    from k3.train.checkpoint import latest_checkpoint
+    from k3.convert.dcp import load_into_single
+    from k3.convert.checkpoint import latest_checkpoint
     from k3.train.trainer import TrainConfig, Trainer
 
     ckpt = latest_checkpoint(run_dir)
@@ -112,7 +112,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a gloo rehearsal)")
     a = p.parse_args()
 
-    from k3.audit.ablate import ensure_tokenizer, read_metrics
+    from k3.audit.ablate import ensure_tokenizer
+    from k3.train.trainer import read_metrics
     from k3.bench.common import environment, write_results
 
     out = Path(a.out)

@@ -45,13 +45,15 @@ def tiny_checkpoint(path: Path) -> Path:
     import torch
 
     from k3.config import get_preset
+    from k3.convert.checkpoint import save_pretrained
+    from k3.data.tokenizer import train_bpe
     from k3.model.decoder import K3ForCausalLM
-    from k3.train.tokenizer import train_bpe
 
     text = "\n".join(m.__doc__ for m in (argparse, collections, email, inspect, json, textwrap))
     tok = train_bpe([text], vocab_size=400)
     torch.manual_seed(0)
-    K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)).save_pretrained(path)
+    model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
+    save_pretrained(model, path)
     tok.save(path)
     return path
 

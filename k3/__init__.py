@@ -10,3 +10,11 @@ def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="de
     from k3.convert.checkpoint import from_pretrained as _load
 
     return _load(directory, dtype=dtype or torch.float32, device=device, verify=verify, packed=packed)
+
+
+def save_pretrained(model, directory, **kwargs):
+    """Atomically write ``model`` as a checkpoint directory (see :func:`k3.convert.checkpoint.save_pretrained`:
+    ``fmt``, ``max_shard_bytes``, ``quantize="mxfp4"``, ``scale_mode``)."""
+    from k3.convert.checkpoint import save_pretrained as _save
+
+    return _save(model, directory, **kwargs)

@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -49,9 +48,11 @@ from typing import Callable
 import numpy as np
 
 from k3.audit import accounting
+from k3.audit.ablate_report import finite
 from k3.audit.mqar import MQARTask, MQARTrainConfig, mqar_config, train_mqar
 from k3.config import K3Config, get_preset
-from k3.train.checkpoint import latest_checkpoint
+from k3.convert.checkpoint import latest_checkpoint
+from k3.train.trainer import read_metrics
 
 log = logging.getLogger("k3.ablate")
 
@@ -256,8 +257,8 @@ def get_grid(name: str) -> Grid:
 # ---------------------------------------------------------------------------------------------------- runs
 def ensure_tokenizer(out: Path, data: str | None, vocab_size: int, train_bytes: int) -> Path:
     """Train one byte-level BPE on the training split into ``OUT/tokenizer.json`` (kept if present)."""
-    from k3.train.data import load_corpus
-    from k3.train.tokenizer import train_bpe
+    from k3.data.text import load_corpus
+    from k3.data.tokenizer import train_bpe
 
     path = out / "tokenizer.json"
     if path.is_file():
@@ -285,17 +286,6 @@ def _checkpoint_step(run_dir: Path) -> int | None:
     return None if ckpt is None else int(ckpt.name.split("-")[1])
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def summarise_history(history: list[dict], tail: int | None = None) -> dict:
     """Final validation numbers and the mean of MaxVio / dead experts over the last ``tail`` good steps."""
     good = [h for h in history if not h.get("skipped")]
@@ -303,15 +293,15 @@ def summarise_history(history: list[dict], tail: int | None = None) -> dict:
     last = good[-tail:]
     evals = [h for h in history if "val_loss" in h]
     init = [h for h in history if "val_loss_init" in h]
-    maxvio = [h["maxvio"] for h in last if _finite(h.get("maxvio"))]
-    dead = [h["dead_experts"] for h in last if _finite(h.get("dead_experts"))]
+    maxvio = [h["maxvio"] for h in last if finite(h.get("maxvio"))]
+    dead = [h["dead_experts"] for h in last if finite(h.get("dead_experts"))]
     return {
         "steps_done": history[-1]["step"] + 1 if history else 0,
         "tokens": history[-1]["tokens"] if history else 0,
         "val_loss": evals[-1]["val_loss"] if evals else None,
         "val_bpb": evals[-1]["val_bpb"] if evals else None,
         "val_loss_init": init[0]["val_loss_init"] if init else None,
-        "train_loss_tail": float(np.mean([h["loss"] for h in last if _finite(h.get("loss"))])) if last else None,
+        "train_loss_tail": float(np.mean([h["loss"] for h in last if finite(h.get("loss"))])) if last else None,
         "maxvio": float(np.mean(maxvio)) if maxvio else None,
         "dead_experts": float(np.mean(dead)) if dead else None,
         "skipped_steps": sum(1 for h in history if h.get("skipped")),
@@ -475,7 +465,7 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
     ``jobs``: runs side by side (:func:`run_jobs`). ``report_only``: train nothing; report the finished runs on
     disk (the report lists the missing ones).
     """
-    from k3.audit.ablate_report import _fmt, aggregate, write_report  # the report needs this module
+    from k3.audit.ablate_report import _fmt, aggregate, write_report
 
     check_jobs(jobs)
     out = Path(out)
@@ -487,7 +477,7 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
     (out / "grid.json").write_text(json.dumps({**dataclasses.asdict(grid), "data": data}, indent=2, default=str))
     tok_path = ensure_tokenizer(out, data, grid.train.get("vocab_size", 8192),
                                 grid.train.get("tokenizer_train_bytes", 4_000_000))
-    from k3.train.tokenizer import Tokenizer
+    from k3.data.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tok_path)
     sized = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)

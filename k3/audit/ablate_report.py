@@ -13,12 +13,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.audit.ablate import Grid, _finite, read_metrics  # noqa: E402
 from k3.train.plots import ema  # noqa: E402
+from k3.train.trainer import read_metrics  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- report
+
+def finite(x) -> bool:
+    """A real number (not a bool, NaN or inf): what a metrics record holds when its value can be averaged."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
 def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
-    xs = [x for x in xs if _finite(x)]
+    xs = [x for x in xs if finite(x)]
     if not xs:
         return None, None
     return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else None
@@ -44,7 +49,7 @@ def aggregate(summaries: list[dict]) -> list[dict]:
     full = {r["seed"]: r.get("val_loss") for r in order.get("full", [])}
     for row in rows:
         deltas = [r["val_loss"] - full[r["seed"]] for r in order[row["variant"]]
-                  if _finite(r.get("val_loss")) and _finite(full.get(r["seed"]))]
+                  if finite(r.get("val_loss")) and finite(full.get(r["seed"]))]
         row["delta_vs_full_mean"], row["delta_vs_full_std"] = _mean_std(deltas) if full else (None, None)
     return rows
 
@@ -79,8 +84,9 @@ def _mqar_rows(mqar_results: list[dict]) -> list[dict]:
     return rows
 
 
-def write_report(out: Path, grid: Grid, summaries: list[dict], rows: list[dict], mqar_results: list[dict],
+def write_report(out: Path, grid, summaries: list[dict], rows: list[dict], mqar_results: list[dict],
                  data: str | None = None, missing: list[str] | None = None) -> Path:
+    """Write the report of ``grid`` (a k3.audit.ablate.Grid) under ``out``; returns report.md's path."""
     out = Path(out)
     plot_val_loss(rows, out / "val_loss.png")
     frontier = [r for r in rows if not r["model_overrides"]]
@@ -214,8 +220,8 @@ def plot_val_loss(rows: list[dict], path: Path) -> None:
 def plot_router_frontier(summaries: list[dict], rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for i, r in enumerate(rows):
-        runs = [s for s in summaries if s["variant"] == r["variant"] and _finite(s.get("maxvio"))
-                and _finite(s.get("val_loss"))]
+        runs = [s for s in summaries if s["variant"] == r["variant"] and finite(s.get("maxvio"))
+                and finite(s.get("val_loss"))]
         if not runs:
             continue
         color = f"C{i % 10}"
@@ -241,7 +247,7 @@ def plot_loss_curves(summaries: list[dict], path: Path) -> None:
         color = plt.get_cmap("tab10" if len(by_variant) <= 10 else "tab20")(i % 20)
         curves = []
         for h in histories:
-            losses = [x["loss"] for x in h if _finite(x.get("loss"))]
+            losses = [x["loss"] for x in h if finite(x.get("loss"))]
             if losses:
                 curves.append(ema(losses))
         if curves:

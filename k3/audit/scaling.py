@@ -218,7 +218,7 @@ def _lookup(d: dict, dotted: str):
 def _activated_params(train_config: dict, run_dir: Path) -> float:
     from k3.audit import accounting
     from k3.config import get_preset
-    from k3.train.tokenizer import Tokenizer
+    from k3.data.tokenizer import Tokenizer
 
     tok = Tokenizer.load(run_dir)
     config = get_preset(train_config["preset"]).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
@@ -493,7 +493,7 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
     from k3.audit.ablate import (_run_job, check_jobs, ensure_tokenizer, make_variant, params_of, run_jobs,
                                  variant_config)
     from k3.config import get_preset
-    from k3.train.tokenizer import Tokenizer
+    from k3.data.tokenizer import Tokenizer
     from k3.train.trainer import TrainConfig
 
     check_jobs(jobs)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         config, source = get_preset(args.preset), f"preset `{args.preset}`"
     else:
         from k3.convert.checkpoint import read_config
-        from k3.train.checkpoint import resolve_checkpoint
+        from k3.convert.checkpoint import resolve_checkpoint
 
         path = resolve_checkpoint(args.ckpt)
         config, source = read_config(path), f"checkpoint `{path}` (config.json only)"

@@ -220,7 +220,7 @@ def _from_dcp(directory: Path, config):
     checks its own metadata; there are no checksum files to verify). The model is built on the meta device and
     given uninitialised CPU storage, which the load overwrites whole (DCP raises on any tensor the checkpoint
     lacks, and the model has no tensors outside its state dict): no random init is computed and thrown away."""
-    from k3.distributed.checkpoint import load_into_single
+    from k3.convert.dcp import load_into_single
     from k3.model.decoder import K3ForCausalLM
     from k3.model.multimodal import K3ForConditionalGeneration
 
@@ -273,3 +273,27 @@ def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.flo
     check_state(state, model.state_dict())
     model.load_state_dict(state, assign=True, strict=True)
     return model.cast(dtype).to(device)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The step directory ``latest`` names, or None when the run has no checkpoint yet."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or a training run directory (its latest checkpoint)."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"{path} is neither a checkpoint directory (config.json) nor a training run with "
+                            "checkpoints/latest")

@@ -12,7 +12,7 @@ expert parallelism, context parallelism, FSDP2; then the optimiser) and these di
   (spec §7), so the bias equals the single-process QB of the same global batch up to the histogram's bin.
   Auxiliary losses are averaged over ranks. ``qb_exact`` and QK-Clip are single-process only.
 * Checkpoints are torch.distributed.checkpoint directories (``checkpoints/step-N``, resharding on load: resume
-  with another dp / ep, or load on one process with :func:`k3.distributed.checkpoint.load_into_single`), plus
+  with another dp / ep, or load on one process with :func:`k3.convert.dcp.load_into_single`), plus
   ``config.json`` and ``tokenizer.json`` beside them. Rank 0 writes metrics and the loss / expert-load plots;
   greedy samples and the AttnRes plot are skipped.
 """
@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 
 from k3.config.hf import to_hf_config
-from k3.distributed.checkpoint import load as dcp_load
-from k3.distributed.checkpoint import save as dcp_save
+from k3.convert.dcp import load as dcp_load
+from k3.convert.dcp import save as dcp_save
 from k3.distributed.context_parallel import apply_context_parallel, cp_context, recompute_context, shard_batch
 from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
 from k3.train.checkpoint import publish_checkpoint
-from k3.train.data import Batch
+from k3.data.text import Batch
 from k3.train.trainer import Trainer, TrainConfig, write_expert_loads
 
 log = logging.getLogger("k3.train")

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from k3.convert.checkpoint import from_pretrained
-from k3.train.checkpoint import resolve_checkpoint
-from k3.train.tokenizer import Tokenizer
+from k3.convert.checkpoint import resolve_checkpoint
+from k3.data.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

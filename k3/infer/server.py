@@ -56,7 +56,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.chat import IMAGE_SLOT, render_chat
 from k3.infer.sampling import MAX_LOGPROBS, SamplingError, SamplingParams
-from k3.train.tokenizer import Tokenizer
+from k3.data.tokenizer import Tokenizer
 
 log = logging.getLogger("k3.serve")
 MAX_STOP = 4

@@ -249,14 +249,6 @@ class K3ForCausalLM(nn.Module):
                              f"[0, {cache.batch_size})")
         return ids
 
-    def save_pretrained(self, directory, fmt: str = "k3", max_shard_bytes: int | None = None,
-                        quantize: str | None = None, scale_mode: str | None = None):
-        """Atomically write config.json + safetensors to ``directory`` (see k3.convert.checkpoint);
-        quantize="mxfp4" packs the routed experts."""
-        from k3.convert.checkpoint import DEFAULT_SHARD_BYTES, save_pretrained
-
-        return save_pretrained(self, directory, fmt, max_shard_bytes or DEFAULT_SHARD_BYTES, quantize, scale_mode)
-
     def new_cache(self, batch_size: int, state_dtype: torch.dtype = torch.float32, dtype: torch.dtype | None = None,
                   capacity: int = 256) -> K3Cache:
         """An empty cache for ``batch_size`` sequences; latents and conv states in ``dtype`` (default: the

@@ -146,27 +146,3 @@ def publish_checkpoint(target: Path, keep: int) -> Path:
     for old in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return target
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The step directory ``latest`` names, or None when the run has no checkpoint yet."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-    return path
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or a training run directory (its latest checkpoint)."""
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    if path.is_dir():
-        found = latest_checkpoint(path)
-        if found is not None:
-            return found
-    raise FileNotFoundError(f"{path} is neither a checkpoint directory (config.json) nor a training run with "
-                            "checkpoints/latest")

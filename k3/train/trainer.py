@@ -45,14 +45,14 @@ from k3.ops.segments import offsets_to, to_device
 from k3.quant.mx import MODES as MX_MODES
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train.activation_checkpoint import apply_activation_checkpointing
-from k3.train import plots
 from k3.convert.atomic import atomic_write_text
-from k3.train.checkpoint import RunLock, clean_stray, latest_checkpoint, load_trainer_state, rng_state, \
-    save_checkpoint, set_rng_state
-from k3.train.data import IGNORE_INDEX, PackedDataset, load_corpus
+from k3.convert.checkpoint import latest_checkpoint
+from k3.train import plots
+from k3.train.checkpoint import RunLock, clean_stray, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from k3.data.text import IGNORE_INDEX, PackedDataset, load_corpus
 from k3.train.optim import K3Muon, clip_grad_norm, cosine_schedule, describe_groups, mla_max_logits, \
     param_groups_for, qk_clip_
-from k3.train.tokenizer import Tokenizer, train_bpe
+from k3.data.tokenizer import Tokenizer, train_bpe
 
 log = logging.getLogger("k3.train")
 
@@ -381,7 +381,7 @@ class Trainer:
         """The embedded image Q&A task: its own tiny tokenizer and the preset with its vision tower."""
         from k3.config.presets import with_vision
         from k3.model.multimodal import K3ForConditionalGeneration
-        from k3.train.vision_data import VisionTaskData, media_ids, task_tokenizer
+        from k3.data.vision import VisionTaskData, media_ids, task_tokenizer
 
         cfg = self.cfg
         self.tokenizer = Tokenizer.load(ckpt) if ckpt is not None else task_tokenizer(cfg.vocab_size)
@@ -688,9 +688,12 @@ def check_resume_config(cfg: TrainConfig, recorded: dict, data_ranks: int = 1,
                          " differ from the run's recorded settings; drop them to resume, or start a new --out")
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """The records of metrics.jsonl; a partial last line (a kill mid-write) is dropped with a warning, a bad line
-    elsewhere is an error."""
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (``path``: the file or the run directory; none: []); a partial last line
+    (a kill mid-write) is dropped with a warning, a bad line elsewhere is an error."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     out = []
     for i, line in enumerate(lines):

@@ -12,7 +12,7 @@ from k3.audit.ablate import (ALL_VARIANTS, PAIRS, get_grid, make_variant, params
 from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
 from k3.cli.main import main
 from k3.config import get_preset
-from k3.train.data import stdlib_corpus
+from k3.data.text import stdlib_corpus
 from k3.train.trainer import TrainConfig
 
 

@@ -15,6 +15,7 @@ from k3.audit.router import all_to_all, distinct_ranks, simulate_routes, uniform
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.balance import drop_fraction, expert_loads
+from k3.convert.checkpoint import save_pretrained
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -98,7 +99,7 @@ def test_ckpt_audit_and_measure(tmp_path):
     from k3.model.decoder import K3ForCausalLM
 
     torch.manual_seed(0)
-    K3ForCausalLM(get_preset("tiny")).save_pretrained(tmp_path / "ckpt")
+    save_pretrained(K3ForCausalLM(get_preset("tiny")), tmp_path / "ckpt")
     out = tmp_path / "out"
     assert main(["audit", "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--contexts", "256,1024"]) == 0
     text = (out / "report.md").read_text()

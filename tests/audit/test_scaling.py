@@ -12,7 +12,7 @@ from k3.audit.scaling import (SWEEPS, analyse, bootstrap_multiplier, compute_mul
                               load_run, size_overrides)
 from k3.cli.main import main
 from k3.config import get_preset
-from k3.train.data import stdlib_corpus
+from k3.data.text import stdlib_corpus
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,7 +16,8 @@ from k3.infer.engine import Engine
 from k3.infer.load import load_for_inference
 from k3.infer.sampling import SamplingParams
 from k3.model.decoder import K3ForCausalLM
-from k3.train.tokenizer import train_bpe
+from k3.data.tokenizer import train_bpe
+from k3.convert.checkpoint import save_pretrained
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "The assistant answers the user in a few words. Hello there, how are you today? " * 30
@@ -28,7 +29,7 @@ def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
     path = tmp_path_factory.mktemp("ckpt")
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     tok.save(path)
     return path
 

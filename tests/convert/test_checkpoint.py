@@ -12,6 +12,7 @@ import k3.convert.checkpoint as ckpt
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
+from k3.convert.checkpoint import save_pretrained
 
 KIMI_LINEAR_STYLE = {"kda.gate_lower_bound": None, "kda.full_rank_output_gate": False, "mla.q_lora_rank": None,
                      "mla.output_gate": False, "moe.latent_size": None, "moe.latent_norm": False,
@@ -39,7 +40,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_round_trip_is_bit_exact(tmp_path, preset):
     model = random_model(get_preset(preset))
-    model.save_pretrained(tmp_path / "ck", max_shard_bytes=2**20)
+    save_pretrained(model, tmp_path / "ck", max_shard_bytes=2**20)
     assert (tmp_path / "ck" / ckpt.INDEX).is_file()  # sharded
     loaded = k3.from_pretrained(tmp_path / "ck")
     assert loaded.config == model.config
@@ -48,14 +49,14 @@ def test_round_trip_is_bit_exact(tmp_path, preset):
 
 def test_bf16_round_trip_keeps_fp32_router(tmp_path):
     model = random_model(get_preset("tiny")).cast(torch.bfloat16)
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     loaded = k3.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16)
     assert_same(model, loaded)
     assert json.loads((tmp_path / "ck" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
 def test_k3_config_json_uses_the_released_keys(tmp_path):
-    random_model(get_preset("tiny")).save_pretrained(tmp_path / "ck")
+    save_pretrained(random_model(get_preset("tiny")), tmp_path / "ck")
     d = json.loads((tmp_path / "ck" / "config.json").read_text())
     lac = d["linear_attn_config"]
     assert lac["full_attn_layers"] == [4, 5] and lac["kda_layers"] == [1, 2, 3]  # 1-indexed
@@ -67,7 +68,7 @@ def test_k3_config_json_uses_the_released_keys(tmp_path):
 
 def test_convert_k3_kimi_linear_k3_is_exact(tmp_path):
     model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE))
-    model.save_pretrained(tmp_path / "a")
+    save_pretrained(model, tmp_path / "a")
     assert main(["convert", "--from", str(tmp_path / "a"), "--to", str(tmp_path / "b"), "--format", "kimi_linear"]) == 0
     assert main(["convert", "--from", str(tmp_path / "b"), "--to", str(tmp_path / "c"), "--format", "k3"]) == 0
     back = k3.from_pretrained(tmp_path / "c")
@@ -79,7 +80,7 @@ def test_convert_k3_kimi_linear_k3_is_exact(tmp_path):
 def test_kimi_linear_export_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE)).eval()
-    model.save_pretrained(tmp_path / "kl", fmt="kimi_linear")
+    save_pretrained(model, tmp_path / "kl", fmt="kimi_linear")
     ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "kl").eval()
     ids = torch.randint(0, 512, (2, 70))
     with torch.no_grad():
@@ -89,7 +90,7 @@ def test_kimi_linear_export_loads_in_transformers(tmp_path):
 
 def test_kimi_linear_format_refuses_k3_features(tmp_path):
     with pytest.raises(ValueError, match="cannot write a kimi_linear config: attn_res.mode"):
-        random_model(get_preset("tiny")).save_pretrained(tmp_path / "x", fmt="kimi_linear")
+        save_pretrained(random_model(get_preset("tiny")), tmp_path / "x", fmt="kimi_linear")
     assert not (tmp_path / "x").exists()
 
 
@@ -97,7 +98,7 @@ def test_transformers_runtime_names_load(tmp_path):
     """Fused conv1d, forget_gate.*, mlp.experts.gate_up_proj / down_proj, A_log [1,1,H,1]."""
     transformers = pytest.importorskip("transformers")
     model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE)).eval()
-    model.save_pretrained(tmp_path / "kl", fmt="kimi_linear")
+    save_pretrained(model, tmp_path / "kl", fmt="kimi_linear")
     ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "kl")
     runtime = {k: v.contiguous() for k, v in ref.state_dict().items()}
     assert any(k.endswith("conv1d.weight") and ".q_conv1d" not in k for k in runtime)
@@ -110,7 +111,7 @@ def test_transformers_runtime_names_load(tmp_path):
 
 def test_release_variants_zero_padded_A_log_and_prefix(tmp_path):
     model = random_model(get_preset("tiny"))
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     tensors = ckpt.read_tensors(tmp_path / "ck")
     varied = {"language_model." + k: (torch.cat([v.reshape(-1), torch.zeros(6)]) if k.endswith("A_log") else v)
               for k, v in tensors.items()}
@@ -122,7 +123,7 @@ def test_release_variants_zero_padded_A_log_and_prefix(tmp_path):
 @pytest.fixture
 def saved(tmp_path):
     model = random_model(get_preset("tiny"))
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     return model, tmp_path / "ck"
 
 
@@ -202,11 +203,11 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch):
 
     monkeypatch.setattr(ckpt, "save_file", failing_save)
     with pytest.raises(OSError, match="simulated"):
-        new.save_pretrained(path, max_shard_bytes=2**16)
+        save_pretrained(new, path, max_shard_bytes=2**16)
     assert_same(old, k3.from_pretrained(path))
     assert sorted(os.listdir(path.parent)) == ["ck"]  # no half-written directory left behind
     monkeypatch.setattr(ckpt, "save_file", real)
-    new.save_pretrained(path)  # overwriting an existing checkpoint swaps it in whole
+    save_pretrained(new, path)  # overwriting an existing checkpoint swaps it in whole
     assert_same(new, k3.from_pretrained(path))
     assert sorted(os.listdir(path.parent)) == ["ck"]
 
@@ -231,7 +232,7 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
     (the model is built on meta and every tensor comes from the load); one whose config has more layers than its
     tensors raises one ValueError instead of leaving uninitialised weights."""
     from k3.config.hf import to_hf_config
-    from k3.distributed.checkpoint import save
+    from k3.convert.dcp import save
     from k3.train.optim import K3Muon, param_groups_for
 
     torch.manual_seed(0)
@@ -279,7 +280,7 @@ def test_A_log_file_layout_and_round_trip(tmp_path, style):
             assert t.shape == (1, 1, h, 1) and torch.equal(t.reshape(-1), state[k])
     back = from_files(files, cfg)
     assert all(torch.equal(back[k], state[k]) for k in a_logs)
-    model.save_pretrained(tmp_path / "ck")
+    save_pretrained(model, tmp_path / "ck")
     assert ckpt.read_tensors(tmp_path / "ck")["model.layers.0.self_attn.A_log"].shape == next(
         iter(a_logs.values())).shape
     assert_same(model, k3.from_pretrained(tmp_path / "ck"))
@@ -290,7 +291,7 @@ def test_weight_files_get_the_umask_mode(saved, tmp_path):
     model, _ = saved
     old = os.umask(0o022)
     try:
-        model.save_pretrained(tmp_path / "modes")
+        save_pretrained(model, tmp_path / "modes")
     finally:
         os.umask(old)
     for f in (tmp_path / "modes").iterdir():

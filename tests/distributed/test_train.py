@@ -58,7 +58,7 @@ def _weights(ckpt):
 
 def dist_weights(run_dir):
     """The run's latest DCP checkpoint through from_pretrained (config.json + shards gathered in one process)."""
-    from k3.train.checkpoint import latest_checkpoint
+    from k3.convert.checkpoint import latest_checkpoint
 
     return _weights(latest_checkpoint(run_dir))
 

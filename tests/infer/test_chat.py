@@ -4,7 +4,7 @@ message contents cannot inject special tokens, one ValueError per bad message.""
 import pytest
 
 from k3.infer.chat import PLAIN_STOP, chat_format, render_chat
-from k3.train.tokenizer import train_bpe
+from k3.data.tokenizer import train_bpe
 
 TEXT = ("The assistant answers the user. The system message sets the rules. " * 20
         + "def render(messages): return [m for m in messages if m]\n" * 10)

@@ -33,7 +33,8 @@ from k3.infer.engine import Engine
 from k3.infer.load import load_for_inference
 from k3.infer.server import create_app
 from k3.model.decoder import K3ForCausalLM
-from k3.train.tokenizer import train_bpe
+from k3.data.tokenizer import train_bpe
+from k3.convert.checkpoint import save_pretrained
 
 MODEL, CONTEXT = "k3-test", 256
 LIMIT = 256 << 10  # the served app's body limit
@@ -51,7 +52,7 @@ def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
     path = tmp_path_factory.mktemp("ckpt")
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     tok.save(path)
     return path
 
@@ -637,7 +638,7 @@ def test_body_over_the_limit_is_413_declared_or_chunked(served):
 
 
 def test_tokenising_runs_off_the_event_loop(served, monkeypatch):
-    from k3.train.tokenizer import Tokenizer
+    from k3.data.tokenizer import Tokenizer
 
     threads, real = [], Tokenizer.encode
     monkeypatch.setattr(Tokenizer, "encode", lambda self, *a, **k: (threads.append(

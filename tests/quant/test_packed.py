@@ -17,6 +17,7 @@ from k3.model.moe import MoE
 from k3.quant import PackedExperts, enable_qat, fake_quantize, pack_expert_tensors, unpack_expert_tensors
 from k3.quant.mx import pack_fp4, quantize
 from k3.quant.packed import FORMAT, quantization_config
+from k3.convert.checkpoint import save_pretrained
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.3.w2"
 
@@ -79,7 +80,7 @@ def test_export_import_forward_equals_qat_forward(tmp_path, mode):
     reference = model(ids()).logits
     enable_qat(model, mode=mode)
     qat_logits = model(ids()).logits
-    model.save_pretrained(tmp_path / "ck", quantize="mxfp4")  # scale mode taken from the model's QAT
+    save_pretrained(model, tmp_path / "ck", quantize="mxfp4")  # scale mode taken from the model's QAT
     d = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert d["quantization_config"]["format"] == FORMAT
     files = ckpt.read_tensors(tmp_path / "ck")
@@ -101,7 +102,7 @@ def test_export_import_forward_equals_qat_forward(tmp_path, mode):
 
 def test_keep_packed_inference(tmp_path):
     model = tiny_model()
-    model.save_pretrained(tmp_path / "ck", quantize="mxfp4")
+    save_pretrained(model, tmp_path / "ck", quantize="mxfp4")
     deq = k3.from_pretrained(tmp_path / "ck")
     kept = k3.from_pretrained(tmp_path / "ck", packed="keep")
     experts = [m.experts for m in moe_layers(kept)]
@@ -115,7 +116,7 @@ def test_keep_packed_inference(tmp_path):
     deq16 = k3.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16)
     assert kept16.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.bfloat16
     assert torch.equal(kept16(ids()).logits, deq16(ids()).logits)
-    kept.save_pretrained(tmp_path / "again")  # still packed: same tensors, same config
+    save_pretrained(kept, tmp_path / "again")  # still packed: same tensors, same config
     a, b = ckpt.read_tensors(tmp_path / "ck"), ckpt.read_tensors(tmp_path / "again")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "quantization_config" in json.loads((tmp_path / "again" / "config.json").read_text())
@@ -123,7 +124,7 @@ def test_keep_packed_inference(tmp_path):
 
 def test_release_style_prefix_and_cli(tmp_path):
     model = tiny_model()
-    model.save_pretrained(tmp_path / "hp")
+    save_pretrained(model, tmp_path / "hp")
     assert main(["convert", "--from", str(tmp_path / "hp"), "--to", str(tmp_path / "q"), "--quantize", "mxfp4"]) == 0
     files = ckpt.read_tensors(tmp_path / "q")
     os.remove(tmp_path / "q" / ckpt.CHECKSUMS)
@@ -141,13 +142,13 @@ def test_release_style_prefix_and_cli(tmp_path):
 def test_refusals(tmp_path):
     model = tiny_model()
     with pytest.raises(ValueError, match="quantize="):
-        model.save_pretrained(tmp_path / "x", quantize="nvfp4")
-    model.save_pretrained(tmp_path / "hp")
+        save_pretrained(model, tmp_path / "x", quantize="nvfp4")
+    save_pretrained(model, tmp_path / "hp")
     with pytest.raises(ValueError, match="no packed experts"):
         k3.from_pretrained(tmp_path / "hp", packed="keep")
     with pytest.raises(ValueError, match="packed="):
         k3.from_pretrained(tmp_path / "hp", packed="lazy")
-    model.save_pretrained(tmp_path / "q", quantize="mxfp4")
+    save_pretrained(model, tmp_path / "q", quantize="mxfp4")
     cfg_path = tmp_path / "q" / "config.json"
     good = json.loads(cfg_path.read_text())
     for change, message in ((("quant_method", "gptq"), "quant_method"), (("format", "nvfp4-pack-quantized"), "format"),

@@ -12,7 +12,8 @@ import torch
 import k3
 from k3.cli.main import main
 from k3.convert.checkpoint import CHECKSUMS
-from k3.train.checkpoint import STATE_FILE, latest_checkpoint
+from k3.convert.checkpoint import latest_checkpoint
+from k3.train.checkpoint import STATE_FILE
 from k3.train.trainer import Trainer, TrainingDiverged
 from tests.train.test_trainer import tiny_cfg
 

@@ -11,7 +11,7 @@ import k3.train.checkpoint as run_ckpt
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.train.checkpoint import latest_checkpoint, resolve_checkpoint
+from k3.convert.checkpoint import latest_checkpoint, resolve_checkpoint
 from k3.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 

@@ -17,10 +17,11 @@ from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 from k3.infer.server import create_app
 from k3.model.multimodal import K3ForConditionalGeneration
-from k3.train.vision_data import media_ids, task_tokenizer
+from k3.data.vision import media_ids, task_tokenizer
 from k3.vision.media import expand_placeholders, merged_tokens
 from k3.vision.processor import ImageProcessor
 from k3.vision.task import make_example
+from k3.convert.checkpoint import save_pretrained
 
 PAD, BEGIN, END = 500, 501, 502
 
@@ -84,7 +85,7 @@ def test_packed_multimodal_examples_equal_separate(model):
 
 
 def test_checkpoint_round_trip_keeps_the_tower(model, tmp_path):
-    model.save_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
     loaded = from_pretrained(tmp_path)
     assert isinstance(loaded, K3ForConditionalGeneration) and loaded.config == model.config
     for k, v in model.state_dict().items():
@@ -192,7 +193,7 @@ def test_k3_generate_with_an_image(tmp_path, capsys):
     tok = task_tokenizer(400)
     torch.manual_seed(2)
     cfg = with_vision(get_preset("tiny")).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **media_ids(tok))
-    K3ForConditionalGeneration(cfg).save_pretrained(tmp_path / "mm")
+    save_pretrained(K3ForConditionalGeneration(cfg), tmp_path / "mm")
     tok.save(tmp_path / "mm")
     png = tmp_path / "q.png"
     images(1)[0].save(png)
@@ -202,7 +203,7 @@ def test_k3_generate_with_an_image(tmp_path, capsys):
     stats = capsys.readouterr().err
     n_image = merged_tokens(ImageProcessor.from_config(cfg.vision).process([png])[1][0].tolist(), 2)
     assert f"[{len(tok.encode(' how many shapes ?')) + n_image + 2} prompt" in stats  # + begin / end tokens
-    K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size)).save_pretrained(tmp_path / "text")
+    save_pretrained(K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size)), tmp_path / "text")
     tok.save(tmp_path / "text")
     args[2] = str(tmp_path / "text")
     assert main(args) != 0

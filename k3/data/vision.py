@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from k3.config import VisionConfig
-from k3.train.data import IGNORE_INDEX
-from k3.train.tokenizer import DEFAULT_SPECIAL_TOKENS, Tokenizer, train_bpe
+from k3.data.text import IGNORE_INDEX
+from k3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, Tokenizer, train_bpe
 from k3.vision.media import expand_placeholders, merged_tokens
 from k3.vision.processor import ImageProcessor
 from k3.vision.task import Example, make_example, task_texts
@@ -57,7 +57,7 @@ class VisionBatch:
 
 
 class VisionTaskData:
-    """``next_batch(B)`` / ``rows_batch(indices)`` / ``state_dict()`` like k3.train.data.PackedDataset."""
+    """``next_batch(B)`` / ``rows_batch(indices)`` / ``state_dict()`` like k3.data.text.PackedDataset."""
 
     def __init__(self, tokenizer: Tokenizer, vision: VisionConfig, split: str = "train", seed: int = 0,
                  rows: int | None = None):

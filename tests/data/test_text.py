@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from k3.train.data import (
+from k3.data.text import (
     IGNORE_INDEX, Document, PackedDataset, load_corpus, load_documents, seeded_permutation, split_documents,
     stdlib_corpus,
 )
@@ -256,7 +256,7 @@ def test_max_tokens_and_errors():
 
 
 def test_real_tokenizer_stdlib_packing():
-    from k3.train.tokenizer import train_bpe
+    from k3.data.tokenizer import train_bpe
 
     docs = stdlib_corpus("train", max_docs=40)
     tok = train_bpe((d.text for d in docs), vocab_size=512)

@@ -1,0 +1,106 @@
+"""The import directions between k3's top-level packages, and no import cycles between its modules.
+
+Layers, lowest first (a package may import its own layer's packages only where no cycle results, and any lower
+layer): config <- ops <- model <- {quant, convert} <- {data, vision} <- {train, infer, distributed}
+<- {audit, plan, bench} <- cli. Every import counts, also one inside a function (a lazy import still couples the
+packages). The package ``k3`` itself (its ``__init__``: the public shortcuts) and ``k3.__main__`` are exempt."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "k3"
+LAYERS = [("config",), ("ops",), ("model",), ("quant", "convert"), ("data", "vision"),
+          ("train", "infer", "distributed"), ("audit", "plan", "bench"), ("cli",)]
+LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def _module(path: Path) -> str:
+    parts = ["k3", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module -> the k3 modules it imports (``from a.b import c`` counts a.b, and a.b.c where that is a module)."""
+    modules = {_module(p): p for p in ROOT.rglob("*.py")}
+    out: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            out[name].update(t for t in targets if t in modules and t != name)
+    return out
+
+
+IMPORTS = _imports()
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else None
+
+
+def test_every_package_has_a_layer():
+    packages = {p for m in IMPORTS for p in [_package(m)] if p}
+    assert packages <= set(LEVEL), f"packages without a layer: {sorted(packages - set(LEVEL))}"
+
+
+def test_imports_point_down_the_layers():
+    wrong = sorted(f"{m} -> {t}" for m, targets in IMPORTS.items() for t in targets
+                   if _package(m) and _package(t) and LEVEL[_package(t)] > LEVEL[_package(m)])
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its nodes in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for t in sorted(graph.get(n, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_cycle_between_packages():
+    graph: dict[str, set[str]] = defaultdict(set)
+    for m, targets in IMPORTS.items():
+        for t in targets:
+            if _package(m) and _package(t) and _package(m) != _package(t):
+                graph[_package(m)].add(_package(t))
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_no_cycle_between_modules():
+    """A package's ``__init__`` re-exporting its submodules is no cycle: edges into a package's own children from
+    its ``__init__`` are left out."""
+    graph = {m: {t for t in targets if not t.startswith(m + ".")} for m, targets in IMPORTS.items()}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_infer_does_not_import_train():
+    assert not [m for m, ts in IMPORTS.items() if _package(m) == "infer" for t in ts if _package(t) == "train"]
+
+
+@pytest.mark.parametrize("graph,cyclic", [({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
+                                          ({"a": {"b", "c"}, "b": {"c"}}, False)])
+def test_cycle_finder(graph, cyclic):
+    assert (_cycle(graph) is not None) == cyclic
