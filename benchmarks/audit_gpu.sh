@@ -1,8 +1,8 @@
 #!/bin/bash
-# The GPU part of the audit (issue 7) on one H200, resumable across calls:
+# The GPU part of the audit on one H200, resumable across runs:
 #   k3 ablate --grid default  and  k3 scaling --sweep gpu, side by side, each with --jobs,
 # until DEADLINE seconds; then the finished runs' summaries + metrics (not the checkpoints) go to
-# $OUT/audit.tgz and Triton's autotune results to $OUT/autotune.tgz. Unpack audit.tgz into runs/ and
+# audit.tgz and Triton's autotune results to autotune.tgz, both in the folder named by $OUT (default /tmp/out). Unpack audit.tgz into runs/ and
 # rerun to continue: finished runs are skipped from their summary.json.
 # Usage: DEADLINE=540 [ABLATE_JOBS=5 SCALING_JOBS=4 WARM=--no-warm-first] bash benchmarks/audit_gpu.sh
 set -u

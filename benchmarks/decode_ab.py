@@ -7,8 +7,8 @@ bandwidth limit of the same bytes (``k3.bench.decode.step_bytes`` / the copy ban
 A VARIANT is a comma-separated list of environment settings (``K3_PDL=0``, ``K3_MOE_UP_GLU=torch,K3_MOE_ROUTE=torch``);
 ``''`` is the tree as it stands (the default, alone). Each variant's step is compiled again (dynamo reset) with its
 settings in place. To compare two trees, run the script once in each, one process after the other on the same
-machine (a process's copy bandwidth, and with it the limit, moves by up to ~1.5% between processes on an H200:
-benchmarks/results/decode-s30.md). Prints one line per timing and a summary (every time, the fastest, its share of
+machine (a process's copy bandwidth, and with it the limit, moves by up to ~1.5% between processes on an
+H200). Prints one line per timing and a summary (every time, the fastest, its share of
 the limit).
 """
 

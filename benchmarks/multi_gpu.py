@@ -1,4 +1,4 @@
-"""Issue 11: distributed training on N GPUs against one GPU, same data, same global batch.
+"""Distributed training on N GPUs against one GPU, same data, same global batch.
 
     python benchmarks/multi_gpu.py --gpus 2 [--preset small-1b] [--steps 50] [--rows 4] [--seq-len 2048]
 

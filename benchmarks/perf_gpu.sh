@@ -1,21 +1,23 @@
 #!/bin/bash
-# One device call for issues 5 / 6 on one H200: the GPU tests, then the training-step profile and
-# the benchmarks that re-measure this code, each under its own time limit so one slow step cannot take the
-# others' time; results and logs land in $OUT (at most 8 files come back, hence one tar of the logs), Triton's
-# cache in $OUT/autotune.tgz (unpack into .triton so later calls skip fla's autotuning): the whole cache with
-# TorchInductor's (.inductor, compiled kernels) when both fit in 40 MB, else the autotune results alone.
-# Usage (device, repo root, .whl and .triton carried; .whl holds fla-core 0.6.0 and, for the kernels step's fla layer,
-# flash-linear-attention 0.6.0, both pure-Python wheels):
+# Runs the GPU tests, the training-step profile and the performance benchmarks on one GPU (an H200 for the
+# published figures), each step under its own time limit so one slow step cannot take the others' time.
+# Outputs go to the folder named by $OUT (default /tmp/out): summary.txt (each step's exit status and time),
+# logs.tgz (each step's log and the result files it wrote), and Triton's cache as autotune.tgz (unpack it into
+# .triton so later runs skip fla's autotuning): the whole cache with TorchInductor's (inductor.tgz, compiled kernels)
+# when both fit in 40 MB, else the autotune results alone.
+# Usage (from the repository root, with fla-core 0.6.0 and, for the kernels step's fla layer, flash-linear-attention
+# 0.6.0 available as wheels in .whl/ and an optional Triton cache in .triton/):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=$PWD/.triton TORCHINDUCTOR_CACHE_DIR=$PWD/.inductor \
 #     bash benchmarks/perf_gpu.sh [steps...]
 # steps (default: tests, up to 8.7 minutes: 37 GPU tests, mostly compilation, plus fla's autotuning of any new
-# kernel variant, about a minute per kernel; on a cold machine it ran out of time: tests_compiled and tests_rest
-# split it in two calls; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
-# transformers peer), decode, decode_goals, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
-# profile_decode, ab_kernels_a / ab_kernels_b (each of session 24's four decode kernels off alone), profile_attn_res,
+# kernel variant, about a minute per kernel; tests_compiled and tests_rest
+# split it in two runs for a cold cache; tests_k: those matching $TESTS_K); train, decode_nopeer (the quick decode bench without the
+# transformers peer), decode, decode_targets, profile, profile_stacks, attn_res, attn_res_compiled, train_ac,
+# profile_decode, ab_kernels_a / ab_kernels_b (each of the router top-k, input-maps, MoE routing and fused up-projection
+# kernels off alone), profile_attn_res,
 # kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear, small_groups and profile_kernels on request,
-# each under its own limit below (one call runs at most 10 minutes)
+# each under its own limit below (every step fits in 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
 LOGS=$OUTD/logs
@@ -46,7 +48,7 @@ step attn_res 240 python -m k3 bench model --cases attn_res
 step attn_res_compiled 240 python -m k3 bench model --cases attn_res_compiled
 step train_ac 150 python -m k3 bench model --cases train_ac
 step decode 260 python -m k3 bench decode --quick  # with the compiled-step cases
-step decode_goals 400 python -m k3 bench decode --cases goals  # only the goals' compiled rows (~5 min)
+step decode_targets 400 python -m k3 bench decode --cases targets  # only the target cases' compiled rows (~5 min)
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
 step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
   --env $OFF  # every kernel; the decode kernels on (the default) and off

@@ -7,7 +7,7 @@ bandwidth).
 
 Why: both kernels are autotuned on the key (N, K, BLOCK_M[, SITU]), and BLOCK_M is 16 at every decode batch of the
 decode benchmark's model (B=1: 520 buffer rows over 64 experts; B=64: 1024), so the configuration tuned at the first
-batch a process runs (B=1 in `k3 bench decode --cases goals`) serves all of them; and the autotuner times each
+batch a process runs (B=1 in `k3 bench decode --cases targets`) serves all of them; and the autotuner times each
 kernel alone, where the input maps' kernel (k3.ops.linear.triton_multi) measured 2x slower in the step with its
 choice than with a fixed rule (multi_linear_configs.md). The batches run in the order given, so the autotuner's
 row at each later batch shows what the first batch's choice costs there. Each graph runs the matmuls of several

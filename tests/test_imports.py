@@ -1,6 +1,6 @@
 """Every k3 module imports on a CPU-only machine (those that need a GPU-only package, and the CLI entry point,
 compile) and every script under benchmarks/ compiles: a syntax error in code the CPU suite never runs would
-otherwise reach a GPU session first."""
+otherwise reach a GPU run first."""
 
 import importlib
 import importlib.util

@@ -136,7 +136,7 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
 
 
 EAGER_CASES = {(1, 4096), (64, 32768)}  # also run eagerly (hybrid): what the CUDA graph saves
-COMPILED_CASES = {(1, 4096), (64, 32768), (16, 131072)}  # also compiled (both models): the goals' cases
+COMPILED_CASES = {(1, 4096), (64, 32768), (16, 131072)}  # also compiled (both models): the target cases
 
 
 KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input maps", "K3_MOE_ROUTE": "MoE routing",
@@ -144,19 +144,20 @@ KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input m
                    "K3_KDA_DECODE": "KDA core"}  # the decode kernels, each turned off by VAR=torch
 
 
-GOAL_CASES = [(1, 4096), (64, 32768), (16, 131072)]  # the goals' cases: B=1 / 4K vs the peer, 80% at B=64 / 32K, 3x
-GOAL_TWIN = {(16, 131072)}  # the full-MLA twin where a goal compares it
+TARGET_CASES = [(1, 4096), (64, 32768), (16, 131072)]  # the performance targets: B=1 / 4K vs the peer, 80% of the
+# bandwidth limit at B=64 / 32K, 3x the full-MLA twin at B=16 / 128K
+TARGET_TWIN = {(16, 131072)}  # the full-MLA twin where a target compares against it
 
 
-def modes(batch: int, context: int, full: bool, goals: bool = False) -> tuple[str, ...]:
-    if goals:
-        return ("compiled",) if not full or (batch, context) in GOAL_TWIN else ()
+def modes(batch: int, context: int, full: bool, targets: bool = False) -> tuple[str, ...]:
+    if targets:
+        return ("compiled",) if not full or (batch, context) in TARGET_TWIN else ()
     eager = ("eager",) if (batch, context) in EAGER_CASES and not full else ()
     return ("graph",) + eager + (("compiled",) if (batch, context) in COMPILED_CASES else ())
 
 
-def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 240.0, goals: bool = False) -> None:
-    """``quick``: the goals' three cases in every mode; ``goals``: only their compiled rows, the full-MLA twin at
+def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 240.0, targets: bool = False) -> None:
+    """``quick``: the three target cases in every mode; ``targets``: only their compiled rows, the full-MLA twin at
     B=16 / 128K only and no transformers peer (its figure is in decode-quick.md), about 5 minutes on an H200."""
     backend.set_backend("fast")
     started = time.perf_counter()
@@ -175,10 +176,10 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
                             f"fused_recurrent_kda where the KDA core is torch; {launches}), decode_step in CUDA graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
-    if quick or goals:
-        cases = GOAL_CASES
+    if quick or targets:
+        cases = TARGET_CASES
     rows, peer = [], {}
-    for batch, context in [] if goals else [(1, 4096)] + ([] if quick else [(16, 4096)]):  # the peer first
+    for batch, context in [] if targets else [(1, 4096)] + ([] if quick else [(16, 4096)]):  # the peer first
         if time.perf_counter() - started > peer_budget_s:
             print(f"skipping the transformers peer at B={batch}: time budget spent", flush=True)
             continue
@@ -193,7 +194,7 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
         for batch, context in cases:
             limit = step_bytes(model, batch, context) / bw
             name = "full-MLA twin" if full else "hybrid 3:1"
-            for mode in modes(batch, context, full, goals):
+            for mode in modes(batch, context, full, targets):
                 row = {"model": name + MODES[mode], "mode": mode, "batch": batch, "context": context,
                        "limit_ms": limit * 1e3}
                 try:

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer cases")
     p.add_argument("--cases", default=None,
                    help="model: comma-separated subset of train,train_ac,peer,floor,attn_res,attn_res_compiled,prefill "
-                        "(default all); decode: goals (only the goals' compiled rows, no transformers peer)")
+                        "(default all); decode: targets (only the performance targets' compiled rows, no transformers peer)")
     p.set_defaults(func=run)
 
 
@@ -26,9 +26,9 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {}
     if args.cases is not None:
         if args.name == "decode":
-            if args.cases != "goals":
-                raise ValueError(f"k3 bench decode --cases takes goals, not {args.cases!r}")
-            kwargs["goals"] = True
+            if args.cases != "targets":
+                raise ValueError(f"k3 bench decode --cases takes targets, not {args.cases!r}")
+            kwargs["targets"] = True
         elif args.name == "model":
             kwargs["cases"] = args.cases.split(",")
         else:

@@ -14,7 +14,7 @@ one has completed; what that one kernel does not write can be read at once. Two 
 do so with their main reads: the KDA decode core (its slots and recurrent states, which only the core itself
 writes) and the short-conv step (its slots, conv state rows and weights; the KDA maps before it write the inputs,
 read after the wait). At B=64 / 32K on an H200 that took ~15-45 us off a ~2.95 ms step
-(benchmarks/results/decode-s31.md). tests/ops/test_kernels_compile_for_hopper.py checks that no other kernel reads
+(benchmarks/results/decode-targets.md). tests/ops/test_kernels_compile_for_hopper.py checks that no other kernel reads
 before its wait and that none writes before it.
 
 ``K3_PDL=0`` turns it off (``1``: on, the default where the GPU and Triton support it). Inductor's own kernels in

@@ -62,7 +62,7 @@ class Cluster:
 H200_SOURCES = {
     "hbm_gib": "measured: the memory torch reports on the H200 we run on (139.8 GiB of the 141 GB sold)",
     "hbm_bytes_per_s": "measured: device-to-device copy bandwidth, 4.21 TB/s "
-                       "(benchmarks/results/decode-goals-s31.json)",
+                       "(benchmarks/results/decode-targets.json)",
     "bf16_flops": "measured: dense bf16 matmul rate on one H200, 790 TFLOP/s (k3.bench.model.PEAK)",
     "intra_bytes_per_s": "assumed: NVLink 4, 450 GB/s each way per GPU (vendor figure)",
     "inter_bytes_per_s": "assumed: one 400 Gb/s NIC per GPU, 50 GB/s each way (vendor figure)",

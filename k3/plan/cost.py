@@ -25,7 +25,7 @@ from k3.plan.cluster import Cluster
 EXPERT_BYTES_PER_PARAM = {"bf16": 2.0, "mxfp4": 4.25 / 8}  # MXFP4: 4-bit codes + one E8M0 byte per 32 weights
 
 # Measured on one H200 (benchmarks/results); each figure says where it comes from.
-LAYER_OVERHEAD_S = 41.5e-6  # per layer and decode step: the fixed part of decode-goals-s31.json's B=1 / 4K row
+LAYER_OVERHEAD_S = 41.5e-6  # per layer and decode step: the fixed part of decode-targets.json's B=1 / 4K row
 # (0.630 ms measured, 0.131 ms of bytes at the copy bandwidth, over its 12 layers)
 GROUPED_GEMM = ((128, 203e12), (1024, 535e12))  # bf16 grouped GEMM FLOP/s at tokens per expert (spec §6, H200)
 ACTIVATION_BYTES = 126.0  # training activations per token, layer and unit of width: small-1b's 58.3 GiB peak at

@@ -55,12 +55,12 @@ def _read(name: str) -> dict | None:
 def validate() -> list[dict]:
     """Predicted vs measured for every run we have results for (rows say which file and what was calibrated)."""
     rows: list[dict] = []
-    goals = _read("decode-goals-s31.json")
-    if goals:
+    targets = _read("decode-targets.json")
+    if targets:
         from k3.bench.decode import peer_config
 
-        bw = goals["meta"]["copy_bandwidth_TBps"] * 1e12
-        for r in goals["rows"]:
+        bw = targets["meta"]["copy_bandwidth_TBps"] * 1e12
+        for r in targets["rows"]:
             cfg = peer_config(full_mla=r["model"].startswith("full-MLA"))
             shape = cost.model_shape(cfg)
             c = make_cluster(gpus=1, hbm_bytes_per_s=bw, hbm_gib=1e6)
@@ -72,7 +72,7 @@ def validate() -> list[dict]:
                          "predicted": f"{step['step_s'] * 1e3:.3f} ms", "measured": f"{r['ms_per_step']:.3f} ms",
                          "ratio": step["step_s"] * 1e3 / r["ms_per_step"],
                          "note": "calibrates the per-layer overhead" if r["batch"] == 1 else "",
-                         "source": "decode-goals-s31.json"})
+                         "source": "decode-targets.json"})
     train = _read("model-train-precision.json")
     if train:
         cfg = get_preset("small-1b")
@@ -246,7 +246,7 @@ def write_report(config: K3Config, shares: np.ndarray, work: Serving, out: Path,
     sources = make_cluster(gpus=1).sources
     parts.append("## Where the rates come from\n")
     parts.append("\n".join(f"- {k}: {v}" for k, v in sources.items()) + "\n")
-    parts.append(f"- per-layer decode overhead {cost.LAYER_OVERHEAD_S * 1e6:.1f} us: measured (decode-goals-s31.json, "
+    parts.append(f"- per-layer decode overhead {cost.LAYER_OVERHEAD_S * 1e6:.1f} us: measured (decode-targets.json, "
                  "B=1 / 4K)\n- grouped GEMM " + ", ".join(f"{r / 1e12:.0f} TFLOP/s at {t} tokens per expert"
                                                           for t, r in cost.GROUPED_GEMM)
                  + ": measured\n- workspace "

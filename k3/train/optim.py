@@ -85,7 +85,7 @@ def newton_schulz(G: Tensor, steps: int = 5, coeffs: tuple[float, float, float] 
     in ``dtype`` (None = fp32); the result has shape [..., A, B] and that dtype — the caller casts.
     A tall matrix is iterated in its own layout, as the transpose of that recurrence (Gram matrix X^T X,
     X <- a X + X P^T): the same products, without copying transposed views (H200, 1408 bf16 [768, 512] blocks:
-    22.98 -> 20.47 ms; bitwise equal to iterating X^T in our measurements, benchmarks/results/newton_schulz_s27.txt).
+    22.98 -> 20.47 ms; bitwise equal to iterating X^T in our measurements, benchmarks/results/newton_schulz.txt).
     """
     if G.dim() < 2:
         raise ValueError(f"newton_schulz needs a [..., A, B] tensor, got shape {tuple(G.shape)}")

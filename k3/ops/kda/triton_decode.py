@@ -78,7 +78,7 @@ def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, S
 def _warps(state_size: int, programs: int, device: torch.device) -> int:
     """Warps per program: 8 for states over 64 x 64; for states up to 64 x 64, one warp (at 64 x 64: 128 state
     elements per thread) once the programs are at least 4 per SM, else 4. On an H200 at the decode benchmark's
-    shapes (CUDA graphs of 20 launches, benchmarks/results/kernels_micro_s29.txt): B=64 (1024 programs, 7.8 per SM)
+    shapes (CUDA graphs of 20 launches, benchmarks/results/kernels_micro.txt): B=64 (1024 programs, 7.8 per SM)
     10.1 us with one warp, 14.4 with four; B=16 (256, 1.9 per SM) 5.3 with four, 6.7 with one; B=1 3.6 with four,
     5.9 with one. The threshold between the two measured counts is a choice."""
     if state_size > 64 * 64:

@@ -14,7 +14,7 @@ and at most MAX_WEIGHTS weights; the torch form otherwise: where a gradient is n
 over the stacked weights (:func:`concatenated`: one matrix product forward and two backward instead of one and two
 per weight), else one linear per weight (a prefill's GEMMs gain nothing from stacking, a decode step's GEMVs would
 pay for its copy of the weights: they read each weight once). ``K3_MULTI_LINEAR=torch`` turns the kernel off
-(:func:`k3.ops.backend.triton_or_torch`); it is the default since it was measured on an H200 in session 24
+(:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster on an H200
 (benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
 """
 

@@ -16,8 +16,8 @@ moe_experts logs which one runs.
 ``small_groups_glu`` is the same kernel for the up-projection with two weights and an epilogue: each program gathers
 its group's rows from the tokens (through the routing's src_pair), multiplies them by its block of w1 and of w3 and
 writes act(gate, up) (SiTU-GLU or SwiGLU), one launch where apart the row gather, two matmuls and the GLU take four.
-The default where the small-groups kernel runs (``K3_MOE_UP_GLU=torch`` turns it off, grouped.up_glu_kernel), since
-it was measured on an H200 in session 24 (benchmarks/results/decode-opt-in.md).
+The default where the small-groups kernel runs (``K3_MOE_UP_GLU=torch`` turns it off, grouped.up_glu_kernel), because
+it was faster on an H200 (benchmarks/results/decode-opt-in.md).
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def block_m(rows: int, groups: int) -> int:
     rows per group, so groups average mu = rows / groups - ALIGN pairs, and an expert's count under uniform routing
     is about Poisson(mu): BLOCK_M is mu + 4 sqrt(mu) padded to ALIGN, as a power of two in 16..64. At the decode
     benchmark's B=64 (k=8, E=64: mu = 8) that is 32; with the average (16), the one or two groups of 24 rows per
-    layer took two passes (benchmarks/results/decode-s31.md). B=16 and B=1 keep 16."""
+    layer took two passes (B=64 / 32K: ~2.95 -> 2.91 ms per step with the reads before the PDL wait,
+    docs/decisions.md). B=16 and B=1 keep 16."""
     mu = max(rows / max(groups, 1) - ALIGN, 0.0)
     large = -(-(mu + 4 * mu ** 0.5) // ALIGN) * ALIGN
     return min(64, max(16, triton.next_power_of_2(int(large))))

@@ -13,7 +13,7 @@ buffer's pair index), each a few microseconds on an H200 where the step is bound
 
 then fills the buffer's pair index with -1 and, after a barrier, writes each pair's index at its row. The result
 equals the torch form's exactly (both are the unique stable order). The default for at most COUNT_PAIRS pairs on a
-GPU (``K3_MOE_ROUTE=torch`` turns it off) since it was measured on an H200 in session 24
+GPU (``K3_MOE_ROUTE=torch`` turns it off) because it was faster on an H200
 (benchmarks/results/decode-opt-in.md). grouped.route_kernel chooses and logs.
 """
 

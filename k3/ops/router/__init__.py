@@ -4,7 +4,7 @@
 Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of k3.ops.router.triton_topk
 (it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most MAX_EXPERTS
 experts, and the torch form otherwise. ``K3_ROUTER_TOPK=torch`` turns the kernel off
-(:func:`k3.ops.backend.triton_or_torch`); it is the default since it was measured on an H200 in session 24
+(:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster on an H200
 (benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
 The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
 unspecified); consumers treat them as a set.
