@@ -442,21 +442,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_k3_serve_cli_graceful_sigterm(ckpt):
+def start_serve(ckpt, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A live ``k3 serve`` on a free loopback port (CPU), once /health answers 200: (process, base URL)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--port", str(port),
-                             "--device", "cpu", "--max-context", "512"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             "--device", "cpu", *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(proc.stdout.read())
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def test_k3_serve_cli_graceful_sigterm(ckpt):
+    proc, url = start_serve(ckpt, "--max-context", "512")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         events = []
         with httpx.stream("POST", url + "/v1/completions", json={"model": "k3", "prompt": "Hello", "max_tokens": 40,
                                                                  "temperature": 0, "stream": True,
@@ -751,28 +758,16 @@ def test_drain_ends_open_requests_with_errors_and_refuses_new_ones(ckpt):
 
 
 def test_k3_serve_sigterm_past_the_drain_ends_requests_with_errors(ckpt):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--port", str(port),
-                             "--device", "cpu", "--max-context", "2048", "--drain-timeout", "0.5"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = start_serve(ckpt, "--max-context", "2048", "--drain-timeout", "0.5")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         body = {"model": "k3", "prompt": "Hello", "max_tokens": 2000, "temperature": 0}  # far past the drain
         whole = {}
         t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", json=body,
                                                                         timeout=60)))
         t.start()
+        deadline = time.monotonic() + 30
         while httpx.get(url + "/health").json()["running"] < 1:  # the non-streamed one is in before the SIGTERM
-            assert time.monotonic() < deadline + 30 and t.is_alive()
+            assert time.monotonic() < deadline and t.is_alive()
             time.sleep(0.05)
         events = []
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
