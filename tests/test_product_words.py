@@ -24,7 +24,8 @@ HISTORY = [
     re.compile(r"\b(?:this|that|same|previous|earlier|later|next|each|every)\s+sessions?\b"
                r"(?!\s*(?:cookie|id|token|key|object|pool|scope))", re.IGNORECASE),
     re.compile(r"\bsession(?:'s|-to-session)\b", re.IGNORECASE),
-    re.compile(r"\bround\s+\d+\b(?!\s*(?:ms|us|s\b|steps?|tokens?))", re.IGNORECASE),  # a numbered round, not a duration
+    # a numbered round, not a duration
+    re.compile(r"\bround\s+\d+\b(?!\s*(?:ms|us|s\b|steps?|tokens?))", re.IGNORECASE),
     re.compile(r"\bdevice\s+calls?\b", re.IGNORECASE),
     re.compile(r"\bgoals?\s+of\s+the\s+issue\b", re.IGNORECASE),
     re.compile(r"\bfiles\s+come\s+back\b", re.IGNORECASE),

@@ -38,8 +38,9 @@ def copy_bandwidth() -> float:
 def read_bandwidth() -> float:
     """Device read bandwidth in bytes/s: an fp32 sum over a 4 GiB buffer (reads only). On an H200 it came out 2-3%
     above the copy figure (4.35-4.38 vs 4.24-4.28 TB/s, benchmarks/results/kernels_micro.txt;
-    4.37 vs 4.21 in decode-targets.md): a limit taken from the copy is not tight. Nor is this one: the MLA decode kernel read its
-    latents at 4.47 TB/s (541 us for 2.42 GB, kernels_micro.txt); the H200's nominal HBM rate is 4.8 TB/s."""
+    4.37 vs 4.21 in decode-targets.md): a limit taken from the copy is not tight. Nor is this one: the MLA decode
+    kernel read its latents at 4.47 TB/s (541 us for 2.42 GB, kernels_micro.txt); the H200's nominal HBM rate is
+    4.8 TB/s."""
     a = torch.ones(2**30, dtype=torch.float32, device="cuda")
     t = cuda_time(lambda: a.sum(), warmup=2, iters=5)
     del a

@@ -8,7 +8,8 @@ Quantile Balancing (QB) reads the balanced-assignment problem "every token takes
 q = N k / E tokens" through its dual. For each token the (k+1)-th largest biased score is the cutoff c_t; a token
 would pick expert j under a new bias b'_j iff s_tj + b'_j > c_t, i.e. iff b'_j > r_tj with r_tj = c_t - s_tj.
 Setting b'_j to the (q+1)-th smallest of the column r_{:,j} (its (k/E)-quantile as an order statistic, the spec's
-exact form) gives every expert exactly q tokens *under the old cutoffs* (the (q+1)-th on a tie); after re-routing the cutoffs move, so the balance is approximate (and improves step by step).
+exact form) gives every expert exactly q tokens *under the old cutoffs* (the (q+1)-th on a tie); after
+re-routing the cutoffs move, so the balance is approximate (and improves step by step).
 
 Everything on the update paths is vectorised and free of host syncs (no ``.item()``, no ``bincount``: on CUDA
 ``torch.bincount`` reads min/max back to the host to size its output, so loads use ``scatter_add_``). Only

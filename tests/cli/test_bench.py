@@ -1,6 +1,6 @@
 """`k3 bench`: its arguments are checked before it asks for a GPU (one clear error each, exit code 2), and the decode
-benchmark's targets-only run picks the target cases' compiled rows; the KDA layer comparison times the layers in turn; the
-profiles' device time counts kernels, not the annotation ranges that span them."""
+benchmark's targets-only run picks the target cases' compiled rows; the KDA layer comparison times the layers in
+turn; the profiles' device time counts kernels, not the annotation ranges that span them."""
 
 import pytest
 import torch
