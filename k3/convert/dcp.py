@@ -4,7 +4,8 @@ Layout of a checkpoint directory:
   ``.metadata``, ``__*_*.distcp``   DCP: {"model": model state, "optim": optimizer state}, keyed by parameter
                                     names (FQNs), every tensor with its GLOBAL shape; each rank writes its shards
                                     (replicas are written once)
-  ``extra.pt``                      ``extra`` (step, data position, configs, ...) as given by rank 0 (torch.save)
+  ``extra.pt``                      ``extra`` (step, data position, configs, ...) as given by rank 0 (torch.save;
+                                    read back with ``weights_only=True``: tensors and plain data only)
 
 Saving is atomic at the directory level: every rank writes into one temp directory beside the target, and after
 a barrier rank 0 swaps it in (k3.convert.atomic: fsync, then renameat2 exchange), so ``path`` is either the old
@@ -22,6 +23,7 @@ if it has none.
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -94,7 +96,18 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path, no_dist)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return torch.load(path / EXTRA_FILE, weights_only=False)
+    return read_extra(path)
+
+
+def read_extra(path: str | os.PathLike) -> dict:
+    """A checkpoint's ``extra`` as tensors and plain data only (``weights_only``): loading a checkpoint from
+    elsewhere cannot run code. Anything else in the file is refused with one ValueError."""
+    file = Path(path) / EXTRA_FILE
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{file} holds more than tensors and plain data; refused ({first})") from None
 
 
 def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:

@@ -321,3 +321,25 @@ def test_shard_index_cannot_leave_the_directory(saved, tmp_path, name):
     (path / ckpt.INDEX).write_text(json.dumps(index))
     with pytest.raises(ValueError, match="outside the checkpoint directory"):
         k3.from_pretrained(path)
+
+
+def test_dcp_extra_is_read_as_plain_data_only(tmp_path):
+    """A distributed checkpoint's extra.pt with an object whose unpickling would run code is refused, and the code
+    does not run; tensors and plain data load as saved."""
+    import os
+
+    from k3.convert.dcp import EXTRA_FILE, read_extra
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    torch.save({"step": 3, "bad": Payload()}, tmp_path / EXTRA_FILE)
+    with pytest.raises(ValueError, match="more than tensors and plain data"):
+        read_extra(tmp_path)
+    assert not marker.exists()
+    torch.save({"step": 3, "data": {"pos": [1, 2]}, "t": torch.ones(2)}, tmp_path / EXTRA_FILE)
+    extra = read_extra(tmp_path)
+    assert extra["step"] == 3 and extra["data"] == {"pos": [1, 2]} and torch.equal(extra["t"], torch.ones(2))
