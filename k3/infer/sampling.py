@@ -150,6 +150,11 @@ def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generat
         drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
-    if not bool(torch.isfinite(probs).all()):  # NaN logits: multinomial would fail (or assert on a GPU)
+    # NaN logits would make multinomial fail (a device assert on a GPU): it draws from uniform weights instead, and
+    # the finiteness flag comes back with the token in one transfer, so sampling costs no extra host sync
+    finite = torch.isfinite(probs).all()
+    token = torch.multinomial(torch.where(finite, probs, torch.ones_like(probs)), 1, generator=generator)
+    ok, token = torch.stack([finite.to(token.dtype), token[0]]).tolist()
+    if not ok:
         raise ValueError("the next-token probabilities are not finite (NaN or inf logits)")
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return token

@@ -213,7 +213,9 @@ class QBHistogram:
             if self.counts.device != r.device:
                 self.counts = self.counts.to(r.device)
         scale = self.bins / (self.hi - self.lo)
-        idx = ((r - self.lo) * scale).floor_().clamp_(0, self.bins - 1).to(torch.int64)
+        # NaN (the scores of a diverging step, which the trainer then drops) lands in bin 0 instead of indexing
+        # out of range
+        idx = ((r - self.lo) * scale).nan_to_num_(0.0).floor_().clamp_(0, self.bins - 1).to(torch.int64)
         idx += torch.arange(self.num_experts, device=r.device, dtype=torch.int64) * self.bins
         flat = idx.reshape(-1)
         self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat))

@@ -452,10 +452,7 @@ class Trainer:
             for b in batches:
                 loss_sum, _, out = self._forward_loss(b)
                 cu = offsets_to(b.cu_seqlens, self.device)
-                # NaN scores (a diverging step) would index QB's histogram out of range; such a step is skipped
-                # below and its balancer statistics dropped, and finite scores pass unchanged
-                safe = [dataclasses.replace(s, scores=torch.nan_to_num(s.scores, nan=0.0)) for s in out.router_stats]
-                aux = self.balancer.observe(safe, cu) / (cfg.grad_accum * self.data_ranks())
+                aux = self.balancer.observe(out.router_stats, cu) / (cfg.grad_accum * self.data_ranks())
                 (loss_sum / valid + aux).backward()
                 total = total + loss_sum.detach().double()
                 aux_total = aux_total + aux.detach().double()

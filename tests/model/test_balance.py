@@ -345,7 +345,7 @@ def test_seq_max_vio_matches_a_loop_over_sequences(seed):
 
 
 def test_seq_max_vio_hand_made():
-    e, k = 4, 2
+    e = 4  # experts; each token takes k = 2 (the columns of idx)
     # sequence 0: 3 tokens on experts {0,1} -> counts [3,3,0,0], T k / E = 1.5, MaxVio 1; sequence 1: 2 tokens
     # balanced -> 0; a one-token fragment -> E / k - 1 = 1. Weighted by T: (3 * 1 + 2 * 0 + 1 * 1) / 6.
     idx = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1], [2, 3], [3, 2], [0, 0]])
@@ -489,3 +489,12 @@ def test_balancer_aux_seqaux_and_none():
 def test_balancer_bad_method():
     with pytest.raises(ValueError, match="unknown balancing method"):
         Balancer("quantile", E, K)
+
+
+def test_histogram_takes_nan_scores_without_indexing_out_of_range():
+    """A diverging step's NaN scores must not crash the histogram (the trainer skips the step and resets it)."""
+    s = torch.rand(64, E, generator=_gen(40))
+    s[3, 5] = float("nan")
+    h = QBHistogram(E, K)
+    h.accumulate(s, torch.zeros(E))
+    assert int(h.counts.sum()) == 64 * E
