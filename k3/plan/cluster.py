@@ -10,6 +10,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+def check_positive_ints(obj, *names: str) -> None:
+    """One ValueError, named as its command-line flag, for the first of ``names`` on ``obj`` that is not an int >= 1
+    (a bool is not an int here)."""
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """``gpus`` GPUs in nodes of ``gpus_per_node``. Rates per GPU: HBM bandwidth (bytes/s a kernel streams), dense
@@ -28,10 +37,7 @@ class Cluster:
     sources: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
+        check_positive_ints(self, "gpus", "gpus_per_node")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(f"--gpus={self.gpus} must be a multiple of --gpus-per-node={self.gpus_per_node} "
                              "(whole nodes)")

@@ -10,7 +10,7 @@ import numpy as np
 
 from k3.config import K3Config
 from k3.plan import cost
-from k3.plan.cluster import Cluster
+from k3.plan.cluster import Cluster, check_positive_ints
 from k3.plan.placement import LayerPlacement, contiguous, min_slots, place
 
 GIB = 2 ** 30
@@ -26,8 +26,7 @@ class Serving:
     prefix_hit: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int) or self.concurrency < 1:
-            raise ValueError(f"--concurrency={self.concurrency!r} must be a positive integer")
+        check_positive_ints(self, "concurrency")
         if not self.contexts or any(c < 1 or not f > 0 for c, f in self.contexts):
             raise ValueError(f"--context={self.contexts!r}: lengths >= 1 with positive fractions")
         if not 0 <= self.prefix_hit < 1:
@@ -50,10 +49,7 @@ class Training:
     checkpointing: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("global_tokens", "seq_len", "micro_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
+        check_positive_ints(self, "global_tokens", "seq_len", "micro_tokens")
 
 
 def _tp_choices(cluster: Cluster, heads: int) -> list[int]:
@@ -190,7 +186,8 @@ def _layout(cluster: Cluster, tp: int, base: int, extra: int) -> dict:
 
 
 def _gib(mem: dict) -> dict:
-    return {k: (v / GIB if isinstance(v, float) and k not in ("fits",) else v) for k, v in mem.items()}
+    """A memory dict with its byte figures (the floats) in GiB."""
+    return {k: v / GIB if isinstance(v, float) else v for k, v in mem.items()}
 
 
 def _why_not(shape: cost.ModelShape, cluster: Cluster, precision: str, mem: dict, tp: int) -> str:

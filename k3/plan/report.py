@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from k3.bench.common import markdown_table
 from k3.config import K3Config, get_preset
 from k3.plan import cost
 from k3.plan.cluster import cluster as make_cluster
@@ -161,20 +162,6 @@ def simulate_balance(config: K3Config, gpus: int, s: float, tokens_per_step: int
     return out
 
 
-def _table(rows: list[dict], columns: list[str]) -> str:
-    def fmt(v):
-        if v is None:
-            return ""
-        if isinstance(v, bool):
-            return "yes" if v else "no"
-        if isinstance(v, float):
-            return f"{v:,.0f}" if abs(v) >= 1000 else (f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}")
-        return str(v)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -223,7 +210,7 @@ def write_report(config: K3Config, shares: np.ndarray, work: Serving, out: Path,
         parts.append(f"Layout: expert parallel {lay['expert_parallel']}, attention tensor parallel "
                      f"{lay['tensor_parallel']} x data parallel {lay['data_parallel']}, {lay['expert_slots_per_gpu']} "
                      f"expert slots per GPU per layer ({lay['replica_slots_per_gpu']} for replicas).\n")
-        parts.append(_table([{k: v for k, v in mem.items()}], [k for k in mem if k != "fits"]) + "\n")
+        parts.append(markdown_table([{k: v for k, v in mem.items()}], [k for k in mem if k != "fits"]) + "\n")
         parts.append("Decode step (ms): " + ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in d.items()
                                                       if k.endswith("_s") and k != "tokens_per_s")
                      + f"; {d['tokens_per_s']:,.0f} tokens/s.\n")
@@ -231,18 +218,19 @@ def write_report(config: K3Config, shares: np.ndarray, work: Serving, out: Path,
         parts.append(f"Load max / mean per GPU (mean over layers): {load['max_over_mean_before']['mean']:.3f} in "
                      f"contiguous blocks, {load['max_over_mean_after']['mean']:.3f} placed.\n")
     parts.append("## Layouts compared\n")
-    parts.append(_table(rows, ["gpus", "experts", "replica_slots", "fits", "shortfall_gib_per_gpu", "tp", "gib_per_gpu",
-                               "max_over_mean", "step_ms", "tokens_per_s", "weights_caches_ms", "experts_ms",
-                               "all_to_all_ms", "all_to_all_full_width_ms", "straggler_ms", "overhead_ms"]) + "\n")
+    parts.append(markdown_table(rows, ["gpus", "experts", "replica_slots", "fits", "shortfall_gib_per_gpu", "tp",
+                                       "gib_per_gpu", "max_over_mean", "step_ms", "tokens_per_s", "weights_caches_ms",
+                                       "experts_ms", "all_to_all_ms", "all_to_all_full_width_ms", "straggler_ms",
+                                       "overhead_ms"]) + "\n")
     parts.append("![decode terms](decode_terms.png)\n")
     parts.append("## Predicted vs measured\n")
-    parts.append(_table(checks, ["run", "predicted", "measured", "ratio", "note", "source"]) + "\n")
+    parts.append(markdown_table(checks, ["run", "predicted", "measured", "ratio", "note", "source"]) + "\n")
     parts.append("## Balance terms against simulated routing\n")
     sim_rows = [{"placement": name, **sim[name]} for name in ("contiguous", "placed", "replicated")]
     parts.append(f"{sim['experts']} experts, top-{sim['top_k']}, {sim['gpus']} GPUs, {sim['tokens_per_step']} tokens "
                  f"per step, popularity rank^-{sim['zipf']:g}, {sim['steps']} simulated steps: max / mean "
                  "token-slots per GPU.\n")
-    parts.append(_table(sim_rows, ["placement", "expected_shares_only", "predicted", "simulated"]) + "\n")
+    parts.append(markdown_table(sim_rows, ["placement", "expected_shares_only", "predicted", "simulated"]) + "\n")
     sources = make_cluster(gpus=1).sources
     parts.append("## Where the rates come from\n")
     parts.append("\n".join(f"- {k}: {v}" for k, v in sources.items()) + "\n")
