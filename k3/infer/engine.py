@@ -29,6 +29,7 @@ import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -84,6 +85,19 @@ class _Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+
+class _Pass(NamedTuple):
+    """One forward pass's results: tokens fed per sequence, their ``cu_seqlens``, which sequences score their
+    prompt, the logits ([T, V] at every position where a prompt is scored in a multi-token pass, else [S, V]), the
+    model's logits at each sequence's last position (``raw``, for log-probabilities) and the rows sampled from."""
+
+    lengths: list[int]
+    cu: torch.Tensor
+    scored: list[bool]
+    logits: torch.Tensor
+    raw: torch.Tensor
+    rows: torch.Tensor
 
 
 @dataclass
@@ -245,12 +259,22 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
+        """One forward pass over every running sequence: admit waiting requests, pick each sequence's piece of the
+        pass, run the model, then advance each sequence on the pass's logits (its outputs, in batch order)."""
         self._admit()
         if not self.running:
             return []
+        batch, pieces = self._schedule()
+        fwd = self._forward(batch, pieces)
+        return self._advance_all(batch, fwd)
+
+    def _schedule(self) -> tuple[list[_Sequence], list[list[int]]]:
+        """(sequences in this pass, the tokens each feeds): a prefill chunk (within the step's ``prefill_chunk``
+        budget; one that stops short of its prompt's end ends on a prefix-cache block boundary) or, once the prompt
+        is in, the newest output token. A prefilling sequence left no budget sits this pass out."""
         pieces, batch, budget = [], [], self.prefill_chunk
         for seq in self.running:
-            if seq.fed < len(seq.prompt):  # prefill, chunk ends on block boundaries for the prefix cache
+            if seq.fed < len(seq.prompt):
                 if budget <= 0:
                     continue
                 take = min(len(seq.prompt) - seq.fed, budget)
@@ -263,6 +287,11 @@ class Engine:
             else:
                 pieces.append([seq.output[-1]])
             batch.append(seq)
+        return batch, pieces
+
+    def _forward(self, batch: list[_Sequence], pieces: list[list[int]]) -> _Pass:
+        """Run the model once over the packed pieces: the sync-free decode step where each brings one token, else
+        the packed forward (logits at every position where a prompt is scored, else at each segment's last)."""
         lengths = [len(p) for p in pieces]
         ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
         images = self._image_rows(batch, pieces)
@@ -280,10 +309,14 @@ class Engine:
         raw = logits[cu[1:] - 1] if full else logits  # the model's, at each sequence's last position (logprobs)
         # sampled from: image tokens only ever come from images
         rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
+        return _Pass(lengths, cu, scored, logits, raw, rows)
+
+    def _advance_all(self, batch: list[_Sequence], fwd: _Pass) -> list[StepOutput]:
+        """:meth:`_advance` each sequence of the pass; one whose own part fails ends alone (:meth:`_fail`)."""
         outputs = []
-        for i, (seq, n, row) in enumerate(zip(batch, lengths, rows)):
+        for i, seq in enumerate(batch):
             try:
-                out = self._advance(seq, i, n, row, raw, logits, cu, scored[i])
+                out = self._advance(seq, i, fwd)
             except Exception as e:  # noqa: BLE001 - this sequence's sampling failed: end it alone, keep the rest
                 log.warning("request %s failed in sampling: %s: %s", seq.request_id, type(e).__name__, e)
                 out = self._fail(seq, f"{type(e).__name__}: {e}")
@@ -291,16 +324,13 @@ class Engine:
                 outputs.append(out)
         return outputs
 
-    def _advance(self, seq: _Sequence, i: int, n: int, row: torch.Tensor, raw: torch.Tensor, logits: torch.Tensor,
-                 cu: torch.Tensor, scored: bool) -> StepOutput | None:
-        """Take the pass's results for batch entry ``i`` (``n`` tokens fed, ``row`` its sampling logits): gather
-        prompt log-probabilities, then, once its prompt is in, sample its next token; its output or None."""
-        if scored:  # the pass's positions predict the prompt's next tokens
-            targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
-            if targets:
-                start = int(cu[i])
-                seq.prompt_logprobs += token_logprobs(logits[start:start + len(targets)], targets,
-                                                      seq.params.prompt_logprobs)
+    def _advance(self, seq: _Sequence, i: int, fwd: _Pass) -> StepOutput | None:
+        """Take the pass's results for batch entry ``i``: gather prompt log-probabilities, count the fed tokens
+        (storing completed blocks in the prefix cache), then, once its prompt is in, sample its next token; its
+        output or None."""
+        n = fwd.lengths[i]
+        if fwd.scored[i]:
+            self._score_prompt(seq, fwd.logits, int(fwd.cu[i]), n)
         seq.fed += n
         if self.prefix is not None and seq.image_features is None:
             self._remember(seq)
@@ -308,14 +338,27 @@ class Engine:
             return None
         if seq.params.max_tokens == 0:  # scored only
             return self._finish_scoring(seq)
+        token, lp = self._sample(seq, fwd.rows[i], fwd.raw[i:i + 1])
+        return self._emit(seq, token, lp)
+
+    @staticmethod
+    def _score_prompt(seq: _Sequence, logits: torch.Tensor, start: int, n: int) -> None:
+        """The ``n`` positions fed from ``start`` predict the prompt's next tokens: their log-probabilities."""
+        targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
+        if targets:
+            seq.prompt_logprobs += token_logprobs(logits[start:start + len(targets)], targets,
+                                                  seq.params.prompt_logprobs)
+
+    def _sample(self, seq: _Sequence, row: torch.Tensor, raw: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token from ``row`` (sampling logits [V]) under the request's penalties and generator, appended
+        to its output, and its log-probability from ``raw`` (the model's logits [1, V]) if asked for."""
         p = seq.params
         seen = torch.tensor(seq.tokens, device=self.device) if p.repetition_penalty != 1.0 else None
         penalised = p.presence_penalty != 0 or p.frequency_penalty != 0
         generated = torch.tensor(seq.output, dtype=torch.int64, device=self.device) if penalised else None
         token = sample_next(row, p, seq.generator, seen, generated)
         seq.output.append(token)
-        lp = None if p.logprobs is None else token_logprobs(raw[i:i + 1], [token], p.logprobs)[0]
-        return self._emit(seq, token, lp)
+        return token, None if p.logprobs is None else token_logprobs(raw, [token], p.logprobs)[0]
 
     def _fail(self, seq: _Sequence, error: str) -> StepOutput:
         """End one sequence whose step failed: its slot is freed, its output carries ``error``."""

@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (Open
 # denormal, turns logit 10 into inf and softmax into NaN). Below 0.01 sampling is greedy in all but name (vLLM
 # raises smaller temperatures to the same 0.01 for the same reason).
 MIN_DIVISOR = 1e-2
+MAX_TEMPERATURE = 2.0  # OpenAI's documented upper bound; the server and `k3 generate` both check this one range
 
 
 class SamplingError(ValueError):
@@ -74,8 +75,9 @@ class SamplingParams:
                 self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             bad("max_tokens", "must be an integer >= 1 (0 only to score a prompt, with prompt_logprobs)")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or MIN_DIVISOR <= t <= 100):
-            bad("temperature", f"must be 0 (greedy) or in [{MIN_DIVISOR}, 100]")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+                t == 0 or MIN_DIVISOR <= t <= MAX_TEMPERATURE):
+            bad("temperature", f"must be 0 (greedy) or in [{MIN_DIVISOR}, {MAX_TEMPERATURE:g}]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

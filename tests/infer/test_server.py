@@ -588,6 +588,26 @@ def test_sampling_ranges_are_the_samplers_with_its_message(served):
     assert post(served, "/v1/completions", {**OK, "temperature": 0.01, "repetition_penalty": 0.01}).status_code == 200
 
 
+def test_temperature_has_one_range_with_one_message(served):
+    """OpenAI's [0, 2] is the sampler's range too: the server and `k3 generate` refuse the same values, in the
+    sampler's words, whichever way the value is out of range."""
+    from k3.infer.sampling import MAX_TEMPERATURE, SamplingParams
+
+    assert MAX_TEMPERATURE == 2
+    for path, body in (("/v1/completions", OK), ("/v1/chat/completions", CHAT)):
+        for t in (-1.0, 1e-3, 2.5, 100.0):  # floats: the schema parses a JSON number into one
+            with pytest.raises(ValueError) as alone:
+                SamplingParams(temperature=t).validate()
+            r = post(served, path, {**body, "temperature": t})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["message"] == str(alone.value) and "[0.01, 2]" in err["message"], err
+            assert err["param"] == "temperature" and err["type"] == "invalid_request_error"
+        for t in (0, 0.01, 2):
+            SamplingParams(temperature=t).validate()
+            assert post(served, path, {**body, "temperature": t}).status_code == 200
+
+
 def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
     import dataclasses as dc
 
@@ -656,9 +676,9 @@ def test_tokenising_runs_off_the_event_loop(served, monkeypatch):
 
 
 def test_echoed_logprobs_are_capped(served, monkeypatch):
-    import k3.infer.server as server_mod
+    import k3.infer.serving as serving_mod
 
-    monkeypatch.setattr(server_mod, "MAX_PROMPT_LOGPROB_ENTRIES", 1000)
+    monkeypatch.setattr(serving_mod, "MAX_PROMPT_LOGPROB_ENTRIES", 1000)
     body = {**OK, "prompt": [5] * 100, "echo": True, "logprobs": 20, "max_tokens": 1}
     r = post(served, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large", r.text
@@ -703,7 +723,7 @@ def raw_exchange(url: str, requests: list[tuple[str, bytes]]) -> list[tuple[int,
 
 
 def test_bad_text_and_internal_errors_keep_the_connection(served, monkeypatch):
-    import k3.infer.server as server_mod
+    import k3.infer.serving as serving_mod
 
     good = json.dumps(OK).encode()
     bad_text = b'{"model": "k3-test", "prompt": "ab\\ud800cd", "max_tokens": 2}'
@@ -712,7 +732,7 @@ def test_bad_text_and_internal_errors_keep_the_connection(served, monkeypatch):
     def bug(*args, **kwargs):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(server_mod, "render_chat", bug)  # an unexpected exception inside a handler
+    monkeypatch.setattr(serving_mod, "render_chat", bug)  # an unexpected exception inside a handler
     replies = raw_exchange(served.url, [("/v1/completions", bad_text), ("/v1/completions", good),
                                         ("/v1/chat/completions", chat), ("/v1/completions", good)])
     assert [status for status, _, _ in replies] == [400, 200, 500, 200]

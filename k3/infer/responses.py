@@ -1,0 +1,138 @@
+"""Response bodies of the OpenAI server (k3.infer.server): usage, the completions and chat forms of
+log-probabilities, the completion object of one choice, and the SSE stream of a request's outputs.
+
+Each token is shown as its own decoded text (a piece of a multi-byte character decodes to U+FFFD) and
+``text_offset`` counts those texts. Chat leaves a stop token's log-probability out (its text is not in the
+message); completions keep it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from k3.data.tokenizer import Tokenizer
+from k3.infer.async_engine import EngineClosed, EngineError
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_lps(out, text_only: bool) -> list:
+    """An output's TokenLogprobs; ``text_only``: without a stop token's, whose text is not returned (chat)."""
+    lps = out.logprobs or []
+    return lps[:-1] if text_only and out.stop_token else lps
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(stream, first: list[dict], chunk, include_usage: bool, text_only: bool = False):
+    """SSE: ``first`` chunks, one chunk per text delta, a finish chunk, optional usage chunk, [DONE].
+
+    ``chunk(text, finish_reason, token logprobs, prompt logprobs)`` builds one chunk object. The log-probabilities
+    of tokens whose text is held back (it may begin a stop string) go out with the chunk that carries their text.
+    An engine failure ends the stream with an ``error`` event, then [DONE]."""
+    try:
+        for obj in first:
+            yield sse(obj)
+        pending, prompt = [], None
+        async for out in stream:
+            pending += token_lps(out, text_only)
+            prompt = out.prompt_logprobs if out.prompt_logprobs is not None else prompt
+            if out.text or out.finished:
+                yield sse(chunk(out.text, out.finish_reason, pending, prompt))
+                pending, prompt = [], None
+            if out.finished and include_usage:
+                yield sse({**chunk(None, None, [], None), "choices": [],
+                           "usage": usage(out.prompt_tokens, out.completion_tokens)})
+    except (EngineError, EngineClosed) as e:
+        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+    finally:
+        await stream.aclose()  # a client that went away aborts its request
+    yield "data: [DONE]\n\n"
+
+
+class LogprobForms:
+    """OpenAI's two shapes of log-probabilities, with each token shown as its own decoded text."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+
+    def piece(self, token_id: int) -> str:
+        return self.tok.decode([token_id])
+
+    def top_dict(self, e) -> dict[str, float]:
+        """The legacy form's {text: logprob} of a TokenLogprob's alternatives, most likely first, then the token
+        itself where they miss it (N + 1 entries, as OpenAI's); where two decode to one text, the likelier's value."""
+        out: dict[str, float] = {}
+        for i, v in [*e.top, (e.token_id, e.logprob)]:
+            out.setdefault(self.piece(i), v)
+        return out
+
+    def completion(self, lps: list, offset: int, prompt: list[int] | None = None) -> dict:
+        """OpenAI's legacy completions form; ``offset``: the text_offset of the first token; ``prompt``: echoed
+        prompt ids, whose entries in ``lps`` (None for the first) come first."""
+        ids = (prompt or []) + [e.token_id for e in lps[len(prompt or []):]]
+        tokens = [self.piece(t) for t in ids]
+        starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in lps],
+                "top_logprobs": [None if e is None else self.top_dict(e) for e in lps],
+                "text_offset": starts}
+
+    def chat(self, lps: list) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            return {"token": self.piece(token_id), "logprob": logprob, "bytes": list(self.tok.token_bytes(token_id))}
+
+        return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]}
+                            for e in lps]}
+
+
+class CompletionChoice:
+    """Builds the completion objects of choice ``index`` (called as ``chunk(text, reason, lps, prompt_lps)``): the
+    first one with text carries the echoed prompt (``echo``), and ``text_offset`` runs on across a stream's chunks.
+    ``logprobs``: the request's N (None: no log-probabilities)."""
+
+    def __init__(self, forms: LogprobForms, base: dict, index: int, prompt: Any, ids: list[int], echo: bool,
+                 logprobs: int | None):
+        self.forms, self.base, self.index, self.ids, self.echo, self.logprobs = forms, base, index, ids, echo, logprobs
+        self.offset = 0
+        self.echo_text = (prompt if isinstance(prompt, str) else forms.tok.decode(ids)) if echo else ""
+
+    def __call__(self, text: str | None, reason: str | None, lps: list, prompt_lps: list | None) -> dict:
+        if text is not None and self.echo_text:
+            text, self.echo_text = self.echo_text + text, ""
+        logprobs = None
+        if self.logprobs is not None:
+            echoed = self.echo and prompt_lps is not None
+            logprobs = self.forms.completion((prompt_lps if echoed else []) + lps, self.offset,
+                                             self.ids if echoed else None)
+            self.offset += sum(len(t) for t in logprobs["tokens"])
+        return {**self.base, "choices": [{"index": self.index, "text": text or "", "logprobs": logprobs,
+                                          "finish_reason": reason}]}
+
+
+class ChatChoice:
+    """Builds the ``chat.completion.chunk`` objects of choice 0 (called as ``chunk(text, reason, lps, prompt_lps)``:
+    the text delta, none in a finish chunk without text) and the log-probabilities of a message (``logprobs``:
+    whether the request asked for them)."""
+
+    def __init__(self, forms: LogprobForms, base: dict, logprobs: bool):
+        self.forms, self.base, self.want = forms, base, logprobs
+
+    def logprobs(self, lps: list) -> dict | None:
+        return self.forms.chat(lps) if self.want else None
+
+    def first(self) -> dict:
+        """The chunk opening a stream: the assistant's role."""
+        return {**self.base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]}
+
+    def __call__(self, text: str | None, reason: str | None, lps: list, prompt_lps: list | None = None) -> dict:
+        delta = {} if text is None or reason is not None and not text else {"content": text}
+        return {**self.base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(lps), "finish_reason": reason}]}
