@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import k3.train.trainer as trainer_module
+import k3.train.step as step_module
 from k3.bench.common import busy_seconds, cuda_time, device_activity, write_profile
 from k3.train.trainer import TrainConfig, Trainer
 
@@ -96,7 +96,7 @@ def main() -> None:
     phase(trainer.balancer, "observe", "phase: balancer observe")
     phase(trainer.balancer, "step", "phase: balancer update")
     phase(torch.Tensor, "backward", "phase: backward")
-    phase(trainer_module, "to_host", "phase: host read (the step's one sync)")
+    phase(step_module, "to_host", "phase: host read (the step's one sync)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     stacks = torch._C._profiler._ExperimentalConfig(verbose=True) if a.stacks else None  # (else no stacks, 2.x)
     with profile(activities=activities, with_stack=a.stacks, experimental_config=stacks) as prof:

@@ -2,9 +2,15 @@
 
 With no arguments this is the README's main job: about 10 minutes on a 2-core CPU, saved under runs/small.
 ``--resume`` continues the run in ``--out`` (the directory given, wherever it was first written) from its latest
-checkpoint with its recorded settings; a flag that contradicts them is refused, except ``--device``,
-``--save-every``, ``--eval-every``, ``--samples`` and ``--steps`` (which may extend the run: the learning-rate
-schedule keeps its recorded length, so the added steps run at its final, minimum rate).
+checkpoint with its recorded settings; a flag that contradicts them is refused, except those in
+k3.train.config.RESUME_MAY_CHANGE: ``--device``, ``--save-every``, ``--eval-every``, ``--samples``,
+``--keep-checkpoints``, ``--tokenizer``, ``--schedule-steps`` and ``--steps`` (which may extend the run: the
+learning-rate schedule keeps its recorded length, so the added steps run at its final, minimum rate).
+
+The training flags are made from the fields of :class:`~k3.train.config.TrainConfig` (name, type, default, help
+and choices): ``--FIELD-NAME VALUE``, a boolean field as a switch away from its default (``--no-per-head-muon``,
+``--activation-checkpointing``), and ``overrides`` as the repeatable ``--set FIELD=VALUE``. Every such flag
+defaults to unset, so the dataclass (or, for ``--task vision``, VISION_DEFAULTS) supplies the value.
 """
 
 from __future__ import annotations
@@ -14,12 +20,10 @@ import dataclasses
 import json
 import logging
 import os
+import typing
 from pathlib import Path
 
-from k3.model.balance import BALANCE_METHODS
-from k3.quant.mx import MODES as MX_MODES
-from k3.quant.qat import RECIPES as QAT_RECIPES
-from k3.train.trainer import RESUME_MAY_CHANGE, TASKS, TrainConfig, Trainer, TrainingDiverged
+from k3.train.trainer import RESUME_MAY_CHANGE, TrainConfig, Trainer, TrainingDiverged
 
 log = logging.getLogger("k3.train")
 
@@ -37,52 +41,56 @@ def _override(text: str) -> tuple[str, object]:
 VISION_DEFAULTS = {"steps": 220, "batch_size": 32, "eval_every": 55, "eval_rows": 64}
 
 
+# shown in --help as the default instead of the field's own (``out`` follows the preset and the task)
+DEFAULT_SHOWN = {"out": "runs/PRESET, or runs/PRESET-vision with --task vision"}
+
+
+def _value_type(hint) -> type:
+    """The value type of a field's annotation: ``int`` for ``int | None``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _help(f: dataclasses.Field) -> str:
+    """The field's help text with its default (and its ``--task vision`` default), %-escaped for argparse."""
+    text = f.metadata["help"]
+    if f.name in DEFAULT_SHOWN:
+        text += f" (default {DEFAULT_SHOWN[f.name]})"
+    elif f.default is not None and f.default is not dataclasses.MISSING and not isinstance(f.default, bool):
+        vision = f"; vision: {VISION_DEFAULTS[f.name]}" if f.name in VISION_DEFAULTS else ""
+        text += f" (default {f.default}{vision})"
+    return text.replace("%", "%%")
+
+
+def add_config_flags(parser) -> None:
+    """One flag per TrainConfig field, each defaulting to None (unset: see :func:`_given`)."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        kind, flag = _value_type(hints[f.name]), "--" + f.name.replace("_", "-")
+        if f.name == "overrides":
+            parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[],
+                                metavar=f.metadata["metavar"], help=_help(f))
+        elif kind is bool:  # a switch away from the default
+            parser.add_argument(flag.replace("--", "--no-") if f.default else flag, dest=f.name, default=None,
+                                action="store_false" if f.default else "store_true", help=_help(f))
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, choices=f.metadata.get("choices"),
+                                metavar=f.metadata.get("metavar"), help=_help(f))
+
+
 def add_parser(sub) -> None:
-    d = TrainConfig()
     p = sub.add_parser("train", help="train a model (default: small preset on the stdlib corpus), then sample")
-    p.add_argument("--preset", default=None)
-    p.add_argument("--task", choices=TASKS, default=None,
-                   help="text: language modelling on --data; vision: the embedded image question-answering task")
-    p.add_argument("--vision-eval", type=int, default=400, help="held-out questions scored at the end (vision)")
-    p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set moe.num_experts=16 (repeatable)")
-    p.add_argument("--data", default=None, help="text file, directory, .jsonl (field text) or .parquet")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its directory) or a tiktoken BPE file")
-    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary when training one")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap on the tokenised training stream")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"optimizer steps (default {d.steps}; vision: {VISION_DEFAULTS['steps']})")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help=f"rows per micro-batch (default {d.batch_size}; "
-                        f"vision: {VISION_DEFAULTS['batch_size']} examples)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step")
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--clip", type=float, default=None, help="gradient-norm clip")
-    p.add_argument("--no-per-head-muon", dest="per_head_muon", action="store_false", default=None,
-                   help="whole-matrix Muon for the head-structured projections")
-    p.add_argument("--balance", choices=BALANCE_METHODS, default=None, help="router balancing (K3: qb)")
-    p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip MLA logits at TAU (K2: 100)")
-    p.add_argument("--qat", choices=sorted(QAT_RECIPES), default=None,
-                   help="quantisation-aware training of the routed experts: mxfp4 = MXFP4 weights + MXFP8 "
-                        "activations (K3), mxfp4-weights = weights only")
-    p.add_argument("--qat-scale-mode", choices=MX_MODES, default=None, help="MX scale rule for --qat")
-    p.add_argument("--activation-checkpointing", action="store_true", default=None,
-                   help="recompute each mixer and FFN in the backward pass: less activation memory, ~1/3 more compute")
-    p.add_argument("--eval-every", type=int, default=None, help=f"steps between evaluations (default {d.eval_every})")
-    p.add_argument("--eval-rows", type=int, default=None,
-                   help=f"validation rows (vision: questions) per evaluation (default {d.eval_rows})")
-    p.add_argument("--save-every", type=int, default=None, help="also checkpoint every N steps (0: end)")
-    p.add_argument("--samples", type=int, default=None, help="greedy continuations printed at the end")
-    p.add_argument("--out", default=None, help="run directory (default runs/PRESET)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (under torchrun; default: all)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (each sequence split in --cp pieces)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    add_config_flags(p.add_argument_group("training settings (k3.train.config.TrainConfig)"))
+    run_flags = p.add_argument_group("run")
+    run_flags.add_argument("--resume", action="store_true",
+                           help="continue the run in --out from its latest checkpoint")
+    run_flags.add_argument("--vision-eval", type=int, default=400,
+                           help="held-out questions scored at the end (vision; default 400)")
+    run_flags.add_argument("--dp", type=int, default=None, help="data-parallel ranks (under torchrun; default: all)")
+    run_flags.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp")
+    run_flags.add_argument("--cp", type=int, default=1,
+                           help="context-parallel ranks (each sequence split in --cp pieces)")
+    run_flags.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -97,7 +105,7 @@ def _given(args: argparse.Namespace) -> dict:
 
 def resume_config(args: argparse.Namespace, out: str) -> TrainConfig:
     """The recorded settings of the run in ``out``, resumed into ``out``; flags that contradict them are refused
-    (one error naming them) unless the trainer can honour them (k3.train.trainer.RESUME_MAY_CHANGE)."""
+    (one error naming them) unless the trainer can honour them (k3.train.config.RESUME_MAY_CHANGE)."""
     saved = Path(out) / "train_config.json"
     if not saved.is_file():
         raise FileNotFoundError(f"--resume: {saved} not found: {out} is not a training run")
@@ -114,10 +122,9 @@ def resume_config(args: argparse.Namespace, out: str) -> TrainConfig:
         raise ValueError("--resume keeps the run's recorded settings; " + ", ".join(
             f"--{k.replace('_', '-')} {given[k]!r} (recorded {plain[k]!r})" for k in conflicts)
             + " conflict with them: drop them, or start a new run with another --out")
-    steps = given.get("steps", cfg.steps)
-    honoured = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and k not in ("steps", "out")}
-    return dataclasses.replace(cfg, **honoured, out=out, steps=steps,
-                               schedule_steps=cfg.schedule_steps or cfg.steps)
+    honoured = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and k != "out"}
+    return dataclasses.replace(cfg, **{"steps": cfg.steps, "schedule_steps": cfg.schedule_steps or cfg.steps,
+                                       **honoured, "out": out})
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -146,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         trainer = DistributedTrainer(cfg, dims, resume=args.resume, progress=args.progress)
     else:
         trainer = Trainer(cfg, resume=args.resume, progress=args.progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        from k3.ops.plan import plan_table
+
+        print(plan_table(trainer.device), flush=True)
     try:
         result = trainer.run()
     except TrainingDiverged as e:

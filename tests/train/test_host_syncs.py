@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-import k3.train.trainer as trainer_module
+import k3.train.step as step_module
 from k3.config import get_preset
 from k3.model.mla import MultiheadLatentAttention
 from k3.ops.segments import host_offsets
@@ -40,7 +40,7 @@ def test_train_step_reads_device_values_once(tmp_path, monkeypatch):
         return to_host(tensors, device)
 
     monkeypatch.setattr(torch.Tensor, "tolist", spy_tolist)
-    monkeypatch.setattr(trainer_module, "to_host", spy_to_host)
+    monkeypatch.setattr(step_module, "to_host", spy_to_host)
     record = trainer.train_step()
     assert reads == [], f"values read back inside the model's forward: {reads}"
     assert len(fetches) == 1, fetches
