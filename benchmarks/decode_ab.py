@@ -4,9 +4,10 @@ bandwidth limit of the same bytes (``k3.bench.decode.step_bytes`` / the copy ban
 
     python benchmarks/decode_ab.py [--cases 64x32768,1x4096] [--rounds 2] [VARIANT ...]
 
-A VARIANT is a comma-separated list of environment settings (``K3_PDL=0``, ``K3_MOE_UP_GLU=torch,K3_MOE_ROUTE=torch``);
-``''`` is the tree as it stands (the default, alone). Each variant's step is compiled again (dynamo reset) with its
-settings in place. To compare two trees, run the script once in each, one process after the other on the same
+A VARIANT is a kernel choice in K3_KERNELS's form (``pdl=off``, ``moe_up_glu=torch,moe_route=torch``; see
+k3.ops.backend); ``''`` is the default plan (the default, alone). Each variant's step is compiled again (dynamo
+reset) with its kernel plan in place. To compare two trees, run the script once in each, one process after the other
+on the same
 machine (a process's copy bandwidth, and with it the limit, moves by up to ~1.5% between processes on an
 H200). Prints one line per timing and a summary (every time, the fastest, its share of
 the limit).
@@ -15,7 +16,6 @@ the limit).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -26,15 +26,6 @@ from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
 
 
-def settings(variant: str) -> dict[str, str]:
-    """'A=1,B=x' -> {'A': '1', 'B': 'x'}; '' -> {}."""
-    pairs = [kv for kv in variant.split(",") if kv]
-    if any("=" not in kv for kv in pairs):
-        raise SystemExit(f"variant {variant!r}: expected NAME=value[,NAME=value...]")
-    return dict(kv.split("=", 1) for kv in pairs)
-
-
-@torch.no_grad()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("variants", nargs="*", default=[""])
@@ -42,8 +33,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
-    variants = {v: settings(v) for v in a.variants}
-    names = {k for s in variants.values() for k in s}
+    variants = list(a.variants)
     backend.set_backend("fast")
     bw = copy_bandwidth()
     torch.manual_seed(0)
@@ -51,9 +41,7 @@ def main() -> None:
     times: dict[tuple[str, int, int], list[float]] = {}
     for r in range(a.rounds):
         for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
-            for k in names:
-                os.environ.pop(k, None)
-            os.environ.update(variants[v])
+            backend.set_kernels(v or None)
             torch._dynamo.reset()
             for b, c in cases:
                 t0 = time.time()

@@ -1,4 +1,4 @@
-"""The expert matmuls of a decode step: torch._grouped_mm (K3_MOE_SMALL_GROUPS=grouped_mm) vs the Triton
+"""The expert matmuls of a decode step: torch._grouped_mm (K3_KERNELS=moe_small_groups=grouped_mm) vs the Triton
 small-groups kernel (k3.ops.moe.small_groups, the default), both replayed from CUDA graphs, against the bandwidth limit.
 
     python benchmarks/moe_decode_mm.py
@@ -53,7 +53,7 @@ def main() -> None:
             times = {}
             for kernel in ("grouped_mm", "triton"):
                 def step(kernel=kernel):
-                    for w1, w2, w3 in weights:
+                    for w1, w2, w3 in weights:  # noqa: F821
                         grouped._matmul(kernel, xs, w1, route.offs)
                         grouped._matmul(kernel, xs, w3, route.offs)
                         grouped._matmul(kernel, h, w2, route.offs)

@@ -34,7 +34,7 @@ step() {  # name, seconds, command...
 nvidia-smi -L > "$OUTD/summary.txt" 2>&1
 T="python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=8 --tb=short --show-capture=no"
 TESTS_K=${TESTS_K:-mla or one_graph or cuda_graph_decode or router or multi_linear or moe_route or fused_up_glu or conv_step or kda_decode_core}  # tests_k: the GPU tests of a change
-OFF=K3_ROUTER_TOPK=torch,K3_MULTI_LINEAR=torch,K3_MOE_ROUTE=torch,K3_MOE_UP_GLU=torch,K3_CONV_STEP=torch,K3_KDA_DECODE=torch  # the decode kernels off
+OFF=router_topk=torch,multi_linear=torch,moe_route=torch,moe_up_glu=torch,conv_step=torch,kda_decode_core=torch  # the decode kernels off
 COMPILED="compiled or cuda_graph or engine or activation_checkpointing or one_graph"  # ~5 of the ~9 minutes
 step tests 520 $T
 step tests_compiled 400 $T -k "$COMPILED"
@@ -51,16 +51,16 @@ step decode 260 python -m k3 bench decode --quick  # with the compiled-step case
 step decode_targets 400 python -m k3 bench decode --cases targets  # only the target cases' compiled rows (~5 min)
 step decode_nopeer 200 python -c "from k3.bench import decode; decode.run('$LOGS/nopeer', quick=True, peer_budget_s=0)"
 step profile_decode 300 python benchmarks/profile_decode.py --compiled --top 400 \
-  --env $OFF  # every kernel; the decode kernels on (the default) and off
+  --kernels $OFF  # every kernel; the decode kernels on (the default) and off
 step ab_kernels_a 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
-  --env K3_ROUTER_TOPK=torch --env K3_MULTI_LINEAR=torch  # each decode kernel off alone vs the default, one process
+  --kernels router_topk=torch --kernels multi_linear=torch  # each decode kernel off alone vs the default, one process
 step ab_kernels_b 540 python benchmarks/profile_decode.py --compiled --cases 64x32768,1x4096 --top 60 \
-  --env K3_MOE_ROUTE=torch --env K3_MOE_UP_GLU=torch --env $OFF
+  --kernels moe_route=torch --kernels moe_up_glu=torch --kernels $OFF
 step profile_attn_res 160 bash -c "for m in none snapshot; do python benchmarks/profile_decode.py --preset small-1b \
   --attn-res \$m --cases 16x4096 --compiled || exit 1; done"
 step kernels 420 python -m k3 bench kernels  # full: MoE and KDA rows at 4K / 16K / 64K (fla autotunes new shapes)
 step moe_decode 150 python benchmarks/moe_decode_mm.py  # grouped_mm vs the Triton small-groups kernel
-step decode_grouped_mm 260 env K3_MOE_SMALL_GROUPS=grouped_mm python -m k3 bench decode --quick --out "$LOGS/grouped_mm"
+step decode_grouped_mm 260 env K3_KERNELS=moe_small_groups=grouped_mm python -m k3 bench decode --quick --out "$LOGS/grouped_mm"
 step tune_mla 90 python benchmarks/tune_mla_decode.py
 step multi_linear 200 python benchmarks/multi_linear_configs.py --batches 64  # the input maps' launch configurations
 step small_groups 300 python benchmarks/small_groups_configs.py  # the expert matmuls' configurations vs the autotuner

@@ -3,7 +3,7 @@ filled with random latents and states), timed replayed from a CUDA graph and pro
 
     python benchmarks/profile_decode.py [--cases 1x4096,64x32768] [--steps 3] [--compiled [--top N] [--combo]
         [--sequence] [--inductor assert_indirect_indexing=True]
-        [--env K3_KDA_DECODE=torch,K3_CONV_STEP=torch ...]]   (perf_gpu.sh's $OFF: every decode kernel off)
+        [--kernels kda_decode_core=torch,conv_step=torch ...]]   (perf_gpu.sh's $OFF: every decode kernel off)
     python benchmarks/profile_decode.py --preset small-1b --attn-res snapshot --cases 16x4096 --compiled
 
 The default model is the benchmark's; ``--preset`` takes a k3 preset instead (bf16, random weights) and
@@ -20,8 +20,8 @@ kernel list).
 ``--compiled`` also profiles the torch.compile'd step replayed from its CUDA graph (GraphedDecoder(compile=True)):
 the kernels one replay runs, by name (inductor names its fused kernels after the ops inside), with their count
 (the ``--top`` most expensive); ``--combo`` then compiles it again with inductor's ``combo_kernels`` off, each
-``--inductor`` with those inductor options in place of GraphedDecoder's, and each ``--env`` with those environment
-variables set (e.g. the four decode kernels off), all in one process.
+``--inductor`` with those inductor options in place of GraphedDecoder's, and each ``--kernels`` with that kernel
+choice (K3_KERNELS's form, e.g. the decode kernels off), all in one process.
 Writes $K3_BENCH_OUT/profile_decode.txt when set.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import os
 from collections import defaultdict
 from unittest.mock import patch
 
@@ -62,9 +61,9 @@ def main() -> None:
     p.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE[,OPTION=VALUE]",
                    help="with --compiled: the compiled step again with these inductor options (Python literals) "
                    "over GraphedDecoder's, an A/B in one process; repeatable")
-    p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
-                   help="with --compiled: the compiled step again with these environment variables set (e.g. "
-                   "K3_KDA_DECODE=torch,K3_CONV_STEP=torch: two decode kernels off), an A/B in one process; "
+    p.add_argument("--kernels", action="append", default=[], metavar="KERNEL=VALUE[,KERNEL=VALUE]",
+                   help="with --compiled: the compiled step again with this kernel choice (K3_KERNELS's form, e.g. "
+                   "kda_decode_core=torch,conv_step=torch: two decode kernels off), an A/B in one process; "
                    "repeatable")
     a = p.parse_args()
     backend.set_backend("fast")
@@ -81,7 +80,7 @@ def main() -> None:
         cache = fill_cache(model, batch, context, 64 + 32 * blocks)  # room for all, or a block recaptures mid-timing
         ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
         graph = GraphedDecoder(model, cache)
-        graphed[batch, context] = cuda_time(lambda: graph(ids, list(range(batch))), warmup=2, iters=16)
+        graphed[batch, context] = cuda_time(lambda: graph(ids, list(range(batch))), warmup=2, iters=16)  # noqa: F821
         del graph
         if a.compiled:
             limit = step_bytes(model, batch, context) / bw
@@ -99,11 +98,11 @@ def main() -> None:
                     lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
                                             label=f" (inductor {setting})")
                 torch._dynamo.reset()
-            for setting in a.env:
+            for setting in a.kernels:
                 torch._dynamo.reset()
-                with patch.dict(os.environ, dict(kv.split("=", 1) for kv in setting.split(","))):
-                    lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
-                                            label=f" ({setting})")
+                backend.set_kernels(setting)
+                lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top, label=f" ({setting})")
+                backend.set_kernels(None)
                 torch._dynamo.reset()
         del cache
         torch.cuda.empty_cache()
@@ -121,7 +120,7 @@ def main() -> None:
         cache = fill_cache(model, batch, context, 64)
         ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
         seq = list(range(batch))
-        eager = cuda_time(lambda: model.decode(ids, cache, seq), warmup=1, iters=a.steps)
+        eager = cuda_time(lambda: model.decode(ids, cache, seq), warmup=1, iters=a.steps)  # noqa: F821
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 model.decode(ids, cache, seq)

@@ -45,7 +45,7 @@ def main() -> None:
             try:
                 got = mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw).float()
                 err = ((got - want).norm() / want.norm()).item()
-                t = cuda_time(lambda: mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw), 3, 20)
+                t = cuda_time(lambda: mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw), 3, 20)  # noqa: F821
                 rows.append({"batch": b, "context": length, **kw, "us": t * 1e6, "of_limit": limit / t,
                              "rel_err": err})
             except Exception as e:  # noqa: BLE001 (a launch that does not fit shared memory is a result too)

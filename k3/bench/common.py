@@ -30,19 +30,19 @@ def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), 4 GiB buffers."""
     a = torch.empty(2**30, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
-    t = cuda_time(lambda: b.copy_(a), warmup=2, iters=5)
+    t = cuda_time(lambda: b.copy_(a), warmup=2, iters=5)  # noqa: F821
     del a, b
     return 2 * 4 * 2**30 / t
 
 
 def read_bandwidth() -> float:
     """Device read bandwidth in bytes/s: an fp32 sum over a 4 GiB buffer (reads only). On an H200 it came out 2-3%
-    above the copy figure (4.35-4.38 vs 4.24-4.28 TB/s, benchmarks/results/kernels_micro.txt;
+    above the copy figure (4.35-4.38 vs 4.24-4.28 TB/s, docs/decisions.md;
     4.37 vs 4.21 in decode-targets.md): a limit taken from the copy is not tight. Nor is this one: the MLA decode
-    kernel read its latents at 4.47 TB/s (541 us for 2.42 GB, kernels_micro.txt); the H200's nominal HBM rate is
+    kernel read its latents at 4.47 TB/s (541 us for 2.42 GB, docs/decisions.md); the H200's nominal HBM rate is
     4.8 TB/s."""
     a = torch.ones(2**30, dtype=torch.float32, device="cuda")
-    t = cuda_time(lambda: a.sum(), warmup=2, iters=5)
+    t = cuda_time(lambda: a.sum(), warmup=2, iters=5)  # noqa: F821
     del a
     return 4 * 2**30 / t
 

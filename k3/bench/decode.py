@@ -25,7 +25,7 @@ from k3.config.config import AttnResConfig
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend, pdl
-from k3.ops.moe.grouped import _experts_matmul, _have_triton
+from k3.ops.plan import plan
 
 
 def peer_config(full_mla: bool = False) -> K3Config:
@@ -123,7 +123,7 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
     def generate(n: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)  # noqa: F821
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -137,11 +137,6 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
 
 EAGER_CASES = {(1, 4096), (64, 32768)}  # also run eagerly (hybrid): what the CUDA graph saves
 COMPILED_CASES = {(1, 4096), (64, 32768), (16, 131072)}  # also compiled (both models): the target cases
-
-
-KERNEL_SWITCHES = {"K3_ROUTER_TOPK": "router top-k", "K3_MULTI_LINEAR": "input maps", "K3_MOE_ROUTE": "MoE routing",
-                   "K3_MOE_UP_GLU": "experts' up-projection and GLU", "K3_CONV_STEP": "short-conv steps",
-                   "K3_KDA_DECODE": "KDA core"}  # the decode kernels, each turned off by VAR=torch
 
 
 TARGET_CASES = [(1, 4096), (64, 32768), (16, 131072)]  # the performance targets: B=1 / 4K vs the peer, 80% of the
@@ -164,16 +159,10 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     bw, read_bw = copy_bandwidth(), read_bandwidth()
     columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
                "fraction_of_read_limit", "x_transformers", "hybrid_speedup", "error"]
-    experts = _experts_matmul(1, needs_grad=False)  # what the decode steps below run (K3_MOE_SMALL_GROUPS)
-    kernels = ", ".join(f"{what} by {'torch' if backend.kernel_switch(var, _have_triton) else 'Triton'}"
-                        for var, what in KERNEL_SWITCHES.items())  # where the shapes fit (the log says)
     cuda = torch.device("cuda")
-    ours_pdl, inductor_pdl = pdl.enabled(cuda), bool(pdl.inductor_options(cuda))
-    launches = (f"our Triton kernels {'with' if ours_pdl else 'without'} programmatic dependent launch, the "
-                f"compiled steps' inductor kernels {'with' if inductor_pdl else 'without'}")
     meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "read_bandwidth_TBps": read_bw / 1e12,
-                            "backend": f"fast (Triton split-K MLA decode, {experts} experts, {kernels}; fla's "
-                            f"fused_recurrent_kda where the KDA core is torch; {launches}), decode_step in CUDA graphs"}
+                            "kernel_plan": [" | ".join(row) for row in plan(cuda)],
+                            "inductor_pdl": bool(pdl.inductor_options(cuda)), "decode_step": "CUDA graphs"}
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
     if quick or targets:

@@ -33,8 +33,8 @@ def train_step_time(model, batch: int, seq: int, steps: int = 3) -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(ids).logits
         F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.step()  # noqa: F821
+        opt.zero_grad(set_to_none=True)  # noqa: F821
 
     t = cuda_time(step, warmup=2, iters=steps)
     del opt
@@ -70,9 +70,9 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     ids = torch.randint(0, 32768, (batch, seq), device="cuda")
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()  # noqa: F821
+        opt.step()  # noqa: F821
+        opt.zero_grad(set_to_none=True)  # noqa: F821
 
     try:
         t = cuda_time(step, warmup=2, iters=3)
@@ -177,7 +177,7 @@ def attn_res_rows(rows: list, save, compiled: bool = False) -> None:
         ids = torch.randint(0, 32768, (16,), device="cuda")
         with torch.no_grad():
             graphed = GraphedDecoder(m, cache, compile=compiled)
-            row["decode_ms"] = cuda_time(lambda: graphed(ids, list(range(16))), 2, 10) * 1e3
+            row["decode_ms"] = cuda_time(lambda: graphed(ids, list(range(16))), 2, 10) * 1e3  # noqa: F821
         rows.append(row)
         save()
         del m, cache, graphed

@@ -36,5 +36,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--cases applies to k3 bench model and decode only")
     if not torch.cuda.is_available():
         raise ValueError("k3 bench needs a CUDA GPU")
+    from k3.ops import backend
+    from k3.ops.plan import plan_table
+
+    backend.set_backend("fast")  # benchmarks measure the fast paths, and fail where one cannot run
+    print(plan_table("cuda"), flush=True)
     importlib.import_module(f"k3.bench.{args.name}").run(out_dir=args.out, quick=args.quick, **kwargs)
     return 0

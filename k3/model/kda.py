@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (spec §3).
+"""Kimi Delta Attention layer (docs/architecture.md#kda).
 
 For each token x (width d), H heads of key width K and value width V:
   q, k, v = SiLU(causal depthwise conv_W(W_{q,k,v} x))            three short convs (one GEMM, one conv)
@@ -25,8 +25,7 @@ from k3.config import K3Config
 from k3.model.cache import KDAState
 from k3.model.norm import GatedRMSNorm
 from k3.ops.conv import causal_conv1d, causal_conv1d_steps
-from k3.ops.kda import (chunk_kda_raw, decode_core_kernel, kda_decode_core, kda_decode_step, kda_gate, l2norm,
-                        recurrent_kda)
+from k3.ops.kda import chunk_kda_raw, kda_decode, kda_gate, l2norm, recurrent_kda
 from k3.ops.linear import multi_linear
 from k3.ops.dtypes import upcast
 
@@ -140,8 +139,7 @@ class KimiDeltaAttention(nn.Module):
         """Decode: x [N, d], one new token for each cached sequence ``slots[i]`` -> [N, d]. Conv and recurrent
         states are updated in place and nothing is read back to the host (CUDA-graph safe). On a GPU: the six input
         maps, the three short convs and the rest of the core (gates, recurrence, gated norm) one Triton launch each
-        where chosen (k3.ops.linear, k3.ops.conv, k3.ops.kda.decode_core_kernel), then o_proj."""
-        n, h, dk, dv = x.shape[0], self.num_heads, self.head_dim, self.v_head_dim
+        where the kernel plan chose them (k3.ops.linear, k3.ops.conv, k3.ops.kda.kda_decode), then o_proj."""
         full_gate = hasattr(self, "g_proj")
         gate_in = self.g_proj if full_gate else self.g_a_proj
         # the six maps of x in one call (k3.ops.linear: one Triton launch where chosen, else six linears)
@@ -150,24 +148,17 @@ class KimiDeltaAttention(nn.Module):
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         q, k, v = causal_conv1d_steps(qkv, [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots,
                                       activation="silu")  # one Triton launch where chosen
-        gate_maps = [] if full_gate else [self.g_b_proj.weight]
-        inputs = [q, k, v, f_a, b, g, self.f_b_proj.weight, *gate_maps, self.A_log, self.dt_bias, self.o_norm.weight]
-        if decode_core_kernel(x, state.recurrent, inputs) == "triton":  # the rest in one launch
-            y = kda_decode_core(q, k, v, f_a, self.f_b_proj.weight, b, g, gate_maps[0] if gate_maps else None,
-                                self.A_log, self.dt_bias, self.o_norm.weight, state.recurrent, slots,
-                                self.lower_bound, self.l2norm_eps, self.o_norm.eps,
-                                self.o_norm.out_dtype(v) or self.o_proj.weight.dtype)
-            return multi_linear(y, [self.o_proj.weight])[0]  # a GEMV: one Triton launch where chosen
-        o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv), self.f_b_proj(f_a).view(n, h, dk),
-                            b, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-                            state=state.recurrent, slots=slots, l2norm_eps=self.l2norm_eps)
-        return self._output(x, o, g if full_gate else self.g_b_proj(g))
+        y = kda_decode(q, k, v, f_a, b, g, f_b_weight=self.f_b_proj.weight,
+                       g_b_weight=None if full_gate else self.g_b_proj.weight, A_log=self.A_log,
+                       dt_bias=self.dt_bias, lower_bound=self.lower_bound, norm_weight=self.o_norm.weight,
+                       norm_eps=self.o_norm.eps, out_dtype=self.o_norm.out_dtype(v) or self.o_proj.weight.dtype,
+                       state=state.recurrent, slots=slots, l2norm_eps=self.l2norm_eps)
+        return multi_linear(y, [self.o_proj.weight])[0]  # o_proj, a GEMV: one Triton launch where chosen
 
-    def _output(self, x: Tensor, o: Tensor, gate: Tensor | None = None) -> Tensor:
-        """Gated per-head RMSNorm and o_proj: o [N, H, V] -> [N, d]; ``gate`` [N, H*V] (default: from x)."""
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """Gated per-head RMSNorm and o_proj: o [N, H, V] -> [N, d], the gate [N, H*V] a map of x."""
         n, h, dv = x.shape[0], self.num_heads, self.v_head_dim
-        if gate is None:
-            gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(n, h, dv)).reshape(n, h * dv)
         if not torch.is_autocast_enabled(o.device.type):  # under autocast o_proj casts (o in x's fp32: 2 more passes)
             o = o.to(self.o_proj.weight.dtype)

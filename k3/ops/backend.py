@@ -1,10 +1,22 @@
-"""Backend selection for ops: ``reference`` (pure PyTorch, any device) or ``fast`` (the faster path, where one
-is registered: GPU kernels, or pure-PyTorch forms that run everywhere, like the short conv's and the AttnRes
-mix's).
+"""The kernel plan: which implementation runs each op, resolved once from the device, the installed libraries and
+the user's choice, and printed as one table (docs/kernels.md#the-kernel-plan).
 
-``auto`` picks ``fast`` where a fast path is registered and supports the device, else ``reference``.
-``fast`` insists: an op whose fast path cannot run on the device raises (ops with no fast path at all run their
-reference). Nothing falls back silently: each op logs the backend it runs the first time it runs it.
+Two kinds of entries:
+
+- **ops**, registered by each ``k3.ops`` package: a ``reference`` (pure PyTorch, any device) and, where one exists,
+  a ``fast`` path (fla's or our own GPU kernels, or pure-PyTorch forms that run everywhere, like the short conv's).
+  ``K3_BACKEND`` (or :func:`set_backend`) chooses for every op: ``auto`` (default) runs the fast path where it
+  supports the device, else the reference; ``reference`` runs the references; ``fast`` insists (an op whose fast
+  path cannot run on the device raises when called; ops with no fast path run their reference).
+- **kernels** (:data:`KERNELS`): our own Triton kernels inside some fast paths. Each is on where Triton is usable;
+  ``K3_KERNELS`` (or :func:`set_kernels`) turns single ones off or on, e.g. ``K3_KERNELS=router_topk=torch,pdl=off``;
+  a bad name or value, or asking for a kernel Triton cannot run, is one clear error.
+
+Both are resolved once: an op's backend per device on first use, the kernels' choices on first use; the answers
+are kept (a compiled step reads them as constants) and :func:`set_backend` / :func:`set_kernels` resolve again.
+Within a chosen kernel, a call that needs what the kernel lacks (a gradient, a shape it does not take) runs the
+torch form; that fork lives in the op (:func:`triton_or_torch`) and is logged once with its reason. Nothing falls
+back silently: each op logs the backend it runs the first time, and k3.ops.plan shows the whole plan.
 """
 
 from __future__ import annotations
@@ -20,6 +32,28 @@ log = logging.getLogger("k3.ops")
 BACKENDS = ("auto", "reference", "fast")
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """One of our Triton kernels: ``on`` is its name when chosen, ``off`` what runs instead; ``what`` it fuses."""
+
+    on: str
+    off: str
+    what: str
+
+
+KERNELS: dict[str, Kernel] = {
+    "multi_linear": Kernel("triton", "torch", "a layer's linear maps of one input (decode), one launch"),
+    "conv_step": Kernel("triton", "torch", "a KDA layer's three short-conv decode steps, one launch"),
+    "kda_decode_core": Kernel("triton", "torch", "a KDA layer's decode gates, recurrence and gated norm, one launch"),
+    "router_topk": Kernel("triton", "torch", "the router's sigmoid, biased top-k, renormalise and scale (decode)"),
+    "moe_route": Kernel("triton", "torch", "ordering a decode batch's token-expert pairs by expert, one program"),
+    "moe_small_groups": Kernel("triton", "grouped_mm", "the expert matmuls of decode batches"),
+    "moe_up_glu": Kernel("triton", "torch", "the experts' row gather, w1, w3 and GLU in one launch (decode)"),
+    "moe_mxfp4": Kernel("triton", "torch", "packed MXFP4 experts' matmuls, dequantised in registers (decode)"),
+    "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
+}
+
+
 @dataclass
 class _Op:
     name: str
@@ -32,12 +66,15 @@ class _Op:
 
 _OPS: dict[str, _Op] = {}
 _choice: str = os.environ.get("K3_BACKEND", "auto")
+_kernel_spec: str | None = None  # set_kernels' spec; None: the K3_KERNELS environment variable
+_triton_usable: bool | None = None  # Triton importable with a GPU it supports, asked once
+_kernels: dict[str, tuple[str, str]] | None = None  # kernel -> (what runs, why), once resolved
 
 
 def register(op: str, backend: str, fn: Callable, supports: Callable[[torch.device], bool] = lambda d: True,
              label: str | None = None) -> None:
-    """Register an implementation of ``op`` under ``backend`` ('reference' or 'fast'); ``label`` (e.g. what
-    runs it) is added to the log line that names the backend."""
+    """Register an implementation of ``op`` under ``backend`` ('reference' or 'fast'); ``label`` says what runs
+    it (in the log line and the plan table)."""
     if backend not in ("reference", "fast"):
         raise ValueError(f"backend {backend!r} must be 'reference' or 'fast'")
     entry = _OPS.setdefault(op, _Op(op))
@@ -58,6 +95,77 @@ def set_backend(choice: str) -> None:
 
 def get_backend() -> str:
     return _choice
+
+
+def triton_usable() -> bool:
+    """Triton installed, importable and with a GPU it supports (torch's own check), asked once and kept in a
+    global that a traced decode step reads as a constant."""
+    global _triton_usable
+    if _triton_usable is None:
+        from torch.utils._triton import has_triton
+
+        _triton_usable = has_triton()
+    return _triton_usable
+
+
+def set_kernels(spec: str | dict[str, str] | None = None, *, triton: bool | None = None) -> None:
+    """Choose kernels (``"name=value,..."`` or a dict; None: K3_KERNELS again) and resolve them anew; ``triton``
+    overrides whether Triton counts as usable (Triton's CPU interpreter, tests). Validated at once."""
+    global _kernel_spec, _triton_usable, _kernels
+    if isinstance(spec, dict):
+        spec = ",".join(f"{k}={v}" for k, v in spec.items())
+    _kernel_spec = spec
+    if triton is not None:
+        _triton_usable = triton
+    _kernels = None
+    kernel_choices()
+
+
+def _parse(spec: str) -> dict[str, str]:
+    wanted = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in KERNELS:
+            raise ValueError(f"K3_KERNELS: {item!r} must be name=value with a name among {', '.join(KERNELS)}")
+        k = KERNELS[name]
+        if value not in (k.on, k.off):
+            raise ValueError(f"K3_KERNELS: {name}={value!r} must be {k.on} or {k.off}")
+        wanted[name] = value
+    return wanted
+
+
+def kernel_choices() -> dict[str, tuple[str, str]]:
+    """Every kernel's (what runs, why), resolved once: the user's value, else on where Triton is usable."""
+    global _kernels
+    if _kernels is None:
+        wanted, usable = _parse(kernel_spec()), triton_usable()
+        out = {}
+        for name, k in KERNELS.items():
+            value = wanted.get(name)
+            if value == k.on and not usable:
+                raise ValueError(f"K3_KERNELS: {name}={k.on} needs Triton, which is not installed or has no GPU "
+                                 "it supports")
+            if value is not None:
+                out[name] = (value, "K3_KERNELS")
+            else:
+                out[name] = (k.on, "default") if usable else (k.off, "Triton is not usable here")
+        _kernels = out
+    return _kernels
+
+
+def registered() -> dict[str, _Op]:
+    """Every registered op by name (what :mod:`k3.ops.plan` tabulates)."""
+    return dict(_OPS)
+
+
+def kernel_spec() -> str:
+    """The user's kernel choices as given: set_kernels' spec, else K3_KERNELS ("" for none)."""
+    return _kernel_spec if _kernel_spec is not None else os.environ.get("K3_KERNELS", "")
+
+
+def kernel_choice(name: str) -> str:
+    """What runs for kernel ``name``: KERNELS[name].on or .off (see :func:`kernel_choices`)."""
+    return kernel_choices()[name][0]
 
 
 def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
@@ -84,31 +192,17 @@ def dispatch(op: str, device: torch.device, *args, **kwargs):
     return resolve(op, device)[1](*args, **kwargs)
 
 
-def kernel_switch(var: str, triton_usable: Callable[[], bool]) -> str:
-    """The reason against a fast path's own Triton kernel that the environment variable ``var`` gives, or "" for
-    none. Unset or ``triton``: none where Triton is usable (``triton_usable()``); unset elsewhere: that it is not;
-    ``triton`` elsewhere, or any value other than torch / triton: one clear error. ``torch``: "<var>=torch"."""
-    choice = os.environ.get(var)
-    if choice not in (None, "torch", "triton"):
-        raise ValueError(f"{var}={choice!r} must be one of torch, triton")
-    if choice == "torch":
-        return f"{var}=torch"
-    if triton_usable():
-        return ""
-    if choice == "triton":
-        raise ValueError(f"{var}=triton needs Triton, which is not installed or has no GPU it supports")
-    return "Triton is not usable here (not installed, or no GPU it supports)"
-
-
-def triton_or_torch(var: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
-                    triton_usable: Callable[[], bool], logged: set[str]) -> str:
-    """'triton' or 'torch': what a fast path runs that has its own Triton kernel: the kernel unless
-    :func:`kernel_switch` or ``why_not()`` gives a reason against it (a gradient is needed, a shape the kernel does
-    not take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]", labels = (the
-    kernel's, torch's)."""
-    why = kernel_switch(var, triton_usable) or why_not()
-    name = "torch" if why else "triton"
+def triton_or_torch(kernel: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
+                    logged: set[str]) -> str:
+    """KERNELS[kernel].on or .off for one call of a fast path that has this kernel: the kernel where the plan chose
+    it and ``why_not()`` gives no reason against it for this call (a gradient is needed, a shape the kernel does not
+    take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]", labels = (the
+    kernel's, the other form's)."""
+    k = KERNELS[kernel]
+    choice, source = kernel_choices()[kernel]
+    why = (f"K3_KERNELS {kernel}={k.off}" if source == "K3_KERNELS" else source) if choice == k.off else why_not()
+    name = k.off if why else k.on
     if name + why not in logged:
         logged.add(name + why)
-        log.info("%s %s%s", what, labels[0] if name == "triton" else labels[1], f": {why}" if why else "")
+        log.info("%s %s%s", what, labels[0] if name == k.on else labels[1], f": {why}" if why else "")
     return name

@@ -2,7 +2,7 @@
 
 Written eagerly, each of these functions is a chain of small kernels that upcast to fp32, and autograd keeps
 every fp32 intermediate for the backward pass: on a GPU they were most of a training step's elementwise time
-and memory (``benchmarks/results/profile_train_step.txt``). ``@fused`` registers the eager function as the op's
+and memory (docs/decisions.md). ``@fused`` registers the eager function as the op's
 ``reference`` backend and ``torch.compile(fn)`` (TorchInductor: one Triton kernel forward, one backward, inputs
 saved instead of intermediates) as its ``fast`` backend on CUDA devices where Triton is installed; the decorated
 name dispatches like every other op (k3.ops.backend: chosen by ``auto|reference|fast`` and logged once per

@@ -17,7 +17,8 @@ read after the wait). At B=64 / 32K on an H200 that took ~15-45 us off a ~2.95 m
 (benchmarks/results/decode-targets.md). tests/ops/test_kernels_compile_for_hopper.py checks that no other kernel reads
 before its wait and that none writes before it.
 
-``K3_PDL=0`` turns it off (``1``: on, the default where the GPU and Triton support it). Inductor's own kernels in
+Kernel ``pdl`` of the kernel plan (k3.ops.backend): on where the GPU and Triton support it, ``K3_KERNELS=pdl=off``
+turns it off. Inductor's own kernels in
 a compiled decode step follow the same switch (:func:`inductor_options`, its ``triton.enable_pdl``, off by default
 upstream): inductor places the wait itself, before a kernel reads what the previous kernel wrote (always after one of
 our custom ops) or else after its first load.
@@ -29,6 +30,8 @@ import logging
 import os
 
 import torch
+
+from k3.ops import backend
 
 try:
     import triton
@@ -49,17 +52,12 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
 
-def _switch() -> bool:
-    choice = os.environ.get("K3_PDL", "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"K3_PDL={choice!r} must be 0 (off) or 1 (on where supported)")
-    return choice == "1"
-
-
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: K3_PDL is not 0, a CUDA GPU of capability >= 9 and a Triton
+    """Whether kernels on ``device`` launch with PDL: the kernel plan has kernel pdl on, a CUDA GPU of capability >= 9
+    and a Triton
     with gdc_wait (asked once per device and logged)."""
-    if device.type != "cuda" or not _switch() or triton is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if (device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1"
+            or backend.kernel_choice("pdl") != "on"):
         return False  # (Triton's interpreter cannot run the wait instruction)
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _supported:
@@ -68,7 +66,7 @@ def enabled(device: torch.device) -> bool:
         ok = torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(cuda, "gdc_wait")
         _supported[index] = ok
         log.info("Triton decode kernels on cuda:%d launch %s", index,
-                 "with programmatic dependent launch (K3_PDL=0 turns it off)" if ok else
+                 "with programmatic dependent launch (K3_KERNELS=pdl=off turns it off)" if ok else
                  "without programmatic dependent launch (needs compute capability >= 9)")
     return _supported[index]
 

@@ -24,6 +24,24 @@ def test_without_a_gpu_it_says_so(capsys):
     assert "k3 bench needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_it_prints_its_kernel_plan_before_it_runs(monkeypatch, capsys):
+    """The plan under the fast backend, on the GPU, first (answered here without one: the benchmark is not run)."""
+    from k3.ops import backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(backend, "_choice", backend.get_backend())
+    for entry in backend.registered().values():
+        monkeypatch.setattr(entry, "fast_ok", {})
+    ran = []
+    monkeypatch.setattr(kernels, "run", lambda **kw: ran.append(kw))
+    assert main(["bench", "kernels", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kernel plan on cuda (K3_BACKEND=fast") and "kernel moe_small_groups" in out
+    assert ran == [{"out_dir": None, "quick": True}]
+
+
 def test_targets_run_the_compiled_rows_and_the_twin_at_128k_only():
     assert [decode.modes(b, t, False, targets=True) for b, t in decode.TARGET_CASES] == [("compiled",)] * 3
     assert [decode.modes(b, t, True, targets=True) for b, t in decode.TARGET_CASES] == [(), (), ("compiled",)]

@@ -11,10 +11,12 @@ import torch.nn.functional as F
 
 from k3.config import get_preset
 from k3.model.activation import situ_glu
+from k3.ops import backend
 from k3.ops.kda import reference as kda_ref
 from k3.ops.mla import fast as mla_fast
 from k3.ops.mla import reference as mla_ref
 from k3.ops.moe import reference as moe_ref
+from tests.ops.kernel_switch import keep_kernel_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -117,11 +119,11 @@ def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
 
     x, idx, wt, w1, w2, w3 = _decode_experts(n, seed=n)
     with torch.no_grad():
-        monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
+        keep_kernel_plan(monkeypatch)
+        backend.set_kernels(None)
         assert grouped._experts_matmul(idx.numel(), needs_grad=False) == "triton"  # the default on a GPU
-        monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
         y = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)
-        monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "grouped_mm")
+        backend.set_kernels("moe_small_groups=grouped_mm")
         y_mm = grouped.moe_experts(x, idx, wt, w1, w2, w3, situ_glu)
         yr = moe_ref.moe_experts(x.float(), idx, wt, w1, w2, w3, situ_glu)
     assert rel(y, yr) <= 2e-2 and rel(y, y_mm) <= 1e-2, (rel(y, yr), rel(y, y_mm))
@@ -129,7 +131,7 @@ def test_small_groups_moe_matches_the_loop_and_grouped_mm(n, monkeypatch):
 
 @pytest.mark.parametrize("kind,i", [("situ", 512), ("silu", 512), ("situ", 85)])
 def test_fused_up_glu_matches_the_unfused_kernels(kind, i, monkeypatch):
-    """K3_MOE_UP_GLU's kernel (the rows' gather, w1, w3 and the GLU in one launch) against the same small-groups path
+    """Kernel moe_up_glu (the rows' gather, w1, w3 and the GLU in one launch) against the same small-groups path
     with them apart, on the same bf16 inputs (1e-2: the products are rounded to bf16 alike, the fp32 tanh and
     sigmoid differ in their last bits before the bf16 GLU output, the kernels' own BLOCK_K may differ), and against
     the per-expert loop (2e-2); at i=85 the expert width is zero-padded to 88 as for grouped_mm."""
@@ -138,11 +140,11 @@ def test_fused_up_glu_matches_the_unfused_kernels(kind, i, monkeypatch):
 
     x, idx, wt, w1, w2, w3 = _decode_experts(64, seed=2, gain=3.0, i=i)  # |g|, |u| up to ~10: the tanh bend
     glu = make_glu(kind, 3.0, 20.0)
-    monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
+    keep_kernel_plan(monkeypatch)
     with torch.no_grad():
-        monkeypatch.setenv("K3_MOE_UP_GLU", "torch")
+        backend.set_kernels("moe_small_groups=triton,moe_up_glu=torch")
         apart = grouped.moe_experts(x, idx, wt, w1, w2, w3, glu)
-        monkeypatch.setenv("K3_MOE_UP_GLU", "triton")
+        backend.set_kernels("moe_small_groups=triton,moe_up_glu=triton")
         assert grouped.up_glu_kernel(glu, x.device) == "triton"  # so the comparison is not with itself
         fused = grouped.moe_experts(x, idx, wt, w1, w2, w3, glu)
         loop = moe_ref.moe_experts(x.float(), idx, wt, w1, w2, w3, glu)
@@ -303,7 +305,7 @@ def test_whole_model_fast_equals_reference_and_decode_is_consistent():
 
 def test_grouped_mm_qat_path_matches_reference():
     from k3.ops.moe import grouped
-    from k3.quant.mx import fake_quantize
+    from k3.ops.mx import fake_quantize
 
     torch.manual_seed(4)
     n, d, i, e = 256, 128, 256, 16
@@ -343,7 +345,7 @@ def test_fla_decode_step_matches_reference(lower_bound, eps):
 
 def _decode_model(seed: int):
     """A tiny bf16 model whose decode step runs every Triton kernel: the KDA decode core (8 heads x 128; fla's KDA
-    step with K3_KDA_DECODE=torch), the MLA decode (r=64, dr=16) and the small-groups experts."""
+    step with K3_KERNELS=kda_decode_core=torch), the MLA decode (r=64, dr=16) and the small-groups experts."""
     from k3.model.decoder import K3ForCausalLM
 
     torch.manual_seed(seed)
@@ -436,15 +438,13 @@ def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
     which cuts the graph for good), then the ops named in the traced graph."""
     from torch._dynamo.utils import counters
 
-    for var in ("K3_ROUTER_TOPK", "K3_MULTI_LINEAR", "K3_MOE_ROUTE", "K3_MOE_UP_GLU", "K3_CONV_STEP", "K3_KDA_DECODE"):
-        if kernels:
-            monkeypatch.delenv(var, raising=False)  # the default: the kernel
-        else:
-            monkeypatch.setenv(var, "torch")
-
     from k3.infer.graphs import GraphedDecoder
-    from k3.ops import backend, conv, kda, linear, router
+    from k3.ops import conv, kda, linear, router
     from k3.ops.moe import grouped
+
+    keep_kernel_plan(monkeypatch)
+    decode_kernels = ("router_topk", "multi_linear", "moe_route", "moe_up_glu", "conv_step", "kda_decode_core")
+    backend.set_kernels(None if kernels else {k: "torch" for k in decode_kernels})  # default: every kernel on
 
     model = _decode_model(seed=9)
     ids = torch.randint(0, 512, (3, 24), device=DEV)

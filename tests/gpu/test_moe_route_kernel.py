@@ -8,7 +8,9 @@ Then the routed experts end to end with the kernel (the default): the same outpu
 import pytest
 import torch
 
+from k3.ops import backend
 from k3.ops.moe import grouped
+from tests.ops.kernel_switch import keep_kernel_plan
 from tests.ops.test_moe_route import assert_routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,7 +22,8 @@ DEV = "cuda"
 def test_triton_route_matches_definition_and_torch(n, k, e, monkeypatch):
     from k3.ops.moe.triton_route import moe_route
 
-    monkeypatch.setenv("K3_MOE_ROUTE", "torch")  # _route: the torch form
+    keep_kernel_plan(monkeypatch)
+    backend.set_kernels("moe_route=torch")  # _route: the torch form
     g = torch.Generator(device=DEV).manual_seed(n * e)
     idx = torch.rand(n, e, device=DEV, generator=g).topk(k).indices  # distinct experts per token, as routed
     got = moe_route(idx, e)
@@ -41,9 +44,10 @@ def test_moe_experts_with_the_routing_kernel(monkeypatch):
         return torch.nn.functional.silu(a.float()) * b.float()
 
     with torch.no_grad():
-        monkeypatch.setenv("K3_MOE_ROUTE", "torch")
+        keep_kernel_plan(monkeypatch)
+        backend.set_kernels("moe_route=torch")
         want = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
-        monkeypatch.delenv("K3_MOE_ROUTE")  # the default: the kernel
+        backend.set_kernels(None)  # the default: the kernel
         assert grouped.route_kernel(idx, e) == "triton"  # so the comparison is not with itself
         got = grouped.moe_experts(x, idx, weight, w1, w2, w3, glu)
     assert torch.equal(got, want)

@@ -12,6 +12,7 @@ import torch
 
 from k3.ops import backend, linear
 from k3.ops.linear import reference
+from tests.ops.kernel_switch import keep_kernel_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
@@ -53,7 +54,8 @@ def test_triton_multi_linear_router_slot_is_fp32(m, router_dtype):
 def test_multi_linear_runs_the_kernel_only_without_gradients(monkeypatch):
     from k3.ops.linear.triton_multi import multi_linear
 
-    monkeypatch.delenv("K3_MULTI_LINEAR", raising=False)  # the default: the kernel where it can run
+    keep_kernel_plan(monkeypatch)
+    backend.set_kernels(None)  # the default: the kernel where it can run
     torch.manual_seed(3)
     x = torch.randn(16, 256, device=DEV, dtype=torch.bfloat16)
     ws = [torch.randn(n, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True) for n in (64, 32)]

@@ -15,6 +15,7 @@ import torch
 from k3.ops import backend
 from k3.ops import router
 from k3.ops.router import reference
+from tests.ops.kernel_switch import keep_kernel_plan
 from tests.ops.routing_checks import assert_same_routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -38,7 +39,8 @@ def test_triton_router_matches_reference(n, e, k, renormalize):
 def test_route_runs_the_kernel_only_without_gradients(monkeypatch):
     from k3.ops.router.triton_topk import router_topk
 
-    monkeypatch.delenv("K3_ROUTER_TOPK", raising=False)  # the default: the kernel where it can run
+    keep_kernel_plan(monkeypatch)
+    backend.set_kernels(None)  # the default: the kernel where it can run
 
     torch.manual_seed(3)
     logits = torch.randn(64, 896, device=DEV, requires_grad=True)

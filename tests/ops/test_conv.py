@@ -229,7 +229,7 @@ CONV_STEPS = textwrap.dedent("""
     from torch._dynamo.utils import counters
     from k3.ops import conv
     from k3.ops.conv import reference, triton_step
-    from k3.ops.moe import grouped
+    from k3.ops import backend
 
     torch.manual_seed(0)
     N, S = 5, 7
@@ -254,7 +254,7 @@ CONV_STEPS = textwrap.dedent("""
     args = (*xs, *ws, *[s.clone() for s in states], slots, True)
     checks = torch.library.opcheck(torch.ops.k3.conv_steps.default, args)
     assert all(v == "SUCCESS" for v in checks.values()), checks
-    grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
+    backend.set_kernels(None, triton=True)  # Triton's interpreter stands in for a GPU
     fast = lambda xs, sts: conv._steps_fast(xs, ws, states=sts, slots=slots, activation="silu")  # noqa: E731
     with torch.no_grad():
         a = [s.clone() for s in states]
@@ -285,7 +285,7 @@ def test_fast_steps_run_the_kernel_only_without_gradients(monkeypatch, caplog):
     xs = [torch.zeros(2, 8) for _ in range(3)]
     ws = [torch.zeros(8, 4, requires_grad=True) for _ in range(3)]
     pools = [torch.zeros(5, 8, 3) for _ in range(3)]
-    check_kernel_switch(monkeypatch, "K3_CONV_STEP", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], pools,
+    check_kernel_switch(monkeypatch, "conv_step", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], pools,
                                                                                  "silu"))
     monkeypatch.setattr(conv, "_steps_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):

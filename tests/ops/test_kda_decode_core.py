@@ -21,7 +21,6 @@ SCRIPT = textwrap.dedent("""
     from k3.ops import backend
     from k3.ops.kda import fla
     from k3.ops.kda.triton_decode import kda_decode_core
-    from k3.ops.moe import grouped
     from tests.ops.kda_core_reference import core_float64
 
     def rel(a, b):
@@ -59,7 +58,7 @@ SCRIPT = textwrap.dedent("""
 
     # the layer's decode step: the kernel (the fast kda_decode_step backend stands in: Triton's interpreter for a
     # GPU) against the reference backend's composition, both gate kinds
-    grouped._triton_usable = True
+    backend.set_kernels(None, triton=True)
     backend.register("kda_decode_step", "fast", fla.kda_decode_step, lambda d: True)
     for full_rank in (True, False):
         cfg = get_preset("tiny").replace(**{"kda.full_rank_output_gate": full_rank, "kda.num_heads": 2})
@@ -95,14 +94,14 @@ def test_kernel_in_triton_interpreter(triton_interpreter):
 
 def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch, caplog):
     """The one-launch core where kda_decode_step runs its fast backend, Triton is usable, no gradient is needed and
-    the head widths fit; K3_KDA_DECODE=torch turns it off. Logged once per choice, with the reason."""
+    the head widths fit; K3_KERNELS=kda_decode_core=torch turns it off. Logged once per choice, with the reason."""
     from k3.ops import backend
 
     monkeypatch.setattr(backend._OPS["kda_decode_step"], "fast_ok", {})
     monkeypatch.setitem(backend._OPS["kda_decode_step"].supports, "fast", lambda d: True)
     x, state = torch.zeros(2, 8), torch.zeros(4, 2, 16, 32)
     params = [torch.zeros(3, requires_grad=True)]
-    check_kernel_switch(monkeypatch, "K3_KDA_DECODE",
+    check_kernel_switch(monkeypatch, "kda_decode_core",
                         lambda: kda.decode_core_kernel(x, state, [p.detach() for p in params]))
     monkeypatch.setattr(kda, "_core_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):

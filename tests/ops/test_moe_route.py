@@ -12,18 +12,20 @@ import logging
 import pytest
 import torch
 
+from k3.ops import backend
 from k3.ops.moe import grouped
-from tests.ops.kernel_switch import check_kernel_switch
+from tests.ops.kernel_switch import check_kernel_switch, keep_kernel_plan
 
 INTERPRETED = """
 import os
 import torch
 from torch._dynamo.utils import counters
+from k3.ops import backend
 from k3.ops.moe import grouped
 from k3.ops.moe.triton_route import moe_route
 from tests.ops.test_moe_route import assert_routing
 
-os.environ["K3_MOE_ROUTE"] = "torch"  # grouped._route: the torch form (unset, the kernel where Triton is usable)
+backend.set_kernels("moe_route=torch", triton=True)  # grouped._route: the torch form
 
 def check(idx, e):
     got = moe_route(idx, e)
@@ -44,8 +46,7 @@ checks = torch.library.opcheck(torch.ops.k3.moe_route.default, (idx, 20))
 assert all(v == "SUCCESS" for v in checks.values()), checks
 route = lambda t: grouped._route(t % 20, 20)  # noqa: E731
 want = route(idx)  # the torch form
-del os.environ["K3_MOE_ROUTE"]  # unset: the kernel, where Triton is usable
-grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
+backend.set_kernels(None)  # the default: the kernel (Triton's interpreter stands in for a GPU)
 assert all(torch.equal(a, b) for a, b in zip(route(idx), want))  # eager first: it logs
 counters.clear()
 explained = torch._dynamo.explain(route)(idx)
@@ -81,11 +82,11 @@ def _pairs(p):
 
 
 def test_selection(monkeypatch, caplog):
-    """The kernel unless K3_MOE_ROUTE=torch or Triton is not usable; torch still off the GPU (but for Triton's
+    """The kernel unless K3_KERNELS=moe_route=torch or Triton is not usable; torch still off the GPU (but for Triton's
     interpreter), above COUNT_PAIRS pairs or ROUTE_MAX_EXPERTS experts, with the reason logged once; a bad value, or
     triton without Triton, is one clear error."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors
-    check_kernel_switch(monkeypatch, "K3_MOE_ROUTE", lambda: grouped.route_kernel(_pairs(64), 64))
+    check_kernel_switch(monkeypatch, "moe_route", lambda: grouped.route_kernel(_pairs(64), 64))
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(grouped, "_route_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
@@ -104,7 +105,8 @@ def test_selection(monkeypatch, caplog):
 
 def test_torch_form(monkeypatch):
     """The torch form (any device) against the definition: the counting branch and the argsort one."""
-    monkeypatch.setenv("K3_MOE_ROUTE", "torch")
+    keep_kernel_plan(monkeypatch)
+    backend.set_kernels("moe_route=torch")
     torch.manual_seed(0)
     for idx, e in [(torch.randint(0, 50, (200, 8)), 50), (torch.randint(0, 50, (300, 8)), 50),  # 1600, 2400 pairs
                    (torch.full((300, 8), 3), 5), (torch.zeros(0, 4, dtype=torch.long), 8)]:

@@ -12,8 +12,9 @@ import textwrap
 import pytest
 import torch
 
+from k3.ops import backend
 from k3.ops.moe import grouped
-from tests.ops.kernel_switch import check_kernel_switch
+from tests.ops.kernel_switch import check_kernel_switch, keep_kernel_plan
 
 CPU = torch.device("cpu")
 
@@ -108,14 +109,15 @@ def test_fused_up_glu_kernel_in_triton_interpreter(triton_interpreter):
 
 
 def test_up_glu_selection(monkeypatch, caplog):
-    """The fused kernel unless K3_MOE_UP_GLU=torch or Triton is not usable, and then only on the GPU (or in Triton's
+    """The fused kernel unless K3_KERNELS=moe_up_glu=torch or Triton is not usable, and then only on the GPU (or in
+    Triton's
     interpreter) and for a named GLU (not QAT's composed one, nor a bare function), the reason logged once; a bad
     value, or triton without Triton, is one clear error; the choice traces without a graph break for either kind of
     GLU."""
     from k3.model.activation import make_glu, swiglu
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs kernels on CPU tensors
-    check_kernel_switch(monkeypatch, "K3_MOE_UP_GLU", lambda: grouped.up_glu_kernel(make_glu("situ"), CPU))
+    check_kernel_switch(monkeypatch, "moe_up_glu", lambda: grouped.up_glu_kernel(make_glu("situ"), CPU))
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(grouped, "_glu_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
@@ -143,26 +145,19 @@ def test_up_glu_selection(monkeypatch, caplog):
 
 
 def test_selection(monkeypatch):
-    """Unset: the Triton kernel where Triton is usable (else grouped_mm), only without gradients and for at most
-    COUNT_PAIRS pairs; grouped_mm when asked for; a bad value, or triton without Triton, is one clear error."""
-    monkeypatch.delenv("K3_MOE_SMALL_GROUPS", raising=False)
+    """By default the Triton kernel where Triton is usable (else grouped_mm), only without gradients and for at
+    most COUNT_PAIRS pairs; grouped_mm when asked for (K3_KERNELS=moe_small_groups=grouped_mm)."""
+    keep_kernel_plan(monkeypatch)
     for have in (True, False):
-        monkeypatch.setattr(grouped, "_have_triton", lambda: have)
+        backend.set_kernels(None, triton=have)
         assert grouped._experts_matmul(64, needs_grad=False) == ("triton" if have else "grouped_mm")
         assert grouped._experts_matmul(64, needs_grad=True) == "grouped_mm"
         assert grouped._experts_matmul(grouped.COUNT_PAIRS + 1, needs_grad=False) == "grouped_mm"
-    monkeypatch.setattr(grouped, "_have_triton", lambda: True)
-    monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "grouped_mm")
+    backend.set_kernels("moe_small_groups=grouped_mm", triton=True)
     assert grouped._experts_matmul(64, needs_grad=False) == "grouped_mm"
-    monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "triton")
+    backend.set_kernels("moe_small_groups=triton")
     assert grouped._experts_matmul(64, needs_grad=False) == "triton"
     assert grouped._experts_matmul(64, needs_grad=True) == "grouped_mm"
-    monkeypatch.setattr(grouped, "_have_triton", lambda: False)
-    with pytest.raises(ValueError, match="K3_MOE_SMALL_GROUPS=triton needs Triton, which is not installed"):
-        grouped._experts_matmul(64, needs_grad=False)
-    monkeypatch.setenv("K3_MOE_SMALL_GROUPS", "cutlass")
-    with pytest.raises(ValueError, match="K3_MOE_SMALL_GROUPS='cutlass' must be one of grouped_mm, triton"):
-        grouped._experts_matmul(64, needs_grad=False)
 
 
 def test_rejects_mismatched_inputs():

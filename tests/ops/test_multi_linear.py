@@ -8,6 +8,7 @@ products' order; observed ~2e-4. Then the custom op's fake function (torch.libra
 the op and of the fast backend without graph breaks. On the GPU (bf16): tests/gpu/test_multi_linear_kernel.py.
 """
 
+import importlib
 import logging
 import textwrap
 
@@ -64,11 +65,11 @@ def test_dispatch_runs_the_reference_on_cpu_and_logs_it(monkeypatch, caplog):
 
 
 def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
-    """Under the fast backend: the Triton kernel when K3_MULTI_LINEAR is not torch, no gradient is needed and the
-    shapes / dtypes fit; torch otherwise, each choice logged once with its reason; a bad K3_MULTI_LINEAR is one
+    """Under the fast backend: the Triton kernel where the kernel plan chose it, no gradient is needed and the
+    shapes / dtypes fit; torch otherwise, each choice logged once with its reason; a bad K3_KERNELS value is one
     clear error."""
     x, ws = torch.zeros(3, 16, dtype=torch.bfloat16), [torch.zeros(8, 16, dtype=torch.bfloat16)] * 2
-    check_kernel_switch(monkeypatch, "K3_MULTI_LINEAR", lambda: linear.kernel(x, ws))
+    check_kernel_switch(monkeypatch, "multi_linear", lambda: linear.kernel(x, ws))
     monkeypatch.setattr(linear, "_logged", set())
     trainable = [torch.zeros(8, 16, dtype=torch.bfloat16, requires_grad=True)]
     with caplog.at_level(logging.INFO, logger="k3.ops"):
@@ -158,7 +159,7 @@ def test_kernel_rejects_bad_inputs():
 INTERPRETED = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
-    from k3.ops.moe import grouped
+    from k3.ops import backend
     from k3.ops import linear
     from k3.ops.linear import reference, triton_multi as tm
     from triton.runtime.errors import OutOfResources
@@ -215,7 +216,7 @@ INTERPRETED = textwrap.dedent("""
     assert all(r == "SUCCESS" for r in checks.values()), checks
     checks = torch.library.opcheck(torch.ops.k3.multi_linear.default, (x, ws[:2] + [torch.randn(4, 32)], 1))
     assert all(r == "SUCCESS" for r in checks.values()), checks
-    grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
+    backend.set_kernels(None, triton=True)  # Triton's interpreter stands in for a GPU
     fast = lambda t: [y * 2 for y in linear._multi_linear_fast(t + 1, ws)]  # noqa: E731  (the fast backend's function)
     with torch.no_grad():
         want = fast(x)  # eager first: it logs
@@ -247,7 +248,8 @@ def spy_calls(monkeypatch, module) -> list[int]:
 
 def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
     """The KDA decode step sends x through multi_linear once, with its six input weights (q, k, v, the forget and
-    output gates' first maps, beta), and still equals the layer's chunked forward over the same tokens (fp64),
+    output gates' first maps, beta), then the core's output once (o_proj), and still equals the layer's chunked
+    forward over the same tokens (fp64),
     with a low-rank and with a full-rank output gate."""
     from k3.config import get_preset
     from k3.model import kda as kda_module
@@ -265,7 +267,7 @@ def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
             steps = torch.cat([layer.step(x[t:t + 1], state, torch.tensor([0])) for t in range(6)])
         err = ((steps - full).norm() / full.norm()).item()
         assert err <= 1e-10, (full_gate, err)
-    assert calls == [6] * 12
+    assert calls == [6, 1] * 12  # the six input maps, then o_proj
 
 
 @pytest.mark.parametrize("latent,shared", [(True, True), (False, True), (True, False), (False, False)])
@@ -278,7 +280,7 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
     from k3.model import moe as moe_module
     from k3.ops.moe import moe_experts
 
-    calls = spy_calls(monkeypatch, moe_module)
+    calls = spy_calls(monkeypatch, importlib.import_module("k3.ops.moe"))  # moe_inputs: the layer's one op
     torch.manual_seed(4)
     cfg = get_preset("tiny").replace(**{"moe.latent_size": 32 if latent else None, "moe.latent_norm": latent,
                                         "moe.num_shared_experts": 1 if shared else 0})

@@ -8,7 +8,8 @@ import logging
 import pytest
 import torch
 
-from k3.ops import pdl
+from k3.ops import backend, pdl
+from tests.ops.kernel_switch import keep_kernel_plan
 
 
 @pytest.fixture
@@ -21,23 +22,23 @@ def fake_gpu(monkeypatch):
     return lambda major: capability.update(major=major)
 
 
-def test_off_on_cpu_and_with_k3_pdl_0(monkeypatch, fake_gpu):
-    monkeypatch.delenv("K3_PDL", raising=False)
+def test_off_on_cpu_and_where_the_kernel_plan_turns_it_off(monkeypatch, fake_gpu):
+    keep_kernel_plan(monkeypatch)
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch(torch.device("cpu")) == {"PDL": False}  # no launch_pdl option: the interpreter's launches
-    monkeypatch.setenv("K3_PDL", "0")
+    backend.set_kernels("pdl=off", triton=True)
     assert not pdl.enabled(torch.device("cuda"))
     assert pdl.inductor_options(torch.device("cuda")) == {}
-    monkeypatch.setenv("K3_PDL", "yes")
-    with pytest.raises(ValueError, match="K3_PDL='yes' must be 0 .* or 1"):
-        pdl.enabled(torch.device("cuda"))
+    with pytest.raises(ValueError, match="K3_KERNELS: pdl='yes' must be on or off"):
+        backend.set_kernels("pdl=yes")
 
 
 def test_on_where_the_gpu_supports_it_logged_once(monkeypatch, fake_gpu, caplog):
     """Default on: capability >= 9 launches with PDL (and inductor's kernels too where torch has the option);
     capability 8 without; each device's answer is asked and logged once."""
     pytest.importorskip("triton")
-    monkeypatch.delenv("K3_PDL", raising=False)
+    keep_kernel_plan(monkeypatch)
+    backend.set_kernels(None, triton=True)
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert pdl.enabled(torch.device("cuda"))
         assert pdl.launch(torch.device("cuda:0")) == {"PDL": True, "launch_pdl": True}

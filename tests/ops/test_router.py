@@ -69,7 +69,7 @@ def test_dispatch_runs_the_reference_on_cpu_and_logs_it(monkeypatch, caplog):
     logits, bias = torch.randn(5, 64), torch.randn(64) * 0.1
     with caplog.at_level(logging.INFO, logger="k3.ops"), torch.no_grad():
         got = router.route(logits, bias, 8, True, 2.5)
-    assert "op router runs backend reference (torch; the fast path needs CUDA) on cpu" in caplog.text
+    assert "op router runs backend reference (torch) on cpu" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(got, reference.route(logits, bias, 8, True, 2.5)))
     backend.set_backend("fast")
     try:
@@ -96,10 +96,10 @@ def test_fast_backend_wants_cuda(monkeypatch):
 
 def test_fast_backend_runs_the_kernel_only_without_gradients(monkeypatch, caplog):
     """Under the fast backend: the Triton kernel when no gradient is needed, fp32 inputs and E <= MAX_EXPERTS;
-    torch otherwise. Each choice is logged once, with its reason. K3_ROUTER_TOPK=torch turns the kernel off;
+    torch otherwise. Each choice is logged once, with its reason. K3_KERNELS=router_topk=torch turns the kernel off;
     any other value than torch / triton is one clear error."""
     logits, bias = torch.zeros(2, 64, requires_grad=True), torch.zeros(64)
-    check_kernel_switch(monkeypatch, "K3_ROUTER_TOPK", lambda: router.topk_kernel(logits.detach(), bias))
+    check_kernel_switch(monkeypatch, "router_topk", lambda: router.topk_kernel(logits.detach(), bias))
     monkeypatch.setattr(router, "_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert router.topk_kernel(logits, bias) == "torch"
@@ -130,7 +130,7 @@ def test_kernel_rejects_bad_inputs():
 INTERPRETED = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
-    from k3.ops.moe import grouped
+    from k3.ops import backend
     from k3.ops import router
     from k3.ops.router import reference, triton_topk
     from tests.ops.routing_checks import assert_same_routing
@@ -169,7 +169,7 @@ INTERPRETED = textwrap.dedent("""
     got = torch.compile(caller, backend="aot_eager", dynamic=True)(logits)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert all(torch.equal(a, b) for a, b in zip(got, caller(logits)))
-    grouped._triton_usable = True  # Triton's interpreter stands in for a GPU
+    backend.set_kernels(None, triton=True)  # Triton's interpreter stands in for a GPU
     fast = lambda t: router._route_fast(t * 2, bias, 7, True, 2.5)  # noqa: E731  (the fast backend's function)
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(fast(logits), caller(logits)))  # eager first: it logs

@@ -1,8 +1,9 @@
 """Causal depthwise short convolution with state. ``causal_conv1d(x [B,T,C], weight [C,W], ...) -> (y, state)``;
 ``causal_conv1d_step`` for one decode token per sequence (state pool updated in place), and
 ``causal_conv1d_steps`` for a KDA layer's three (q, k, v) at once: on the fast backend one Triton launch
-(k3.ops.conv.triton_step) for calls that need no gradient, where Triton is usable (``K3_CONV_STEP=torch``: never);
-the reference's three steps otherwise. Each choice is logged once, with the reason when it is torch."""
+(k3.ops.conv.triton_step) for calls that need no gradient, where the kernel plan chose kernel conv_step (on
+where Triton is usable); the reference's three steps otherwise. Each choice is logged once, with the reason when it is
+torch."""
 
 import logging
 
@@ -57,11 +58,9 @@ _steps_logged: set[str] = set()
 
 
 def steps_kernel(xs, weights, states, activation) -> str:
-    """'triton' when Triton is usable, K3_CONV_STEP is not torch, no gradient is needed, there are three inputs
+    """'triton' where the kernel plan chose conv_step, no gradient is needed, there are three inputs
     with activation silu or None, none fp64, contiguous state pools and a width of at least 2; else 'torch'
     (:func:`k3.ops.backend.triton_or_torch`, logged once each)."""
-    from k3.ops.moe import grouped
-
     def why_not() -> str:
         if torch.is_grad_enabled() and any(t.requires_grad for t in [*xs, *weights]):
             return "a gradient is needed"
@@ -73,9 +72,9 @@ def steps_kernel(xs, weights, states, activation) -> str:
             return "the kernel takes contiguous state pools and widths of at least 2"
         return ""
 
-    return backend.triton_or_torch("K3_CONV_STEP", "causal_conv1d_steps:", why_not,
+    return backend.triton_or_torch("conv_step", "causal_conv1d_steps:", why_not,
                                    ("one Triton launch (k3.ops.conv.triton_step)", "three torch steps (reference)"),
-                                   grouped._have_triton, _steps_logged)
+                                   _steps_logged)
 
 
 def _steps_fast(xs, weights, *, states, slots, activation="silu"):
@@ -88,6 +87,6 @@ def _steps_fast(xs, weights, *, states, slots, activation="silu"):
 
 backend.register("causal_conv1d_steps", "reference", _steps_reference, label="three torch steps")
 backend.register("causal_conv1d_steps", "fast", _steps_fast, lambda d: d.type == "cuda",
-                 label="one Triton launch where no gradient is needed (K3_CONV_STEP=torch: never), else torch")
+                 label="kernel conv_step where no gradient is needed, else torch")
 
 __all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_steps"]

@@ -12,7 +12,7 @@ For each token n and head h (q, k [K], v [V] of the head, the state S [K, V] of 
 the reference composition in k3.ops.kda (f_b_proj, kda_decode_step, g_b_proj, the gated RMSNorm) without the
 five kernels around the recurrence (two GEMVs, two casts of its inputs, the norm) or the bf16 roundings between
 them: on an H200 at B=64 those were ~23 us of kernels per KDA layer (fla's fused recurrent step ~14 us of it,
-benchmarks/results/profile_decode_sequence.txt). One program per (token, head) holds the head's whole state and value
+docs/decisions.md). One program per (token, head) holds the head's whole state and value
 width (the norm needs all of V): K, V <= 128.
 
 Forward only, for no-grad calls (decode); k3.ops.kda.decode_core_kernel picks it and logs which path runs.
@@ -78,7 +78,7 @@ def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, S
 def _warps(state_size: int, programs: int, device: torch.device) -> int:
     """Warps per program: 8 for states over 64 x 64; for states up to 64 x 64, one warp (at 64 x 64: 128 state
     elements per thread) once the programs are at least 4 per SM, else 4. On an H200 at the decode benchmark's
-    shapes (CUDA graphs of 20 launches, benchmarks/results/kernels_micro.txt): B=64 (1024 programs, 7.8 per SM)
+    shapes (CUDA graphs of 20 launches, docs/decisions.md): B=64 (1024 programs, 7.8 per SM)
     10.1 us with one warp, 14.4 with four; B=16 (256, 1.9 per SM) 5.3 with four, 6.7 with one; B=1 3.6 with four,
     5.9 with one. The threshold between the two measured counts is a choice."""
     if state_size > 64 * 64:

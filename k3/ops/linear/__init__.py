@@ -13,9 +13,9 @@ experts' down-projection) take the launch too: cuBLAS's kernels do not use progr
 and at most MAX_WEIGHTS weights; the torch form otherwise: where a gradient is needed (a training step) one linear
 over the stacked weights (:func:`concatenated`: one matrix product forward and two backward instead of one and two
 per weight), else one linear per weight (a prefill's GEMMs gain nothing from stacking, a decode step's GEMVs would
-pay for its copy of the weights: they read each weight once). ``K3_MULTI_LINEAR=torch`` turns the kernel off
+pay for its copy of the weights: they read each weight once). ``K3_KERNELS=multi_linear=torch`` turns the kernel off
 (:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster on an H200
-(benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
+(docs/decisions.md). Each choice is logged once, with the reason when it is torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch import Tensor
 
 from k3.ops import backend
 from k3.ops.linear.reference import multi_linear as multi_linear_reference
-from k3.ops.moe import grouped as _grouped
 
 MAX_WEIGHTS = 8  # the kernel's weight slots
 MAX_ROWS = 256  # decode batches; bigger ones are GEMMs, where cuBLAS is the better choice
@@ -49,7 +48,7 @@ def _fast_supported(device: torch.device) -> bool:
 
 
 def kernel(x: Tensor, weights: list[Tensor], fp32: int = 0) -> str:
-    """Which form the fast backend runs: 'triton' when Triton is usable, K3_MULTI_LINEAR is not torch, no gradient
+    """Which form the fast backend runs: 'triton' where the kernel plan chose multi_linear, no gradient
     is needed, x is 2-D bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its width and dtype
     (the last ``fp32`` ones: its dtype or fp32); else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once
     each, with the reason)."""
@@ -64,10 +63,8 @@ def kernel(x: Tensor, weights: list[Tensor], fp32: int = 0) -> str:
             return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype (fp32 ones: also fp32)"
         return ""
 
-    return backend.triton_or_torch("K3_MULTI_LINEAR", "multi_linear:", why_not,
-                                   ("one Triton launch (k3.ops.linear.triton_multi)",
-                                    TORCH_FORM), _grouped._have_triton,
-                                   _logged)
+    return backend.triton_or_torch("multi_linear", "multi_linear:", why_not,
+                                   ("one Triton launch (k3.ops.linear.triton_multi)", TORCH_FORM), _logged)
 
 
 def weights_fit(x: Tensor, weights: list[Tensor], fp32: int) -> bool:
@@ -103,5 +100,4 @@ def _multi_linear_fast(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[
 
 backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")
 backend.register("multi_linear", "fast", _multi_linear_fast, _fast_supported,
-                 label="one Triton launch where no gradient is needed (K3_MULTI_LINEAR=torch: never), else torch "
-                 "(one linear over the stacked weights where a gradient is needed)")
+                 label="kernel multi_linear where no gradient is needed, else torch (stacked where one is)")

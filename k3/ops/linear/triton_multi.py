@@ -11,7 +11,7 @@ benchmarks/multi_linear_configs.py on an H200 at 64 rows, 5.6 us for a KDA layer
 configuration) and 4.7 us for the shared experts' two (the fastest, 4.5 us, takes BLOCK_K 256;
 benchmarks/results/multi_linear_configs.md). It replaced Triton's autotuner, re-run in every process, whose choices
 took 11.6-18.5 us per launch for the KDA maps inside compiled decode steps (5.6 us in the configurations' benchmark;
-7.0-8.3 us in the step with this rule, benchmarks/results/profile_decode_sequence.txt).
+7.0-8.3 us in the step with this rule, docs/decisions.md).
 
 The last ``fp32`` weights' outputs are fp32 (a MoE router's logits): their weights in x's dtype (exact products,
 fp32 sums) or in fp32 (x upcast, fp32 products).

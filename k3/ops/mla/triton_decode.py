@@ -109,8 +109,8 @@ def _launch(q: Tensor, kv: Tensor, slots: Tensor, lengths: Tensor, scale: float,
     """Run the two kernels: the splits' outputs o [B, splits, H, R] and log2-sum-exps lse [B, splits, H] (fp32),
     then their merge -> [B, H, R] in q.dtype. A custom op: a compiled decode step keeps it inside its graph. The
     merge was a torch epilogue that inductor compiled to a 42 us reduction per layer at B=64 / 32K on an H200
-    (17 splits, 36 MB of partial outputs, benchmarks/results/profile_decode.txt), then a two-pass Triton merge of
-    28 us (1.3 TB/s; benchmarks/results/profile_decode_sequence.txt)."""
+    (17 splits, 36 MB of partial outputs, docs/decisions.md), then a two-pass Triton merge of
+    28 us (1.3 TB/s; docs/decisions.md)."""
     B, H = q.shape[:2]
     pdl = launch(q.device)
     o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
@@ -141,7 +141,7 @@ def mla_decode(q: Tensor, kv: Tensor, seq_ids: Tensor, lengths: Tensor, scale: f
     Launch: block_n rows per iteration, num_stages / num_warps (default 8 for 32-head groups, else 4), and
     sequences split into as many splits as keep the programs at most programs_per_sm per SM (splits of at least 256
     rows). On an H200 two programs of 16-head groups (4 warps) are resident per SM, and one whole wave of programs was
-    fastest (CUDA graphs of 5 calls, benchmarks/results/kernels_micro.txt): at B=64 / 32K 4 splits (256 programs)
+    fastest (CUDA graphs of 5 calls, docs/decisions.md): at B=64 / 32K 4 splits (256 programs)
     541 us per call, 8 splits 543, 16 splits 560 (the former rule, rounding 8 per SM up, took 17: 612 us against 566
     for 16 timed launch by launch); at B=16 / 128K 16 splits 537 us, 33 splits 554 and 66 (the former rule) 573.
     Groups of 32 heads (8 warps) were not measured."""

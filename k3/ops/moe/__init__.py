@@ -1,12 +1,28 @@
-"""Routed-expert compute. ``moe_experts(x, topk_idx, topk_weight, w1, w2, w3, glu) -> [N, D]``."""
+"""A MoE layer's ops: ``moe_inputs`` (its maps of the input, the router's in fp32) and the routed-expert compute
+``moe_experts(x, topk_idx, topk_weight, w1, w2, w3, glu) -> [N, D]`` (docs/architecture.md#latentmoe)."""
+
+from torch import Tensor
 
 from k3.ops import backend
+from k3.ops.linear import multi_linear
 from k3.ops.moe.reference import moe_experts as moe_experts_reference
 
 from k3.ops.moe import grouped as _grouped
 
 backend.register("moe_experts", "reference", moe_experts_reference)
 backend.register("moe_experts", "fast", _grouped.moe_experts, _grouped.available)
+
+
+def moe_inputs(x: Tensor, router_weight: Tensor, down_weight: Tensor | None = None,
+               shared_weights: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+    """A MoE layer's maps of its input x [N, d]: the router's logits [N, E] in fp32 (also under autocast), the
+    latent down-projection z [N, l] (None without ``down_weight``) and the shared experts' maps (their gate and up,
+    [N, I_s] each). One op so that a decode step reads x once for all of them: k3.ops.linear's kernel where the plan
+    chose it, the router's products accumulated in fp32."""
+    maps = ([] if down_weight is None else [down_weight]) + list(shared_weights) + [router_weight]
+    *outs, logits = multi_linear(x, maps, fp32=1)
+    z = None if down_weight is None else outs.pop(0)
+    return logits, z, outs
 
 
 def moe_experts(x, topk_idx, topk_weight, w1, w2, w3, glu, act_quant=None):

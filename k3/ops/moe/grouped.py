@@ -81,8 +81,8 @@ def _kernel_device(device: torch.device) -> bool:
 
 
 def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
-    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) when Triton is usable, K3_MOE_ROUTE
-    is not torch, the pairs are on a GPU and there are at most COUNT_PAIRS of them and ROUTE_MAX_EXPERTS experts,
+    """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) where the kernel plan chose
+    moe_route, the pairs are on a GPU and there are at most COUNT_PAIRS of them and ROUTE_MAX_EXPERTS experts,
     else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
     def why_not() -> str:
         if not _kernel_device(topk_idx.device):
@@ -93,9 +93,8 @@ def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
             return f"more than the kernel's {ROUTE_MAX_EXPERTS} experts"
         return ""
 
-    return backend.triton_or_torch("K3_MOE_ROUTE", "moe_experts: routing by", why_not,
-                                   ("one Triton program (k3.ops.moe.triton_route)", "torch"), _have_triton,
-                                   _route_logged)
+    return backend.triton_or_torch("moe_route", "moe_experts: routing by", why_not,
+                                   ("one Triton program (k3.ops.moe.triton_route)", "torch"), _route_logged)
 
 
 # Moving rows between tokens and the buffer. Every direction is a gather (no atomics, no sort, deterministic):
@@ -172,37 +171,17 @@ class _Combine(torch.autograd.Function):
         return dy, dw, None, None
 
 
-SMALL_GROUPS = ("grouped_mm", "triton")  # K3_MOE_SMALL_GROUPS: the expert matmuls of small no-grad batches (decode)
 _logged: set[str] = set()
-_triton_usable: bool | None = None  # _have_triton's answer, once asked
-
-
-def _have_triton() -> bool:
-    """Triton installed, importable and with a GPU it supports (torch's own check), asked once and kept in a
-    global that a traced decode step reads as a constant (through functools.cache, dynamo would trace torch's
-    device queries inside it)."""
-    global _triton_usable
-    if _triton_usable is None:
-        from torch.utils._triton import has_triton
-
-        _triton_usable = has_triton()
-    return _triton_usable
 
 
 def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
-    """Which matmul runs the experts: 'triton' (k3.ops.moe.small_groups, forward only) when no gradient is needed
-    and there are at most COUNT_PAIRS pairs (decode), unless K3_MOE_SMALL_GROUPS=grouped_mm; else 'grouped_mm'.
-    Unset, the Triton kernel is the default where Triton is usable (1.3-2x grouped_mm's speed at decode on an
-    H200, benchmarks/results/moe_decode_mm.md); without it, grouped_mm, and the log says why. Logged once each."""
-    choice = os.environ.get("K3_MOE_SMALL_GROUPS")
-    if choice is not None and choice not in SMALL_GROUPS:
-        raise ValueError(f"K3_MOE_SMALL_GROUPS={choice!r} must be one of {', '.join(SMALL_GROUPS)}")
-    usable = _have_triton()
-    if choice == "triton" and not usable:
-        raise ValueError("K3_MOE_SMALL_GROUPS=triton needs Triton, which is not installed or has no GPU it supports")
-    wanted = choice or ("triton" if usable else "grouped_mm")
-    kernel = wanted if not needs_grad and n_pairs <= COUNT_PAIRS else "grouped_mm"
-    why = " (Triton not usable here)" if choice is None and not needs_grad and not usable else ""
+    """Which matmul runs the experts: 'triton' (k3.ops.moe.small_groups, forward only) where the kernel plan chose
+    kernel moe_small_groups, no gradient is needed and there are at most COUNT_PAIRS pairs (decode); else
+    'grouped_mm'. The kernel is the default where Triton is usable (1.3-2x grouped_mm's speed at decode on an H200,
+    benchmarks/results/moe_decode_mm.md). Logged once each."""
+    choice, why = backend.kernel_choices()["moe_small_groups"]
+    kernel = choice if not needs_grad and n_pairs <= COUNT_PAIRS else "grouped_mm"
+    why = f" ({why})" if choice == "grouped_mm" and not needs_grad else ""
     if kernel + why not in _logged:
         _logged.add(kernel + why)
         backend.log.info("moe_experts: expert matmuls by %s%s", "Triton small-groups kernel (k3.ops.moe.small_groups)"
@@ -215,8 +194,8 @@ _glu_logged: set[str] = set()
 
 def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device) -> str:
     """Where the small-groups kernel runs the expert matmuls: 'triton' (one launch of
-    k3.ops.moe.small_groups.small_groups_glu for the rows' gather, w1, w3 and the GLU) when Triton is usable,
-    K3_MOE_UP_GLU is not torch, the experts are on a GPU (or in Triton's interpreter) and ``glu`` names its form (a
+    k3.ops.moe.small_groups.small_groups_glu for the rows' gather, w1, w3 and the GLU) where the kernel plan
+    chose moe_up_glu, the experts are on a GPU (or in Triton's interpreter) and ``glu`` names its form (a
     k3.model.activation.GLU), else 'torch' (they run apart). Chosen and logged by
     :func:`k3.ops.backend.triton_or_torch`."""
     def why_not() -> str:
@@ -226,9 +205,9 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
             return "the GLU is not a named form (k3.model.activation.GLU), e.g. QAT's quantised one"
         return ""
 
-    return backend.triton_or_torch("K3_MOE_UP_GLU", "moe_experts: up-projection and GLU by", why_not,
+    return backend.triton_or_torch("moe_up_glu", "moe_experts: up-projection and GLU by", why_not,
                                    ("one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
-                                    "the row gather, two matmuls and the GLU apart"), _have_triton, _glu_logged)
+                                    "the row gather, two matmuls and the GLU apart"), _glu_logged)
 
 
 def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:

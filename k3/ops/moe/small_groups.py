@@ -2,22 +2,23 @@
 
 At decode the expert-sorted buffer of k3.ops.moe.grouped holds a handful of rows per expert (B=64, k=8, E=64:
 8 on average), so each expert's product is a weight stream: the time is reading w [E, N, K] once. ``torch._grouped_mm``
-reached about half the copy bandwidth there on an H200 (benchmarks/results/profile_decode.txt: 33 launches, 1.01 ms
+reached about half the copy bandwidth there on an H200 (docs/decisions.md: 33 launches, 1.01 ms
 for ~2.2 GB of expert weights per step). Here each program takes one expert and one block of BLOCK_N output
 columns, streams that block of the expert's weight through K, and multiplies it with the expert's rows BLOCK_M at
 a time (one pass when the group fits BLOCK_M, the decode case: :func:`block_m`): E * N / BLOCK_N programs, each
 reading its weights once per pass. Groups as in grouped.py: expert e owns rows [offs[e-1], offs[e]) (offs[-1] =
 0), in any number, possibly none; rows after offs[E-1] are not written.
 
-The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usable (``K3_MOE_SMALL_GROUPS=
-grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200 (benchmarks/results/moe_decode_mm.md).
+The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usable
+(``K3_KERNELS=moe_small_groups=grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200
+(benchmarks/results/moe_decode_mm.md).
 moe_experts logs which one runs.
 
 ``small_groups_glu`` is the same kernel for the up-projection with two weights and an epilogue: each program gathers
 its group's rows from the tokens (through the routing's src_pair), multiplies them by its block of w1 and of w3 and
 writes act(gate, up) (SiTU-GLU or SwiGLU), one launch where apart the row gather, two matmuls and the GLU take four.
-The default where the small-groups kernel runs (``K3_MOE_UP_GLU=torch`` turns it off, grouped.up_glu_kernel), because
-it was faster on an H200 (benchmarks/results/decode-opt-in.md).
+The default where the small-groups kernel runs (``K3_KERNELS=moe_up_glu=torch`` turns it off,
+grouped.up_glu_kernel), because it was faster on an H200 (docs/decisions.md).
 """
 
 from __future__ import annotations

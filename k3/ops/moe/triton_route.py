@@ -3,7 +3,7 @@
 At decode the torch form is several small kernels per MoE layer even when compiled (the expert counts by a
 scatter-add, the padded cumulative ends, the [P, P] compare-and-sum of the ranks, the -1 fill and scatter of the
 buffer's pair index), each a few microseconds on an H200 where the step is bound by its kernel count
-(benchmarks/results/decode-steps.md). Here one program holds all P = N*k pairs (P <= COUNT_PAIRS) in one block:
+(docs/decisions.md). Here one program holds all P = N*k pairs (P <= COUNT_PAIRS) in one block:
 
   counts   = histogram of the pairs' experts              (tl.histogram, masked to the live pairs)
   pad_end  = cumsum(counts rounded up to ALIGN)            (the offsets grouped_mm and small_groups_mm read)
@@ -13,8 +13,8 @@ buffer's pair index), each a few microseconds on an H200 where the step is bound
 
 then fills the buffer's pair index with -1 and, after a barrier, writes each pair's index at its row. The result
 equals the torch form's exactly (both are the unique stable order). The default for at most COUNT_PAIRS pairs on a
-GPU (``K3_MOE_ROUTE=torch`` turns it off) because it was faster on an H200
-(benchmarks/results/decode-opt-in.md). grouped.route_kernel chooses and logs.
+GPU (``K3_KERNELS=moe_route=torch`` turns it off) because it was faster on an H200
+(docs/decisions.md). grouped.route_kernel chooses and logs.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 
 Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of k3.ops.router.triton_topk
 (it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most MAX_EXPERTS
-experts, and the torch form otherwise. ``K3_ROUTER_TOPK=torch`` turns the kernel off
+experts, and the torch form otherwise. ``K3_KERNELS=router_topk=torch`` turns the kernel off
 (:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster on an H200
-(benchmarks/results/decode-opt-in.md). Each choice is logged once, with the reason when it is torch.
+(docs/decisions.md). Each choice is logged once, with the reason when it is torch.
 The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
 unspecified); consumers treat them as a set.
 """
@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from k3.ops import backend
-from k3.ops.moe import grouped as _grouped
 from k3.ops.router.reference import route as route_reference
 
 MAX_EXPERTS = 4096  # the kernel holds a row's E scores in one block of lanes
@@ -34,7 +33,7 @@ def _fast_supported(device: torch.device) -> bool:
 
 
 def topk_kernel(logits: Tensor, bias: Tensor) -> str:
-    """Which form the fast backend runs: 'triton' when Triton is usable, K3_ROUTER_TOPK is not torch, no gradient
+    """Which form the fast backend runs: 'triton' where the kernel plan chose router_topk, no gradient
     is needed, logits and bias are fp32 and E <= MAX_EXPERTS, else 'torch' (:func:`k3.ops.backend.triton_or_torch`:
     logged once each, with the reason)."""
     def why_not() -> str:
@@ -46,9 +45,9 @@ def topk_kernel(logits: Tensor, bias: Tensor) -> str:
             return f"{logits.shape[-1]} experts, more than the kernel's {MAX_EXPERTS}"
         return ""
 
-    return backend.triton_or_torch("K3_ROUTER_TOPK", "router: top-k by", why_not,
+    return backend.triton_or_torch("router_topk", "router: top-k by", why_not,
                                    ("the Triton kernel (k3.ops.router.triton_topk)", "torch (k3.ops.router.reference)"),
-                                   _grouped._have_triton, _logged)
+                                   _logged)
 
 
 def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
@@ -60,6 +59,6 @@ def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
     return route_reference(logits, bias, top_k, renormalize, scaling)
 
 
-backend.register("router", "reference", route_reference, label="torch; the fast path needs CUDA")
+backend.register("router", "reference", route_reference, label="torch")
 backend.register("router", "fast", _route_fast, _fast_supported,
-                 label="the Triton top-k kernel where no gradient is needed (K3_ROUTER_TOPK=torch: never), else torch")
+                 label="kernel router_topk where no gradient is needed, else torch")

@@ -1,0 +1,76 @@
+"""The kernel plan (k3.ops.backend, k3.ops.plan): resolved from the device, Triton's usability and the user's
+choice, without a GPU."""
+
+import pytest
+import torch
+
+from k3.ops import backend
+from k3.ops.plan import plan, plan_table
+from tests.ops.kernel_switch import keep_kernel_plan
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A plan resolved anew for the test, every choice restored afterwards."""
+    keep_kernel_plan(monkeypatch)
+    monkeypatch.setattr(backend, "_choice", backend.get_backend())
+    for entry in backend.registered().values():
+        monkeypatch.setattr(entry, "fast_ok", {})
+
+
+def test_every_op_and_kernel_has_one_row(fresh):
+    rows = plan(CPU)
+    names = [r[0] for r in rows]
+    assert len(names) == len(set(names))
+    assert set(backend.registered()) <= set(names)  # every op package registered by k3.ops.plan's imports
+    assert {f"kernel {k}" for k in backend.KERNELS} <= set(names)
+    ops = dict((r[0], r[1:]) for r in rows)
+    assert ops["chunk_kda"] == ("reference", "its fast path does not run on cpu")
+    assert ops["causal_conv1d"][0].startswith("fast")  # the flat form runs everywhere
+
+
+def test_backend_choice(fresh):
+    backend.set_backend("reference")
+    assert all(runs.startswith("reference") for name, runs, _ in plan(CPU) if not name.startswith("kernel "))
+    backend.set_backend("fast")
+    rows = dict((r[0], r[1:]) for r in plan(CPU))
+    assert rows["chunk_kda"][0] == "error" and "fast path cannot run on cpu" in rows["chunk_kda"][1]
+    with pytest.raises(ValueError, match="backend='gpu' must be one of auto, reference, fast"):
+        backend.set_backend("gpu")
+
+
+def test_kernels_default_to_triton_where_usable_and_follow_k3_kernels(fresh, monkeypatch):
+    backend.set_kernels(None, triton=False)
+    assert backend.kernel_choices()["router_topk"] == ("torch", "Triton is not usable here")
+    backend.set_kernels(None, triton=True)
+    assert all(choice == backend.KERNELS[k].on for k, (choice, _) in backend.kernel_choices().items())
+    monkeypatch.setenv("K3_KERNELS", "moe_small_groups=grouped_mm, pdl=off")
+    backend.set_kernels(None)
+    choices = backend.kernel_choices()
+    assert choices["moe_small_groups"] == ("grouped_mm", "K3_KERNELS") and choices["pdl"] == ("off", "K3_KERNELS")
+    assert choices["router_topk"] == ("triton", "default")
+    table = plan_table(CPU)
+    assert table.splitlines()[0] == ("kernel plan on cpu (K3_BACKEND=auto, "
+                                     "K3_KERNELS=moe_small_groups=grouped_mm, pdl=off)")
+    assert "kernel moe_small_groups  grouped_mm" in table
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("router=torch", "'router=torch' must be name=value with a name among multi_linear, "),
+    ("router_topk", "'router_topk' must be name=value"),
+    ("conv_step=off", "conv_step='off' must be triton or torch"),
+])
+def test_bad_kernel_choices_are_one_clear_error(fresh, spec, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        backend.set_kernels(spec)
+
+
+def test_resolved_once(fresh, monkeypatch):
+    """The choices are kept: changing K3_KERNELS later does nothing until set_kernels resolves again."""
+    backend.set_kernels(None, triton=True)
+    monkeypatch.setenv("K3_KERNELS", "multi_linear=torch")
+    assert backend.kernel_choice("multi_linear") == "triton"
+    backend.set_kernels(None)
+    assert backend.kernel_choice("multi_linear") == "torch"
