@@ -4,12 +4,11 @@ __version__ = "0.1.0"
 
 
 def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="dequantize"):
-    """Load a checkpoint directory as ``K3ForCausalLM`` (see :func:`k3.convert.checkpoint.from_pretrained`)."""
-    import torch
+    """Load a checkpoint directory as ``K3ForCausalLM``, streamed, in its own dtype unless ``dtype`` is given
+    (see :func:`k3.convert.load.from_pretrained`)."""
+    from k3.convert.load import from_pretrained as _load
 
-    from k3.convert.checkpoint import from_pretrained as _load
-
-    return _load(directory, dtype=dtype or torch.float32, device=device, verify=verify, packed=packed)
+    return _load(directory, dtype=dtype, device=device, verify=verify, packed=packed)
 
 
 def save_pretrained(model, directory, **kwargs):

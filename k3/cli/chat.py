@@ -14,7 +14,7 @@ import sys
 from k3.cli.generate import add_model_args, add_sampling_args, sampling_from_args, stats_line, stream
 from k3.infer.chat import chat_format, render_chat
 from k3.infer.engine import Engine
-from k3.infer.load import load_for_inference
+from k3.infer.load import load_for_inference, load_line
 
 
 def add_parser(sub) -> None:
@@ -56,7 +56,10 @@ def fit(history: list[dict], tokenizer, room: int):
 
 def run(args: argparse.Namespace) -> int:
     base = sampling_from_args(args)
-    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype)
+    load_stats: dict = {}
+    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats,
+                                                packed=args.packed)
+    print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []

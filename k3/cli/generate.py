@@ -7,14 +7,17 @@ import sys
 import time
 
 from k3.infer.engine import Engine
-from k3.infer.load import DTYPES, load_for_inference
+from k3.infer.load import DTYPE_CHOICES, load_for_inference, load_line
 from k3.infer.sampling import SamplingParams
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory (latest)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's own")
+    p.add_argument("--packed", choices=("keep", "dequantize"), default="keep",
+                   help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
+                   "or dequantise them once at load")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -103,7 +106,10 @@ def stats_line(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype)
+    load_stats: dict = {}
+    model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats,
+                                             packed=args.packed)
+    print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     prompt = image_prompt(model, tokenizer, args.prompt, len(args.image))
     if not prompt:

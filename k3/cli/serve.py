@@ -15,7 +15,7 @@ import threading
 
 from k3.infer.async_engine import AsyncEngine
 from k3.infer.engine import Engine
-from k3.infer.load import DTYPES, load_for_inference
+from k3.infer.load import DTYPE_CHOICES, load_for_inference
 
 log = logging.getLogger("k3.serve")
 GIB = 2**30
@@ -34,7 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory for running requests")
     p.add_argument("--prefix-cache-gb", type=float, default=0.0, help="memory for cached prompt prefixes (0: off)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's own")
+    p.add_argument("--packed", choices=("keep", "dequantize"), default="keep",
+                   help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
+                   "or dequantise them once at load")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
     p.add_argument("--compile-decode", action="store_true",
                    help="torch.compile the decode step before its CUDA-graph capture (GPU; compiles once per "
@@ -53,7 +56,7 @@ def build_engine(args: argparse.Namespace):
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 0")
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context={args.max_context} must be >= 2")
-    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype)
+    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_context=args.max_context,
                     cuda_graphs=False if args.no_cuda_graphs else None, compile_decode=args.compile_decode,
@@ -103,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout={args.drain_timeout} must be >= 0")
     if not 0 < args.max_request_mb <= 4096:
         raise ValueError(f"--max-request-mb={args.max_request_mb} must be in (0, 4096]")
+    from k3.ops.plan import plan_table
+
     engine, tokenizer, path = build_engine(args)
+    print(plan_table(engine.device), flush=True)
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, tokenizer, args.model_name, engine.max_context, args.drain_timeout,
                      max_request_bytes=int(args.max_request_mb * 2**20))

@@ -1,12 +1,15 @@
 """``config.json`` <-> ``K3Config``.
 
 Two formats, both ``model_type: kimi_linear`` (K3's text model is a Kimi-Linear model with extra keys):
-- ``k3``: the released K3 text-config keys (spec §2): 1-indexed ``linear_attn_config.kda_layers`` /
+- ``k3``: the released K3 text-config keys (docs/architecture.md#layer-schedule): 1-indexed
+``linear_attn_config.kda_layers`` /
   ``full_attn_layers``, ``gate_lower_bound``, ``use_full_rank_gate``, ``mla_use_output_gate``,
   ``routed_expert_hidden_size``, ``latent_moe_use_norm``, ``attn_res_block_size``, ``activation_situ_*``,
   plus a ``k3`` sub-dict for what the release does not spell out (AttnRes mode, gate ranks, chunk size, ...).
 - ``kimi_linear``: the Kimi-Linear keys only, loadable by transformers' ``KimiLinearForCausalLM``; only
   Kimi-Linear-shaped configs can be written this way.
+- ``k3-release``: the multimodal release's ``kimi_k3`` wrapper: ``text_config`` (the ``k3`` format),
+  ``vision_config`` (``vt_*`` keys) and the media token ids at the top level; needs a vision tower.
 Reading accepts both, transformers' native spellings (``layer_types``, ``mlp_layer_types``, ``linear_num_heads``,
 ``num_local_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``norm_topk_prob``, ``model_max_length``)
 and the multimodal ``kimi_k3`` wrapper: its ``text_config`` gives the text model, its ``vision_config`` and media
@@ -21,7 +24,7 @@ from typing import Any
 from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEConfig, VisionConfig
 from k3.config.presets import k3_vision
 
-FORMATS = ("k3", "kimi_linear")
+FORMATS = ("k3", "kimi_linear", "k3-release")
 
 
 _REQUIRED = object()
@@ -93,16 +96,64 @@ def kimi_linear_incompatibilities(cfg: K3Config) -> list[str]:
     return why
 
 
-def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
-    """The ``config.json`` dict of ``cfg`` in format ``k3`` or ``kimi_linear``."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
-    if fmt == "kimi_linear":
-        why = kimi_linear_incompatibilities(cfg)
-        if why:
-            raise ValueError("cannot write a kimi_linear config: " + "; ".join(why))
-    kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
-    d: dict[str, Any] = {
+def _release_config(cfg: K3Config) -> dict[str, Any]:
+    """The ``kimi_k3`` wrapper of a multimodal config (read back by :func:`from_hf_config` to the same config)."""
+    if cfg.vision is None:
+        raise ValueError("format k3-release is the multimodal release layout and needs a vision tower "
+                         "(k3.config.presets.with_vision); write a text-only model as k3 or kimi_linear")
+    v = cfg.vision
+    text = to_hf_config(cfg, "k3")
+    text["k3"].pop("vision", None)
+    return {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {"vt_num_hidden_layers": v.num_layers, "vt_hidden_size": v.hidden_size,
+                          "vt_num_attention_heads": v.num_heads, "qkv_hidden_size": v.num_heads * v.head_dim,
+                          "vt_intermediate_size": v.intermediate_size, "patch_size": v.patch_size,
+                          "merge_kernel_size": [v.merge_size, v.merge_size], "init_pos_emb_height": v.pos_grid,
+                          "init_pos_emb_width": v.pos_grid, "mm_projector_type": "patchmergerv2"},
+        "media_placeholder_token_id": v.media_placeholder_token_id,
+        "media_begin_token_id": v.media_begin_token_id,
+        "media_end_token_id": v.media_end_token_id,
+    }
+
+
+def _mla_keys(mla: MLAConfig) -> dict[str, Any]:
+    """The Kimi-Linear MLA keys (one K/V head per query head; NoPE unless ``rope_theta`` is set)."""
+    return {
+        "num_attention_heads": mla.num_heads,
+        "num_key_value_heads": mla.num_heads,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "mla_use_nope": mla.rope_theta is None,
+    }
+
+
+def _moe_keys(moe: MoEConfig) -> dict[str, Any]:
+    """The Kimi-Linear MoE keys: sigmoid router, one expert group (the only routing read back)."""
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_token": moe.num_experts_per_token,
+        "num_shared_experts": moe.num_shared_experts,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": moe.renormalize,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+    }
+
+
+def _kimi_linear_keys(cfg: K3Config) -> dict[str, Any]:
+    """The keys both formats share: what transformers' ``KimiLinearForCausalLM`` reads (layers 1-indexed)."""
+    kda = cfg.kda
+    return {
         "architectures": ["KimiLinearForCausalLM"],
         "model_type": "kimi_linear",
         "vocab_size": cfg.vocab_size,
@@ -117,25 +168,8 @@ def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": False,
         "num_nextn_predict_layers": 0,
-        "num_attention_heads": mla.num_heads,
-        "num_key_value_heads": mla.num_heads,
-        "q_lora_rank": mla.q_lora_rank,
-        "kv_lora_rank": mla.kv_lora_rank,
-        "qk_nope_head_dim": mla.qk_nope_head_dim,
-        "qk_rope_head_dim": mla.qk_rope_head_dim,
-        "v_head_dim": mla.v_head_dim,
-        "mla_use_nope": mla.rope_theta is None,
-        "num_experts": moe.num_experts,
-        "num_experts_per_token": moe.num_experts_per_token,
-        "num_shared_experts": moe.num_shared_experts,
-        "moe_intermediate_size": moe.moe_intermediate_size,
-        "moe_router_activation_func": "sigmoid",
-        "moe_renormalize": moe.renormalize,
-        "routed_scaling_factor": moe.routed_scaling_factor,
-        "topk_method": "noaux_tc",
-        "use_grouped_topk": True,
-        "num_expert_group": 1,
-        "topk_group": 1,
+        **_mla_keys(cfg.mla),
+        **_moe_keys(cfg.moe),
         "linear_attn_config": {
             "num_heads": kda.num_heads,
             "head_dim": kda.head_dim,
@@ -147,31 +181,51 @@ def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
     }
+
+
+def _add_k3_keys(d: dict[str, Any], cfg: K3Config) -> None:
+    """Add to ``d`` the ``k3`` format's keys beyond Kimi-Linear: the release's spellings, then the ``k3``
+    sub-dict for what the release does not spell out."""
+    kda, mla, moe = cfg.kda, cfg.mla, cfg.moe
+    d["head_dim"] = kda.head_dim
+    d["linear_attn_config"]["gate_lower_bound"] = kda.gate_lower_bound
+    d["linear_attn_config"]["use_full_rank_gate"] = kda.full_rank_output_gate
+    d["mla_use_output_gate"] = mla.output_gate
+    if mla.rope_theta is not None:
+        d["rope_theta"] = mla.rope_theta
+    d["routed_expert_hidden_size"] = moe.latent_size
+    d["latent_moe_use_norm"] = moe.latent_norm
+    d["attn_res_block_size"] = cfg.attn_res.block_size if cfg.attn_res.mode != "none" else None
+    if cfg.hidden_act == "situ":
+        d["activation_situ_beta"] = cfg.situ_beta
+        d["activation_situ_linear_beta"] = cfg.situ_linear_beta
+    d["k3"] = {
+        "name": cfg.name,
+        "attn_res_mode": cfg.attn_res.mode,
+        "kda_v_head_dim": kda.v_head_dim,
+        "kda_forget_gate_rank": kda.forget_gate_rank,
+        "kda_output_gate_rank": kda.output_gate_rank,
+        "kda_chunk_size": kda.chunk_size,
+        "kda_l2norm_eps": kda.l2norm_eps,
+        "mla_norm_eps": mla.norm_eps,
+    }
+    if cfg.vision is not None:
+        d["k3"]["vision"] = dataclasses.asdict(cfg.vision)
+
+
+def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
+    """The ``config.json`` dict of ``cfg`` in format ``k3``, ``kimi_linear`` or ``k3-release``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r} must be one of {', '.join(FORMATS)}")
+    if fmt == "k3-release":
+        return _release_config(cfg)
+    if fmt == "kimi_linear":
+        why = kimi_linear_incompatibilities(cfg)
+        if why:
+            raise ValueError("cannot write a kimi_linear config: " + "; ".join(why))
+    d = _kimi_linear_keys(cfg)
     if fmt == "k3":
-        d["head_dim"] = kda.head_dim
-        d["linear_attn_config"]["gate_lower_bound"] = kda.gate_lower_bound
-        d["linear_attn_config"]["use_full_rank_gate"] = kda.full_rank_output_gate
-        d["mla_use_output_gate"] = mla.output_gate
-        if mla.rope_theta is not None:
-            d["rope_theta"] = mla.rope_theta
-        d["routed_expert_hidden_size"] = moe.latent_size
-        d["latent_moe_use_norm"] = moe.latent_norm
-        d["attn_res_block_size"] = cfg.attn_res.block_size if cfg.attn_res.mode != "none" else None
-        if cfg.hidden_act == "situ":
-            d["activation_situ_beta"] = cfg.situ_beta
-            d["activation_situ_linear_beta"] = cfg.situ_linear_beta
-        d["k3"] = {
-            "name": cfg.name,
-            "attn_res_mode": cfg.attn_res.mode,
-            "kda_v_head_dim": kda.v_head_dim,
-            "kda_forget_gate_rank": kda.forget_gate_rank,
-            "kda_output_gate_rank": kda.output_gate_rank,
-            "kda_chunk_size": kda.chunk_size,
-            "kda_l2norm_eps": kda.l2norm_eps,
-            "mla_norm_eps": mla.norm_eps,
-        }
-        if cfg.vision is not None:
-            d["k3"]["vision"] = dataclasses.asdict(cfg.vision)
+        _add_k3_keys(d, cfg)
     return d
 
 
@@ -215,15 +269,19 @@ def _first_dense(d: dict, n: int) -> int:
 def _release_vision(top: dict) -> VisionConfig:
     """The vision tower of a release ``kimi_k3`` config.json: K3's tower (``k3_vision``) with the release's keys
     where present. Shape: ``vision_config``'s ``vt_*`` / ``qkv_hidden_size`` / ``patch_size`` /
-    ``merge_kernel_size`` (the K3 release's spellings); media ids: the top-level ``media_placeholder_token_id``
+    ``merge_kernel_size`` (the K3 release's spellings) and ``init_pos_emb_height`` / ``_width`` (the MoonViT
+    family's); media ids: the top-level ``media_placeholder_token_id``
     and, if given, ``media_begin_token_id`` / ``media_end_token_id``. The release is not known to carry begin /
-    end ids, so K3's (163602 / 163604) apply unless it does."""
+    end ids, so K3's (163602 / 163604) apply unless it does (null: no wrapping)."""
     v = dataclasses.asdict(k3_vision())
     vc = _dict(top, "vision_config")
     for key, field in (("vt_num_hidden_layers", "num_layers"), ("vt_hidden_size", "hidden_size"),
                        ("vt_num_attention_heads", "num_heads"), ("vt_intermediate_size", "intermediate_size"),
-                       ("patch_size", "patch_size")):
+                       ("patch_size", "patch_size"), ("init_pos_emb_height", "pos_grid")):
         v[field] = _int(vc, key, default=v[field], prefix="vision_config.")
+    if vc.get("init_pos_emb_width") not in (None, v["pos_grid"]):
+        raise ValueError(f"config.json: vision_config.init_pos_emb_width={vc['init_pos_emb_width']} != "
+                         f"init_pos_emb_height={v['pos_grid']} is not supported (square grid only)")
     if vc.get("qkv_hidden_size") is not None:
         qkv = _int(vc, "qkv_hidden_size", prefix="vision_config.")
         if qkv % v["num_heads"]:
@@ -238,7 +296,10 @@ def _release_vision(top: dict) -> VisionConfig:
             raise ValueError(f"config.json: vision_config.merge_kernel_size={merge} is not supported (square only)")
         v["merge_size"] = merge[0]
     for key in ("media_placeholder_token_id", "media_begin_token_id", "media_end_token_id"):
-        v[key] = _int(top, key, default=v[key])
+        if key != "media_placeholder_token_id" and key in top and top[key] is None:
+            v[key] = None  # spelled null: no wrapping
+        else:
+            v[key] = _int(top, key, default=v[key])
     return VisionConfig(**v)
 
 
@@ -252,19 +313,24 @@ def _vision(v: Any) -> VisionConfig:
         raise ValueError(f"config.json: k3.vision does not match VisionConfig: {e}") from None
 
 
-def from_hf_config(d: dict[str, Any]) -> K3Config:
-    """Parse a ``config.json`` dict (any format above); unsupported features raise one clear ValueError."""
+def _unwrap_release(d: Any) -> tuple[dict[str, Any], VisionConfig | None]:
+    """The text config of ``d`` and, for the multimodal ``kimi_k3`` wrapper, its vision tower (else None)."""
     if not isinstance(d, dict):
         raise ValueError(f"config.json must hold a JSON object, not {type(d).__name__}")
-    release_vision = None
-    if d.get("model_type") == "kimi_k3":
-        if "text_config" not in d:
-            raise ValueError("config.json: model_type kimi_k3 without text_config")
-        release_vision = _release_vision(d)
-        d = _dict(d, "text_config")
+    if d.get("model_type") != "kimi_k3":
+        return d, None
+    if "text_config" not in d:
+        raise ValueError("config.json: model_type kimi_k3 without text_config")
+    release_vision = _release_vision(d)
+    return _dict(d, "text_config"), release_vision
+
+
+def _check_supported(d: dict) -> None:
+    """One ValueError for a config this model cannot express (wrong model type, GQA, sparse MoE placement, MTP,
+    grouped routing, tied embeddings, a non-sigmoid router); also that the layer and head counts are given."""
     if d.get("model_type") not in ("kimi_linear", None):
         raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not kimi_linear / kimi_k3")
-    n = _int(d, "num_hidden_layers")
+    _int(d, "num_hidden_layers")
     heads = _int(d, "num_attention_heads")
     if d.get("num_key_value_heads") not in (None, heads):
         raise ValueError(f"config.json: num_key_value_heads={d['num_key_value_heads']} != num_attention_heads={heads} "
@@ -282,11 +348,14 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
     act = d.get("moe_router_activation_func", "sigmoid")
     if act != "sigmoid":
         raise ValueError(f"config.json: moe_router_activation_func={act!r} is not supported (sigmoid only)")
-    lac = _dict(d, "linear_attn_config")
-    ext = _dict(d, "k3")
+
+
+def _kda_config(d: dict, lac: dict, ext: dict) -> KDAConfig:
+    """KDA from ``linear_attn_config`` (or transformers' ``linear_*`` keys) and the ``k3`` sub-dict; head dim,
+    gate ranks and value head dim default to one another as in Kimi-Linear."""
     kda_head = _int(lac, "head_dim", default=_int(d, "linear_head_dim", default=128), prefix="linear_attn_config.")
     lb = lac.get("gate_lower_bound")
-    kda = KDAConfig(
+    return KDAConfig(
         num_heads=_int(lac, "num_heads", default=_int(d, "linear_num_heads", default=32),
                        prefix="linear_attn_config."),
         head_dim=kda_head,
@@ -300,16 +369,26 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
         chunk_size=_int(ext, "kda_chunk_size", default=64, prefix="k3."),
         l2norm_eps=_float(ext, "kda_l2norm_eps", 1e-6, "k3."),
     )
+
+
+def _mla_config(d: dict, ext: dict) -> MLAConfig:
+    """MLA from the top-level keys: NoPE unless ``mla_use_nope`` is false (then ``rope_theta``)."""
     use_nope = d.get("mla_use_nope", True)
-    mla = MLAConfig(
-        num_heads=heads, q_lora_rank=_int(d, "q_lora_rank", default=None), kv_lora_rank=_int(d, "kv_lora_rank"),
+    return MLAConfig(
+        num_heads=_int(d, "num_attention_heads"), q_lora_rank=_int(d, "q_lora_rank", default=None),
+        kv_lora_rank=_int(d, "kv_lora_rank"),
         qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
         v_head_dim=_int(d, "v_head_dim"), output_gate=bool(d.get("mla_use_output_gate", False)),
         rope_theta=None if use_nope else _float(d, "rope_theta", 10000.0),
         norm_eps=_float(ext, "mla_norm_eps", 1e-6, "k3."),
     )
+
+
+def _moe_config(d: dict) -> MoEConfig:
+    """MoE from the Kimi-Linear keys or their transformers / DeepSeek spellings; latent MoE when
+    ``routed_expert_hidden_size`` is set (normed unless ``latent_moe_use_norm`` says otherwise)."""
     latent = _int(d, "routed_expert_hidden_size", default=None)
-    moe = MoEConfig(
+    return MoEConfig(
         num_experts=_int(d, "num_experts", "num_local_experts", "n_routed_experts"),
         num_experts_per_token=_int(d, "num_experts_per_token", "num_experts_per_tok"),
         num_shared_experts=_int(d, "num_shared_experts", "n_shared_experts", default=0),
@@ -319,24 +398,38 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
         routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0),
         renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
     )
+
+
+def _attn_res_config(d: dict, ext: dict) -> AttnResConfig:
+    """AttnRes is on when ``attn_res_block_size`` is set and non-zero; its mode (which the release does not
+    spell) comes from ``k3.attn_res_mode``, ``snapshot`` by default."""
     block = _int(d, "attn_res_block_size", default=None)
-    attn_res = AttnResConfig(mode=ext.get("attn_res_mode", "snapshot") if block else "none",
-                             block_size=block if block else 1)
+    return AttnResConfig(mode=ext.get("attn_res_mode", "snapshot") if block else "none",
+                         block_size=block if block else 1)
+
+
+def _token(d: dict, key: str, vocab: int) -> int | None:
+    """A special-token id: null / absent is None; otherwise an integer inside the vocabulary (a list, as some
+    configs give several eos ids, contributes its first)."""
+    v = d.get(key)
+    if isinstance(v, list) and v:
+        v = v[0]
+    if v is None:
+        return None
+    _as_int(v, key)
+    if not 0 <= v < vocab:
+        raise ValueError(f"config.json: {key}={v} is outside the vocabulary (vocab_size={vocab})")
+    return v
+
+
+def from_hf_config(d: dict[str, Any]) -> K3Config:
+    """Parse a ``config.json`` dict (any format above); unsupported features raise one clear ValueError."""
+    d, release_vision = _unwrap_release(d)
+    _check_supported(d)
+    n = _int(d, "num_hidden_layers")
+    lac, ext = _dict(d, "linear_attn_config"), _dict(d, "k3")
+    kda, mla, moe, attn_res = _kda_config(d, lac, ext), _mla_config(d, ext), _moe_config(d), _attn_res_config(d, ext)
     vocab = _int(d, "vocab_size")
-
-    def token(key: str) -> int | None:
-        """A special-token id: null / absent is None; otherwise an integer inside the vocabulary (a list, as
-        some configs give several eos ids, contributes its first)."""
-        v = d.get(key)
-        if isinstance(v, list) and v:
-            v = v[0]
-        if v is None:
-            return None
-        _as_int(v, key)
-        if not 0 <= v < vocab:
-            raise ValueError(f"config.json: {key}={v} is outside the vocabulary (vocab_size={vocab})")
-        return v
-
     return K3Config(
         name=str(ext.get("name", "custom")), vocab_size=vocab, hidden_size=_int(d, "hidden_size"),
         num_hidden_layers=n, mla_layers=_mla_layers(d, n), first_k_dense_replace=_first_dense(d, n),
@@ -346,7 +439,8 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
         rms_norm_eps=_float(d, "rms_norm_eps", 1e-5),
         max_position_embeddings=_int(d, "max_position_embeddings", "model_max_length", default=1048576),
         initializer_range=_float(d, "initializer_range", 0.02),
-        bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), pad_token_id=token("pad_token_id"),
+        bos_token_id=_token(d, "bos_token_id", vocab), eos_token_id=_token(d, "eos_token_id", vocab),
+        pad_token_id=_token(d, "pad_token_id", vocab),
         kda=kda, mla=mla, moe=moe, attn_res=attn_res,
         vision=_vision(ext["vision"]) if ext.get("vision") else release_vision,
     )

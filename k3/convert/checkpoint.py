@@ -6,6 +6,8 @@ loading dequantises them (``packed="dequantize"``) or keeps them packed for infe
 Loading refuses, with one clear message, a missing or malformed config, missing shards, a truncated or
 corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), non-finite
 values, shard names outside the directory, non-float tensors, missing / unexpected tensors and shape mismatches.
+
+Loading streams (k3.convert.load). Writing streams too: one shard at a time is gathered on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,9 +26,8 @@ from torch import Tensor
 from k3.config import K3Config
 from k3.config.hf import from_hf_config, to_hf_config
 from k3.convert.atomic import atomic_directory, normal_mode
-from k3.convert.names import from_files, to_files
-from k3.quant.packed import pack_expert_tensors, quantization_config, read_quantization, unpack_expert_tensors, \
-    use_packed_experts
+from k3.convert.names import to_files
+from k3.quant.packed import pack_expert_tensors, quantization_config
 from k3.quant.qat import qat_settings
 
 SINGLE = "model.safetensors"
@@ -44,40 +46,63 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_tensors(model, fmt: str, quantize: str | None, mode: str) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint tensors of ``model`` one state-dict entry at a time, on the host (packed if asked)."""
+    layout = "release" if fmt == "k3-release" else "k3"
+    for name, t in model.state_dict().items():
+        files = to_files({name: t.detach()}, model.config, layout)
+        if quantize == "mxfp4":
+            files = pack_expert_tensors(files, mode)
+        for fname, ft in files.items():
+            yield fname, ft.cpu()
+
+
 def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                      quantize: str | None = None, scale_mode: str | None = None) -> list[str]:
-    """Write config.json and the weights into an existing directory (not atomic; see ``save_pretrained``)."""
+    """Write config.json and the weights into an existing directory (not atomic; see ``save_pretrained``).
+    Shards are written as they fill, so host memory holds one shard (a GPU model is never copied whole)."""
     if quantize not in (None, "mxfp4"):
         raise ValueError(f"quantize={quantize!r} must be None or 'mxfp4'")
     directory = Path(directory)
     config = to_hf_config(model.config, fmt)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state = model.state_dict()
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()} - {torch.float32}
     config["torch_dtype"] = _DTYPE_NAMES.get(next(iter(dtypes)), "float32") if len(dtypes) == 1 else "float32"
-    tensors = to_files(state, model.config)
+    mode = None
     if quantize == "mxfp4":
         qat = qat_settings(model)
         mode = scale_mode or (qat.mode if qat is not None else "floor")
-        tensors = pack_expert_tensors(tensors, mode)
-    if quantize == "mxfp4" or any(k.endswith(".weight_packed") for k in tensors):  # also: a model kept packed
+    if quantize == "mxfp4" or any(k.endswith(("_packed", "_scale")) for k in state):  # also: a model kept packed
         config["quantization_config"] = quantization_config()
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
+    del state
+    parts: list[str] = []
+    weight_map: dict[str, int] = {}
+    shard: dict[str, Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        part = directory / f".part-{len(parts)}.safetensors"
+        save_file(shard, part, metadata={"format": "pt"})
+        parts.append(part.name)
+
+    for name, t in _file_tensors(model, fmt, quantize, mode):
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name] = t
+        weight_map[name] = len(parts)
         size += nbytes
-    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                                               for i in range(len(shards))]
-    for fname, shard in zip(names, shards):
-        save_file(shard, directory / fname, metadata={"format": "pt"})
+        total += nbytes
+    flush()
+    shard = {}
+    names = [SINGLE] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+                                              for i in range(len(parts))]
+    for part, fname in zip(parts, names):
+        os.replace(directory / part, directory / fname)
         normal_mode(directory / fname)  # safetensors writes through a 0600 temp file
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {k: fname for fname, shard in zip(names, shards) for k in shard}}
+    if len(parts) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
         (directory / INDEX).write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / CHECKSUMS).write_text(json.dumps({"sha256": {f: _sha256(directory / f) for f in names}}, indent=2))
@@ -213,66 +238,6 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
         problems.append("dtype mismatch: " + "; ".join(bad_int[:8]))
     if problems:
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
-
-
-def _from_dcp(directory: Path, config):
-    """The model of a distributed training checkpoint (DCP shards + config.json), gathered into this process (DCP
-    checks its own metadata; there are no checksum files to verify). The model is built on the meta device and
-    given uninitialised CPU storage, which the load overwrites whole (DCP raises on any tensor the checkpoint
-    lacks, and the model has no tensors outside its state dict): no random init is computed and thrown away."""
-    from k3.convert.dcp import load_into_single
-    from k3.model.decoder import K3ForCausalLM
-    from k3.model.multimodal import K3ForConditionalGeneration
-
-    with torch.device("meta"):
-        model = (K3ForConditionalGeneration if config.vision is not None else K3ForCausalLM)(config)
-    model.to_empty(device="cpu")
-    load_into_single(directory, model)
-    return model
-
-
-def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", verify: bool = True, packed: str = "dequantize"):
-    """Load a checkpoint directory (ours, the K3 release layout, transformers' Kimi-Linear, or a multi-GPU
-    training run's DCP checkpoint) as K3ForCausalLM (K3ForConditionalGeneration when it holds
-    ``vision_tower.*`` weights).
-
-    Packed MXFP4 experts (``quantization_config.format`` mxfp4-pack-quantized): ``packed="dequantize"`` turns
-    them into high-precision weights (``dtype``; for training and inference), ``packed="keep"`` keeps the
-    bytes in memory (k3.quant.packed.PackedExperts, dequantised on the fly; inference only)."""
-    from k3.model.decoder import K3ForCausalLM
-
-    if packed not in ("dequantize", "keep"):
-        raise ValueError(f"packed={packed!r} must be 'dequantize' or 'keep'")
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
-    config = read_config(directory)
-    if (directory / ".metadata").is_file():  # a multi-GPU run's torch.distributed.checkpoint
-        if packed == "keep":
-            raise ValueError(f"packed='keep': {directory} is a distributed training checkpoint (high-precision "
-                             "experts); export packed experts first with k3 convert --quantize mxfp4")
-        return _from_dcp(directory, config).cast(dtype).to(device)
-    quantized = read_quantization(json.loads((directory / "config.json").read_text()))
-    if packed == "keep" and quantized is None:
-        raise ValueError(f"packed='keep': {directory} has no packed experts (no quantization_config); write one "
-                         "with save_pretrained(..., quantize='mxfp4') or k3 convert --quantize mxfp4")
-    tensors = read_tensors(directory, verify)
-    if quantized is not None and packed == "dequantize":
-        tensors = unpack_expert_tensors(tensors)
-    state = from_files(tensors, config)
-    with torch.device("meta"):
-        if config.vision is not None and any(k.startswith("vision_tower.") for k in state):
-            from k3.model.multimodal import K3ForConditionalGeneration
-
-            model = K3ForConditionalGeneration(config)
-        else:
-            model = K3ForCausalLM(config)
-        if quantized is not None and packed == "keep":
-            use_packed_experts(model)
-    check_state(state, model.state_dict())
-    model.load_state_dict(state, assign=True, strict=True)
-    return model.cast(dtype).to(device)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:

@@ -1,17 +1,45 @@
-"""Load a checkpoint for inference: ``load_for_inference(ckpt, device, dtype) -> (model, tokenizer, path)``."""
+"""Load a checkpoint for inference: ``load_for_inference(ckpt, device, dtype) -> (model, tokenizer, path)``.
+
+The weights are streamed (k3.convert.load.from_pretrained, docs/architecture.md#checkpoints) straight into
+their dtype and device; the load time and memory (host RSS peak, GPU memory) are logged and can be printed.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import resource
+import sys
+import time
 from pathlib import Path
 
 import torch
 
-from k3.convert.checkpoint import from_pretrained
+from k3.convert.load import from_pretrained
 from k3.convert.checkpoint import resolve_checkpoint
 from k3.data.tokenizer import Tokenizer
+from k3.quant.packed import read_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype
+log = logging.getLogger("k3.infer")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def load_line(stats: dict) -> str:
+    """One human line for the stats :func:`load_for_inference` fills."""
+    line = (f"loaded {stats['params'] / 1e6:.1f}M parameters ({stats['bytes'] / 2**30:.2f} GiB, {stats['dtype']}) "
+            f"in {stats['seconds']:.2f}s ({stats['bytes'] / 1e9 / max(stats['seconds'], 1e-9):.2f} GB/s) on "
+            f"{stats['device']}; host RSS peak {stats['host_rss_peak'] / 2**30:.2f} GiB")
+    if "gpu_bytes" in stats:
+        line += f", GPU memory {stats['gpu_bytes'] / 2**30:.2f} GiB (peak {stats['gpu_peak'] / 2**30:.2f} GiB)"
+    return line
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -26,11 +54,14 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype, or None for ``auto`` / None (keep the checkpoint's)."""
+    if name is None or isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return None
     if name not in DTYPES:
-        raise ValueError(f"--dtype={name!r} must be one of {', '.join(DTYPES)}")
+        raise ValueError(f"--dtype={name!r} must be one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[name]
 
 
@@ -44,14 +75,35 @@ def find_tokenizer(checkpoint: Path, given: str | os.PathLike) -> Path:
 
 
 def load_for_inference(ckpt: str | os.PathLike, device: str | torch.device = "auto",
-                       dtype: str | torch.dtype = "float32"):
+                       dtype: str | torch.dtype | None = "auto", stats: dict | None = None, packed: str = "keep"):
     """A checkpoint directory or a training run directory (its latest checkpoint) ->
     ``(model in eval mode on device, Tokenizer, checkpoint path)``. One clear error for a missing checkpoint,
-    a missing tokenizer or a tokenizer whose ids do not fit the model's vocabulary."""
+    a missing tokenizer or a tokenizer whose ids do not fit the model's vocabulary. ``dtype="auto"`` keeps the
+    checkpoint's; ``stats`` (a dict) receives the load time and memory (see :func:`load_line`). Packed MXFP4
+    experts stay packed (``packed="keep"``: only the experts a batch selects are dequantised, k3.ops.moe.mxfp4) or
+    are dequantised once at load (``packed="dequantize"``)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     path = resolve_checkpoint(ckpt)
     tokenizer = Tokenizer.load(find_tokenizer(path, ckpt))
-    model = from_pretrained(path, dtype=dt, device=dev).eval()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    if packed not in ("keep", "dequantize"):
+        raise ValueError(f"packed={packed!r} must be 'keep' or 'dequantize'")
+    if read_quantization(json.loads((path / "config.json").read_text())) is None:
+        packed = "dequantize"  # nothing packed to keep
+    model = from_pretrained(path, dtype=dt, device=dev, packed=packed).eval()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    tensors = list(model.parameters()) + list(model.buffers())
+    info = {"seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters()),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors), "device": str(dev),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "host_rss_peak": peak_rss_bytes()}
+    if dev.type == "cuda":
+        info["gpu_bytes"], info["gpu_peak"] = torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
+    log.info("%s: %s", path, load_line(info))
+    if stats is not None:
+        stats.update(info)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
                          f"{model.config.vocab_size}: they do not belong together")

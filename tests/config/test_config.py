@@ -165,3 +165,40 @@ def test_config_json_nested_values_are_checked():
         from_hf_config(d)
     with pytest.raises(ValueError, match="config.json must hold a JSON object"):
         from_hf_config([1, 2])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("model_type", "llama", "model_type 'llama' is not kimi_linear / kimi_k3"),
+    ("num_key_value_heads", 1, "num_key_value_heads=1 != num_attention_heads="),
+    ("moe_layer_freq", 2, "moe_layer_freq=2 is not supported"),
+    ("num_nextn_predict_layers", 1, "MTP layers"),
+    ("num_expert_group", 4, r"grouped routing \(num_expert_group=4, topk_group=1\)"),
+    ("tie_word_embeddings", True, "tie_word_embeddings=true is not supported"),
+    ("moe_router_activation_func", "softmax", "moe_router_activation_func='softmax' is not supported"),
+])
+def test_config_json_unsupported_features_are_refused(key, value, match):
+    from k3.config.hf import from_hf_config, to_hf_config
+
+    d = to_hf_config(get_preset("tiny"))
+    d[key] = value
+    with pytest.raises(ValueError, match=match):
+        from_hf_config(d)
+
+
+def test_config_json_transformers_spellings_read_the_same():
+    """transformers' native KimiLinear spellings give the same config as the Kimi-Linear keys."""
+    from k3.config.hf import from_hf_config, to_hf_config
+
+    c = get_preset("kimi-linear-48b")
+    d = to_hf_config(c, "kimi_linear")
+    lac = d.pop("linear_attn_config")
+    n = d["num_hidden_layers"]
+    d.update(
+        layer_types=["full_attention" if i + 1 in lac["full_attn_layers"] else "linear_attention" for i in range(n)],
+        mlp_layer_types=["dense"] * d.pop("first_k_dense_replace") + ["sparse"] * (n - c.first_k_dense_replace),
+        linear_num_heads=lac["num_heads"], linear_head_dim=lac["head_dim"],
+        linear_conv_kernel_dim=lac["short_conv_kernel_size"], num_local_experts=d.pop("num_experts"),
+        num_experts_per_tok=d.pop("num_experts_per_token"), n_shared_experts=d.pop("num_shared_experts"),
+        norm_topk_prob=d.pop("moe_renormalize"), model_max_length=d.pop("max_position_embeddings"),
+    )
+    assert from_hf_config(d) == from_hf_config(to_hf_config(c, "kimi_linear"))

@@ -243,7 +243,7 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
             p.add_(torch.randn_like(p) * 0.01)
     path = save(tmp_path / "step", model, K3Muon(param_groups_for(model, lr=1e-3)))
     (path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
-    loaded = ckpt.from_pretrained(path)
+    loaded = k3.from_pretrained(path)
     want = model.state_dict()
     assert loaded.state_dict().keys() == want.keys()
     for name, t in loaded.state_dict().items():
@@ -251,7 +251,7 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
     deeper = cfg.replace(num_hidden_layers=cfg.num_hidden_layers + 4)
     (path / "config.json").write_text(json.dumps(to_hf_config(deeper)))
     with pytest.raises(ValueError, match="does not match the model .*Missing key"):
-        ckpt.from_pretrained(path)
+        k3.from_pretrained(path)
 
 
 @pytest.mark.parametrize("style", ["k3", "kimi_linear"])

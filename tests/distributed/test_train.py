@@ -51,7 +51,7 @@ def single(tmp_path, name, steps=1, dp=2):
 
 
 def _weights(ckpt):
-    from k3.convert.checkpoint import from_pretrained
+    from k3.convert.load import from_pretrained
 
     return from_pretrained(ckpt).state_dict()
 

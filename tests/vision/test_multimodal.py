@@ -11,7 +11,7 @@ import torch
 
 from k3.config import get_preset
 from k3.config.presets import with_vision
-from k3.convert.checkpoint import from_pretrained
+from k3.convert.load import from_pretrained
 from k3.infer.async_engine import AsyncEngine
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
@@ -179,6 +179,7 @@ def test_k3_train_vision_runs_end_to_end(tmp_path, capsys):
     assert main(["train", "--task", "vision", "--preset", "tiny", "--steps", "3", "--batch-size", "4",
                  "--eval-every", "3", "--eval-rows", "8", "--vision-eval", "8", "--out", str(out),
                  "--no-progress"]) == 0
+    assert "kernel plan on cpu (K3_BACKEND=" in capsys.readouterr().out  # printed once at start
     result = json.loads((out / "vision_eval.json").read_text())
     assert set(result) == {"examples", "count", "colour", "position", "text", "all"}
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
