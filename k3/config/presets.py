@@ -52,7 +52,8 @@ def small_1b() -> K3Config:
 
 
 def kimi_linear_48b() -> K3Config:
-    """Kimi-Linear-48B-A3B (spec §2): softplus gate, low-rank output gate, no q_lora, plain MoE, SwiGLU, no AttnRes."""
+    """Kimi-Linear-48B-A3B (docs/architecture.md#layer-schedule): softplus gate, low-rank output gate, no q_lora,
+    plain MoE, SwiGLU, no AttnRes."""
     return K3Config(
         name="kimi-linear-48b", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
         mla_layers=(3, 7, 11, 15, 19, 23, 26), first_k_dense_replace=1, intermediate_size=9216, hidden_act="silu",
@@ -68,7 +69,8 @@ def kimi_linear_48b() -> K3Config:
 
 
 def k2() -> K3Config:
-    """Kimi K2 (spec §2): 61 MLA layers with RoPE, 384 experts top-8, 1 shared, SwiGLU; 1.04T / 32.6B."""
+    """Kimi K2 (docs/architecture.md#layer-schedule): 61 MLA layers with RoPE, 384 experts top-8, 1 shared, SwiGLU;
+    1.04T / 32.6B."""
     return K3Config(
         name="k2", vocab_size=163840, hidden_size=7168, num_hidden_layers=61, mla_layers=tuple(range(61)),
         first_k_dense_replace=1, intermediate_size=18432, hidden_act="silu", rms_norm_eps=1e-6,
@@ -89,16 +91,27 @@ K3_MEDIA_END_TOKEN_ID = 163604
 
 
 def k3_vision() -> VisionConfig:
-    """K3's MoonViT-V2 tower (the VisionConfig defaults, spec §11), each image wrapped in K3's media begin / end."""
+    """K3's MoonViT-V2 tower (the VisionConfig defaults, docs/architecture.md#vision), each image wrapped in K3's
+    media begin / end."""
     return VisionConfig(media_begin_token_id=K3_MEDIA_BEGIN_TOKEN_ID, media_end_token_id=K3_MEDIA_END_TOKEN_ID)
 
 
 def k3() -> K3Config:
-    """Kimi K3 as released (spec §2): 93 layers, 69 KDA + 24 gated NoPE MLA, Stable LatentMoE 896/16 + 2 shared."""
+    """Kimi K3 as released (docs/architecture.md#layer-schedule): 93 layers, 69 KDA + 24 gated NoPE MLA, Stable
+    LatentMoE 896/16 + 2 shared."""
     return K3Config(name="k3", vision=k3_vision())
 
 
-# Vision towers for the small presets (spec §11 shape, scaled down); the text presets stay text-only and
+def k3_slice() -> K3Config:
+    """K3's exact widths (docs/architecture.md#layer-schedule) in 5 layers, text only: the dense first layer, then one
+    period of K3's schedule, 3 KDA + 1 MLA, all MoE (896 experts, top-16, latent 3584, expert width 3072, 2 shared;
+    AttnRes). For measuring one layer of each kind at full width on one GPU (~118B routed-expert weights: packed MXFP4,
+    ~63 GB)."""
+    return k3().replace(name="k3-slice", num_hidden_layers=5, mla_layers=[4], vision=None)
+
+
+# Vision towers for the small presets (docs/architecture.md#vision shape, scaled down); the text presets stay
+# text-only and
 # ``with_vision`` attaches the matching tower (config.json carries it through a checkpoint round trip).
 def tiny_vision() -> VisionConfig:
     """2 layers, width 64, 4 heads x 16, MLP 128, 16 x 16 position grid (~0.12M encoder parameters)."""
@@ -142,6 +155,7 @@ PRESETS: dict[str, Callable[[], K3Config]] = {
     "kimi-linear-48b": kimi_linear_48b,
     "k2": k2,
     "k3": k3,
+    "k3-slice": k3_slice,
 }
 
 

@@ -1,4 +1,5 @@
-"""Sigmoid-routed MoE with shared experts; Stable LatentMoE when ``moe.latent_size`` is set (spec §6).
+"""Sigmoid-routed MoE with shared experts; Stable LatentMoE when ``moe.latent_size`` is set
+(docs/architecture.md#latentmoe).
 
   s       = sigmoid(W_r x)  in fp32 on the full-width x                       [N, E]
   chosen  = top-k of (s + b), b = e_score_correction_bias (selection only, no gradient)
@@ -21,9 +22,9 @@ from k3.config import K3Config
 from k3.model.activation import GatedFFN, make_glu
 from k3.model.balance import RouterStats
 from k3.model.norm import RMSNorm
-from k3.ops.linear import multi_linear
 from k3.ops.linear.reference import fp32_linear
-from k3.ops.moe import moe_experts
+from k3.ops.moe import moe_experts, moe_inputs
+from k3.ops.moe.mxfp4 import moe_experts_packed
 from k3.ops.router import route
 from k3.ops.dtypes import upcast
 
@@ -84,18 +85,16 @@ class MoE(nn.Module):
         """x [N, d] -> (out [N, d], router statistics of this layer)."""
         latent = hasattr(self, "routed_expert_down_proj")
         shared = getattr(self, "shared_experts", None)
-        # x's maps in one call (k3.ops.linear: one Triton launch where chosen, one linear over the stacked weights
-        # where a gradient is needed, else one linear each): the latent down-projection, the shared experts' gate
-        # and up, and last the router's GEMM in fp32, also under autocast (fp32_linear, as in Router.forward)
-        maps = [self.routed_expert_down_proj] if latent else []
-        if shared is not None:
-            maps += [shared.gate_proj, shared.up_proj]
-        *outs, logits = multi_linear(x, [m.weight for m in maps] + [self.gate.weight], fp32=1)
+        logits, z, shared_in = moe_inputs(x, self.gate.weight, self.routed_expert_down_proj.weight if latent else None,
+                                          () if shared is None else (shared.gate_proj.weight, shared.up_proj.weight))
         scores, topk_idx, topk_weight = self.gate.route(logits)
-        z = outs[0] if latent else x
-        w1, w2, w3 = self.experts.w1, self.experts.w2, self.experts.w3
+        z = x if z is None else z
+        packed = getattr(self.experts, "packed", False)  # MXFP4 bytes (k3.quant.packed), never dequantised whole
+        w1, w2, w3 = (None,) * 3 if packed else (self.experts.w1, self.experts.w2, self.experts.w3)
         if self.expert_dispatch is not None:
             y = self.expert_dispatch(self, z, topk_idx, topk_weight)
+        elif packed:  # only the experts this batch selects are dequantised (docs/architecture.md#mx)
+            y = moe_experts_packed(z, topk_idx, topk_weight, self.experts, self.glu)
         elif self.qat is None:
             y = moe_experts(z, topk_idx, topk_weight, w1, w2, w3, self.glu)
         else:  # fake-quantised expert weights and matmul inputs, straight-through gradients
@@ -106,7 +105,7 @@ class MoE(nn.Module):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         if shared is not None:
-            y = y + shared.finish(outs[-2], outs[-1])
+            y = y + shared.finish(*shared_in)
         stats = RouterStats(scores=scores, topk_idx=topk_idx, bias=self.gate.e_score_correction_bias.detach().clone(),
                             layer=self.layer_idx)
         return y, stats

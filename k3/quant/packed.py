@@ -1,4 +1,4 @@
-"""Packed MXFP4 expert checkpoints in the compressed-tensors ``mxfp4-pack-quantized`` layout (spec §10).
+"""Packed MXFP4 expert checkpoints in the compressed-tensors ``mxfp4-pack-quantized`` layout (docs/architecture.md#mx).
 
 Only the routed experts are packed; in the files each expert matrix W [out, in] becomes
 
@@ -14,8 +14,9 @@ Assumptions (not checked against compressed-tensors' source here): the tensor su
 and the ``quantization_config`` keys below (``scale_dtype`` written as the string "uint8"). The reader
 depends only on ``quant_method``, ``format`` and the weights' ``num_bits`` / ``type`` / ``group_size``.
 
-In memory, :class:`PackedExperts` keeps the packed bytes (``from_pretrained(..., packed="keep")``) and
-dequantises w1 / w2 / w3 on the fly; it is for inference (no parameters to train).
+In memory, :class:`PackedExperts` keeps the packed bytes (``from_pretrained(..., packed="keep")``); the MoE
+forward runs k3.ops.moe.mxfp4.moe_experts_packed on them, which dequantises only the experts a batch selects
+(docs/architecture.md#mx). It is for inference (no parameters to train).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import re
 import torch
 from torch import Tensor, nn
 
-from k3.quant.mx import dequantize, pack_fp4, quantize, unpack_fp4
+from k3.ops.mx import pack_fp4, quantize, unpack_weight
 
 log = logging.getLogger("k3.quant")
 
@@ -98,13 +99,6 @@ def pack_weight(w: Tensor, mode: str = "floor") -> tuple[Tensor, Tensor]:
     return pack_fp4(codes), scales
 
 
-def unpack_weight(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """(weight_packed [..., out, in / 2], weight_scale [..., out, in / 32]) -> W [..., out, in] in ``dtype``."""
-    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
-        scale = scale.view(torch.uint8)
-    return dequantize(unpack_fp4(packed), scale, ELEM, GROUP, dtype)
-
-
 def pack_expert_tensors(tensors: dict[str, Tensor], mode: str = "floor") -> dict[str, Tensor]:
     """Checkpoint tensors -> the same with every ``...experts.J.w{1,2,3}.weight`` replaced by
     ``weight_packed`` + ``weight_scale`` (order kept); other tensors are passed through unchanged."""
@@ -150,9 +144,14 @@ def unpack_expert_tensors(tensors: dict[str, Tensor], dtype: torch.dtype = torch
 
 class PackedExperts(nn.Module):
     """Routed experts kept packed in memory (inference): uint8 buffers ``w{1,2,3}_packed`` [E, out, in / 2]
-    and ``w{1,2,3}_scale`` [E, out, in / 32]; the properties ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I]
-    dequantise on every access, in the dtype of the model (the non-persistent ``dtype_ref`` buffer follows
-    ``model.cast`` / ``.to``)."""
+    and ``w{1,2,3}_scale`` [E, out, in / 32] (4.25 bits a weight). The forward reads them through
+    k3.ops.moe.mxfp4.moe_experts_packed (only the selected experts are dequantised, in :attr:`dtype`).
+
+    The properties ``w1``, ``w3`` [E, I, D] and ``w2`` [E, D, I] dequantise the whole bank on every access, in the
+    dtype of the model (the non-persistent ``dtype_ref`` buffer follows ``model.cast`` / ``.to``): they are for
+    conversion, export and comparisons, not for the forward."""
+
+    packed = True  # what k3.model.moe.MoE asks to route its experts to the packed op
 
     def __init__(self, num_experts: int, dim: int, intermediate: int):
         super().__init__()
@@ -164,19 +163,27 @@ class PackedExperts(nn.Module):
         # real (not meta) even when built under torch.device("meta"): it only carries a dtype and a device
         self.register_buffer("dtype_ref", torch.zeros(0, device="cpu"), persistent=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the experts are dequantised to: the model's."""
+        return self.dtype_ref.dtype
+
     def _weight(self, w: str) -> Tensor:
         return unpack_weight(getattr(self, f"{w}_packed"), getattr(self, f"{w}_scale"), self.dtype_ref.dtype)
 
     @property
     def w1(self) -> Tensor:
+        """Every expert's gate weight [E, I, D], dequantised (conversion and export only)."""
         return self._weight("w1")
 
     @property
     def w2(self) -> Tensor:
+        """Every expert's down weight [E, D, I], dequantised (conversion and export only)."""
         return self._weight("w2")
 
     @property
     def w3(self) -> Tensor:
+        """Every expert's up weight [E, I, D], dequantised (conversion and export only)."""
         return self._weight("w3")
 
 
@@ -187,7 +194,7 @@ def use_packed_experts(model: nn.Module) -> int:
 
     n = 0
     for moe in model.modules():
-        if isinstance(moe, MoE):
+        if isinstance(moe, MoE) and not getattr(moe.experts, "packed", False):
             e, i, d = moe.experts.w1.shape
             moe.experts = PackedExperts(e, d, i)
             n += 1

@@ -1,4 +1,4 @@
-"""Quantisation-aware training of the routed experts (spec §10): MXFP4 weights, MXFP8 activations, STE.
+"""Quantisation-aware training of the routed experts (docs/architecture.md#mx): MXFP4 weights, MXFP8 activations, STE.
 
 ``enable_qat(model)`` sets ``MoE.qat`` on every MoE layer. Its forward then runs the routed-expert matmuls on
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from k3.model.moe import moe_layers
-from k3.quant.mx import MODES, fake_quantize
+from k3.ops.mx import MODES, fake_quantize
 
 FORMATS = {"mxfp4": "e2m1", "mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2"}
 BLOCK = 32
@@ -44,7 +44,7 @@ class _FakeQuantizeSTE(torch.autograd.Function):
 
 
 def fake_quantize_ste(x: Tensor, elem: str, block: int = BLOCK, mode: str = "floor") -> Tensor:
-    """Forward: :func:`k3.quant.mx.fake_quantize`; backward: identity (straight-through, clamped values too)."""
+    """Forward: :func:`k3.ops.mx.fake_quantize`; backward: identity (straight-through, clamped values too)."""
     return _FakeQuantizeSTE.apply(x, elem, block, mode)
 
 

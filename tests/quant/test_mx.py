@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from k3.quant.mx import ELEMENTS, dequantize, fake_quantize, pack_fp4, quantize, unpack_fp4
+from k3.ops.mx import ELEMENTS, dequantize, fake_quantize, pack_fp4, quantize, unpack_fp4
 
 # name: (exponent bits, mantissa bits, bias, max normal, emax) -- OCP MX v1.0 element types
 SPEC = {"e2m1": (2, 1, 1, 6.0, 2), "e4m3": (4, 3, 7, 448.0, 8), "e5m2": (5, 2, 15, 57344.0, 15)}

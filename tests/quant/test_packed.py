@@ -15,7 +15,7 @@ from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.moe import MoE
 from k3.quant import PackedExperts, enable_qat, fake_quantize, pack_expert_tensors, unpack_expert_tensors
-from k3.quant.mx import pack_fp4, quantize
+from k3.ops.mx import pack_fp4, quantize
 from k3.quant.packed import FORMAT, quantization_config
 from k3.convert.checkpoint import save_pretrained
 

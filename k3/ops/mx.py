@@ -1,4 +1,4 @@
-"""OCP Microscaling (MX v1.0) quantisers in vectorised PyTorch (spec §10; notes/muon_mx_vision.md §2).
+"""OCP Microscaling (MX v1.0) codecs in vectorised PyTorch (docs/architecture.md#mx): quantise, dequantise, pack.
 
 A block of ``block`` (32) consecutive elements along the last dim shares one E8M0 scale X = 2^(s - 127)
 (s: uint8, 0xFF = NaN); each element is stored as a small float code P and is worth X * P.
@@ -230,3 +230,11 @@ def unpack_fp4(packed: Tensor) -> Tensor:
     if packed.dim() == 0:
         raise ValueError("packed must have at least one dimension")
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def unpack_weight(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """An MXFP4 weight as checkpoints store it (weight_packed [..., out, in / 2] uint8, two E2M1 codes a byte;
+    weight_scale [..., out, in / 32] E8M0) -> W [..., out, in] in ``dtype``."""
+    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scale = scale.view(torch.uint8)
+    return dequantize(unpack_fp4(packed), scale, "e2m1", 32, dtype)

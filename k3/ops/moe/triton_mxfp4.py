@@ -1,0 +1,157 @@
+"""Packed MXFP4 experts at decode: Triton, forward only (docs/architecture.md#mx, docs/architecture.md#latentmoe).
+
+Weight-only MXFP4: the experts' E2M1 codes (two a byte, low nibble = even column) and E8M0 scales (one a 32
+columns, 2^(s - 127), 0xFF = NaN) are read straight from the packed bank, only for the experts the batch routes
+to, and dequantised in registers; activations are bf16, products accumulate in fp32. At decode an expert's
+product is a weight stream, and the stream is 4.25 bits a weight instead of bf16's 16.
+
+The structure is k3.ops.moe.small_groups': token-expert pairs are ordered by expert into groups of rows padded to
+ALIGN (k3.ops.moe.grouped._route); each program takes one expert and one block of BLOCK_N output columns,
+streams that block of the expert's codes and scales through K and multiplies it with the group's rows BLOCK_M at
+a time. Experts without rows cost one program that reads nothing. The up-projection gathers its rows from the
+tokens on the fly (through the routing's src_pair, padding rows read zeros); the down-projection reads the
+GLU output's rows in place; each token then sums its k weighted rows (grouped.gather_rows_sum).
+
+Each weight byte is read once per column pair and each scale once per 32 columns from the cache (the loads are
+indexed per element, not unpacked by shuffles): simple, and the DRAM stream is still the packed bytes.
+
+Numerics as the reference (k3.ops.moe.mxfp4.moe_experts_reference on bf16): each weight is code x scale in fp32,
+rounded once to bf16 (exact for normal bf16 values), each matmul's output rounded to bf16, the GLU applied to
+those, the combine summed in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3.ops.moe import grouped
+from k3.ops.moe.small_groups import block_m
+from k3.ops.pdl import launch, wait_then_release
+
+GROUP = 32
+_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4)
+            for n in (32, 64, 128) for k in (64, 128)]
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 codes (int32, 0..15; bit 3 sign, bits 2-1 exponent, bit 0 mantissa) -> fp32 values
+    0, .5, 1, 1.5, 2, 3, 4, 6 with their sign: mag = m / 2 for exponent 0, else (2 + m) 2^(e - 2)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))  # 2 |value|, an integer 0..12
+    mag = twice.to(tl.float32) * 0.5
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 codes (int32, 0..255) -> fp32 2^(s - 127) built from bits (2^-127 is the subnormal 0x00400000),
+    NaN for 0xFF."""
+    bits = tl.where(s == 0, 0x400000, tl.where(s == 255, 0x7FC00000, s << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "GATHER"])
+@triton.jit
+def _mxfp4_groups_kernel(X, SRC, P, S, OFFS, Y, stride_xr, stride_pe, stride_pn, stride_se, stride_sn, stride_yr,
+                         pairs_per_token, N: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[r] = W_e x[r] for the rows r of group e, W_e = e2m1(P[e]) * e8m0(S[e]) [N, K]. GATHER: x[r] is the token
+    row X[SRC[r] // pairs_per_token] (zeros where SRC[r] = -1), else X[r]."""
+    wait_then_release(PDL)
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    end = tl.load(OFFS + e)
+    start = tl.where(e > 0, tl.load(OFFS + tl.maximum(e - 1, 0)), 0)
+    p_base = P + e.to(tl.int64) * stride_pe + cols[None, :].to(tl.int64) * stride_pn  # [1, BLOCK_N]: P[e, col, :]
+    s_base = S + e.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn  # [1, BLOCK_N]: S[e, col, :]
+    m0 = start
+    while m0 < end:  # (a while loop over loaded bounds, as in small_groups)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        if GATHER:
+            src = tl.load(SRC + rows, mask=rows < end, other=-1)
+            x_rows = tl.maximum(src, 0) // pairs_per_token
+            x_ok = src >= 0
+        else:
+            x_rows = rows
+            x_ok = rows < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + x_rows[:, None].to(tl.int64) * stride_xr + ks[None, :],
+                        mask=x_ok[:, None] & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            w_mask = (ks[:, None] < K) & (cols[None, :] < N)  # [BLOCK_K, BLOCK_N]
+            byte = tl.load(p_base + ks[:, None] // 2, mask=w_mask, other=0).to(tl.int32)
+            code = (byte >> ((ks[:, None] % 2) * 4)) & 0xF  # even column: low nibble
+            scale = tl.load(s_base + ks[:, None] // 32, mask=w_mask, other=127).to(tl.int32)
+            w = (_e2m1(code) * _e8m0(scale)).to(X.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(x, w, acc)
+        tl.store(Y + rows[:, None].to(tl.int64) * stride_yr + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rows[:, None] < end) & (cols[None, :] < N))
+        m0 += BLOCK_M
+
+
+def _check(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor,
+           offs: Tensor) -> None:
+    e, n, half = packed.shape if packed.dim() == 3 else (0, 0, 0)
+    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or packed.dtype != torch.uint8
+            or scale.dtype != torch.uint8 or packed.dim() != 3 or x.shape[1] != 2 * half or (2 * half) % GROUP
+            or tuple(scale.shape) != (e, n, 2 * half // GROUP) or tuple(offs.shape) != (e,) or pairs_per_token < 1
+            or (src_pair is not None and (src_pair.dim() != 1 or src_pair.dtype != torch.int64))):
+        raise ValueError(f"mxfp4_groups_mm: x {tuple(x.shape)} {x.dtype} (bf16 / fp16), packed {tuple(packed.shape)} "
+                         f"{packed.dtype}, scale {tuple(scale.shape)} {scale.dtype} (uint8 [E, N, K / 2] and "
+                         f"[E, N, K / {GROUP}]), offs {tuple(offs.shape)}, src_pair "
+                         f"{None if src_pair is None else (tuple(src_pair.shape), src_pair.dtype)} and "
+                         f"pairs_per_token={pairs_per_token} do not match")
+
+
+@torch.library.custom_op("k3::mxfp4_groups_mm", mutates_args=())
+def mxfp4_groups_mm(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor,
+                    offs: Tensor) -> Tensor:
+    """Grouped matmul with packed MXFP4 weights: packed uint8 [E, N, K / 2], scale uint8 [E, N, K / 32], offs [E]
+    int32 group ends. With src_pair [R] int64: x [T, K] are the tokens and row r of the result reads token
+    src_pair[r] // pairs_per_token (zeros for -1), R = len(src_pair); without: x [R, K] are the rows. Returns
+    y [R, N] in x.dtype, y[r] = W_e x_r for the rows of group e (fp32 accumulation; rows after offs[-1] are not
+    written). A custom op (``torch.ops.k3.mxfp4_groups_mm``), so a compiled decode step keeps it in its graph."""
+    _check(x, src_pair, pairs_per_token, packed, scale, offs)
+    x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous()
+    gather = src_pair is not None
+    rows = src_pair.shape[0] if gather else x.shape[0]
+    src = src_pair.contiguous() if gather else offs  # an unread placeholder without gathering
+    e, n, _ = packed.shape
+    y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    grid = lambda m: (e, triton.cdiv(n, m["BLOCK_N"]))  # noqa: E731
+    _mxfp4_groups_kernel[grid](x, src, packed, scale, offs.to(torch.int32), y, x.stride(0), packed.stride(0),
+                               packed.stride(1), scale.stride(0), scale.stride(1), y.stride(0), pairs_per_token,
+                               N=n, K=x.shape[1], GATHER=gather, BLOCK_M=block_m(rows, e), **launch(x.device))
+    return y
+
+
+@mxfp4_groups_mm.register_fake
+def _(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor,
+      offs: Tensor) -> Tensor:
+    _check(x, src_pair, pairs_per_token, packed, scale, offs)
+    return x.new_empty(src_pair.shape[0] if src_pair is not None else x.shape[0], packed.shape[1])
+
+
+def moe_mxfp4(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, bank: tuple[Tensor, ...],
+              glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """The routed experts on packed MXFP4 weights, no gradient: x [N, D], topk_idx [N, k] int64, topk_weight [N, k],
+    bank (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed, w3_scale) with w1 / w3 [E, I, D / 2] and
+    [E, I, D / 32], w2 [E, D, I / 2] and [E, D, I / 32] -> [N, D] in x.dtype. Three launches (w1, w3, w2) and
+    the combine; no host synchronisation."""
+    w1p, w1s, w2p, w2s, w3p, w3s = bank
+    k = topk_idx.shape[1]
+    route = grouped._route(topk_idx, w1p.shape[0])
+    xb = x.to(torch.bfloat16)
+    gate = mxfp4_groups_mm(xb, route.src_pair, k, w1p, w1s, route.offs)  # [R, I]
+    up = mxfp4_groups_mm(xb, route.src_pair, k, w3p, w3s, route.offs)
+    h = glu(gate, up).to(torch.bfloat16)
+    y = mxfp4_groups_mm(h, None, 1, w2p, w2s, route.offs)  # [R, D]
+    return grouped.gather_rows_sum(y, route.pair_rows, topk_weight, x.dtype)
