@@ -6,6 +6,7 @@ layer): config <- ops <- model <- {quant, convert} <- {data, vision} <- {train, 
 packages). The package ``k3`` itself (its ``__init__``: the public shortcuts) and ``k3.__main__`` are exempt."""
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -104,3 +105,30 @@ def test_infer_does_not_import_train():
                                           ({"a": {"b", "c"}, "b": {"c"}}, False)])
 def test_cycle_finder(graph, cyclic):
     assert (_cycle(graph) is not None) == cyclic
+
+
+def test_no_private_name_is_imported_across_packages():
+    """A leading underscore means "this package's own": no other top-level package imports it."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        pkg = path.relative_to(ROOT).parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("k3."):
+                other = node.module.split(".")[1]
+                bad += [f"{path.relative_to(ROOT.parent)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and other != pkg]
+    assert not bad, "\n".join(bad)
+
+
+def test_code_cites_the_architecture_doc_not_an_outside_spec():
+    """Mechanisms are cited as docs/architecture.md#<anchor> (anchors that exist), not by an outside spec's
+    section numbers."""
+    anchors = {"#" + re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+               for h in re.findall(r"^## (.+)$", (ROOT.parent / "docs" / "architecture.md").read_text(), re.M)}
+    bad = []
+    for path in sorted([*ROOT.rglob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]):
+        text = path.read_text()
+        bad += [f"{path.relative_to(ROOT.parent)}: spec section" for _ in re.findall(r"\bspec §\d", text)]
+        bad += [f"{path.relative_to(ROOT.parent)}: {a}" for a in re.findall(r"docs/architecture\.md(#[a-z0-9-]+)", text)
+                if a not in anchors]
+    assert not bad, "\n".join(bad)

@@ -92,7 +92,7 @@ def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: 
     attn = attention_flops_per_token(config, context)
     layers = [{"index": i, "mixer": config.mixer(i), "ffn": config.ffn(i), "attn_res_block": config.attn_res_block(i)}
               for i in range(config.num_hidden_layers)]
-    vision = {}  # the tower is counted apart from the text model's totals (spec §11, §12)
+    vision = {}  # the tower is counted apart from the text model's totals (docs/architecture.md#vision, #accounting)
     if config.vision is not None and counts["vision"] == 0:
         from k3.model.vision import vision_param_counts
 

@@ -66,7 +66,8 @@ def crossovers(config: K3Config) -> dict:
 
 
 def decode_step_bytes(config: K3Config, rep: dict, batch: int, context: int, weight_bytes: int = 2) -> dict:
-    """Spec §12 lower bound on what one decode step moves: dense weights (all but the routed experts and the
+    """The lower bound (docs/architecture.md#accounting) on what one decode step moves: dense weights (all but the
+    routed experts and the
     embedding table) + the distinct experts hit + per sequence KDA state read and write, conv state and the
     MLA latents of the whole context, + the B embedding rows."""
     counts = rep["params_by_path"]

@@ -1,5 +1,6 @@
 """Audit question 2: total vs routed vs activated parameters, weight reads and FLOPs per token by path, the
-check against the spec's §12 reference figures, and the experts a decode step streams as the batch grows.
+check against K3's published figures (docs/architecture.md#accounting), and the experts a decode step streams as the
+batch grows.
 
 Per-token weight bytes (batch 1): every activated weight once, except the input embedding, of which only the
 token's row is read. Forward FLOPs: 2 per activated matmul weight (embedding lookup 0; norms not counted),
@@ -15,7 +16,7 @@ from k3.audit.accounting import PATHS, attention_flops_per_token
 from k3.audit.attnres import mix_flops_per_token
 from k3.config import K3Config, get_preset
 
-# Spec §12 figures as quoted there: (label, key, figure).
+# K3's published figures (docs/architecture.md#accounting): (label, key, figure).
 SPEC_FIGURES = (
     ("total parameters", "total", "2.78T"),
     ("activated per token (input embedding excluded)", "activated", "104.2B"),
@@ -71,7 +72,8 @@ def by_path(config: K3Config, rep: dict, context: int, weight_bytes: int = 2) ->
 
 
 def spec_check(rep: dict, layer_rows: list[dict]) -> list[dict]:
-    """Our count next to every spec §12 figure, with the relative error and whether it is within tolerance
+    """Our count next to every published K3 figure (docs/architecture.md#accounting), with the relative error and
+    whether it is within tolerance
     (the larger of 0.5% and the rounding of the quoted figure)."""
     counts, active = rep["params_by_path"], rep["params_activated_by_path"]
     mixer = {m: [r["params_mixer"] for r in layer_rows if r["mixer"] == m] for m in ("kda", "mla")}

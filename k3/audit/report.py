@@ -153,14 +153,14 @@ def _paths(a: dict, config: K3Config) -> list[str]:
                       "FLOP share"], rows), "", "![parameters by path](params.png)", ""]
     if a["spec_check"]:
         ok = all(c["ok"] for c in a["spec_check"])
-        out += ["### Check against the spec (§12 reference figures)", "",
+        out += ["### Check against K3's published figures (docs/architecture.md#accounting)", "",
                 ("All figures within tolerance." if ok else "**Some figures are outside tolerance.**")
                 + " Tolerance: the larger of 0.5% and the rounding of the quoted figure.", ""]
         rows = [[c["figure"], c["quoted"], _like(c["ours"], c["quoted"]), f"{100 * c['rel_err']:+.3f}%",
                  pct(c["tolerance"], 1), "ok" if c["ok"] else "**NO**"] for c in a["spec_check"]]
         out += [md_table(["figure", "spec", "ours", "rel. error", "tolerance", ""], rows), ""]
     else:
-        out += ["The spec's §12 figures describe the `k3` preset; this config has another shape, so they are not "
+        out += ["K3's published figures describe the `k3` preset; this config has another shape, so they are not "
                 "checked here.", ""]
     s = a["expert_stream"]
     if s:
@@ -259,7 +259,7 @@ def _long(a: dict, config: K3Config) -> list[str]:
                 f"full-MHA twin above {x['hybrid_vs_full_mha']:,.0f} tokens.",
                 f"- Decode traffic: a KDA state is read and written back every step, so per layer the decode-bytes "
                 f"crossover with MLA's read-only latents is at {x['decode_traffic_layer']:,.0f} tokens.", ""]
-    out += ["![long context](long_context.png)", "", "### Bytes one decode step must move (spec §12 lower bound)", "",
+    out += ["![long context](long_context.png)", "", "### Bytes one decode step must move (lower bound)", "",
             "Dense weights (everything but the routed experts and the embedding table) + the distinct experts hit "
             "(uniform routing) + per sequence KDA state read and write, conv state and all latents of the context; "
             "bf16 weights. Divide by the aggregate memory bandwidth for the lower bound on step time.", ""]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from k3.config import K3Config
-from k3.model.balance import _capacity, drop_fraction, expert_loads
+from k3.model.balance import drop_fraction, expert_capacity, expert_loads
 
 TOKENS_PER_STEP = (64, 256, 1024, 4096, 16384, 65536)
 SIM_TOKENS = (64, 256, 1024, 4096, 16384)
@@ -50,7 +50,7 @@ def _binomial_window(n: int, p: float, lo: int = 0, hi: int | None = None) -> tu
 def uniform_overflow(tokens: int, num_experts: int, k: int, capacity_factor: float) -> float:
     """Expected fraction of token-slots over capacity C = ceil(cf T k / E) (the same C as
     ``balance.drop_fraction``) under uniform routing: E E[(L - C)^+] / (T k), L ~ Binomial(T, k/E)."""
-    cap = _capacity(capacity_factor, tokens, k, num_experts)
+    cap = expert_capacity(capacity_factor, tokens, k, num_experts)
     x, pmf = _binomial_window(tokens, k / num_experts, hi=cap)
     over = float(np.sum(np.clip(x - cap, 0, None) * pmf))
     return num_experts * over / (tokens * k)

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
           f"(input embedding excluded)")
     if a["spec_check"]:
         bad = [c["figure"] for c in a["spec_check"] if not c["ok"]]
-        print("spec §12 check: " + ("all figures within tolerance" if not bad
+        print("published-figures check: " + ("all figures within tolerance" if not bad
                                     else "OUT OF TOLERANCE: " + ", ".join(bad)))
     if a["expert_stream"]:
         hits = {r["batch"]: r["distinct_per_layer"] for r in a["expert_stream"]["rows"]}

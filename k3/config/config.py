@@ -39,7 +39,7 @@ def _positive_float(obj: Any, prefix: str, *names: str) -> None:
 
 @dataclass
 class KDAConfig:
-    """Kimi Delta Attention (spec §3). Widths: q/k = num_heads*head_dim, v = num_heads*v_head_dim."""
+    """Kimi Delta Attention (docs/architecture.md#kda). Widths: q/k = num_heads*head_dim, v = num_heads*v_head_dim."""
 
     num_heads: int = 96
     head_dim: int = 128
@@ -69,7 +69,7 @@ class KDAConfig:
 
 @dataclass
 class MLAConfig:
-    """Gated (NoPE) multi-head latent attention (spec §4)."""
+    """Gated (NoPE) multi-head latent attention (docs/architecture.md#mla)."""
 
     num_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -102,7 +102,7 @@ class MLAConfig:
 
 @dataclass
 class MoEConfig:
-    """Sigmoid-routed MoE; Stable LatentMoE when latent_size is set (spec §6)."""
+    """Sigmoid-routed MoE; Stable LatentMoE when latent_size is set (docs/architecture.md#latentmoe)."""
 
     num_experts: int = 896
     num_experts_per_token: int = 16
@@ -129,7 +129,8 @@ class MoEConfig:
 
 @dataclass
 class AttnResConfig:
-    """Attention Residuals over depth (spec §5). block_size counts decoder layers (attention + FFN each)."""
+    """Attention Residuals over depth (docs/architecture.md#attnres). block_size counts decoder layers (attention +
+    FFN each)."""
 
     mode: str = "snapshot"  # "snapshot" (checkpoint-compatible) | "block_sum" (paper) | "full" | "none"
     block_size: int = 12
@@ -145,7 +146,7 @@ class AttnResConfig:
 
 @dataclass
 class VisionConfig:
-    """MoonViT-V2 encoder shape and media token ids (spec §11); see k3.model.vision."""
+    """MoonViT-V2 encoder shape and media token ids (docs/architecture.md#vision); see k3.model.vision."""
 
     num_layers: int = 27
     hidden_size: int = 1024

@@ -9,7 +9,8 @@
 The model files are untouched: ``apply_context_parallel`` replaces the ``forward`` of every KDA / MLA layer
 instance with a CP-aware one that falls back to the original when no context is active.
 
-KDA (spec §3), exact. The delta rule is linear in the state entering a segment: S_t = P_t S_in + S_t^0, with
+KDA (docs/architecture.md#kda), exact. The delta rule is linear in the state entering a segment: S_t = P_t S_in +
+S_t^0, with
 P_t the product of the transitions (I - beta k k^T) Diag(exp g) so far and S_t^0 the state from a zero start.
 Per rank and row: (1) ``chunk_kda`` on the local tokens from zero states gives o^0 and the final state B of
 the row's last segment; (2) ``chunk_kda`` with v = 0 and initial state I_K, on the row's first segment only
@@ -18,7 +19,8 @@ state) P of the segment. (P, B) are all-gathered and scanned, S_in(r) = P_{r-1} 
 reset wherever a document starts inside rank r-1; then o_t += S_in^T (scale P_t^T q_t) on that first
 segment. The short convs take their W-1 history from the previous ranks' last projected inputs.
 
-MLA (spec §4): every rank all-gathers the latent rows [c_kv (after kv_a_layernorm), k_pe] of all ranks and
+MLA (docs/architecture.md#mla): every rank all-gathers the latent rows [c_kv (after kv_a_layernorm), k_pe] of all
+ranks and
 its queries attend to their document's keys up to their own position (``attention`` with Lq local queries
 as the last Lq of Lk keys). RoPE, when set, uses positions within the document.
 

@@ -9,7 +9,8 @@ expert parallelism, context parallelism, FSDP2; then the optimiser) and these di
   losses over every rank divided by the GLOBAL count of valid labels, so gradients summed over ranks (FSDP with
   divide factor 1, :func:`k3.distributed.fsdp.reduce_expert_grads`) are those of one process on the whole batch.
 * Router balancing. QB histograms (and sign-update loads) are all-reduced over every rank before the bias update
-  (spec §7), so the bias equals the single-process QB of the same global batch up to the histogram's bin.
+  (docs/architecture.md#quantile-balancing), so the bias equals the single-process QB of the same global batch up to
+  the histogram's bin.
   Auxiliary losses are averaged over ranks. ``qb_exact`` and QK-Clip are single-process only.
 * Checkpoints are torch.distributed.checkpoint directories (``checkpoints/step-N``, resharding on load: resume
   with another dp / ep, or load on one process with :func:`k3.convert.dcp.load_into_single`), plus

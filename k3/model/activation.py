@@ -1,4 +1,4 @@
-"""SiTU, SiTU-GLU and SwiGLU (spec §8), and the gated FFN that uses them.
+"""SiTU, SiTU-GLU and SwiGLU (docs/architecture.md#situ), and the gated FFN that uses them.
 
 SiTU_b(x) = b * tanh(x / b) * sigmoid(x): SiLU with its linear factor soft-capped at b.
 SiTU-GLU(g, u) = SiTU_4(g) * 25 * tanh(u / 25): bounded by 100, equal to SwiGLU to first order near 0.

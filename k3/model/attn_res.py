@@ -1,4 +1,4 @@
-"""Attention Residuals: each sub-layer's input is a learned softmax mix over depth (spec §5).
+"""Attention Residuals: each sub-layer's input is a learned softmax mix over depth (docs/architecture.md#attnres).
 
 A sub-layer is an attention or an FFN; each has a pseudo-query w (``*_res_proj.weight`` [1, d], zero at
 init so every mix starts uniform) and a key RMSNorm (``*_res_norm.weight``). For sources v_i (raw [N, d]):

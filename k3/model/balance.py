@@ -1,13 +1,13 @@
 """MoE load balancing: Quantile Balancing (exact and histogram forms), baselines and metrics.
 
-Router convention (see ``K3_SPEC.md`` §6-§7): scores s = sigmoid(W_r x) in fp32, shape [N, E]; selection is the
-top-k of (s + b) with b = ``e_score_correction_bias`` (an fp32 buffer without gradient); gate weights use s only.
-Each MoE layer reports a :class:`RouterStats` per forward.
+Router convention (docs/architecture.md#latentmoe, #quantile-balancing): scores s = sigmoid(W_r x) [N, E] in fp32;
+selection is the top-k of (s + b) with b = ``e_score_correction_bias`` (an fp32 buffer without gradient); gate
+weights use s only. Each MoE layer reports a :class:`RouterStats` per forward.
 
 Quantile Balancing (QB) reads the balanced-assignment problem "every token takes k experts, every expert takes
 q = N k / E tokens" through its dual. For each token the (k+1)-th largest biased score is the cutoff c_t; a token
 would pick expert j under a new bias b'_j iff s_tj + b'_j > c_t, i.e. iff b'_j > r_tj with r_tj = c_t - s_tj.
-Setting b'_j to the (q+1)-th smallest of the column r_{:,j} (its (k/E)-quantile as an order statistic, the spec's
+Setting b'_j to the (q+1)-th smallest of the column r_{:,j} (its (k/E)-quantile as an order statistic, K3's
 exact form) gives every expert exactly q tokens *under the old cutoffs* (the (q+1)-th on a tie); after
 re-routing the cutoffs move, so the balance is approximate (and improves step by step).
 
@@ -123,7 +123,7 @@ def qb_required_bias(scores: Tensor, bias: Tensor, k: int) -> Tensor:
 
 def qb_quota(num_tokens: int, k: int, num_experts: int) -> int:
     """q = N k / E rounded to the nearest integer (halves up), at most N - 1: the tokens each expert should take
-    (spec §7 and its notes: "round q"; the bias takes the (q+1)-th order statistic, so q < N)."""
+    (docs/architecture.md#quantile-balancing: "round q"; the bias takes the (q+1)-th order statistic, so q < N)."""
     return min(math.floor(num_tokens * k / num_experts + 0.5), num_tokens - 1)
 
 
@@ -140,9 +140,10 @@ def qb_target_bias(scores: Tensor, bias: Tensor, k: int) -> Tensor:
     """The pre-centring QB bias b^_j = -((q+1)-th largest of s_{:,j} - c) = (q+1)-th smallest of r_{:,j}, [E] in
     promote(scores dtype, fp32); q = N k / E rounded (:func:`qb_quota`).
 
-    This is the spec's order statistic, not an interpolated quantile. Under the old cutoffs the q tokens with
-    r_tj < b^_j clear expert j's new threshold, and token (q+1) sits exactly on its cutoff (s_tj + b^_j = c_t), a
-    tie its top-k breaks either way; after re-routing the cutoffs move, so the balance is approximate.
+    This is K3's order statistic (docs/architecture.md#quantile-balancing), not an interpolated quantile. Under the old
+    cutoffs the q tokens with r_tj < b^_j clear expert j's new threshold, and token (q+1) sits exactly on its cutoff
+    (s_tj + b^_j = c_t), a tie its top-k breaks either way; after re-routing the cutoffs move, so the balance is
+    approximate.
     Ties: every column has an atom at r_tj = b_j (up to rounding) from the tokens whose (k+1)-th pick is j itself
     (about N/E of them); when the order statistic lands in it, b^_j = b_j and the count under the old cutoffs is
     the current load, off from q by at most the atom's size. Exact ties in s (sigmoid saturating to 1.0 in fp32)
@@ -351,7 +352,7 @@ def seq_max_vio(topk_idx: Tensor, cu_seqlens: Tensor, num_experts: int) -> Tenso
     return torch.where(total > 0, weighted.sum() / total.clamp_min(1.0), torch.zeros_like(total))
 
 
-def _capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int) -> int:
+def expert_capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int) -> int:
     x = capacity_factor * num_tokens * k / num_experts
     return math.ceil(x - 1e-9 * max(1.0, x))  # guard against 563.0000000001 -> 564
 
@@ -359,7 +360,7 @@ def _capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int)
 def drop_fraction(loads: Tensor, k: int, num_tokens: int, capacity_factor: float = 1.0) -> Tensor:
     """Fraction of token-slots over capacity C = ceil(cf * N k / E): sum_i max(0, load_i - C) / (N k)."""
     e = loads.shape[-1]
-    cap = _capacity(capacity_factor, num_tokens, k, e)
+    cap = expert_capacity(capacity_factor, num_tokens, k, e)
     return (loads.float() - cap).clamp_min(0.0).sum() / max(num_tokens * k, 1)
 
 

@@ -1,4 +1,4 @@
-"""Gated multi-head latent attention, NoPE by default (spec §4).
+"""Gated multi-head latent attention, NoPE by default (docs/architecture.md#mla).
 
   q            = W_qb RMSNorm(W_qa x)   (or W_q x without q_lora)        -> per head [q_nope (dn), q_pe (dr)]
   c_kv, k_pe   = split(W_kva x);  c_kv = RMSNorm(c_kv)                     latent (r) + one shared k_pe (dr)

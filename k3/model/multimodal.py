@@ -1,4 +1,4 @@
-"""The multimodal K3: the text model plus a MoonViT-V2 ``vision_tower`` (spec §11).
+"""The multimodal K3: the text model plus a MoonViT-V2 ``vision_tower`` (docs/architecture.md#vision).
 
 Text and images interleave in one sequence. A prompt holds, for image i, ``n_i = (h_i / 2)(w_i / 2)`` media
 placeholder tokens (k3.vision.media.expand_placeholders, optionally wrapped in media begin / end tokens); the

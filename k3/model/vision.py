@@ -1,4 +1,5 @@
-"""MoonViT-V2: the native-resolution vision encoder, 2x2 patch merge and MLP projector to the LM width (spec §11).
+"""MoonViT-V2: the native-resolution vision encoder, 2x2 patch merge and MLP projector to the LM width
+(docs/architecture.md#vision).
 
 Data flow for a packed batch of images (N patches in all, image i has a patch grid of h_i x w_i, both even):
 
@@ -153,7 +154,8 @@ class VisionBlock(nn.Module):
 
 
 class MoonViTEncoder(nn.Module):
-    """Patch embedding + interpolated position grid + blocks + final norm (the ~401M "encoder" of spec §11).
+    """Patch embedding + interpolated position grid + blocks + final norm (the ~401M "encoder" of
+    docs/architecture.md#vision).
 
     forward(pixel_patches [N, 3*p*p], grids [(h, w), ...] host ints) -> [N, D]."""
 

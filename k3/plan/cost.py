@@ -27,7 +27,8 @@ EXPERT_BYTES_PER_PARAM = {"bf16": 2.0, "mxfp4": 4.25 / 8}  # MXFP4: 4-bit codes 
 # Measured on one H200 (benchmarks/results); each figure says where it comes from.
 LAYER_OVERHEAD_S = 41.5e-6  # per layer and decode step: the fixed part of decode-targets.json's B=1 / 4K row
 # (0.630 ms measured, 0.131 ms of bytes at the copy bandwidth, over its 12 layers)
-GROUPED_GEMM = ((128, 203e12), (1024, 535e12))  # bf16 grouped GEMM FLOP/s at tokens per expert (spec §6, H200)
+# bf16 grouped GEMM FLOP/s at tokens per expert (docs/architecture.md#latentmoe, H200)
+GROUPED_GEMM = ((128, 203e12), (1024, 535e12))
 ACTIVATION_BYTES = 126.0  # training activations per token, layer and unit of width: small-1b's 58.3 GiB peak at
 # 8 x 4096 (model-train-precision.json) less 12 bytes per parameter of state, without activation checkpointing
 WORKSPACE_GIB = 6.0  # assumed: CUDA context, allocator slack, CUDA graphs, a prefill chunk's activations

@@ -1,5 +1,5 @@
-"""Optimiser for K3 (spec §9): per-head Muon + AdamW in one ``torch.optim.Optimizer``, the cosine schedule,
-gradient clipping and QK-Clip for the MLA layers.
+"""Optimiser for K3 (docs/architecture.md#muon): per-head Muon + AdamW in one ``torch.optim.Optimizer``, the cosine
+schedule, gradient clipping and QK-Clip for the MLA layers.
 
 Muon update of one matrix (or one block of it) with gradient G, momentum buffer B (EMA form, as in
 ``torch.optim.Muon``), mu = 0.95, Nesterov:
@@ -13,8 +13,8 @@ The EMA form is (1 - mu) times the classical sum form; NS divides by the norm fi
 
 Parameter-group kinds (key ``kind``):
   ``muon_head``   2-D [H*d_h, in] viewed as H blocks [d_h, in]; one NS per block (batched); scale per block
-                  0.2*sqrt(max(d_h, in)). The per-block scale is OUR choice for the spec's open point (§13 /
-                  notes §1.5): it keeps every block's update RMS at ~0.2, like a whole-matrix Muon update.
+                  0.2*sqrt(max(d_h, in)). The per-block scale is our choice on an open point (docs/decisions.md):
+                  it keeps every block's update RMS at ~0.2, like a whole-matrix Muon update.
   ``muon_expert`` 3-D stacks [E, out, in]; one NS per expert matrix; scale 0.2*sqrt(max(out, in)).
   ``muon``        the whole 2-D matrix; scale 0.2*sqrt(max(A, B)).
   ``adamw``       AdamW (betas 0.9/0.95, eps 1e-8) with the same decoupled weight decay rule.
@@ -85,7 +85,7 @@ def newton_schulz(G: Tensor, steps: int = 5, coeffs: tuple[float, float, float] 
     in ``dtype`` (None = fp32); the result has shape [..., A, B] and that dtype — the caller casts.
     A tall matrix is iterated in its own layout, as the transpose of that recurrence (Gram matrix X^T X,
     X <- a X + X P^T): the same products, without copying transposed views (H200, 1408 bf16 [768, 512] blocks:
-    22.98 -> 20.47 ms; bitwise equal to iterating X^T in our measurements, benchmarks/results/newton_schulz.txt).
+    22.98 -> 20.47 ms; bitwise equal to iterating X^T in our measurements, docs/decisions.md).
     """
     if G.dim() < 2:
         raise ValueError(f"newton_schulz needs a [..., A, B] tensor, got shape {tuple(G.shape)}")

@@ -1,4 +1,4 @@
-"""Media tokens: where image features enter the text (spec §11).
+"""Media tokens: where image features enter the text (docs/architecture.md#vision).
 
 A prompt carries one placeholder token (``<|media_pad|>``, ``VisionConfig.media_placeholder_token_id``) per
 image. Before the LM runs, each placeholder becomes

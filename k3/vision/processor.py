@@ -9,7 +9,8 @@ For each image (a path, encoded bytes, or a ``PIL.Image.Image``):
    orientation is applied, animations contribute their first frame, transparency is composited over white, and
    the result is converted to RGB.
 2. Size. Large images are *resized, not rejected*: only when width x height exceeds ``max_pixels`` (default
-   3584 x 3584, the largest input of spec §11) are both sides scaled by sqrt(max_pixels / (width x height)),
+   3584 x 3584, the largest input of docs/architecture.md#vision) are both sides scaled by sqrt(max_pixels / (width x
+   height)),
    keeping the aspect ratio. Then each side is rounded to the nearest multiple of ``unit = patch_size x
    merge_size`` (28), at least one unit, so the patch grid splits into whole 2x2 merge windows; if rounding up
    pushed the area over the budget, both sides are rounded down instead. The image is resampled (bicubic, which
@@ -57,7 +58,8 @@ def _nbytes(data: bytes | bytearray | memoryview) -> int:
 
 @dataclass
 class ImageProcessor:
-    """Turns images into MoonViT patches. Defaults follow spec §11 (patch 14, merge 2, inputs up to 3584^2)."""
+    """Turns images into MoonViT patches. Defaults follow docs/architecture.md#vision (patch 14, merge 2, inputs up to
+    3584^2)."""
 
     patch_size: int = 14
     merge_size: int = 2

@@ -1,4 +1,4 @@
-"""`k3 audit`: the k3 report lands on the spec's §12 figures; the analytic pieces are right; --ckpt; bad args."""
+"""`k3 audit`: the k3 report lands on K3's published figures; the analytic pieces are right; --ckpt; bad args."""
 
 import itertools
 import json

@@ -21,7 +21,7 @@ def test_k3_totals_match_the_report(capsys):
     assert abs(r["params_total"] / 2.78e12 - 1) <= 0.005, r["params_total"]
     assert abs(r["params_activated"] / 104.2e9 - 1) <= 0.005, r["params_activated"]
     by = r["params_by_path"]
-    # spec §12 per-path figures (routed 2.7227T, KDA 30.6B, MLA 5.6B, shared 12.2B, latent 4.7B)
+    # docs/architecture.md#accounting per-path figures (routed 2.7227T, KDA 30.6B, MLA 5.6B, shared 12.2B, latent 4.7B)
     assert abs(by["routed_experts"] / 2.7227e12 - 1) < 0.001
     assert abs(by["kda"] / 30.6e9 - 1) < 0.01 and abs(by["mla"] / 5.6e9 - 1) < 0.01
     assert abs(by["shared_experts"] / 12.2e9 - 1) < 0.01 and abs(by["latent_proj"] / 4.7e9 - 1) < 0.01
@@ -29,7 +29,7 @@ def test_k3_totals_match_the_report(capsys):
     assert sum(la["mixer"] == "kda" for la in layers) == 69 and sum(la["mixer"] == "mla" for la in layers) == 24
     assert [la["ffn"] for la in layers].count("dense") == 1 and layers[-1]["mixer"] == "mla"
     assert max(la["attn_res_block"] for la in layers) == 7  # 7 full blocks of 12 + a block of 9
-    assert abs(r["params_vision_encoder"] / 401e6 - 1) <= 0.02, r["params_vision_encoder"]  # spec §11
+    assert abs(r["params_vision_encoder"] / 401e6 - 1) <= 0.02, r["params_vision_encoder"]  # architecture.md#vision
     assert r["params_vision"] == r["params_vision_encoder"] + r["params_vision_projector"]
     assert r["params_activated_with_embedding"] - r["params_activated"] == 163840 * 7168
 

@@ -1,4 +1,4 @@
-"""SiTU and SiTU-GLU (spec §8)."""
+"""SiTU and SiTU-GLU (docs/architecture.md#situ)."""
 
 import torch
 import torch.nn.functional as F

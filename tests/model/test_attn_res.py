@@ -22,7 +22,7 @@ def mix_eq(sources, norm, proj):
 
 
 def plain_loop(model, tokens, cu):
-    """The model's forward with the residual logic rewritten from spec §5 for every mode."""
+    """The model's forward with the residual logic rewritten from docs/architecture.md#attnres for every mode."""
     cfg = model.config
     mode, bsize = cfg.attn_res.mode, cfg.attn_res.block_size
     emb = model.model.embed_tokens(tokens)

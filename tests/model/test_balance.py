@@ -100,7 +100,8 @@ def test_qb_same_batch_threshold_counts_and_reroute():
 
 
 def _qb_spec_fp64(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact QB from the spec (section 7), in fp64 and plain Python per expert: cutoff c_t = (k+1)-th largest of
+    """Exact QB from the docs/architecture.md#quantile-balancing, in fp64 and plain Python per expert: cutoff c_t =
+    (k+1)-th largest of
     s_t + b; M = s - c; q = N k / E rounded (halves up, below N); b^_j = -((q+1)-th largest of M_{:,j});
     b <- b^ - mean(b^)."""
     s, b = scores.double(), bias.double()
@@ -371,12 +372,12 @@ def test_router_stats_loads_and_balance_metrics():
     assert torch.equal(st0.loads, torch.bincount(st0.topk_idx.reshape(-1), minlength=E))
     assert st0.loads.sum().item() == 1024 * K
     m = balance_metrics([st0, st3])
-    for lay, st in ((1, st0), (3, st3)):
-        assert m[f"maxvio/layer{lay}"] == pytest.approx(max_vio(st.loads).item())
-        assert m[f"drop_cf1.0/layer{lay}"] == pytest.approx(drop_fraction(st.loads, K, 1024, 1.0).item())
-        assert m[f"drop_cf1.25/layer{lay}"] == pytest.approx(drop_fraction(st.loads, K, 1024, 1.25).item())
-        assert m[f"dead/layer{lay}"] == int(dead_experts(st.loads))
-        assert m[f"entropy/layer{lay}"] == pytest.approx(router_entropy(st.scores).item(), rel=1e-5)
+    for lay, stats in ((1, st0), (3, st3)):
+        assert m[f"maxvio/layer{lay}"] == pytest.approx(max_vio(stats.loads).item())
+        assert m[f"drop_cf1.0/layer{lay}"] == pytest.approx(drop_fraction(stats.loads, K, 1024, 1.0).item())
+        assert m[f"drop_cf1.25/layer{lay}"] == pytest.approx(drop_fraction(stats.loads, K, 1024, 1.25).item())
+        assert m[f"dead/layer{lay}"] == int(dead_experts(stats.loads))
+        assert m[f"entropy/layer{lay}"] == pytest.approx(router_entropy(stats.scores).item(), rel=1e-5)
     assert m["maxvio/mean"] == pytest.approx((m["maxvio/layer1"] + m["maxvio/layer3"]) / 2)
     assert m["maxvio/max"] == max(m["maxvio/layer1"], m["maxvio/layer3"])
     assert m["maxvio/layer3"] < m["maxvio/layer1"]

@@ -1,4 +1,4 @@
-"""Attention Residuals depth mix (spec §5).
+"""Attention Residuals depth mix (docs/architecture.md#attnres).
 
 ``reference.depth_mix(sources: S x [N, d], query [d], eps) -> [N, d]``: the mix as written (stack, RMSNorm
 keys, softmax over depth, weighted sum). The model computes it in the two-phase form (two_phase.py): phase 1

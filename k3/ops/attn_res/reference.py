@@ -1,4 +1,4 @@
-"""Depth attention of Attention Residuals: a softmax over sources (spec §5)."""
+"""Depth attention of Attention Residuals: a softmax over sources (docs/architecture.md#attnres)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The two-phase form of the AttnRes depth mix (the paper's Algorithm 1; spec §5, notes/attnres_moe.md A.4).
+"""The two-phase form of the AttnRes depth mix (the paper's Algorithm 1; docs/architecture.md#attnres).
 
 The pseudo-queries are parameters, not functions of the input, so every mix of a block can be scored against
 the sources that stay fixed during the block (the bank of snapshots or block sums, the earlier outputs in
