@@ -40,19 +40,25 @@ def main() -> None:
     model = K3ForCausalLM(peer_config()).cuda().to(torch.bfloat16).eval()
     times: dict[tuple[str, int, int], list[float]] = {}
     for r in range(a.rounds):
-        for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+        for v in list(variants) if r % 2 == 0 else list(variants)[::-1]:
             backend.set_kernels(v or None)
             torch._dynamo.reset()
             for b, c in cases:
                 t0 = time.time()
                 t = ours(model, b, c, mode="compiled")
                 times.setdefault((v, b, c), []).append(t)
-                print(f"round {r} [{v or 'tree'}] B={b} context={c}: {t * 1e3:.3f} ms/step, "
-                      f"{step_bytes(model, b, c) / bw / t:.1%} of the limit ({time.time() - t0:.0f} s)", flush=True)
+                print(
+                    f"round {r} [{v or 'tree'}] B={b} context={c}: {t * 1e3:.3f} ms/step, "
+                    f"{step_bytes(model, b, c) / bw / t:.1%} of the limit ({time.time() - t0:.0f} s)",
+                    flush=True,
+                )
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     for (v, b, c), ts in times.items():
-        print(f"[{v or 'tree'}] B={b} context={c}: " + " ".join(f"{t * 1e3:.3f}" for t in ts)
-              + f" ms; fastest {min(ts) * 1e3:.3f} ms, {step_bytes(model, b, c) / bw / min(ts):.1%} of the limit")
+        print(
+            f"[{v or 'tree'}] B={b} context={c}: "
+            + " ".join(f"{t * 1e3:.3f}" for t in ts)
+            + f" ms; fastest {min(ts) * 1e3:.3f} ms, {step_bytes(model, b, c) / bw / min(ts):.1%} of the limit"
+        )
 
 
 if __name__ == "__main__":

@@ -81,9 +81,16 @@ def phase_checkpoint(rows, cfg, device, layers: int, shard_gb: float, workdir: P
     write_s = time.perf_counter() - t0
     shards = sorted(path.glob("*.safetensors"))
     largest = max(s.stat().st_size for s in shards)
-    rows.append({"phase": "checkpoint", "case": f"write {layers} layers", "value": nbytes / 1e9 / write_s,
-                 "unit": "GB/s", "detail": f"{nbytes / 1e9:.1f} GB in {len(shards)} shards (largest "
-                 f"{largest / 1e9:.2f} GB), {write_s:.1f}s incl. SHA-256"})
+    rows.append(
+        {
+            "phase": "checkpoint",
+            "case": f"write {layers} layers",
+            "value": nbytes / 1e9 / write_s,
+            "unit": "GB/s",
+            "detail": f"{nbytes / 1e9:.1f} GB in {len(shards)} shards (largest "
+            f"{largest / 1e9:.2f} GB), {write_s:.1f}s incl. SHA-256",
+        }
+    )
     reference = {k: v.float().sum().item() for k, v in model.state_dict().items()}
     del model
     torch.cuda.empty_cache() if device.type == "cuda" else None
@@ -95,15 +102,31 @@ def phase_checkpoint(rows, cfg, device, layers: int, shard_gb: float, workdir: P
     loaded = from_pretrained(path, device=device)
     sync(device)
     load_s = time.perf_counter() - t0
-    detail = (f"{nbytes / 1e9:.1f} GB in {load_s:.1f}s; peak host RSS {peak_rss() / 2**30:.2f} GiB (before "
-              f"{rss0 / 2**30:.2f} GiB; bound largest shard + 1 GiB above it); SHA-256 verified while reading")
+    detail = (
+        f"{nbytes / 1e9:.1f} GB in {load_s:.1f}s; peak host RSS {peak_rss() / 2**30:.2f} GiB (before "
+        f"{rss0 / 2**30:.2f} GiB; bound largest shard + 1 GiB above it); SHA-256 verified while reading"
+    )
     if device.type == "cuda":
         detail += f"; GPU peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
     same = all(abs(v.float().sum().item() - reference[k]) == 0 for k, v in loaded.state_dict().items())
-    rows.append({"phase": "checkpoint", "case": f"stream-load {layers} layers", "value": nbytes / 1e9 / load_s,
-                 "unit": "GB/s", "detail": detail + ("; same tensors" if same else "; TENSORS DIFFER")})
-    rows.append({"phase": "checkpoint", "case": "peak host RSS", "value": peak_rss() / 2**30, "unit": "GiB",
-                 "detail": f"largest shard {largest / 2**30:.2f} GiB"})
+    rows.append(
+        {
+            "phase": "checkpoint",
+            "case": f"stream-load {layers} layers",
+            "value": nbytes / 1e9 / load_s,
+            "unit": "GB/s",
+            "detail": detail + ("; same tensors" if same else "; TENSORS DIFFER"),
+        }
+    )
+    rows.append(
+        {
+            "phase": "checkpoint",
+            "case": "peak host RSS",
+            "value": peak_rss() / 2**30,
+            "unit": "GiB",
+            "detail": f"largest shard {largest / 2**30:.2f} GiB",
+        }
+    )
     del loaded
     shutil.rmtree(path, ignore_errors=True)
 
@@ -142,8 +165,15 @@ def prefill_tps(model, tokens: int, device: torch.device) -> float:
 
 def phase_decode_prefill(rows, cfg, device, cases, prefill_tokens: int, steps: int) -> None:
     model = build(cfg, device)
-    rows.append({"phase": "model", "case": "full size", "value": sum(p.numel() for p in model.parameters()) / 1e9,
-                 "unit": "B params", "detail": f"{cfg.num_hidden_layers} layers, bf16 on {device}"})
+    rows.append(
+        {
+            "phase": "model",
+            "case": "full size",
+            "value": sum(p.numel() for p in model.parameters()) / 1e9,
+            "unit": "B params",
+            "detail": f"{cfg.num_hidden_layers} layers, bf16 on {device}",
+        }
+    )
     bandwidth = read_bandwidth() if device.type == "cuda" else None
     for batch, context in cases:
         try:
@@ -155,10 +185,19 @@ def phase_decode_prefill(rows, cfg, device, cases, prefill_tokens: int, steps: i
                 from k3.bench.decode import step_bytes
 
                 limit = step_bytes(model, batch, context) / bandwidth * 1e3
-                detail = f"bandwidth limit {limit:.3f} ms ({limit / ms:.0%} of it); GPU peak " \
-                         f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
-            rows.append({"phase": "decode", "case": f"B={batch} ctx={context}", "value": ms, "unit": "ms/step",
-                         "detail": detail})
+                detail = (
+                    f"bandwidth limit {limit:.3f} ms ({limit / ms:.0%} of it); GPU peak "
+                    f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+                )
+            rows.append(
+                {
+                    "phase": "decode",
+                    "case": f"B={batch} ctx={context}",
+                    "value": ms,
+                    "unit": "ms/step",
+                    "detail": detail,
+                }
+            )
         except Exception as e:  # noqa: BLE001 - a benchmark row records any failure
             rows.append({"phase": "decode", "case": f"B={batch} ctx={context}", "error": repr(e)[:300]})
         if device.type == "cuda":
@@ -168,8 +207,9 @@ def phase_decode_prefill(rows, cfg, device, cases, prefill_tokens: int, steps: i
             torch.cuda.reset_peak_memory_stats(device)
         tps = prefill_tps(model, prefill_tokens, device)
         detail = f"GPU peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
-        rows.append({"phase": "prefill", "case": f"{prefill_tokens} tokens", "value": tps, "unit": "tokens/s",
-                     "detail": detail})
+        rows.append(
+            {"phase": "prefill", "case": f"{prefill_tokens} tokens", "value": tps, "unit": "tokens/s", "detail": detail}
+        )
     except Exception as e:  # noqa: BLE001
         rows.append({"phase": "prefill", "case": f"{prefill_tokens} tokens", "error": repr(e)[:300]})
     del model
@@ -204,9 +244,15 @@ def phase_peer(rows, cfg, device, cases, steps: int) -> None:
 
             generate(1)
             one = generate(1)
-            rows.append({"phase": "peer", "case": f"B={batch} ctx={context}",
-                         "value": (generate(steps + 1) - one) / steps * 1e3, "unit": "ms/step",
-                         "detail": "transformers generate, prefill subtracted"})
+            rows.append(
+                {
+                    "phase": "peer",
+                    "case": f"B={batch} ctx={context}",
+                    "value": (generate(steps + 1) - one) / steps * 1e3,
+                    "unit": "ms/step",
+                    "detail": "transformers generate, prefill subtracted",
+                }
+            )
         except Exception as e:  # noqa: BLE001
             rows.append({"phase": "peer", "case": f"B={batch} ctx={context}", "error": repr(e)[:300]})
         if device.type == "cuda":
@@ -227,10 +273,17 @@ def main(argv=None) -> int:
     cfg = get_preset("kimi-linear-48b")
     cases, prefill_tokens, steps, name = [(1, 4096), (64, 32768)], 32768, 16, "kimi-linear-48b"
     if args.smoke:
-        cfg = cfg.replace(hidden_size=256, vocab_size=1024, intermediate_size=512, num_hidden_layers=4, bos_token_id=1,
-                          eos_token_id=2, pad_token_id=0,
-                          mla_layers=(3,), **{"kda.num_heads": 2, "mla.num_heads": 2, "moe.num_experts": 8,
-                                              "moe.moe_intermediate_size": 64})
+        cfg = cfg.replace(
+            hidden_size=256,
+            vocab_size=1024,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            mla_layers=(3,),
+            **{"kda.num_heads": 2, "mla.num_heads": 2, "moe.num_experts": 8, "moe.moe_intermediate_size": 64},
+        )
         cases, prefill_tokens, steps, name = [(1, 64), (4, 128)], 256, 4, "kimi-linear-48b-smoke"
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="k3-ckpt-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -242,10 +295,14 @@ def main(argv=None) -> int:
         layers = max(1, min(cfg.num_hidden_layers, int((0.8 * free - emb) // per_layer)))
     rows: list[dict] = []
     t_start = time.perf_counter()
-    phases = [("checkpoint", lambda: phase_checkpoint(rows, cfg, device, layers, args.shard_gb if not args.smoke
-                                                      else 0.002, workdir)),
-              ("decode", lambda: phase_decode_prefill(rows, cfg, device, cases, prefill_tokens, steps)),
-              ("peer", lambda: phase_peer(rows, cfg, device, cases, steps))]
+    phases = [
+        (
+            "checkpoint",
+            lambda: phase_checkpoint(rows, cfg, device, layers, args.shard_gb if not args.smoke else 0.002, workdir),
+        ),
+        ("decode", lambda: phase_decode_prefill(rows, cfg, device, cases, prefill_tokens, steps)),
+        ("peer", lambda: phase_peer(rows, cfg, device, cases, steps)),
+    ]
     for phase, fn in phases:
         if phase in args.skip:
             continue
@@ -258,12 +315,19 @@ def main(argv=None) -> int:
         print(f"[{phase}] {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = {**environment(), "config": cfg.name, "smoke": args.smoke, "checkpoint_layers": layers,
-            "seconds": round(time.perf_counter() - t_start, 1)}
-    notes = ("Checkpoint phase: the same config with fewer layers (disk), pages dropped from the page cache before "
-             "the load (best effort, posix_fadvise). Decode: k3.bench.decode.ours (CUDA graph); the limit is "
-             "step_bytes / read bandwidth. Peer: transformers' KimiLinearForCausalLM in bf16; an error row when it "
-             "does not fit or fails.")
+    meta = {
+        **environment(),
+        "config": cfg.name,
+        "smoke": args.smoke,
+        "checkpoint_layers": layers,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    notes = (
+        "Checkpoint phase: the same config with fewer layers (disk), pages dropped from the page cache before "
+        "the load (best effort, posix_fadvise). Decode: k3.bench.decode.ours (CUDA graph); the limit is "
+        "step_bytes / read bandwidth. Peer: transformers' KimiLinearForCausalLM in bf16; an error row when it "
+        "does not fit or fails."
+    )
     write_results(name, rows, COLUMNS, meta, notes, out_dir=args.out)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -39,9 +39,14 @@ def main() -> None:
     rows = []
     for name, e, k, d, i in SHAPES:
         layers = max(1, -(-(512 << 20) // (3 * e * i * d * 2)))  # weight sets, at least 512 MiB
-        weights = [[torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5,
-                    torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16) * i ** -0.5,
-                    torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5] for _ in range(layers)]
+        weights = [
+            [
+                torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
+                torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16) * i**-0.5,
+                torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
+            ]
+            for _ in range(layers)
+        ]
         for batch in (1, 16, 64):
             idx = torch.rand(batch, e, device="cuda").topk(k).indices
             route = grouped._route(idx, e)
@@ -52,6 +57,7 @@ def main() -> None:
             limit = (hit * 3 * i * d * 2 + batch * k * (3 * d + 3 * i) * 2) / bw
             times = {}
             for kernel in ("grouped_mm", "triton"):
+
                 def step(kernel=kernel):
                     for w1, w2, w3 in weights:  # noqa: F821
                         grouped._matmul(kernel, xs, w1, route.offs)
@@ -59,17 +65,42 @@ def main() -> None:
                         grouped._matmul(kernel, h, w2, route.offs)
 
                 times[kernel] = cuda_time(graphed(step), warmup=3, iters=20) / layers
-            rows.append({"shape": name, "E": e, "k": k, "d": d, "I": i, "batch": batch, "experts_hit": hit,
-                         "weight_sets": layers,
-                         "grouped_mm_us": times["grouped_mm"] * 1e6, "triton_us": times["triton"] * 1e6,
-                         "limit_us": limit * 1e6, "grouped_mm_of_limit": limit / times["grouped_mm"],
-                         "triton_of_limit": limit / times["triton"],
-                         "triton_speedup": times["grouped_mm"] / times["triton"]})
+            rows.append(
+                {
+                    "shape": name,
+                    "E": e,
+                    "k": k,
+                    "d": d,
+                    "I": i,
+                    "batch": batch,
+                    "experts_hit": hit,
+                    "weight_sets": layers,
+                    "grouped_mm_us": times["grouped_mm"] * 1e6,
+                    "triton_us": times["triton"] * 1e6,
+                    "limit_us": limit * 1e6,
+                    "grouped_mm_of_limit": limit / times["grouped_mm"],
+                    "triton_of_limit": limit / times["triton"],
+                    "triton_speedup": times["grouped_mm"] / times["triton"],
+                }
+            )
             print(rows[-1], flush=True)
         del weights
-    write_results("moe_decode_mm", rows, ["shape", "batch", "experts_hit", "grouped_mm_us", "triton_us", "limit_us",
-                                          "grouped_mm_of_limit", "triton_of_limit", "triton_speedup"],
-                  environment() | {"copy_bandwidth_TBps": bw / 1e12})
+    write_results(
+        "moe_decode_mm",
+        rows,
+        [
+            "shape",
+            "batch",
+            "experts_hit",
+            "grouped_mm_us",
+            "triton_us",
+            "limit_us",
+            "grouped_mm_of_limit",
+            "triton_of_limit",
+            "triton_speedup",
+        ],
+        environment() | {"copy_bandwidth_TBps": bw / 1e12},
+    )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,36 @@ LOSS_TOL = 2e-2
 
 
 def train_args(a, out: Path, rows: int, tok: Path) -> list[str]:
-    return ["-m", "k3", "train", "--preset", a.preset, "--steps", str(a.steps), "--batch-size", str(rows),
-            "--seq-len", str(a.seq_len), "--tokenizer", str(tok), "--out", str(out), "--samples", "0",
-            "--eval-every", str(a.steps), "--eval-rows", str(a.eval_rows), "--save-every", "0", "--seed", "0",
-            "--lr", str(a.lr), "--no-progress"] + sum((["--set", s] for s in a.set), [])
+    return [
+        "-m",
+        "k3",
+        "train",
+        "--preset",
+        a.preset,
+        "--steps",
+        str(a.steps),
+        "--batch-size",
+        str(rows),
+        "--seq-len",
+        str(a.seq_len),
+        "--tokenizer",
+        str(tok),
+        "--out",
+        str(out),
+        "--samples",
+        "0",
+        "--eval-every",
+        str(a.steps),
+        "--eval-rows",
+        str(a.eval_rows),
+        "--save-every",
+        "0",
+        "--seed",
+        "0",
+        "--lr",
+        str(a.lr),
+        "--no-progress",
+    ] + sum((["--set", s] for s in a.set), [])
 
 
 def run(cmd: list[str], log: Path, env: dict) -> float:
@@ -69,9 +95,19 @@ def dcp_on_one(a, run_dir: Path, tok: Path, rows: int) -> dict:
     from k3.train.trainer import TrainConfig, Trainer
 
     ckpt = latest_checkpoint(run_dir)
-    cfg = TrainConfig(preset=a.preset, steps=a.steps, batch_size=rows, seq_len=a.seq_len, tokenizer=str(tok),
-                      out=str(run_dir.parent / "dcp-eval"), samples=0, eval_rows=a.eval_rows, seed=0,
-                      device=a.device, overrides=dict(_override(s) for s in a.set))
+    cfg = TrainConfig(
+        preset=a.preset,
+        steps=a.steps,
+        batch_size=rows,
+        seq_len=a.seq_len,
+        tokenizer=str(tok),
+        out=str(run_dir.parent / "dcp-eval"),
+        samples=0,
+        eval_rows=a.eval_rows,
+        seed=0,
+        device=a.device,
+        overrides=dict(_override(s) for s in a.set),
+    )
     trainer = Trainer(cfg, progress=False)  # builds the model and the same validation rows
     extra = load_into_single(ckpt, trainer.model)
     val = trainer.evaluate()["val_loss"]  # bf16 autocast on GPUs, as in the runs
@@ -82,17 +118,25 @@ def summarise(label: str, history: list[dict], gpus: int, warmup: int) -> dict:
     steps = steps_of(history)
     timed = [h for h in steps if h["step"] >= warmup] or steps
     per_gpu = [h.get("tokens_per_s_per_gpu", h["tokens_per_s"] / gpus) for h in timed]
-    row = {"run": label, "gpus": gpus, "steps": len(steps), "loss_first": steps[0]["loss"],
-           "loss_last": steps[-1]["loss"], "val_loss": final_val(history),
-           "step_s_median": statistics.median(h["step_time"] for h in timed),
-           "tokens_per_s_per_gpu": statistics.median(per_gpu),
-           "maxvio_last10": statistics.mean(h["maxvio"] for h in steps[-10:] if h.get("maxvio") is not None)}
+    row = {
+        "run": label,
+        "gpus": gpus,
+        "steps": len(steps),
+        "loss_first": steps[0]["loss"],
+        "loss_last": steps[-1]["loss"],
+        "val_loss": final_val(history),
+        "step_s_median": statistics.median(h["step_time"] for h in timed),
+        "tokens_per_s_per_gpu": statistics.median(per_gpu),
+        "maxvio_last10": statistics.mean(h["maxvio"] for h in steps[-10:] if h.get("maxvio") is not None),
+    }
     if "a2a_share" in timed[0]:
         rows = [h["ep_rows_per_rank"] for h in timed]
-        row.update(a2a_share_median=statistics.median(h["a2a_share"] for h in timed),
-                   a2a_s_median=statistics.median(max(h["a2a_s_per_rank"]) for h in timed),
-                   ep_rows_per_rank_mean=[round(statistics.mean(r[i] for r in rows)) for i in range(len(rows[0]))],
-                   ep_rows_imbalance_median=statistics.median(h["ep_rows_imbalance"] for h in timed))
+        row.update(
+            a2a_share_median=statistics.median(h["a2a_share"] for h in timed),
+            a2a_s_median=statistics.median(max(h["a2a_s_per_rank"]) for h in timed),
+            ep_rows_per_rank_mean=[round(statistics.mean(r[i] for r in rows)) for i in range(len(rows[0]))],
+            ep_rows_imbalance_median=statistics.median(h["ep_rows_imbalance"] for h in timed),
+        )
     return row
 
 
@@ -128,13 +172,19 @@ def main() -> None:
     wall = {}
     if len(steps_of(read_metrics(one))) < a.steps:
         shutil.rmtree(one, ignore_errors=True)  # a run cut short (say, by a device time limit) starts over
-        wall["gpu1"] = run([sys.executable] + train_args(a, one, a.rows * a.gpus, tok) + ["--device", a.device],
-                           logs / "gpu1.log", env)
+        wall["gpu1"] = run(
+            [sys.executable] + train_args(a, one, a.rows * a.gpus, tok) + ["--device", a.device], logs / "gpu1.log", env
+        )
     if len(steps_of(read_metrics(many))) < a.steps:
         shutil.rmtree(many, ignore_errors=True)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.gpus}"]
-        wall[f"gpu{a.gpus}"] = run(launcher + train_args(a, many, a.rows, tok)  # torchrun -m k3 train ...
-                                   + ["--dp", str(a.gpus), "--ep", str(a.gpus)], logs / f"gpu{a.gpus}.log", env)
+        wall[f"gpu{a.gpus}"] = run(
+            launcher
+            + train_args(a, many, a.rows, tok)  # torchrun -m k3 train ...
+            + ["--dp", str(a.gpus), "--ep", str(a.gpus)],
+            logs / f"gpu{a.gpus}.log",
+            env,
+        )
     h1, hn = read_metrics(one), read_metrics(many)
     s1, sn = steps_of(h1), steps_of(hn)
     if len(s1) != len(sn):
@@ -150,23 +200,55 @@ def main() -> None:
     dcp = dcp_on_one(a, many, tok, a.rows * a.gpus)
     rn["dcp_on_1_val_loss"] = dcp["val_loss"]
     rn["dcp_on_1_rel_diff"] = abs(dcp["val_loss"] - rn["val_loss"]) / rn["val_loss"]
-    curves = {"step": [h["step"] for h in s1], "loss_1gpu": [h["loss"] for h in s1],
-              f"loss_{a.gpus}gpu": [h["loss"] for h in sn]}
-    meta = environment() | {"preset": a.preset, "steps": a.steps, "global_batch": f"{a.rows * a.gpus} x {a.seq_len}",
-                            "overrides": a.set, "lr": a.lr, "warmup_steps_excluded": a.warmup, "wall_s": wall,
-                            "loss_tolerance_rel": LOSS_TOL, "curves": curves, "dcp": dcp,
-                            "env": {k: env[k] for k in NO_MULTICAST}}
+    curves = {
+        "step": [h["step"] for h in s1],
+        "loss_1gpu": [h["loss"] for h in s1],
+        f"loss_{a.gpus}gpu": [h["loss"] for h in sn],
+    }
+    meta = environment() | {
+        "preset": a.preset,
+        "steps": a.steps,
+        "global_batch": f"{a.rows * a.gpus} x {a.seq_len}",
+        "overrides": a.set,
+        "lr": a.lr,
+        "warmup_steps_excluded": a.warmup,
+        "wall_s": wall,
+        "loss_tolerance_rel": LOSS_TOL,
+        "curves": curves,
+        "dcp": dcp,
+        "env": {k: env[k] for k in NO_MULTICAST},
+    }
     precision = "bf16 autocast" if a.device == "cuda" else "fp32 (CPU, gloo rehearsal)"
-    notes = (f"{a.preset}, {a.steps} steps of {a.rows * a.gpus} x {a.seq_len} tokens (same data and order), "
-             f"{precision}, seed 0. Loss curves: largest per-step relative difference {diffs[worst]:.2e} at step "
-             f"{s1[worst]['step']} (tolerance {LOSS_TOL}). tokens/s per GPU: median over steps >= {a.warmup}. "
-             "a2a share: the slowest rank's seconds in EP all-to-alls (CUDA events, forward + backward) over the "
-             "step time. ep rows: latent (token, expert) rows each rank's experts received per step (forward). "
-             "MaxVio: global batch (loads all-reduced over ranks).")
-    write_results("multi_gpu", [r1, rn], ["run", "gpus", "steps", "loss_last", "val_loss", "step_s_median",
-                                          "tokens_per_s_per_gpu", "scaling_efficiency", "a2a_share_median",
-                                          "ep_rows_per_rank_mean", "ep_rows_imbalance_median", "maxvio_last10",
-                                          "loss_max_rel_diff", "dcp_on_1_val_loss"], meta, notes)
+    notes = (
+        f"{a.preset}, {a.steps} steps of {a.rows * a.gpus} x {a.seq_len} tokens (same data and order), "
+        f"{precision}, seed 0. Loss curves: largest per-step relative difference {diffs[worst]:.2e} at step "
+        f"{s1[worst]['step']} (tolerance {LOSS_TOL}). tokens/s per GPU: median over steps >= {a.warmup}. "
+        "a2a share: the slowest rank's seconds in EP all-to-alls (CUDA events, forward + backward) over the "
+        "step time. ep rows: latent (token, expert) rows each rank's experts received per step (forward). "
+        "MaxVio: global batch (loads all-reduced over ranks)."
+    )
+    write_results(
+        "multi_gpu",
+        [r1, rn],
+        [
+            "run",
+            "gpus",
+            "steps",
+            "loss_last",
+            "val_loss",
+            "step_s_median",
+            "tokens_per_s_per_gpu",
+            "scaling_efficiency",
+            "a2a_share_median",
+            "ep_rows_per_rank_mean",
+            "ep_rows_imbalance_median",
+            "maxvio_last10",
+            "loss_max_rel_diff",
+            "dcp_on_1_val_loss",
+        ],
+        meta,
+        notes,
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ from k3.bench.common import copy_bandwidth, cuda_time, environment, write_result
 from k3.ops.linear import triton_multi
 from moe_decode_mm import graphed  # this folder is on sys.path when the script runs
 
-SHAPES = {"KDA q,k,v,f_a,b,g_a": [1024, 1024, 1024, 64, 16, 64], "MLA q,kv_a": [3072, 576],
-          "MoE shared gate,up": [512, 512]}
+SHAPES = {
+    "KDA q,k,v,f_a,b,g_a": [1024, 1024, 1024, 64, 16, 64],
+    "MLA q,kv_a": [3072, 576],
+    "MoE shared gate,up": [512, 512],
+}
 K = 1024
 
 
@@ -62,21 +65,28 @@ def main() -> None:
             ys = [x.new_empty(batch, n) for n in sizes]
             bm = triton_multi.block_m(batch)
             limit = nbytes / bw
-            forms = {"launch rule": lambda: [triton_multi.multi_linear(x, ws) for ws in weights],
-                     "torch per weight": lambda: [[F.linear(x, w) for w in ws] for ws in weights],
-                     "cuBLAS concatenated": lambda: [F.linear(x, w) for w in cat]}
+            forms = {
+                "launch rule": lambda: [triton_multi.multi_linear(x, ws) for ws in weights],
+                "torch per weight": lambda: [[F.linear(x, w) for w in ws] for ws in weights],
+                "cuBLAS concatenated": lambda: [F.linear(x, w) for w in cat],
+            }
             for bn, bk, st, wp in itertools.product((16, 32, 64), (128, 256), (3, 4), (2, 4, 8)):
-                forms[f"BN={bn} BK={bk} stages={st} warps={wp}"] = (
-                    lambda bn=bn, bk=bk, st=st, wp=wp: [triton_multi._run(
-                        x, ws, ys, bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=wp) for ws in weights])
+                forms[f"BN={bn} BK={bk} stages={st} warps={wp}"] = lambda bn=bn, bk=bk, st=st, wp=wp: [
+                    triton_multi._run(x, ws, ys, bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=wp)
+                    for ws in weights
+                ]
             results = time_forms(forms, sets, f"{name} B={batch}")
             keep = [r for r in results if not r[1].startswith("BN=")]  # and the six fastest configurations:
             keep += [r for r in results if r[1].startswith("BN=")][:6]
             for t, form in sorted(keep):
                 rows.append({"maps": name, "batch": batch, "form": form, "us": t * 1e6, "of_limit": limit / t})
                 print(rows[-1], flush=True)
-            write_results("multi_linear_configs", rows, ["maps", "batch", "form", "us", "of_limit"],
-                          environment() | {"copy_bandwidth_TBps": bw / 1e12})
+            write_results(
+                "multi_linear_configs",
+                rows,
+                ["maps", "batch", "form", "us", "of_limit"],
+                environment() | {"copy_bandwidth_TBps": bw / 1e12},
+            )
 
 
 if __name__ == "__main__":

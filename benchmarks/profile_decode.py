@@ -54,17 +54,35 @@ def main() -> None:
     p.add_argument("--attn-res", default=None, help="AttnRes mode of --preset's model")
     p.add_argument("--compiled", action="store_true", help="also profile the compiled step's CUDA graph")
     p.add_argument("--top", type=int, default=40, help="kernels listed for the compiled step")
-    p.add_argument("--sequence", action="store_true", help="with --compiled: also list one replay's kernels in "
-                   "launch order with their device time (which layer launches what)")
-    p.add_argument("--combo", action="store_true", help="with --compiled: the compiled step again with inductor's "
-                   "combo_kernels off (GraphedDecoder turns them on), an A/B in one process")
-    p.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE[,OPTION=VALUE]",
-                   help="with --compiled: the compiled step again with these inductor options (Python literals) "
-                   "over GraphedDecoder's, an A/B in one process; repeatable")
-    p.add_argument("--kernels", action="append", default=[], metavar="KERNEL=VALUE[,KERNEL=VALUE]",
-                   help="with --compiled: the compiled step again with this kernel choice (K3_KERNELS's form, e.g. "
-                   "kda_decode_core=torch,conv_step=torch: two decode kernels off), an A/B in one process; "
-                   "repeatable")
+    p.add_argument(
+        "--sequence",
+        action="store_true",
+        help="with --compiled: also list one replay's kernels in "
+        "launch order with their device time (which layer launches what)",
+    )
+    p.add_argument(
+        "--combo",
+        action="store_true",
+        help="with --compiled: the compiled step again with inductor's "
+        "combo_kernels off (GraphedDecoder turns them on), an A/B in one process",
+    )
+    p.add_argument(
+        "--inductor",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE[,OPTION=VALUE]",
+        help="with --compiled: the compiled step again with these inductor options (Python literals) "
+        "over GraphedDecoder's, an A/B in one process; repeatable",
+    )
+    p.add_argument(
+        "--kernels",
+        action="append",
+        default=[],
+        metavar="KERNEL=VALUE[,KERNEL=VALUE]",
+        help="with --compiled: the compiled step again with this kernel choice (K3_KERNELS's form, e.g. "
+        "kda_decode_core=torch,conv_step=torch: two decode kernels off), an A/B in one process; "
+        "repeatable",
+    )
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()
@@ -88,15 +106,17 @@ def main() -> None:
             if a.combo:
                 torch._dynamo.reset()
                 with patch.dict(COMPILE_OPTIONS, combo_kernels=False):
-                    lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
-                                            label=" (inductor combo_kernels off)")
+                    lines += compiled_block(
+                        model, cache, ids, batch, context, limit, top=a.top, label=" (inductor combo_kernels off)"
+                    )
                 torch._dynamo.reset()
             for setting in a.inductor:
                 torch._dynamo.reset()
                 options = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in setting.split(","))}
                 with patch.dict(COMPILE_OPTIONS, options):
-                    lines += compiled_block(model, cache, ids, batch, context, limit, top=a.top,
-                                            label=f" (inductor {setting})")
+                    lines += compiled_block(
+                        model, cache, ids, batch, context, limit, top=a.top, label=f" (inductor {setting})"
+                    )
                 torch._dynamo.reset()
             for setting in a.kernels:
                 torch._dynamo.reset()
@@ -128,10 +148,13 @@ def main() -> None:
         events = prof.events()
         kernels = device_activity(events)  # not the parts' GPU-side ranges: they span idle gaps too
         busy = busy_seconds(kernels) * 1e3 / a.steps
-        block = ["", f"B={batch} context={context}: graph {graphed[batch, context] * 1e3:.2f} ms/step, "
-                 f"eager {eager * 1e3:.2f} ms/step, limit {limit * 1e3:.3f} ms "
-                 f"({limit / graphed[batch, context]:.1%} of it in the graph)",
-                 f"  kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.2f} ms/step (eager)"]
+        block = [
+            "",
+            f"B={batch} context={context}: graph {graphed[batch, context] * 1e3:.2f} ms/step, "
+            f"eager {eager * 1e3:.2f} ms/step, limit {limit * 1e3:.3f} ms "
+            f"({limit / graphed[batch, context]:.1%} of it in the graph)",
+            f"  kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.2f} ms/step (eager)",
+        ]
         parts = defaultdict(float)  # device time of the kernels each part's CPU range launched
         for e in events:
             if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("part:"):
@@ -161,8 +184,18 @@ def kernel_table(kernels: list, steps: int, top: int) -> list[str]:
     return block
 
 
-def compiled_block(model, cache, ids, batch: int, context: int, limit: float, steps: int = 3, top: int = 40,
-                   label: str = "", sequence: bool = False) -> list[str]:
+def compiled_block(
+    model,
+    cache,
+    ids,
+    batch: int,
+    context: int,
+    limit: float,
+    steps: int = 3,
+    top: int = 40,
+    label: str = "",
+    sequence: bool = False,
+) -> list[str]:
     """Time and profile the compiled step replayed from its CUDA graph (``sequence``: and list the last replay's
     kernels in launch order)."""
     graph = GraphedDecoder(model, cache, compile=True)
@@ -174,14 +207,19 @@ def compiled_block(model, cache, ids, batch: int, context: int, limit: float, st
         torch.cuda.synchronize()
     kernels = device_activity(prof.events(), memcpy=False)  # the graph's kernels, not the input copies
     busy = busy_seconds(kernels) * 1e3 / steps
-    block = ["", f"B={batch} context={context} compiled{label} + CUDA graph: {t * 1e3:.2f} ms/step, limit "
-             f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "
-             f"{busy:.2f} ms/step"] + kernel_table(kernels, steps, top)
+    block = [
+        "",
+        f"B={batch} context={context} compiled{label} + CUDA graph: {t * 1e3:.2f} ms/step, limit "
+        f"{limit * 1e3:.3f} ms ({limit / t:.1%} of it); {len(kernels) / steps:.0f} kernels per step, device busy "
+        f"{busy:.2f} ms/step",
+    ] + kernel_table(kernels, steps, top)
     if sequence:
-        last = sorted(kernels, key=lambda e: e.time_range.start)[-(len(kernels) // steps):]
+        last = sorted(kernels, key=lambda e: e.time_range.start)[-(len(kernels) // steps) :]
         block.append("  one replay in launch order (start us from the first kernel, device us, name):")
-        block += [f"    {e.time_range.start - last[0].time_range.start:8.1f} {e.device_time:7.1f}  {e.name[:90]}"
-                  for e in last]
+        block += [
+            f"    {e.time_range.start - last[0].time_range.start:8.1f} {e.device_time:7.1f}  {e.name[:90]}"
+            for e in last
+        ]
     print("\n".join(block), flush=True)
     return block
 

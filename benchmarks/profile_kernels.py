@@ -94,10 +94,15 @@ def host_profile(fn, steps: int, cuda: bool, top: int = 30) -> list[str]:
         if cuda:
             torch.cuda.synchronize()
     table = tp.key_averages().table(sort_by="cpu_time_total", row_limit=top, max_name_column_width=60)
-    return ([f"  wall {wall:.3f} ms per step (host-bound when far above the busy time); cProfile of {steps} steps "
-             "(the forward's thread) by own time:"] + ["    " + ln for ln in body]
-            + [f"  torch.profiler, {steps} steps, every thread, by total CPU time:"]
-            + ["    " + ln for ln in table.splitlines()])
+    return (
+        [
+            f"  wall {wall:.3f} ms per step (host-bound when far above the busy time); cProfile of {steps} steps "
+            "(the forward's thread) by own time:"
+        ]
+        + ["    " + ln for ln in body]
+        + [f"  torch.profiler, {steps} steps, every thread, by total CPU time:"]
+        + ["    " + ln for ln in table.splitlines()]
+    )
 
 
 def main() -> None:
@@ -106,8 +111,9 @@ def main() -> None:
     p.add_argument("--moe-tokens", type=int, default=65536)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="auto")
-    p.add_argument("--host", type=int, default=0, metavar="N",
-                   help="also the KDA layers' host time: cProfile of N steps")
+    p.add_argument(
+        "--host", type=int, default=0, metavar="N", help="also the KDA layers' host time: cProfile of N steps"
+    )
     a = p.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     cuda = device.type == "cuda"
@@ -124,6 +130,7 @@ def main() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 out = layer(x)
             out.float().sum().backward()
+
         return run
 
     fla = None if theirs is None else lambda z: theirs(z[None])[0]
@@ -141,23 +148,32 @@ def main() -> None:
         xm = torch.randn(a.moe_tokens, moe.gate.weight.shape[1], device=device, dtype=torch.bfloat16)
         _, idx, w = moe.gate(xm)
         z = moe.routed_expert_down_proj(xm)
-        table, busy = kernel_times(lambda: moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3,
-                                                       moe.glu), a.steps, cuda)
-    gemm = sum(ms for name, (ms, _) in table.items()
-               if (any(m in name.lower() for m in GEMM_MARKS) if cuda else name in GEMM_OPS))
+        table, busy = kernel_times(
+            lambda: moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.glu), a.steps, cuda
+        )
+    gemm = sum(
+        ms
+        for name, (ms, _) in table.items()
+        if (any(m in name.lower() for m in GEMM_MARKS) if cuda else name in GEMM_OPS)
+    )
     flops = a.moe_tokens * 16 * 3 * 2 * latent * width
     lines += describe(f"LatentMoE routed experts, {a.moe_tokens} tokens x top-16 of 896, forward", table, busy)
     if gemm == 0:
         raise SystemExit("no matrix-product kernel recognised in the MoE profile: extend GEMM_MARKS")
-    lines.append(f"  matrix-product kernels {gemm:.3f} ms of {busy:.3f} ms ({gemm / busy:.0%}); their rate "
-                 f"{flops / gemm / 1e9:.1f} TFLOP/s, whole call {flops / busy / 1e9:.1f} TFLOP/s")
+    lines.append(
+        f"  matrix-product kernels {gemm:.3f} ms of {busy:.3f} ms ({gemm / busy:.0%}); their rate "
+        f"{flops / gemm / 1e9:.1f} TFLOP/s, whole call {flops / busy / 1e9:.1f} TFLOP/s"
+    )
     if cuda:
         from k3.bench.common import matmul_flops
 
         roof = matmul_flops()
-        lines.append(f"  roof {roof / 1e12:.0f} TFLOP/s: GEMM kernels at {flops / (gemm / 1e3) / roof:.1%}, whole "
-                     f"call at {flops / (busy / 1e3) / roof:.1%}")
+        lines.append(
+            f"  roof {roof / 1e12:.0f} TFLOP/s: GEMM kernels at {flops / (gemm / 1e3) / roof:.1%}, whole "
+            f"call at {flops / (busy / 1e3) / roof:.1%}"
+        )
     write_profile("profile_kernels", "\n".join(lines))
+
 
 if __name__ == "__main__":
     main()

@@ -49,14 +49,19 @@ def device_timeline(events, kernels, steps: int) -> list[str]:
     window = (max(k.time_range.end for k in kernels) - min(k.time_range.start for k in kernels)) / 1e6
     total = busy_seconds(kernels)
     spans = {name: v for name, v in spans.items() if v[0] > 0}  # (a range without kernels on the device)
-    spans["outside those ranges"] = [window - sum(v[0] for v in spans.values()),
-                                     total - sum(v[1] for v in spans.values())]
+    spans["outside those ranges"] = [
+        window - sum(v[0] for v in spans.values()),
+        total - sum(v[1] for v in spans.values()),
+    ]
     lines = ["device timeline (ms per step): span of the phase's kernels, device busy in it, idle in it"]
     for name, (span, busy) in spans.items():
-        lines.append(f"  {name[:44]:<44} {span * 1e3 / steps:8.1f} {busy * 1e3 / steps:8.1f} "
-                     f"{(span - busy) * 1e3 / steps:8.1f}")
-    lines.append(f"  {'window (first kernel to last)':<44} {window * 1e3 / steps:8.1f} {total * 1e3 / steps:8.1f} "
-                 f"{(window - total) * 1e3 / steps:8.1f}")
+        lines.append(
+            f"  {name[:44]:<44} {span * 1e3 / steps:8.1f} {busy * 1e3 / steps:8.1f} {(span - busy) * 1e3 / steps:8.1f}"
+        )
+    lines.append(
+        f"  {'window (first kernel to last)':<44} {window * 1e3 / steps:8.1f} {total * 1e3 / steps:8.1f} "
+        f"{(window - total) * 1e3 / steps:8.1f}"
+    )
     return lines
 
 
@@ -68,13 +73,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 3 warm-up steps)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/profile-train-step")
-    p.add_argument("--stacks", action="store_true", help="also device time by k3 call site (forward, optimizer) "
-                   "and by autograd node (backward); records Python stacks, so the profiled step runs slower")
+    p.add_argument(
+        "--stacks",
+        action="store_true",
+        help="also device time by k3 call site (forward, optimizer) "
+        "and by autograd node (backward); records Python stacks, so the profiled step runs slower",
+    )
     a = p.parse_args()
 
-    cfg = TrainConfig(preset=a.preset, steps=1000, batch_size=a.batch_size, seq_len=a.seq_len, out=a.out,
-                      samples=0, eval_every=1000, save_every=1000, max_tokens=max(300_000, 40 * a.batch_size *
-                                                                                  a.seq_len), device=a.device)
+    cfg = TrainConfig(
+        preset=a.preset,
+        steps=1000,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        out=a.out,
+        samples=0,
+        eval_every=1000,
+        save_every=1000,
+        max_tokens=max(300_000, 40 * a.batch_size * a.seq_len),
+        device=a.device,
+    )
     trainer = Trainer(cfg, progress=False)
     cuda = trainer.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -102,8 +120,11 @@ def main() -> None:
     with profile(activities=activities, with_stack=a.stacks, experimental_config=stacks) as prof:
         profiled = steps(a.steps)
     ev = prof.key_averages()
-    lines = [f"preset {a.preset}, batch {a.batch_size} x {a.seq_len}, device {trainer.device}",
-             f"step time {plain * 1e3:.1f} ms (profiled {profiled * 1e3:.1f} ms)", ""]
+    lines = [
+        f"preset {a.preset}, batch {a.batch_size} x {a.seq_len}, device {trainer.device}",
+        f"step time {plain * 1e3:.1f} ms (profiled {profiled * 1e3:.1f} ms)",
+        "",
+    ]
     phases = sorted((e for e in ev if e.key.startswith("phase:")), key=lambda e: e.key)
     for e in phases:
         lines.append(f"{e.key:<40} CPU {e.cpu_time_total / 1e3 / a.steps:8.1f} ms/step")
@@ -112,8 +133,11 @@ def main() -> None:
     if cuda:
         kernels = device_activity(prof.events())  # not the phases' GPU-side ranges: they would count twice
         busy = busy_seconds(kernels) * 1e3 / a.steps
-        lines += [f"kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.1f} ms/step "
-                  f"({busy / (profiled * 1e3):.0%} of the step)", ""]
+        lines += [
+            f"kernels per step {len(kernels) / a.steps:.0f}, device busy {busy:.1f} ms/step "
+            f"({busy / (profiled * 1e3):.0%} of the step)",
+            "",
+        ]
         lines += device_timeline(prof.events(), kernels, a.steps)
     ops = [e for e in ev if not e.key.startswith("phase:")]
     lines += ["", "top operators by self CPU time (ms per step, calls per step):"]
@@ -122,14 +146,14 @@ def main() -> None:
     if cuda:
         lines += ["", "top operators by device time (ms per step):"]
         for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:20]:
-            lines.append(f"  {e.key[:60]:<60} {e.self_device_time_total / 1e3 / a.steps:8.2f} "
-                         f"{e.count / a.steps:8.0f}")
+            lines.append(f"  {e.key[:60]:<60} {e.self_device_time_total / 1e3 / a.steps:8.2f} {e.count / a.steps:8.0f}")
     if cuda and a.stacks:
         lines += ["", "device time by (operator, innermost k3 call site), forward and optimizer (ms per step):"]
         sites: dict[tuple[str, str], float] = {}
         for e in prof.key_averages(group_by_stack_n=16):
-            frame = next((f for f in e.stack if "k3/" in f and "k3/ops/backend.py" not in f
-                          and "k3/ops/fused.py" not in f), None)  # (the dispatchers: their callers say more)
+            frame = next(
+                (f for f in e.stack if "k3/" in f and "k3/ops/backend.py" not in f and "k3/ops/fused.py" not in f), None
+            )  # (the dispatchers: their callers say more)
             if frame is not None and not e.key.startswith("phase:"):
                 sites[e.key, frame] = sites.get((e.key, frame), 0.0) + e.self_device_time_total
         for (key, frame), t in sorted(sites.items(), key=lambda kv: -kv[1])[:30]:
@@ -179,8 +203,10 @@ def main() -> None:
                 x = torch.randn(n, rows, cols, device=trainer.device, dtype=torch.bfloat16)
                 ms = cuda_time(lambda: newton_schulz(x, dtype=torch.bfloat16), warmup=1, iters=3) * 1e3
                 tflop = n * 5 * (4 * min(rows, cols) ** 2 * max(rows, cols) + 2 * min(rows, cols) ** 3) / 1e12
-                lines.append(f"  {group['kind']:<12} {n:5d} x [{rows:4d}, {cols:4d}]  {ms:7.2f} ms  "
-                             f"{tflop / ms * 1e3:6.0f} TFLOP/s")
+                lines.append(
+                    f"  {group['kind']:<12} {n:5d} x [{rows:4d}, {cols:4d}]  {ms:7.2f} ms  "
+                    f"{tflop / ms * 1e3:6.0f} TFLOP/s"
+                )
     if cuda:  # the optimizer by group kind (its whole step is one profiler range above)
         loss_sum, _, _ = trainer._forward_loss(trainer.next_batches()[0])
         loss_sum.backward()  # gradients to step on (the timed calls move the weights; this is a profile)
@@ -193,6 +219,7 @@ def main() -> None:
             numel = sum(p.numel() for p in group["params"])
             lines.append(f"  {group['kind']:<12} {len(group['params']):4d} tensors {numel / 1e6:8.1f}M  {ms:8.2f} ms")
     write_profile("profile_train_step", "\n".join(lines))
+
 
 if __name__ == "__main__":
     main()

@@ -72,10 +72,33 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")  # noqa: SIM115 - held for the child's lifetime, closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--host", "127.0.0.1", "--port", str(self.port),
-             "--device", "cpu", "--max-batch", "16", "--max-context", "2048", "--max-request-mb", "4",
-             "--drain-timeout", "1"], cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [
+                sys.executable,
+                "-m",
+                "k3",
+                "serve",
+                "--ckpt",
+                str(ckpt),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--device",
+                "cpu",
+                "--max-batch",
+                "16",
+                "--max-context",
+                "2048",
+                "--max-request-mb",
+                "4",
+                "--drain-timeout",
+                "1",
+            ],
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -163,8 +186,11 @@ def raw_post(url: str, path: str, body: bytes, sock: socket.socket | None = None
     """POST on a raw socket (kept open: a second call on the same socket proves the connection survived)."""
     host, port = url.removeprefix("http://").split(":")
     sock = sock or socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
-                 "\r\n\r\n".encode() + body)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+        "\r\n\r\n".encode()
+        + body
+    )
     return (*read_response(sock), sock)
 
 
@@ -176,8 +202,9 @@ def read_response(sock: socket.socket) -> tuple[int, bytes]:
             raise ConnectionError("the server closed the connection")
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(
-        b"content-length:")), 0)
+    length = next(
+        (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
     while len(body) < length:
         chunk = sock.recv(65536)
         if not chunk:
@@ -195,8 +222,10 @@ def case_tiny_values(url):
 def case_huge_declared_body(url):
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:  # 50 MB declared, only the headers sent
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 52428800\r\n\r\n")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 52428800\r\n\r\n"
+        )
         status, _ = read_response(s)
     return f"{status} (50 MB declared)", None
 
@@ -205,8 +234,10 @@ def case_huge_chunked_body(url):
     host, port = url.removeprefix("http://").split(":")
     sent, chunk = 0, b"x" * 65536
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: chunked\r\n\r\n")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         while sent < 50 << 20 and not select.select([s], [], [], 0)[0]:  # until the server answers, 50 MB at most
             try:
                 s.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
@@ -247,11 +278,16 @@ def case_abandoned(url, baseline_s):
 
 
 def case_surrogate(url):
-    status1, _, sock = raw_post(url, "/v1/completions",
-                                b'{"model": "k3", "prompt": "ab\\ud800cd", "max_tokens": 4, "temperature": 0}')
+    status1, _, sock = raw_post(
+        url, "/v1/completions", b'{"model": "k3", "prompt": "ab\\ud800cd", "max_tokens": 4, "temperature": 0}'
+    )
     try:
-        status2, _, _ = raw_post(url, "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode(), sock)
+        status2, _, _ = raw_post(
+            url,
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode(),
+            sock,
+        )
     except OSError as e:
         status2 = type(e).__name__
     finally:
@@ -265,8 +301,12 @@ def case_sigterm(server: Server):
     def stream():
         events = []
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
-                    "model": MODEL, "prompt": "Hello", "max_tokens": 1500, "temperature": 0, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                server.url + "/v1/completions",
+                timeout=60,
+                json={"model": MODEL, "prompt": "Hello", "max_tokens": 1500, "temperature": 0, "stream": True},
+            ) as r:
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         except httpx.TransportError as e:
             results.append(f"stream {type(e).__name__}")
@@ -276,8 +316,11 @@ def case_sigterm(server: Server):
 
     def whole():
         try:
-            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
-                "model": MODEL, "prompt": "Hello", "max_tokens": 1500, "temperature": 0})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                json={"model": MODEL, "prompt": "Hello", "max_tokens": 1500, "temperature": 0},
+            )
             ok = r.status_code == 503 and "error" in r.json()
         except (httpx.TransportError, ValueError) as e:
             results.append(f"whole {type(e).__name__}")
@@ -315,12 +358,15 @@ def main() -> int:
             t = time.perf_counter()
             complete(server.url, "Hello", 8)
             baseline = time.perf_counter() - t
-            cases = [("tiny temperature / penalty", case_tiny_values),
-                     ("huge body (declared)", case_huge_declared_body),
-                     ("huge body (chunked)", case_huge_chunked_body), ("huge prompt", case_huge_prompt),
-                     ("echo x logprobs blow-up", case_echo_logprobs),
-                     ("16 abandoned requests", lambda url: case_abandoned(url, baseline)),
-                     ("lone surrogate + reuse", case_surrogate)]
+            cases = [
+                ("tiny temperature / penalty", case_tiny_values),
+                ("huge body (declared)", case_huge_declared_body),
+                ("huge body (chunked)", case_huge_chunked_body),
+                ("huge prompt", case_huge_prompt),
+                ("echo x logprobs blow-up", case_echo_logprobs),
+                ("16 abandoned requests", lambda url: case_abandoned(url, baseline)),
+                ("lone surrogate + reuse", case_surrogate),
+            ]
             for name, case in cases:
                 if time.monotonic() - start > args.timeout:
                     rows.append((name, "skipped (time)", "-", "-"))
@@ -341,8 +387,9 @@ def main() -> int:
         log = (Path(tmp) / "serve.log").read_text()
         if args.log:
             args.log.write_text(log)
-    widths = [max(len(r[i]) for r in rows + [("case", "status", "other requests hurt", "max /health")])
-              for i in range(4)]
+    widths = [
+        max(len(r[i]) for r in rows + [("case", "status", "other requests hurt", "max /health")]) for i in range(4)
+    ]
 
     def line(r):
         return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
@@ -357,9 +404,14 @@ def main() -> int:
         from k3.bench.common import environment, write_results
 
         columns = ["case", "status", "other_requests_hurt", "max_health_latency"]
-        write_results("serve_faults", [dict(zip(columns, r)) for r in rows], columns,
-                      environment() | {"server": "k3 serve on 127.0.0.1, CPU, tiny random checkpoint"}, note,
-                      out_dir=args.out)
+        write_results(
+            "serve_faults",
+            [dict(zip(columns, r)) for r in rows],
+            columns,
+            environment() | {"server": "k3 serve on 127.0.0.1, CPU, tiny random checkpoint"},
+            note,
+            out_dir=args.out,
+        )
     return 0
 
 

@@ -41,8 +41,25 @@ def glu_launch(x, src_pair, k, w1, w3, offs, h, bm, cfg):
     e, n, kk = w1.shape
     grid = (e, triton.cdiv(n, cfg["BLOCK_N"]))
     small_groups._small_groups_glu_kernel.fn[grid](
-        x, src_pair, w1, w3, offs, h, x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), k, 1.0, 1.0, N=n, K=kk,
-        SITU=False, BLOCK_M=bm, **cfg)
+        x,
+        src_pair,
+        w1,
+        w3,
+        offs,
+        h,
+        x.stride(0),
+        w1.stride(0),
+        w1.stride(1),
+        h.stride(0),
+        k,
+        1.0,
+        1.0,
+        N=n,
+        K=kk,
+        SITU=False,
+        BLOCK_M=bm,
+        **cfg,
+    )
 
 
 @torch.no_grad()
@@ -54,9 +71,14 @@ def main() -> None:
     name, e, k, d, i = next(s for s in SHAPES if s[0] == a.shape)
     bw = copy_bandwidth()
     sets = max(1, -(-(512 << 20) // (3 * e * i * d * 2)))
-    weights = [(torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5,
-                torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16) * i ** -0.5,
-                torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5) for _ in range(sets)]
+    weights = [
+        (
+            torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
+            torch.randn(e, d, i, device="cuda", dtype=torch.bfloat16) * i**-0.5,
+            torch.randn(e, i, d, device="cuda", dtype=torch.bfloat16) * d**-0.5,
+        )
+        for _ in range(sets)
+    ]
     rows = []
     for batch in (int(b) for b in a.batches.split(",")):
         idx = torch.rand(batch, e, device="cuda").topk(k).indices
@@ -70,30 +92,51 @@ def main() -> None:
         hit = idx.unique().numel()
         limits = {"up + GLU": hit * 2 * i * d * 2 / bw, "down": hit * i * d * 2 / bw}
         forms = {
-            "up + GLU": {"autotuned": lambda: [small_groups.small_groups_glu(
-                x, route.src_pair, k, w1, w3, offs, "silu", 1.0, 1.0) for w1, _, w3 in weights]},
-            "down": {"autotuned": lambda: [small_groups.small_groups_mm(h, w2, offs) for _, w2, _ in weights]}}
+            "up + GLU": {
+                "autotuned": lambda: [
+                    small_groups.small_groups_glu(x, route.src_pair, k, w1, w3, offs, "silu", 1.0, 1.0)
+                    for w1, _, w3 in weights
+                ]
+            },
+            "down": {"autotuned": lambda: [small_groups.small_groups_mm(h, w2, offs) for _, w2, _ in weights]},
+        }
         for cfg in configs(GLU_SPACE):
-            forms["up + GLU"][" ".join(f"{key}={v}" for key, v in cfg.items())] = (
-                lambda cfg=cfg: [glu_launch(x, route.src_pair, k, w1, w3, offs, out_h, bm, cfg)
-                                 for w1, _, w3 in weights])
+            forms["up + GLU"][" ".join(f"{key}={v}" for key, v in cfg.items())] = lambda cfg=cfg: [
+                glu_launch(x, route.src_pair, k, w1, w3, offs, out_h, bm, cfg) for w1, _, w3 in weights
+            ]
         for cfg in configs(MM_SPACE):
-            forms["down"][" ".join(f"{key}={v}" for key, v in cfg.items())] = (
-                lambda cfg=cfg: [small_groups._run(small_groups._small_groups_kernel.fn, h, w2, offs, out_y, bm, **cfg)
-                                 for _, w2, _ in weights])
+            forms["down"][" ".join(f"{key}={v}" for key, v in cfg.items())] = lambda cfg=cfg: [
+                small_groups._run(small_groups._small_groups_kernel.fn, h, w2, offs, out_y, bm, **cfg)
+                for _, w2, _ in weights
+            ]
         for kernel, table in forms.items():
             tuner = small_groups._small_groups_glu_kernel if kernel == "up + GLU" else small_groups._small_groups_kernel
-            results = [(t, f"autotuned ({tuner.best_config})" if form == "autotuned" else form)
-                       for t, form in time_forms(table, sets, f"{kernel} B={batch}")]
-            keep = [r for r in results if r[1].startswith("autotuned")] + [r for r in results
-                                                                           if not r[1].startswith("autotuned")][:6]
+            results = [
+                (t, f"autotuned ({tuner.best_config})" if form == "autotuned" else form)
+                for t, form in time_forms(table, sets, f"{kernel} B={batch}")
+            ]
+            keep = [r for r in results if r[1].startswith("autotuned")] + [
+                r for r in results if not r[1].startswith("autotuned")
+            ][:6]
             for t, form in sorted(keep):
-                rows.append({"shape": name, "kernel": kernel, "batch": batch, "experts_hit": hit, "form": form,
-                             "us": t * 1e6, "of_limit": limits[kernel] / t})
+                rows.append(
+                    {
+                        "shape": name,
+                        "kernel": kernel,
+                        "batch": batch,
+                        "experts_hit": hit,
+                        "form": form,
+                        "us": t * 1e6,
+                        "of_limit": limits[kernel] / t,
+                    }
+                )
                 print(rows[-1], flush=True)
-            write_results("small_groups_configs", rows,
-                          ["shape", "kernel", "batch", "experts_hit", "form", "us", "of_limit"],
-                          environment() | {"copy_bandwidth_TBps": bw / 1e12})
+            write_results(
+                "small_groups_configs",
+                rows,
+                ["shape", "kernel", "batch", "experts_hit", "form", "us", "of_limit"],
+                environment() | {"copy_bandwidth_TBps": bw / 1e12},
+            )
 
 
 if __name__ == "__main__":

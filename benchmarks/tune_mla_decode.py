@@ -46,8 +46,7 @@ def main() -> None:
                 got = mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw).float()
                 err = ((got - want).norm() / want.norm()).item()
                 t = cuda_time(lambda: mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw), 3, 20)  # noqa: F821
-                rows.append({"batch": b, "context": length, **kw, "us": t * 1e6, "of_limit": limit / t,
-                             "rel_err": err})
+                rows.append({"batch": b, "context": length, **kw, "us": t * 1e6, "of_limit": limit / t, "rel_err": err})
             except Exception as e:  # noqa: BLE001 (a launch that does not fit shared memory is a result too)
                 rows.append({"batch": b, "context": length, **kw, "error": f"{type(e).__name__}: {e}"[:80]})
         del kv
@@ -55,19 +54,26 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune_mla_decode.json").write_text(json.dumps({"bandwidth_GBps": bw / 1e9, "rows": rows}, indent=1))
-    lines = ["| batch | context | block_n | stages | warps | programs/SM | us | of limit | rel err |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| batch | context | block_n | stages | warps | programs/SM | us | of limit | rel err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for b, length in SHAPES:
-        ok = sorted((x for x in rows if x["batch"] == b and x["context"] == length and "us" in x),
-                    key=lambda x: x["us"])
-        default = next(x for x in ok if (x["block_n"], x["num_stages"], x["num_warps"], x["programs_per_sm"])
-                       == (32, 3, 4, 2))
+        ok = sorted(
+            (x for x in rows if x["batch"] == b and x["context"] == length and "us" in x), key=lambda x: x["us"]
+        )
+        default = next(
+            x for x in ok if (x["block_n"], x["num_stages"], x["num_warps"], x["programs_per_sm"]) == (32, 3, 4, 2)
+        )
         for x in ok[:4] + [default]:
-            lines.append(f"| {b} | {length} | {x['block_n']} | {x['num_stages']} | {x['num_warps']} | "
-                         f"{x['programs_per_sm']} | {x['us']:.1f} | {x['of_limit']:.1%} | {x['rel_err']:.1e} |")
+            lines.append(
+                f"| {b} | {length} | {x['block_n']} | {x['num_stages']} | {x['num_warps']} | "
+                f"{x['programs_per_sm']} | {x['us']:.1f} | {x['of_limit']:.1%} | {x['rel_err']:.1e} |"
+            )
     text = "\n".join(lines)
-    (out / "tune_mla_decode.md").write_text("# MLA decode kernel launch choices (fastest 4 + default per shape)\n\n"
-                                           + text + "\n")
+    (out / "tune_mla_decode.md").write_text(
+        "# MLA decode kernel launch choices (fastest 4 + default per shape)\n\n" + text + "\n"
+    )
     print(text)
     assert all(x.get("rel_err", 0) <= 1e-2 for x in rows), "a launch choice changed the result"
 

@@ -17,11 +17,16 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(k3.__path__, "k3."))
 
 
 COMPILE_ONLY = {"k3.__main__"}  # runs the CLI when imported
-NEEDS = {"k3.ops.mla.triton_decode": "triton",  # imported lazily by their fast paths, on GPUs only
-         "k3.ops.moe.small_groups": "triton", "k3.ops.router.triton_topk": "triton",
-         "k3.ops.linear.triton_multi": "triton", "k3.ops.moe.triton_route": "triton",
-         "k3.ops.conv.triton_step": "triton", "k3.ops.kda.triton_decode": "triton",
-         "k3.ops.moe.triton_mxfp4": "triton"}
+NEEDS = {
+    "k3.ops.mla.triton_decode": "triton",  # imported lazily by their fast paths, on GPUs only
+    "k3.ops.moe.small_groups": "triton",
+    "k3.ops.router.triton_topk": "triton",
+    "k3.ops.linear.triton_multi": "triton",
+    "k3.ops.moe.triton_route": "triton",
+    "k3.ops.conv.triton_step": "triton",
+    "k3.ops.kda.triton_decode": "triton",
+    "k3.ops.moe.triton_mxfp4": "triton",
+}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "k3"
-LAYERS = [("config",), ("ops",), ("model",), ("quant", "convert"), ("data", "vision"),
-          ("train", "infer", "distributed"), ("audit", "plan", "bench"), ("cli",)]
+LAYERS = [
+    ("config",),
+    ("ops",),
+    ("model",),
+    ("quant", "convert"),
+    ("data", "vision"),
+    ("train", "infer", "distributed"),
+    ("audit", "plan", "bench"),
+    ("cli",),
+]
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
@@ -53,8 +61,12 @@ def test_every_package_has_a_layer():
 
 
 def test_imports_point_down_the_layers():
-    wrong = sorted(f"{m} -> {t}" for m, targets in IMPORTS.items() for t in targets
-                   if _package(m) and _package(t) and LEVEL[_package(t)] > LEVEL[_package(m)])
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, targets in IMPORTS.items()
+        for t in targets
+        if _package(m) and _package(t) and LEVEL[_package(t)] > LEVEL[_package(m)]
+    )
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
 
 
@@ -68,7 +80,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for t in sorted(graph.get(n, ())):
             if state.get(t) == 1:
-                return stack[stack.index(t):] + [t]
+                return stack[stack.index(t) :] + [t]
             if t not in state and (found := visit(t)):
                 return found
         stack.pop()
@@ -101,8 +113,9 @@ def test_infer_does_not_import_train():
     assert not [m for m, ts in IMPORTS.items() if _package(m) == "infer" for t in ts if _package(t) == "train"]
 
 
-@pytest.mark.parametrize("graph,cyclic", [({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
-                                          ({"a": {"b", "c"}, "b": {"c"}}, False)])
+@pytest.mark.parametrize(
+    "graph,cyclic", [({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True), ({"a": {"b", "c"}, "b": {"c"}}, False)]
+)
 def test_cycle_finder(graph, cyclic):
     assert (_cycle(graph) is not None) == cyclic
 
@@ -115,20 +128,28 @@ def test_no_private_name_is_imported_across_packages():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("k3."):
                 other = node.module.split(".")[1]
-                bad += [f"{path.relative_to(ROOT.parent)}: {node.module}.{a.name}" for a in node.names
-                        if a.name.startswith("_") and other != pkg]
+                bad += [
+                    f"{path.relative_to(ROOT.parent)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and other != pkg
+                ]
     assert not bad, "\n".join(bad)
 
 
 def test_code_cites_the_architecture_doc_not_an_outside_spec():
     """Mechanisms are cited as docs/architecture.md#<anchor> (anchors that exist), not by an outside spec's
     section numbers."""
-    anchors = {"#" + re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
-               for h in re.findall(r"^## (.+)$", (ROOT.parent / "docs" / "architecture.md").read_text(), re.M)}
+    anchors = {
+        "#" + re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+        for h in re.findall(r"^## (.+)$", (ROOT.parent / "docs" / "architecture.md").read_text(), re.M)
+    }
     bad = []
     for path in sorted([*ROOT.rglob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]):
         text = path.read_text()
         bad += [f"{path.relative_to(ROOT.parent)}: spec section" for _ in re.findall(r"\bspec §\d", text)]
-        bad += [f"{path.relative_to(ROOT.parent)}: {a}" for a in re.findall(r"docs/architecture\.md(#[a-z0-9-]+)", text)
-                if a not in anchors]
+        bad += [
+            f"{path.relative_to(ROOT.parent)}: {a}"
+            for a in re.findall(r"docs/architecture\.md(#[a-z0-9-]+)", text)
+            if a not in anchors
+        ]
     assert not bad, "\n".join(bad)

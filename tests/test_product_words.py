@@ -18,11 +18,14 @@ ROUND_NAME = re.compile(r"[-_]s\d\d\.(?:md|json|txt)\b", re.IGNORECASE)
 # Development-history wording. A pytest fixture's scope="session" or an HTTP session is not matched: every pattern
 # needs a number after the word or a word that only the development sense takes.
 HISTORY = [
-    re.compile(r"\bsessions?\s+\d", re.IGNORECASE),                     # the word, then a number
-    re.compile(r"\bsession[-\s]\d", re.IGNORECASE),                      # hyphenated to a number
+    re.compile(r"\bsessions?\s+\d", re.IGNORECASE),  # the word, then a number
+    re.compile(r"\bsession[-\s]\d", re.IGNORECASE),  # hyphenated to a number
     re.compile(r"\(session\s*\d", re.IGNORECASE),
-    re.compile(r"\b(?:this|that|same|previous|earlier|later|next|each|every)\s+sessions?\b"
-               r"(?!\s*(?:cookie|id|token|key|object|pool|scope))", re.IGNORECASE),
+    re.compile(
+        r"\b(?:this|that|same|previous|earlier|later|next|each|every)\s+sessions?\b"
+        r"(?!\s*(?:cookie|id|token|key|object|pool|scope))",
+        re.IGNORECASE,
+    ),
     re.compile(r"\bsession(?:'s|-to-session)\b", re.IGNORECASE),
     # a numbered round, not a duration
     re.compile(r"\bround\s+\d+\b(?!\s*(?:ms|us|s\b|steps?|tokens?))", re.IGNORECASE),
@@ -69,5 +72,6 @@ def test_no_text_speaks_of_development_history():
                 if m:
                     bad.append(f"{rel}:{n}: {m.group(0)!r}: {line.strip()[:160]}")
                     break
-    assert not bad, "development-history wording (describe the product and its measurements instead):\n" + \
-        "\n".join(bad)
+    assert not bad, "development-history wording (describe the product and its measurements instead):\n" + "\n".join(
+        bad
+    )

@@ -60,8 +60,13 @@ def device_activity(events, memcpy: bool = True) -> list:
     Left out are the GPU-side ranges of user annotations (``record_function`` ranges, ``Optimizer.step#...``,
     inductor's graph calls): each spans kernels counted already and the idle gaps between them, so summing them
     with the kernels counts time twice."""
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
-            and (memcpy or "memcpy" not in e.name.lower())]
+    return [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.is_user_annotation
+        and (memcpy or "memcpy" not in e.name.lower())
+    ]
 
 
 def busy_seconds(events, start: float = float("-inf"), end: float = float("inf")) -> float:
@@ -82,8 +87,9 @@ def device_time(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> fl
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
@@ -92,13 +98,18 @@ def device_time(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> fl
 
 def environment() -> dict:
     p = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
-    return {"torch": torch.__version__, "device": p.name if p else "cpu", "python": platform.python_version(),
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "torch": torch.__version__,
+        "device": p.name if p else "cpu",
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     """A markdown table of ``rows`` under ``columns``: floats to 3 significant digits (thousands separated from
     10^4), booleans as yes / no, missing values and None as empty cells."""
+
     def fmt(v):
         if v is None:
             return ""
@@ -113,8 +124,9 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], meta: dict, notes: str = "",
-                  out_dir: str | None = None) -> Path:
+def write_results(
+    name: str, rows: list[dict], columns: list[str], meta: dict, notes: str = "", out_dir: str | None = None
+) -> Path:
     """benchmarks/results/NAME.json and NAME.md (or $K3_BENCH_OUT / out_dir)."""
     out = Path(out_dir or os.environ.get("K3_BENCH_OUT", "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)

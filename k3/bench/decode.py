@@ -31,16 +31,44 @@ from k3.ops.plan import plan
 def peer_config(full_mla: bool = False) -> K3Config:
     layers = 12
     return K3Config(
-        name="kimi-linear-1.3b" + ("-full-mla" if full_mla else ""), vocab_size=32768, hidden_size=1024,
-        num_hidden_layers=layers, mla_layers=tuple(range(layers)) if full_mla else (3, 7, 11),
-        first_k_dense_replace=1, intermediate_size=4096, hidden_act="silu", max_position_embeddings=1 << 20,
-        kda=KDAConfig(num_heads=16, head_dim=64, v_head_dim=64, gate_lower_bound=None, full_rank_output_gate=False,
-                      forget_gate_rank=64, output_gate_rank=64),
-        mla=MLAConfig(num_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, output_gate=False),
-        moe=MoEConfig(num_experts=64, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=512,
-                      latent_size=None, latent_norm=False, routed_scaling_factor=2.446),
-        attn_res=AttnResConfig(mode="none", block_size=1))
+        name="kimi-linear-1.3b" + ("-full-mla" if full_mla else ""),
+        vocab_size=32768,
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        mla_layers=tuple(range(layers)) if full_mla else (3, 7, 11),
+        first_k_dense_replace=1,
+        intermediate_size=4096,
+        hidden_act="silu",
+        max_position_embeddings=1 << 20,
+        kda=KDAConfig(
+            num_heads=16,
+            head_dim=64,
+            v_head_dim=64,
+            gate_lower_bound=None,
+            full_rank_output_gate=False,
+            forget_gate_rank=64,
+            output_gate_rank=64,
+        ),
+        mla=MLAConfig(
+            num_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            output_gate=False,
+        ),
+        moe=MoEConfig(
+            num_experts=64,
+            num_experts_per_token=8,
+            num_shared_experts=1,
+            moe_intermediate_size=512,
+            latent_size=None,
+            latent_norm=False,
+            routed_scaling_factor=2.446,
+        ),
+        attn_res=AttnResConfig(mode="none", block_size=1),
+    )
 
 
 def step_bytes(model: K3ForCausalLM, batch: int, context: int) -> float:
@@ -89,8 +117,11 @@ def ours(model: K3ForCausalLM, batch: int, context: int, steps: int = 32, mode: 
     cache = fill_cache(model, batch, context, steps + 8)
     ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
     seq = list(range(batch))
-    run_step = (lambda x, s: model.decode(x, cache, s)) if mode == "eager" else \
-        GraphedDecoder(model, cache, compile=mode == "compiled")
+    run_step = (
+        (lambda x, s: model.decode(x, cache, s))
+        if mode == "eager"
+        else GraphedDecoder(model, cache, compile=mode == "compiled")
+    )
 
     def step():
         nonlocal ids
@@ -108,14 +139,37 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
         return None
     c = peer_config()
     hf = KimiLinearConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=16, num_key_value_heads=16, head_dim=64,
-        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        mla_use_nope=True, num_experts=64, num_experts_per_token=8, moe_intermediate_size=512, num_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.446, tie_word_embeddings=False, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
-        linear_attn_config={"kda_layers": [i for i in range(1, 13) if i % 4], "full_attn_layers": [4, 8, 12],
-                            "num_heads": 16, "head_dim": 64, "short_conv_kernel_size": 4})
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mla_use_nope=True,
+        num_experts=64,
+        num_experts_per_token=8,
+        moe_intermediate_size=512,
+        num_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.446,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        linear_attn_config={
+            "kda_layers": [i for i in range(1, 13) if i % 4],
+            "full_attn_layers": [4, 8, 12],
+            "num_heads": 16,
+            "head_dim": 64,
+            "short_conv_kernel_size": 4,
+        },
+    )
     model = KimiLinearForCausalLM(hf).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(3, c.vocab_size, (batch, context), device="cuda")
     model.generate(ids[:, :64], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up (kernels, autotune)
@@ -157,12 +211,27 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
     backend.set_backend("fast")
     started = time.perf_counter()
     bw, read_bw = copy_bandwidth(), read_bandwidth()
-    columns = ["model", "batch", "context", "tokens_per_s", "ms_per_step", "limit_ms", "fraction_of_limit",
-               "fraction_of_read_limit", "x_transformers", "hybrid_speedup", "error"]
+    columns = [
+        "model",
+        "batch",
+        "context",
+        "tokens_per_s",
+        "ms_per_step",
+        "limit_ms",
+        "fraction_of_limit",
+        "fraction_of_read_limit",
+        "x_transformers",
+        "hybrid_speedup",
+        "error",
+    ]
     cuda = torch.device("cuda")
-    meta = environment() | {"copy_bandwidth_TBps": bw / 1e12, "read_bandwidth_TBps": read_bw / 1e12,
-                            "kernel_plan": [" | ".join(row) for row in plan(cuda)],
-                            "inductor_pdl": bool(pdl.inductor_options(cuda)), "decode_step": "CUDA graphs"}
+    meta = environment() | {
+        "copy_bandwidth_TBps": bw / 1e12,
+        "read_bandwidth_TBps": read_bw / 1e12,
+        "kernel_plan": [" | ".join(row) for row in plan(cuda)],
+        "inductor_pdl": bool(pdl.inductor_options(cuda)),
+        "decode_step": "CUDA graphs",
+    }
     torch.manual_seed(0)
     cases = [(1, 4096), (16, 4096), (64, 4096), (1, 32768), (16, 32768), (64, 32768), (1, 131072), (16, 131072)]
     if quick or targets:
@@ -175,8 +244,15 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
         t = transformers_peer(batch, context, new=8)
         if t is not None:
             peer[(batch, context)] = t
-            rows.append({"model": "transformers KimiLinear generate", "batch": batch, "context": context,
-                         "tokens_per_s": batch / t, "ms_per_step": t * 1e3})
+            rows.append(
+                {
+                    "model": "transformers KimiLinear generate",
+                    "batch": batch,
+                    "context": context,
+                    "tokens_per_s": batch / t,
+                    "ms_per_step": t * 1e3,
+                }
+            )
             print(rows[-1], flush=True)
     for full in (False, True):
         model = K3ForCausalLM(peer_config(full)).cuda().to(torch.bfloat16).eval()
@@ -184,12 +260,21 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
             limit = step_bytes(model, batch, context) / bw
             name = "full-MLA twin" if full else "hybrid 3:1"
             for mode in modes(batch, context, full, targets):
-                row = {"model": name + MODES[mode], "mode": mode, "batch": batch, "context": context,
-                       "limit_ms": limit * 1e3}
+                row = {
+                    "model": name + MODES[mode],
+                    "mode": mode,
+                    "batch": batch,
+                    "context": context,
+                    "limit_ms": limit * 1e3,
+                }
                 try:
                     t = ours(model, batch, context, mode=mode)
-                    row |= {"tokens_per_s": batch / t, "ms_per_step": t * 1e3, "fraction_of_limit": limit / t,
-                            "fraction_of_read_limit": limit * bw / read_bw / t}
+                    row |= {
+                        "tokens_per_s": batch / t,
+                        "ms_per_step": t * 1e3,
+                        "fraction_of_limit": limit / t,
+                        "fraction_of_read_limit": limit * bw / read_bw / t,
+                    }
                 except Exception as e:  # recorded in the table, never hidden
                     row["error"] = f"{type(e).__name__}: {e}"[:120]
                 rows.append(row)
@@ -201,8 +286,11 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
         key = (r["batch"], r["context"])
         if r["model"].startswith("hybrid") and key in peer and "ms_per_step" in r:
             r["x_transformers"] = peer[key] * 1e3 / r["ms_per_step"]
-    hybrid = {(r["mode"], r["batch"], r["context"]): r["ms_per_step"] for r in rows
-              if r["model"].startswith("hybrid") and "ms_per_step" in r}
+    hybrid = {
+        (r["mode"], r["batch"], r["context"]): r["ms_per_step"]
+        for r in rows
+        if r["model"].startswith("hybrid") and "ms_per_step" in r
+    }
     for r in rows:  # the full-MLA twin's step time over the hybrid's, both run the same way
         key = (r.get("mode"), r["batch"], r["context"])
         if r["model"].startswith("full-MLA") and "ms_per_step" in r and key in hybrid:

@@ -46,6 +46,7 @@ def _fwd_bwd(fn: Callable[[], list[torch.Tensor]], leaves: list[torch.Tensor]) -
         if not grads:
             grads.extend(torch.randn_like(o) for o in outs)
         torch.autograd.backward(outs, grads)
+
     return run
 
 
@@ -58,17 +59,31 @@ def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: torch.Tensor) -> di
     v, b = _randn(1, n, h, dv, device=dev), _randn(1, n, h, device=dev)
 
     def core():
-        o, _ = chunk_kda_raw(q, k, v, f, b, A_log=layer.A_log, dt_bias=layer.dt_bias, lower_bound=layer.lower_bound,
-                             l2norm_eps=layer.l2norm_eps, chunk_size=layer.chunk_size, cu_seqlens=cu_seqlens)
+        o, _ = chunk_kda_raw(
+            q,
+            k,
+            v,
+            f,
+            b,
+            A_log=layer.A_log,
+            dt_bias=layer.dt_bias,
+            lower_bound=layer.lower_bound,
+            l2norm_eps=layer.l2norm_eps,
+            chunk_size=layer.chunk_size,
+            cu_seqlens=cu_seqlens,
+        )
         return [o]
 
     x = _randn(1, n, sum(layer.qkv_widths()), device=dev)  # q|k|v side by side, as the layer convolves them
 
     def conv_steps():
         return [causal_conv1d(x, layer.conv_weight(), cu_seqlens=cu_seqlens, activation="silu")[0]]
+
     convs = [layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight]
-    return {"fla chunked KDA": _fwd_bwd(core, [q, k, v, f, b, layer.A_log, layer.dt_bias]),
-            "fla short convs": _fwd_bwd(conv_steps, [x] + convs)}
+    return {
+        "fla chunked KDA": _fwd_bwd(core, [q, k, v, f, b, layer.A_log, layer.dt_bias]),
+        "fla short convs": _fwd_bwd(conv_steps, [x] + convs),
+    }
 
 
 def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) -> Callable[[], None]:
@@ -76,8 +91,9 @@ def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) 
     dev = layer.kv_b_proj.weight.device
     h, dq = layer.num_heads, layer.dn + layer.dr
     q, k, v = _randn(n, h, dq, device=dev), _randn(n, h, dq, device=dev), _randn(n, h, layer.dv, device=dev)
-    return _fwd_bwd(lambda: [attention(q, k, v, scale=layer.scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)],
-                    [q, k, v])
+    return _fwd_bwd(
+        lambda: [attention(q, k, v, scale=layer.scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens)], [q, k, v]
+    )
 
 
 def muon_batches(model: torch.nn.Module) -> list[tuple[int, int, int]]:
@@ -93,8 +109,9 @@ def muon_batches(model: torch.nn.Module) -> list[tuple[int, int, int]]:
     return calls
 
 
-def floor_parts(model: torch.nn.Module, batch: int, seq: int, matmul_rate: float, timer: Timer,
-                activated_params: float) -> dict[str, float]:
+def floor_parts(
+    model: torch.nn.Module, batch: int, seq: int, matmul_rate: float, timer: Timer, activated_params: float
+) -> dict[str, float]:
     """Seconds per training step of each part of the floor (see the module docstring) for ``batch`` sequences of
     ``seq`` tokens: each KDA and MLA layer's part timed alone and multiplied by the layer count where the layers
     share their shapes, Newton-Schulz (bf16, 5 steps) on every Muon matrix in K3Muon's batches
@@ -114,6 +131,7 @@ def floor_parts(model: torch.nn.Module, batch: int, seq: int, matmul_rate: float
     if calls:
         inputs = [torch.randn(*call, device=dev, dtype=torch.bfloat16) for call in calls]
         parts[f"Newton-Schulz of {sum(c[0] for c in calls)} Muon matrices in {len(calls)} calls"] = timer(
-            lambda: [newton_schulz(x, dtype=torch.bfloat16) for x in inputs], 1, 3)
+            lambda: [newton_schulz(x, dtype=torch.bfloat16) for x in inputs], 1, 3
+        )
     parts["matrix products at 100% of the bf16 rate"] = 6 * activated_params * n / matmul_rate
     return parts

@@ -20,6 +20,7 @@ from k3.ops.segments import offsets_to
 
 def _fwd_bwd(module_fn, x):
     """The forward and the forward + backward of module_fn(x) under bf16 autocast, as two callables."""
+
     def fwd():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return module_fn(x)
@@ -46,14 +47,24 @@ def interleaved_times(fns: dict, rounds: int = 5, iters: int = 10, timer=cuda_ti
 
 def kda_layers(hidden=1024, heads=8, head_dim=128, device="cuda") -> tuple:
     """Our KDA layer and fla's ``KimiDeltaAttention`` (None, reason printed, when fla is missing) of one shape."""
-    cfg = get_preset("small").replace(hidden_size=hidden, **{
-        "kda.num_heads": heads, "kda.head_dim": head_dim, "kda.v_head_dim": head_dim, "kda.forget_gate_rank": head_dim,
-        "kda.output_gate_rank": head_dim, "moe.latent_size": min(1024, hidden)})
+    cfg = get_preset("small").replace(
+        hidden_size=hidden,
+        **{
+            "kda.num_heads": heads,
+            "kda.head_dim": head_dim,
+            "kda.v_head_dim": head_dim,
+            "kda.forget_gate_rank": head_dim,
+            "kda.output_gate_rank": head_dim,
+            "moe.latent_size": min(1024, hidden),
+        },
+    )
     ours = KimiDeltaAttention(cfg).to(device)
     try:
         from fla.layers import KimiDeltaAttention as FlaKDA
-        theirs = FlaKDA(hidden_size=hidden, head_dim=head_dim, num_heads=heads, mode="chunk", safe_gate=True,
-                        lower_bound=-5.0).to(device)
+
+        theirs = FlaKDA(
+            hidden_size=hidden, head_dim=head_dim, num_heads=heads, mode="chunk", safe_gate=True, lower_bound=-5.0
+        ).to(device)
     except Exception as e:  # reported, not hidden
         print(f"fla layer unavailable: {e!r}")
         theirs = None
@@ -75,17 +86,26 @@ def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, he
         if theirs is not None:
             row["ratio_fwdbwd"] = med["ours_fwdbwd"] / med["fla_fwdbwd"]
         q = torch.randn(1, heads, t, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        f_sdpa, fb_sdpa = (cuda_time(fn, 3, 10) for fn in _fwd_bwd(
-            lambda z: F.scaled_dot_product_attention(z, z, z, is_causal=True), q))
+        f_sdpa, fb_sdpa = (
+            cuda_time(fn, 3, 10)
+            for fn in _fwd_bwd(lambda z: F.scaled_dot_product_attention(z, z, z, is_causal=True), q)
+        )
         row |= {"sdpa_fwd_ms": f_sdpa * 1e3, "sdpa_fwdbwd_ms": fb_sdpa * 1e3}
         rows.append(row)
 
 
 def moe_block(hidden=2048, latent=1024, width=768, device="cuda") -> MoE:
     """The benchmark's LatentMoE layer (E=896, k=16, 2 shared experts), bf16, weights N(0, 0.02)."""
-    cfg = get_preset("small").replace(hidden_size=hidden, **{
-        "moe.num_experts": 896, "moe.num_experts_per_token": 16, "moe.latent_size": latent,
-        "moe.moe_intermediate_size": width, "moe.num_shared_experts": 2})
+    cfg = get_preset("small").replace(
+        hidden_size=hidden,
+        **{
+            "moe.num_experts": 896,
+            "moe.num_experts_per_token": 16,
+            "moe.latent_size": latent,
+            "moe.moe_intermediate_size": width,
+            "moe.num_shared_experts": 2,
+        },
+    )
     moe = MoE(cfg, layer_idx=1).to(device).to(torch.bfloat16)
     with torch.no_grad():
         for p in moe.parameters():
@@ -104,14 +124,29 @@ def moe_layer(rows: list, tokens=(4096, 16384, 65536), hidden=2048, latent=1024,
             scores, idx, w = moe.gate(x)
             z = moe.routed_expert_down_proj(x)
             from k3.ops.moe import grouped, reference
-            t_grouped = cuda_time(lambda: grouped.moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2,
-                                                              moe.experts.w3, moe.glu), 2, 5)
-            t_loop = cuda_time(lambda: reference.moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2,
-                                                             moe.experts.w3, moe.glu), 1, 2) if n <= 16384 else None
+
+            t_grouped = cuda_time(
+                lambda: grouped.moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.glu), 2, 5
+            )
+            t_loop = (
+                cuda_time(
+                    lambda: reference.moe_experts(z, idx, w, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.glu),
+                    1,
+                    2,
+                )
+                if n <= 16384
+                else None
+            )
             hist = QBHistogram(896, 16)
             t_router = cuda_time(lambda: (moe.gate(x), hist.accumulate(scores, moe.gate.e_score_correction_bias)), 1, 3)
-        row = {"case": "LatentMoE E=896 k=16", "T": n, "layer_ms": t_fast * 1e3, "experts_grouped_ms": t_grouped * 1e3,
-               "experts_TFLOPs": flops_per_token * n / t_grouped / 1e12, "router_qb_share": t_router / t_fast}
+        row = {
+            "case": "LatentMoE E=896 k=16",
+            "T": n,
+            "layer_ms": t_fast * 1e3,
+            "experts_grouped_ms": t_grouped * 1e3,
+            "experts_TFLOPs": flops_per_token * n / t_grouped / 1e12,
+            "router_qb_share": t_router / t_fast,
+        }
         if roof:
             row["fraction_of_roof"] = flops_per_token * n / t_grouped / roof
         if t_loop is not None:
@@ -126,9 +161,24 @@ def run(out_dir: str | None = None, quick: bool = False) -> None:
     roof = matmul_flops()
     rows: list = []
     meta = environment() | {"bf16_matmul_TFLOPs": roof / 1e12}
-    columns = ["case", "T", "ours_fwd_ms", "ours_fwdbwd_ms", "fla_fwd_ms", "fla_fwdbwd_ms", "ratio_fwdbwd",
-               "sdpa_fwd_ms", "sdpa_fwdbwd_ms", "layer_ms", "experts_grouped_ms", "experts_loop_ms",
-               "speedup_vs_loop", "experts_TFLOPs", "fraction_of_roof", "router_qb_share"]
+    columns = [
+        "case",
+        "T",
+        "ours_fwd_ms",
+        "ours_fwdbwd_ms",
+        "fla_fwd_ms",
+        "fla_fwdbwd_ms",
+        "ratio_fwdbwd",
+        "sdpa_fwd_ms",
+        "sdpa_fwdbwd_ms",
+        "layer_ms",
+        "experts_grouped_ms",
+        "experts_loop_ms",
+        "speedup_vs_loop",
+        "experts_TFLOPs",
+        "fraction_of_roof",
+        "router_qb_share",
+    ]
     for n in (4096,) if quick else (4096, 16384, 65536):
         moe_layer(rows, tokens=(n,), roof=roof)
         write_results("kernels", rows, columns, meta, out_dir=out_dir)

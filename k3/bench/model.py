@@ -54,13 +54,37 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     except ImportError:
         return None
     hf = KimiLinearConfig(
-        vocab_size=32768, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
-        num_key_value_heads=16, head_dim=64, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, num_experts=64, num_experts_per_token=8,
-        moe_intermediate_size=512, num_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.446,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        linear_attn_config={"kda_layers": [i for i in range(1, 13) if i % 4], "full_attn_layers": [4, 8, 12],
-                            "num_heads": 16, "head_dim": 64, "short_conv_kernel_size": 4})
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        mla_use_nope=True,
+        num_experts=64,
+        num_experts_per_token=8,
+        moe_intermediate_size=512,
+        num_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.446,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        linear_attn_config={
+            "kda_layers": [i for i in range(1, 13) if i % 4],
+            "full_attn_layers": [4, 8, 12],
+            "num_heads": 16,
+            "head_dim": 64,
+            "short_conv_kernel_size": 4,
+        },
+    )
     try:
         hf._experts_implementation = "grouped_mm"
     except Exception:
@@ -97,8 +121,19 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
     rows = []
 
     def save():  # a subset writes model-<cases>.{json,md}, leaving the full run's model.{json,md} in place
-        columns = ["case", "ms", "alone_ms", "tokens_per_s", "mfu_6N", "x_transformers", "decode_ms", "train_overhead",
-                   "decode_overhead", "peak_GiB", "error"]
+        columns = [
+            "case",
+            "ms",
+            "alone_ms",
+            "tokens_per_s",
+            "mfu_6N",
+            "x_transformers",
+            "decode_ms",
+            "train_overhead",
+            "decode_overhead",
+            "peak_GiB",
+            "error",
+        ]
         write_results(name, rows, columns, environment(), out_dir=out_dir)
 
     batch, seq = (8, 4096)  # the peer's shapes
@@ -114,16 +149,28 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
         n_act = activated_matmul_params(model)
         tps = batch * seq / tc
         label = " activation checkpointing" if case == "train_ac" else ""
-        rows.append({"case": f"train small-1b B{batch} T{seq}{label}", "ms": tc * 1e3, "tokens_per_s": tps,
-                     "mfu_6N": 6 * n_act * tps / PEAK, "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+        rows.append(
+            {
+                "case": f"train small-1b B{batch} T{seq}{label}",
+                "ms": tc * 1e3,
+                "tokens_per_s": tps,
+                "mfu_6N": 6 * n_act * tps / PEAK,
+                "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        )
         t = tc if case == "train" else t
         save()
         del model
         torch.cuda.empty_cache()
     peer = None if quick or "peer" not in cases else hf_peer_train(batch, seq)
     if peer:
-        rows.append({"case": f"transformers KimiLinear 1.27B B{batch} T{seq}", "ms": peer * 1e3,
-                     "tokens_per_s": batch * seq / peer})
+        rows.append(
+            {
+                "case": f"transformers KimiLinear 1.27B B{batch} T{seq}",
+                "ms": peer * 1e3,
+                "tokens_per_s": batch * seq / peer,
+            }
+        )
         if t is not None:
             rows[0]["x_transformers"] = peer / t
     if "floor" in cases:
@@ -148,12 +195,15 @@ def floor_rows(rows: list, batch: int, seq: int, peer: float | None) -> None:
     rate = matmul_flops()
     parts = floor_parts(model, batch, seq, rate, device_time, n_act)
     walls = floor_parts(model, batch, seq, rate, cuda_time, n_act)  # alone: the host's gaps included
-    rows += [{"case": f"floor part: {name}", "ms": s * 1e3, "alone_ms": walls[name] * 1e3}
-             for name, s in parts.items()]
+    rows += [{"case": f"floor part: {name}", "ms": s * 1e3, "alone_ms": walls[name] * 1e3} for name, s in parts.items()]
     total = sum(parts.values())
     tps = batch * seq / total
-    row = {"case": f"floor of a small-1b step B{batch} T{seq}", "ms": total * 1e3, "tokens_per_s": tps,
-           "mfu_6N": 6 * n_act * tps / PEAK}
+    row = {
+        "case": f"floor of a small-1b step B{batch} T{seq}",
+        "ms": total * 1e3,
+        "tokens_per_s": tps,
+        "mfu_6N": 6 * n_act * tps / PEAK,
+    }
     if peer:
         row["x_transformers"] = peer / total
     rows.append(row)
@@ -197,7 +247,7 @@ def prefill_rows(rows: list, save, quick: bool) -> None:
         if full:
             cfg = cfg.replace(mla_layers=list(range(12)))
         m = K3ForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
-        for length in ((131072,) if quick else (131072, 1048576)):
+        for length in (131072,) if quick else (131072, 1048576):
             torch.cuda.reset_peak_memory_stats()
             ids = torch.randint(0, 32768, (1, length), device="cuda")
             try:
@@ -207,9 +257,14 @@ def prefill_rows(rows: list, save, quick: bool) -> None:
                     m(ids, last_only=True)
                 torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-                rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "ms": dt * 1e3,
-                             "tokens_per_s": length / dt,
-                             "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
+                rows.append(
+                    {
+                        "case": f"prefill {'full-MLA' if full else 'hybrid'} {length}",
+                        "ms": dt * 1e3,
+                        "tokens_per_s": length / dt,
+                        "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
+                    }
+                )
             except torch.OutOfMemoryError as e:
                 rows.append({"case": f"prefill {'full-MLA' if full else 'hybrid'} {length}", "error": f"OOM: {e}"[:80]})
             save()

@@ -33,23 +33,41 @@ def add_parser(sub) -> None:
     p.add_argument("--grid", default="smoke", choices=sorted(GRIDS), help="which grid (default smoke)")
     p.add_argument("--out", default=None, help="output directory (default runs/ablate-GRID)")
     p.add_argument("--data", default=None, help="training data as for k3 train (default: the stdlib sources)")
-    p.add_argument("--variants", default=None,
-                   help=f"comma-separated variants instead of the grid's ({', '.join(TRANSFORMS)}; compose with +)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma-separated variants instead of the grid's ({', '.join(TRANSFORMS)}; compose with +)",
+    )
     p.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds instead of the grid's")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run instead of the grid's")
     p.add_argument("--no-mqar", dest="mqar", action="store_false", help="skip the MQAR recall runs")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="per-run progress bars (only with --jobs 1)")
-    p.add_argument("--no-warm-first", dest="warm_first", action="store_false",
-                   help="with --jobs: start every worker at once instead of running the first run alone first (it "
-                        "fills the Triton compile / autotune caches; skip when they are warm)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained side by side in worker processes (default 1; e.g. 6 on one GPU: small "
-                        "models leave it mostly idle); the first run goes alone to fill the kernel caches")
-    p.add_argument("--report-only", action="store_true",
-                   help="train nothing: write the report from the finished runs on disk, listing the missing ones")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)")
+    p.add_argument(
+        "--no-warm-first",
+        dest="warm_first",
+        action="store_false",
+        help="with --jobs: start every worker at once instead of running the first run alone first (it "
+        "fills the Triton compile / autotune caches; skip when they are warm)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained side by side in worker processes (default 1; e.g. 6 on one GPU: small "
+        "models leave it mostly idle); the first run goes alone to fill the kernel caches",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: write the report from the finished runs on disk, listing the missing ones",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)",
+    )
     p.add_argument("--list", action="store_true", help="print the grids and variants and exit")
     p.set_defaults(func=run)
 
@@ -58,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     if args.list:
         for name, g in GRIDS.items():
-            print(f"{name}: {g.description}\n  preset {g.preset}, seeds {list(g.seeds)}, {g.train.get('steps')} steps, "
-                  f"variants: {', '.join(g.variants)}")
+            print(
+                f"{name}: {g.description}\n  preset {g.preset}, seeds {list(g.seeds)}, {g.train.get('steps')} steps, "
+                f"variants: {', '.join(g.variants)}"
+            )
         print("variants:")
         for name, t in TRANSFORMS.items():
             print(f"  {name}: {t.description}")
@@ -77,11 +97,23 @@ def run(args: argparse.Namespace) -> int:
     if args.seeds:
         grid = dataclasses.replace(grid, seeds=args.seeds)
     out = Path(args.out or f"runs/ablate-{grid.name}")
-    result = run_grid(grid, out, data=args.data, device=args.device, progress=args.progress, mqar=args.mqar,
-                      jobs=args.jobs, report_only=args.report_only, warm_first=args.warm_first)
+    result = run_grid(
+        grid,
+        out,
+        data=args.data,
+        device=args.device,
+        progress=args.progress,
+        mqar=args.mqar,
+        jobs=args.jobs,
+        report_only=args.report_only,
+        warm_first=args.warm_first,
+    )
     for row in result["variants"]:
         std = row["val_loss_std"]
-        print(f"{row['variant']:<24} val loss {row['val_loss_mean']:.4f}" + (f" ± {std:.4f}" if std else "")
-              + (f"  MaxVio {row['maxvio_mean']:.2f}" if row["maxvio_mean"] is not None else ""))
+        print(
+            f"{row['variant']:<24} val loss {row['val_loss_mean']:.4f}"
+            + (f" ± {std:.4f}" if std else "")
+            + (f"  MaxVio {row['maxvio_mean']:.2f}" if row["maxvio_mean"] is not None else "")
+        )
     print(f"report: {out / 'report.md'}  ({result['wall_s_this_invocation']:.0f}s)")
     return 0

@@ -20,11 +20,17 @@ def add_parser(sub) -> None:
     src.add_argument("--ckpt", help="checkpoint or training run directory (its config.json only)")
     p.add_argument("--out", required=True, help="output directory (report.md, audit.json, *.png)")
     p.add_argument("--context", type=int, default=4096, help="context for the per-token FLOPs (default 4096)")
-    p.add_argument("--contexts", default="4096,32768,131072,1048576",
-                   help="comma-separated contexts for the cache and decode-bytes tables")
+    p.add_argument(
+        "--contexts",
+        default="4096,32768,131072,1048576",
+        help="comma-separated contexts for the cache and decode-bytes tables",
+    )
     p.add_argument("--zipf", default="0.5,1.0", help="comma-separated Zipf exponents of the skewed routing model")
-    p.add_argument("--measure", action="store_true",
-                   help="also time prefill/decode, prefix caching and AttnRes modes on this CPU (small model)")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also time prefill/decode, prefix caching and AttnRes modes on this CPU (small model)",
+    )
     p.set_defaults(func=run)
 
 
@@ -65,24 +71,42 @@ def run(args: argparse.Namespace) -> int:
     from k3.audit.report import run_audit
 
     command = "k3 " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["audit"] else ""
-    a = run_audit(config, args.out, source=source, command=command, context=args.context, contexts=contexts,
-                  measure=args.measure, zipf=zipf)
-    print(f"audit of {a['preset']} -> {args.out}/report.md ({len(a['figures'])} figures) "
-          f"in {a['timings']['total_s']:.1f} s")
-    print(f"parameters: total {human(a['params_total'])}, activated {human(a['params_activated'])} per token "
-          f"(input embedding excluded)")
+    a = run_audit(
+        config,
+        args.out,
+        source=source,
+        command=command,
+        context=args.context,
+        contexts=contexts,
+        measure=args.measure,
+        zipf=zipf,
+    )
+    print(
+        f"audit of {a['preset']} -> {args.out}/report.md ({len(a['figures'])} figures) "
+        f"in {a['timings']['total_s']:.1f} s"
+    )
+    print(
+        f"parameters: total {human(a['params_total'])}, activated {human(a['params_activated'])} per token "
+        f"(input embedding excluded)"
+    )
     if a["spec_check"]:
         bad = [c["figure"] for c in a["spec_check"] if not c["ok"]]
-        print("published-figures check: " + ("all figures within tolerance" if not bad
-                                    else "OUT OF TOLERANCE: " + ", ".join(bad)))
+        print(
+            "published-figures check: "
+            + ("all figures within tolerance" if not bad else "OUT OF TOLERANCE: " + ", ".join(bad))
+        )
     if a["expert_stream"]:
         hits = {r["batch"]: r["distinct_per_layer"] for r in a["expert_stream"]["rows"]}
         print("distinct experts per layer at B=1,4,16,64: " + ", ".join(f"{hits[b]:.0f}" for b in (1, 4, 16, 64)))
     x = a["long_context"]["crossovers"]
     if x:
-        print(f"KDA state = MLA latents at {x['layer_state_vs_latent']:,.0f} tokens per layer; hybrid cache < full-MLA "
-              f"above {x['hybrid_vs_full_mla']:,.0f} tokens")
+        print(
+            f"KDA state = MLA latents at {x['layer_state_vs_latent']:,.0f} tokens per layer; hybrid cache < full-MLA "
+            f"above {x['hybrid_vs_full_mla']:,.0f} tokens"
+        )
     t = a["long_context"]["table"]
-    print(f"cache per sequence at {t['context'][-1]:,} tokens: hybrid {human_bytes(t['hybrid'][-1])}, full-MLA "
-          f"{human_bytes(t['full_mla'][-1])}, full-MHA {human_bytes(t['full_mha'][-1])}")
+    print(
+        f"cache per sequence at {t['context'][-1]:,} tokens: hybrid {human_bytes(t['hybrid'][-1])}, full-MLA "
+        f"{human_bytes(t['full_mla'][-1])}, full-MHA {human_bytes(t['full_mha'][-1])}"
+    )
     return 0

@@ -57,16 +57,19 @@ def fit(history: list[dict], tokenizer, room: int):
 def run(args: argparse.Namespace) -> int:
     base = sampling_from_args(args)
     load_stats: dict = {}
-    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats,
-                                                packed=args.packed)
+    model, tokenizer, path = load_for_inference(
+        args.ckpt, args.device, args.dtype, stats=load_stats, packed=args.packed
+    )
     print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     if interactive:
-        print(f"k3 chat: {path} ({chat_format(tokenizer)} chat format); "
-              "/reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
+        print(
+            f"k3 chat: {path} ({chat_format(tokenizer)} chat format); /reset clears the history, /exit or Ctrl-D quits",
+            file=sys.stderr,
+        )
     while True:
         if interactive:
             print("you> ", end="", flush=True, file=sys.stderr)
@@ -86,14 +89,19 @@ def run(args: argparse.Namespace) -> int:
             continue
         if not text.strip():
             continue
-        rendered, trimmed = fit(history + [{"role": "user", "content": text}], tokenizer,
-                                engine.max_context - base.max_tokens)
+        rendered, trimmed = fit(
+            history + [{"role": "user", "content": text}], tokenizer, engine.max_context - base.max_tokens
+        )
         if rendered is None:
-            print(f"[that message does not fit the {engine.max_context}-token context with --max-tokens "
-                  f"{base.max_tokens}]", file=sys.stderr)
+            print(
+                f"[that message does not fit the {engine.max_context}-token context with --max-tokens "
+                f"{base.max_tokens}]",
+                file=sys.stderr,
+            )
             continue
-        params = dataclasses.replace(base, stop=base.stop + rendered.stop,
-                                     stop_token_ids=base.stop_token_ids + rendered.stop_token_ids)
+        params = dataclasses.replace(
+            base, stop=base.stop + rendered.stop, stop_token_ids=base.stop_token_ids + rendered.stop_token_ids
+        )
 
         out = _Tee(sys.stdout)
         s = stream(engine, rendered.token_ids, params, out)

@@ -28,17 +28,33 @@ def add_parser(sub) -> None:
     p.add_argument("--format", choices=FORMATS, default="k3")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto", help="auto: the source's own")
     p.add_argument("--max-shard-gb", type=float, default=DEFAULT_SHARD_BYTES / 1e9)
-    p.add_argument("--quantize", choices=["mxfp4"], default=None,
-                   help="write the routed experts packed (compressed-tensors mxfp4-pack-quantized)")
+    p.add_argument(
+        "--quantize",
+        choices=["mxfp4"],
+        default=None,
+        help="write the routed experts packed (compressed-tensors mxfp4-pack-quantized)",
+    )
     p.add_argument("--scale-mode", choices=MX_MODES, default="floor", help="MX scale rule for --quantize")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model = from_pretrained(args.src, dtype=DTYPES.get(args.dtype))
-    save_pretrained(model, args.dst, fmt=args.format, max_shard_bytes=int(args.max_shard_gb * 1e9),
-                    quantize=args.quantize, scale_mode=args.scale_mode)
+    save_pretrained(
+        model,
+        args.dst,
+        fmt=args.format,
+        max_shard_bytes=int(args.max_shard_gb * 1e9),
+        quantize=args.quantize,
+        scale_mode=args.scale_mode,
+    )
     n = sum(p.numel() for p in model.parameters())
-    log.info("wrote %s (%s format, %s%s, %.1fM parameters)", args.dst, args.format, args.dtype,
-             f", routed experts {args.quantize} ({args.scale_mode} scales)" if args.quantize else "", n / 1e6)
+    log.info(
+        "wrote %s (%s format, %s%s, %.1fM parameters)",
+        args.dst,
+        args.format,
+        args.dtype,
+        f", routed experts {args.quantize} ({args.scale_mode} scales)" if args.quantize else "",
+        n / 1e6,
+    )
     return 0

@@ -15,9 +15,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory (latest)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's own")
-    p.add_argument("--packed", choices=("keep", "dequantize"), default="keep",
-                   help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
-                   "or dequantise them once at load")
+    p.add_argument(
+        "--packed",
+        choices=("keep", "dequantize"),
+        default="keep",
+        help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
+        "or dequantise them once at load",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -32,9 +36,15 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as validated SamplingParams (one ValueError naming a bad flag)."""
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop=list(args.stop))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=list(args.stop),
+    )
     params.validate()
     return params
 
@@ -43,9 +53,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
     add_model_args(p)
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="an image (repeatable; multimodal checkpoints): it goes where the prompt has a "
-                        "<|media_pad|> token, else before the text")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image (repeatable; multimodal checkpoints): it goes where the prompt has a "
+        "<|media_pad|> token, else before the text",
+    )
     add_sampling_args(p, max_tokens=128)
     p.set_defaults(func=run)
 
@@ -77,8 +92,14 @@ def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, 
     ttft = first - start if first else None
     rate = (n - 1) / (elapsed - ttft) if ttft is not None and n > 1 and elapsed > ttft else None
     prompt_tokens = last.prompt_tokens if last else len(prompt)  # after media placeholders are expanded
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "finish_reason": reason, "seconds": elapsed,
-            "first_token_s": ttft, "tokens_per_s": rate}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": n,
+        "finish_reason": reason,
+        "seconds": elapsed,
+        "first_token_s": ttft,
+        "tokens_per_s": rate,
+    }
 
 
 def image_prompt(model, tokenizer, text: str, images: int) -> list[int]:
@@ -100,15 +121,16 @@ def image_prompt(model, tokenizer, text: str, images: int) -> list[int]:
 def stats_line(s: dict) -> str:
     rate = f", {s['tokens_per_s']:.1f} tok/s after the first" if s["tokens_per_s"] else ""
     ttft = f", first token {s['first_token_s'] * 1000:.0f} ms" if s["first_token_s"] is not None else ""
-    return (f"[{s['prompt_tokens']} prompt + {s['completion_tokens']} generated tokens in {s['seconds']:.2f} s"
-            f"{ttft}{rate}; finish: {s['finish_reason']}]")
+    return (
+        f"[{s['prompt_tokens']} prompt + {s['completion_tokens']} generated tokens in {s['seconds']:.2f} s"
+        f"{ttft}{rate}; finish: {s['finish_reason']}]"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     load_stats: dict = {}
-    model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats,
-                                             packed=args.packed)
+    model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats, packed=args.packed)
     print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     prompt = image_prompt(model, tokenizer, args.prompt, len(args.image))

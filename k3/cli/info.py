@@ -34,23 +34,33 @@ def run(args: argparse.Namespace) -> int:
     for layer in r["layers"]:
         block = "-" if layer["attn_res_block"] is None else layer["attn_res_block"]
         print(f"{layer['index']:5d}  {layer['mixer']:5s}  {layer['ffn']:5s}  {block}")
-    print(f"\nparameters: total {_human(r['params_total'])}, activated per token {_human(r['params_activated'])} "
-          f"(input embedding excluded; {_human(r['params_activated_with_embedding'])} with it)")
+    print(
+        f"\nparameters: total {_human(r['params_total'])}, activated per token {_human(r['params_activated'])} "
+        f"(input embedding excluded; {_human(r['params_activated_with_embedding'])} with it)"
+    )
     for path, n in r["params_by_path"].items():
         note = " (the tower is counted apart, below)" if path == "vision" else ""
         print(f"  {path:15s} {_human(n):>10s}   activated {_human(r['params_activated_by_path'][path]):>10s}{note}")
-    print(f"routed experts {_human(r['params_routed_experts'])}, shared {_human(r['params_shared_experts'])}, "
-          f"dense path {_human(r['params_dense_path'])}")
+    print(
+        f"routed experts {_human(r['params_routed_experts'])}, shared {_human(r['params_shared_experts'])}, "
+        f"dense path {_human(r['params_dense_path'])}"
+    )
     if r["params_vision"]:
-        print(f"vision tower (MoonViT-V2, not in the totals above): encoder {_human(r['params_vision_encoder'])} "
-              f"+ merge/projector to the LM width {_human(r['params_vision_projector'])}")
+        print(
+            f"vision tower (MoonViT-V2, not in the totals above): encoder {_human(r['params_vision_encoder'])} "
+            f"+ merge/projector to the LM width {_human(r['params_vision_projector'])}"
+        )
     f = r["flops_per_token_breakdown"]
-    print(f"\nforward FLOPs per token at context {r['context']}: {_human(r['flops_per_token_forward'], 'FLOP')} "
-          f"(matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, "
-          f"KDA state {_human(f['kda_state'])})")
+    print(
+        f"\nforward FLOPs per token at context {r['context']}: {_human(r['flops_per_token_forward'], 'FLOP')} "
+        f"(matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, "
+        f"KDA state {_human(f['kda_state'])})"
+    )
     print(f"weight bytes read per token (batch 1, bf16): {_bytes(r['weight_bytes_per_token'])}")
     c = r["cache_per_sequence"]
-    print(f"cache per sequence at {c['context']} tokens: {_bytes(c['total_bytes'])} "
-          f"(KDA state {_bytes(c['kda_state_bytes'])} fp32, conv {_bytes(c['conv_state_bytes'])}, "
-          f"MLA latents {_bytes(c['mla_cache_bytes'])} bf16)")
+    print(
+        f"cache per sequence at {c['context']} tokens: {_bytes(c['total_bytes'])} "
+        f"(KDA state {_bytes(c['kda_state_bytes'])} fp32, conv {_bytes(c['conv_state_bytes'])}, "
+        f"MLA latents {_bytes(c['mla_cache_bytes'])} bf16)"
+    )
     return 0

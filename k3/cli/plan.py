@@ -39,22 +39,32 @@ def add_parser(sub) -> None:
     p.add_argument("--precision", choices=("mxfp4", "bf16"), default="mxfp4", help="routed experts' storage")
     p.add_argument("--workload", choices=("serve", "train"), default="serve")
     p.add_argument("--concurrency", type=int, default=1024, help="sequences decoding together (serve)")
-    p.add_argument("--context", default="32768",
-                   help="context length, or a distribution LEN:FRACTION,... e.g. 4096:0.7,131072:0.3 (serve)")
+    p.add_argument(
+        "--context",
+        default="32768",
+        help="context length, or a distribution LEN:FRACTION,... e.g. 4096:0.7,131072:0.3 (serve)",
+    )
     p.add_argument("--prefix-hit", type=float, default=0.0, help="fraction of prompt tokens the prefix cache serves")
-    p.add_argument("--global-tokens", type=int, default=4 * 2 ** 20, help="tokens per optimizer step (train)")
+    p.add_argument("--global-tokens", type=int, default=4 * 2**20, help="tokens per optimizer step (train)")
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length (train)")
     p.add_argument("--micro-tokens", type=int, default=4096, help="tokens per GPU per micro-batch (train)")
     p.add_argument("--no-checkpointing", action="store_true", help="train without activation checkpointing")
     p.add_argument("--loads", help="expert loads: a training run directory (expert_loads.json) or a JSON of counts")
-    p.add_argument("--zipf", type=float, default=0.5,
-                   help="without --loads: expert popularity rank^-s (0 = uniform; serving default 0.5, assumed; "
-                        "training uses uniform, what Quantile Balancing holds, unless --loads)")
+    p.add_argument(
+        "--zipf",
+        type=float,
+        default=0.5,
+        help="without --loads: expert popularity rank^-s (0 = uniform; serving default 0.5, assumed; "
+        "training uses uniform, what Quantile Balancing holds, unless --loads)",
+    )
     p.add_argument("--tp", type=int, help="attention tensor-parallel degree (default: searched)")
     p.add_argument("--replicas", type=int, help="extra expert slots per GPU per layer for replicas (default: searched)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, with every layer's placement")
-    p.add_argument("--report", help="write DIR/report.md: the plan on 64 and 128 GPUs, layouts compared, "
-                                    "predicted vs measured, the simulated balance check")
+    p.add_argument(
+        "--report",
+        help="write DIR/report.md: the plan on 64 and 128 GPUs, layouts compared, "
+        "predicted vs measured, the simulated balance check",
+    )
     p.set_defaults(func=run)
 
 
@@ -71,12 +81,17 @@ def run(args: argparse.Namespace) -> int:
     config = from_hf_config(json.loads(Path(args.config).read_text())) if args.config else get_preset(args.preset)
     if config.moe is None or not any(config.ffn(i) == "moe" for i in range(config.num_hidden_layers)):
         raise ValueError(f"{config.name} has no MoE layers: nothing to place")
-    c = cluster(args.profile, gpus=args.gpus, gpus_per_node=args.gpus_per_node, hbm_gib=args.hbm_gib,
-                hbm_bytes_per_s=args.hbm_tbps and args.hbm_tbps * 1e12,
-                intra_bytes_per_s=args.intra_gbps and args.intra_gbps * 1e9,
-                inter_bytes_per_s=args.inter_gbps and args.inter_gbps * 1e9,
-                intra_latency_s=args.intra_latency_us and args.intra_latency_us * 1e-6,
-                inter_latency_s=args.inter_latency_us and args.inter_latency_us * 1e-6)
+    c = cluster(
+        args.profile,
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        hbm_gib=args.hbm_gib,
+        hbm_bytes_per_s=args.hbm_tbps and args.hbm_tbps * 1e12,
+        intra_bytes_per_s=args.intra_gbps and args.intra_gbps * 1e9,
+        inter_bytes_per_s=args.inter_gbps and args.inter_gbps * 1e9,
+        intra_latency_s=args.intra_latency_us and args.intra_latency_us * 1e-6,
+        inter_latency_s=args.inter_latency_us and args.inter_latency_us * 1e-6,
+    )
     shape = model_shape(config)
     if args.loads:
         shares = read_loads(args.loads, shape.moe_layers, shape.experts).numpy()
@@ -85,16 +100,21 @@ def run(args: argparse.Namespace) -> int:
     else:
         shares = zipf_shares(shape.moe_layers, shape.experts, shape.top_k, args.zipf).numpy()
     if args.workload == "train":
-        plan = plan_training(config, c, Training(args.global_tokens, args.seq_len, args.micro_tokens,
-                                                 not args.no_checkpointing), shares)
+        plan = plan_training(
+            config, c, Training(args.global_tokens, args.seq_len, args.micro_tokens, not args.no_checkpointing), shares
+        )
     else:
         work = Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
         plan = plan_serving(config, c, args.precision, work, shares, tp=args.tp, replicas=args.replicas)
         if args.report:
             from k3.plan.report import write_report
 
-            plans = {g: plan_serving(config, cluster(gpus=g, hbm_gib=c.hbm_gib), args.precision, work, shares,
-                                     placements=False) for g in (64, 128)}
+            plans = {
+                g: plan_serving(
+                    config, cluster(gpus=g, hbm_gib=c.hbm_gib), args.precision, work, shares, placements=False
+                )
+                for g in (64, 128)
+            }
             path = write_report(config, shares, work, Path(args.report), plans, args.zipf)
             print(f"report: {path}")
     plan = {"model": config.name, "workload": args.workload, "precision": args.precision, **plan}
@@ -106,20 +126,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(plan: dict, c) -> None:
-    print(f"{plan['model']} on {c.gpus} GPUs ({c.nodes} nodes of {c.per_node}, {c.hbm_gib:g} GiB each), "
-          f"{plan['workload']}, {plan['precision']} experts")
+    print(
+        f"{plan['model']} on {c.gpus} GPUs ({c.nodes} nodes of {c.per_node}, {c.hbm_gib:g} GiB each), "
+        f"{plan['workload']}, {plan['precision']} experts"
+    )
     print("layout: " + ", ".join(f"{k} {v}" for k, v in plan["layout"].items()))
-    print("memory per GPU (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in plan["memory_gib"].items()
-                                               if isinstance(v, float)))
+    print(
+        "memory per GPU (GiB): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in plan["memory_gib"].items() if isinstance(v, float))
+    )
     if not plan["fits"]:
         short = -plan["memory_gib"]["headroom"]
         print(f"does not fit: {plan.get('why') or f'short by {short:.1f} GiB per GPU'}")
         return
     load = plan["load"]
-    print(f"expert load max / mean per GPU: {load['max_over_mean_before']['mean']:.3f} in contiguous blocks -> "
-          f"{load['max_over_mean_after']['mean']:.3f} placed (worst layer {load['max_over_mean_after']['worst']:.3f})")
+    print(
+        f"expert load max / mean per GPU: {load['max_over_mean_before']['mean']:.3f} in contiguous blocks -> "
+        f"{load['max_over_mean_after']['mean']:.3f} placed (worst layer {load['max_over_mean_after']['worst']:.3f})"
+    )
     step = plan.get("decode") or plan["step"]
-    terms = ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in step.items()
-                      if k.endswith("_s") and k != "tokens_per_s")
+    terms = ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in step.items() if k.endswith("_s") and k != "tokens_per_s")
     print(f"{'decode' if 'decode' in plan else 'training'} step (ms): {terms}")
     print(f"tokens/s: {step['tokens_per_s']:,.0f}" + (f", MFU {step['mfu']:.3f}" if "mfu" in step else ""))

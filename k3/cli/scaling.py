@@ -20,11 +20,16 @@ def add_parser(sub) -> None:
     src.add_argument("--runs", default=None, help="directory of training runs to fit (searched recursively)")
     src.add_argument("--sweep", default=None, choices=sorted(SWEEPS), help="train this sweep into OUT/runs, then fit")
     p.add_argument("--out", required=True, help="output directory (scaling.md, scaling.json, scaling.png)")
-    p.add_argument("--group-by", default=None, metavar="FIELD",
-                   help="dotted field of summary.json / train_config.json naming the architecture (default: "
-                        "summary label, else overrides.name, else preset)")
-    p.add_argument("--baseline", default=None, help="architecture the others are compared with (default: "
-                                                    "'baseline' if present)")
+    p.add_argument(
+        "--group-by",
+        default=None,
+        metavar="FIELD",
+        help="dotted field of summary.json / train_config.json naming the architecture (default: "
+        "summary label, else overrides.name, else preset)",
+    )
+    p.add_argument(
+        "--baseline", default=None, help="architecture the others are compared with (default: 'baseline' if present)"
+    )
     p.add_argument("--irreducible", action="store_true", help="fit L = E + a C^-b instead of L = a C^-b")
     p.add_argument("--metric", default="val_loss", help="metrics.jsonl field used as the loss")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 90%% intervals")
@@ -32,13 +37,25 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default=None, help="--sweep: training data as for k3 train (default: stdlib)")
     p.add_argument("--device", default="auto", help="--sweep: auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="--sweep: per-run progress bars")
-    p.add_argument("--no-warm-first", dest="warm_first", action="store_false",
-                   help="with --jobs: start every worker at once instead of running the first run alone first (it "
-                        "fills the Triton compile / autotune caches; skip when they are warm)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="--sweep: runs trained side by side in worker processes (default 1; e.g. 6 on one GPU)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)")
+    p.add_argument(
+        "--no-warm-first",
+        dest="warm_first",
+        action="store_false",
+        help="with --jobs: start every worker at once instead of running the first run alone first (it "
+        "fills the Triton compile / autotune caches; skip when they are warm)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="--sweep: runs trained side by side in worker processes (default 1; e.g. 6 on one GPU)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)",
+    )
     p.set_defaults(func=run)
 
 
@@ -49,14 +66,24 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     runs_dir = Path(args.runs) if args.runs else out / "runs"
     if args.sweep:
-        run_sweep(get_sweep(args.sweep), out, data=args.data, device=args.device, progress=args.progress,
-                  jobs=args.jobs, warm_first=args.warm_first)
+        run_sweep(
+            get_sweep(args.sweep),
+            out,
+            data=args.data,
+            device=args.device,
+            progress=args.progress,
+            jobs=args.jobs,
+            warm_first=args.warm_first,
+        )
     runs = load_runs(runs_dir, args.group_by, args.metric)
     result = analyse(runs, args.baseline, args.irreducible, args.bootstrap, args.seed)
     path = write_outputs(result, out)
     for label, f in result["fits"].items():
-        print(f"{label:<16} b = {f['b']:.4f}  a = {f['a']:.4g}" + (f"  E = {f['e']:.3f}" if f["irreducible"] else "")
-              + f"  ({f['runs']} runs, {f['sizes']} sizes)")
+        print(
+            f"{label:<16} b = {f['b']:.4f}  a = {f['a']:.4g}"
+            + (f"  E = {f['e']:.3f}" if f["irreducible"] else "")
+            + f"  ({f['runs']} runs, {f['sizes']} sizes)"
+        )
     for label, why in result["skipped"].items():
         print(f"{label:<16} not fitted: {why}")
     for label, m in result["multipliers"].items():

@@ -28,23 +28,38 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="k3", help="the model id clients pass (default k3)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-context", type=int, default=None, help="prompt + output tokens per request "
-                   "(default min(max_position_embeddings, 8192))")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default min(max_position_embeddings, 8192))",
+    )
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory for running requests")
     p.add_argument("--prefix-cache-gb", type=float, default=0.0, help="memory for cached prompt prefixes (0: off)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's own")
-    p.add_argument("--packed", choices=("keep", "dequantize"), default="keep",
-                   help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
-                   "or dequantise them once at load")
+    p.add_argument(
+        "--packed",
+        choices=("keep", "dequantize"),
+        default="keep",
+        help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
+        "or dequantise them once at load",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
-    p.add_argument("--compile-decode", action="store_true",
-                   help="torch.compile the decode step before its CUDA-graph capture (GPU; compiles once per "
-                        "batch size, and reserves the MLA cache for --max-context up front)")
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="torch.compile the decode step before its CUDA-graph capture (GPU; compiles once per "
+        "batch size, and reserves the MLA cache for --max-context up front)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
-    p.add_argument("--max-request-mb", type=float, default=16.0,
-                   help="largest request body in MiB (larger answers 413; default 16, room for a ~10 MiB image)")
+    p.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=16.0,
+        help="largest request body in MiB (larger answers 413; default 16, room for a ~10 MiB image)",
+    )
     p.set_defaults(func=run)
 
 
@@ -58,10 +73,17 @@ def build_engine(args: argparse.Namespace):
         raise ValueError(f"--max-context={args.max_context} must be >= 2")
     model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
-    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_context=args.max_context,
-                    cuda_graphs=False if args.no_cuda_graphs else None, compile_decode=args.compile_decode,
-                    prefill_chunk=args.prefill_chunk, memory_budget=budget,
-                    prefix_cache_bytes=int(args.prefix_cache_gb * GIB))
+    engine = Engine(
+        model,
+        tokenizer,
+        max_batch=args.max_batch,
+        max_context=args.max_context,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        compile_decode=args.compile_decode,
+        prefill_chunk=args.prefill_chunk,
+        memory_budget=budget,
+        prefix_cache_bytes=int(args.prefix_cache_gb * GIB),
+    )
     return engine, tokenizer, path
 
 
@@ -74,8 +96,11 @@ def _server(config, async_engine: AsyncEngine | None = None, drain_timeout: floa
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            drain = None if async_engine is None else asyncio.ensure_future(
-                asyncio.to_thread(async_engine.shutdown, drain_timeout))
+            drain = (
+                None
+                if async_engine is None
+                else asyncio.ensure_future(asyncio.to_thread(async_engine.shutdown, drain_timeout))
+            )
             await super().shutdown(sockets)
             if drain is not None:
                 await drain
@@ -111,14 +136,29 @@ def run(args: argparse.Namespace) -> int:
     engine, tokenizer, path = build_engine(args)
     print(plan_table(engine.device), flush=True)
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, tokenizer, args.model_name, engine.max_context, args.drain_timeout,
-                     max_request_bytes=int(args.max_request_mb * 2**20))
-    log.info("serving %s as %r on http://%s:%d (context %d, batch %d, device %s)", path, args.model_name, args.host,
-             args.port, engine.max_context, engine.max_batch, engine.device)
+    app = create_app(
+        async_engine,
+        tokenizer,
+        args.model_name,
+        engine.max_context,
+        args.drain_timeout,
+        max_request_bytes=int(args.max_request_mb * 2**20),
+    )
+    log.info(
+        "serving %s as %r on http://%s:%d (context %d, batch %d, device %s)",
+        path,
+        args.model_name,
+        args.host,
+        args.port,
+        engine.max_context,
+        engine.max_batch,
+        engine.device,
+    )
     # uvicorn cancels what is left after its timeout: give the engine's drain and the error responses it ends
     # with a few seconds more
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.drain_timeout + 5)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.drain_timeout + 5
+    )
     _server(config, async_engine, args.drain_timeout).run()  # returns after a graceful shutdown
     log.info("k3 serve: stopped")
     return 0

@@ -68,28 +68,48 @@ def add_config_flags(parser) -> None:
     for f in dataclasses.fields(TrainConfig):
         kind, flag = _value_type(hints[f.name]), "--" + f.name.replace("_", "-")
         if f.name == "overrides":
-            parser.add_argument("--set", dest="overrides", type=_override, action="append", default=[],
-                                metavar=f.metadata["metavar"], help=_help(f))
+            parser.add_argument(
+                "--set",
+                dest="overrides",
+                type=_override,
+                action="append",
+                default=[],
+                metavar=f.metadata["metavar"],
+                help=_help(f),
+            )
         elif kind is bool:  # a switch away from the default
-            parser.add_argument(flag.replace("--", "--no-") if f.default else flag, dest=f.name, default=None,
-                                action="store_false" if f.default else "store_true", help=_help(f))
+            parser.add_argument(
+                flag.replace("--", "--no-") if f.default else flag,
+                dest=f.name,
+                default=None,
+                action="store_false" if f.default else "store_true",
+                help=_help(f),
+            )
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=None, choices=f.metadata.get("choices"),
-                                metavar=f.metadata.get("metavar"), help=_help(f))
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=kind,
+                default=None,
+                choices=f.metadata.get("choices"),
+                metavar=f.metadata.get("metavar"),
+                help=_help(f),
+            )
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (default: small preset on the stdlib corpus), then sample")
     add_config_flags(p.add_argument_group("training settings (k3.train.config.TrainConfig)"))
     run_flags = p.add_argument_group("run")
-    run_flags.add_argument("--resume", action="store_true",
-                           help="continue the run in --out from its latest checkpoint")
-    run_flags.add_argument("--vision-eval", type=int, default=400,
-                           help="held-out questions scored at the end (vision; default 400)")
+    run_flags.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    run_flags.add_argument(
+        "--vision-eval", type=int, default=400, help="held-out questions scored at the end (vision; default 400)"
+    )
     run_flags.add_argument("--dp", type=int, default=None, help="data-parallel ranks (under torchrun; default: all)")
     run_flags.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp")
-    run_flags.add_argument("--cp", type=int, default=1,
-                           help="context-parallel ranks (each sequence split in --cp pieces)")
+    run_flags.add_argument(
+        "--cp", type=int, default=1, help="context-parallel ranks (each sequence split in --cp pieces)"
+    )
     run_flags.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -119,12 +139,15 @@ def resume_config(args: argparse.Namespace, out: str) -> TrainConfig:
     plain = json.loads(json.dumps(dataclasses.asdict(cfg)))
     conflicts = [k for k, v in given.items() if k not in RESUME_MAY_CHANGE and json.loads(json.dumps(v)) != plain[k]]
     if conflicts:
-        raise ValueError("--resume keeps the run's recorded settings; " + ", ".join(
-            f"--{k.replace('_', '-')} {given[k]!r} (recorded {plain[k]!r})" for k in conflicts)
-            + " conflict with them: drop them, or start a new run with another --out")
+        raise ValueError(
+            "--resume keeps the run's recorded settings; "
+            + ", ".join(f"--{k.replace('_', '-')} {given[k]!r} (recorded {plain[k]!r})" for k in conflicts)
+            + " conflict with them: drop them, or start a new run with another --out"
+        )
     honoured = {k: v for k, v in given.items() if k in RESUME_MAY_CHANGE and k != "out"}
-    return dataclasses.replace(cfg, **{"steps": cfg.steps, "schedule_steps": cfg.schedule_steps or cfg.steps,
-                                       **honoured, "out": out})
+    return dataclasses.replace(
+        cfg, **{"steps": cfg.steps, "schedule_steps": cfg.schedule_steps or cfg.steps, **honoured, "out": out}
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -168,16 +191,22 @@ def run(args: argparse.Namespace) -> int:
     init = [h for h in history if "val_loss_init" in h]
     evals = [h for h in history if "val_loss" in h]
     if init and evals:
-        print(f"validation loss {init[0]['val_loss_init']:.3f} at start -> {evals[-1]['val_loss']:.3f} after "
-              f"{evals[-1]['step'] + 1} steps ({init[0]['val_bpb_init']:.3f} -> {evals[-1]['val_bpb']:.3f} bits/byte)")
+        print(
+            f"validation loss {init[0]['val_loss_init']:.3f} at start -> {evals[-1]['val_loss']:.3f} after "
+            f"{evals[-1]['step'] + 1} steps ({init[0]['val_bpb_init']:.3f} -> {evals[-1]['val_bpb']:.3f} bits/byte)"
+        )
     print(f"checkpoint: {result['checkpoint']}  metrics: {trainer.metrics_path}  plots: {trainer.run_dir}/*.png")
     if cfg.task == "vision":
         from k3.vision.task import chance_accuracy
 
         acc, _ = trainer.vision_accuracy(args.vision_eval)
         (trainer.run_dir / "vision_eval.json").write_text(json.dumps({"examples": args.vision_eval, **acc}, indent=2))
-        print(f"held-out accuracy on {args.vision_eval} questions: " + ", ".join(
-            f"{k} {v:.2f}" + (f" (chance {chance_accuracy(k):.2f})" if k != "all" else "") for k, v in acc.items()))
+        print(
+            f"held-out accuracy on {args.vision_eval} questions: "
+            + ", ".join(
+                f"{k} {v:.2f}" + (f" (chance {chance_accuracy(k):.2f})" if k != "all" else "") for k, v in acc.items()
+            )
+        )
     for prompt, continuation in trainer.sample():
         print("-" * 72)
         print(prompt + "\u2502" + continuation)

@@ -10,6 +10,13 @@ from k3.config.config import (
 from k3.config.presets import PRESETS, get_preset
 
 __all__ = [
-    "ATTN_RES_MODES", "AttnResConfig", "K3Config", "KDAConfig", "MLAConfig", "MoEConfig", "VisionConfig",
-    "PRESETS", "get_preset",
+    "ATTN_RES_MODES",
+    "AttnResConfig",
+    "K3Config",
+    "KDAConfig",
+    "MLAConfig",
+    "MoEConfig",
+    "VisionConfig",
+    "PRESETS",
+    "get_preset",
 ]

@@ -26,8 +26,10 @@ def _positive_int(obj: Any, prefix: str, *names: str, least: int = 1) -> None:
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            _fail(f"{prefix}{name}={value!r}", "must be a positive integer" if least == 1 else
-                  "must be a non-negative integer")
+            _fail(
+                f"{prefix}{name}={value!r}",
+                "must be a positive integer" if least == 1 else "must be a non-negative integer",
+            )
 
 
 def _positive_float(obj: Any, prefix: str, *names: str) -> None:
@@ -56,8 +58,17 @@ class KDAConfig:
         self.validate()
 
     def validate(self, prefix: str = "kda.") -> None:
-        _positive_int(self, prefix, "num_heads", "head_dim", "v_head_dim", "conv_kernel_size", "forget_gate_rank",
-                      "output_gate_rank", "chunk_size")
+        _positive_int(
+            self,
+            prefix,
+            "num_heads",
+            "head_dim",
+            "v_head_dim",
+            "conv_kernel_size",
+            "forget_gate_rank",
+            "output_gate_rank",
+            "chunk_size",
+        )
         _positive_float(self, prefix, "l2norm_eps")
         if self.gate_lower_bound is not None:
             lb = self.gate_lower_bound
@@ -120,8 +131,10 @@ class MoEConfig:
         _positive_int(self, prefix, "num_experts", "num_experts_per_token", "moe_intermediate_size")
         _positive_int(self, prefix, "num_shared_experts", least=0)
         if self.num_experts_per_token > self.num_experts:
-            _fail(f"{prefix}num_experts_per_token={self.num_experts_per_token}",
-                  f"must be <= {prefix}num_experts={self.num_experts}")
+            _fail(
+                f"{prefix}num_experts_per_token={self.num_experts_per_token}",
+                f"must be <= {prefix}num_experts={self.num_experts}",
+            )
         if self.latent_size is not None:
             _positive_int(self, prefix, "latent_size")
         _positive_float(self, prefix, "routed_scaling_factor")
@@ -167,8 +180,18 @@ class VisionConfig:
         self.validate()
 
     def validate(self, prefix: str = "vision.") -> None:
-        _positive_int(self, prefix, "num_layers", "hidden_size", "num_heads", "head_dim", "intermediate_size",
-                      "patch_size", "merge_size", "pos_grid")
+        _positive_int(
+            self,
+            prefix,
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "head_dim",
+            "intermediate_size",
+            "patch_size",
+            "merge_size",
+            "pos_grid",
+        )
         ids = [self.media_placeholder_token_id, self.media_begin_token_id, self.media_end_token_id]
         if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0) for i in ids):
             _fail(f"{prefix}media token ids {ids}", "must be non-negative integers (begin / end may be None)")
@@ -211,8 +234,9 @@ class K3Config:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        _positive_int(self, "", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
-                      "max_position_embeddings")
+        _positive_int(
+            self, "", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "max_position_embeddings"
+        )
         _positive_float(self, "", "situ_beta", "situ_linear_beta", "rms_norm_eps", "initializer_range")
         if self.hidden_act not in HIDDEN_ACTS:
             _fail(f"hidden_act={self.hidden_act!r}", f"must be one of {', '.join(HIDDEN_ACTS)}")

@@ -99,8 +99,10 @@ def kimi_linear_incompatibilities(cfg: K3Config) -> list[str]:
 def _release_config(cfg: K3Config) -> dict[str, Any]:
     """The ``kimi_k3`` wrapper of a multimodal config (read back by :func:`from_hf_config` to the same config)."""
     if cfg.vision is None:
-        raise ValueError("format k3-release is the multimodal release layout and needs a vision tower "
-                         "(k3.config.presets.with_vision); write a text-only model as k3 or kimi_linear")
+        raise ValueError(
+            "format k3-release is the multimodal release layout and needs a vision tower "
+            "(k3.config.presets.with_vision); write a text-only model as k3 or kimi_linear"
+        )
     v = cfg.vision
     text = to_hf_config(cfg, "k3")
     text["k3"].pop("vision", None)
@@ -108,11 +110,18 @@ def _release_config(cfg: K3Config) -> dict[str, Any]:
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text,
-        "vision_config": {"vt_num_hidden_layers": v.num_layers, "vt_hidden_size": v.hidden_size,
-                          "vt_num_attention_heads": v.num_heads, "qkv_hidden_size": v.num_heads * v.head_dim,
-                          "vt_intermediate_size": v.intermediate_size, "patch_size": v.patch_size,
-                          "merge_kernel_size": [v.merge_size, v.merge_size], "init_pos_emb_height": v.pos_grid,
-                          "init_pos_emb_width": v.pos_grid, "mm_projector_type": "patchmergerv2"},
+        "vision_config": {
+            "vt_num_hidden_layers": v.num_layers,
+            "vt_hidden_size": v.hidden_size,
+            "vt_num_attention_heads": v.num_heads,
+            "qkv_hidden_size": v.num_heads * v.head_dim,
+            "vt_intermediate_size": v.intermediate_size,
+            "patch_size": v.patch_size,
+            "merge_kernel_size": [v.merge_size, v.merge_size],
+            "init_pos_emb_height": v.pos_grid,
+            "init_pos_emb_width": v.pos_grid,
+            "mm_projector_type": "patchmergerv2",
+        },
         "media_placeholder_token_id": v.media_placeholder_token_id,
         "media_begin_token_id": v.media_begin_token_id,
         "media_end_token_id": v.media_end_token_id,
@@ -243,8 +252,9 @@ def _mla_layers(d: dict, n: int) -> tuple[int, ...]:
         if "kda_layers" in lac:
             kda = sorted(layers("kda_layers"))
             if sorted(set(range(n)) - set(mla)) != kda:
-                raise ValueError("config.json: linear_attn_config.kda_layers and full_attn_layers must partition "
-                                 f"layers 1..{n}")
+                raise ValueError(
+                    f"config.json: linear_attn_config.kda_layers and full_attn_layers must partition layers 1..{n}"
+                )
         return tuple(sorted(mla))
     if d.get("layer_types"):
         types = d["layer_types"]
@@ -275,18 +285,26 @@ def _release_vision(top: dict) -> VisionConfig:
     end ids, so K3's (163602 / 163604) apply unless it does (null: no wrapping)."""
     v = dataclasses.asdict(k3_vision())
     vc = _dict(top, "vision_config")
-    for key, field in (("vt_num_hidden_layers", "num_layers"), ("vt_hidden_size", "hidden_size"),
-                       ("vt_num_attention_heads", "num_heads"), ("vt_intermediate_size", "intermediate_size"),
-                       ("patch_size", "patch_size"), ("init_pos_emb_height", "pos_grid")):
+    for key, field in (
+        ("vt_num_hidden_layers", "num_layers"),
+        ("vt_hidden_size", "hidden_size"),
+        ("vt_num_attention_heads", "num_heads"),
+        ("vt_intermediate_size", "intermediate_size"),
+        ("patch_size", "patch_size"),
+        ("init_pos_emb_height", "pos_grid"),
+    ):
         v[field] = _int(vc, key, default=v[field], prefix="vision_config.")
     if vc.get("init_pos_emb_width") not in (None, v["pos_grid"]):
-        raise ValueError(f"config.json: vision_config.init_pos_emb_width={vc['init_pos_emb_width']} != "
-                         f"init_pos_emb_height={v['pos_grid']} is not supported (square grid only)")
+        raise ValueError(
+            f"config.json: vision_config.init_pos_emb_width={vc['init_pos_emb_width']} != "
+            f"init_pos_emb_height={v['pos_grid']} is not supported (square grid only)"
+        )
     if vc.get("qkv_hidden_size") is not None:
         qkv = _int(vc, "qkv_hidden_size", prefix="vision_config.")
         if qkv % v["num_heads"]:
-            raise ValueError(f"config.json: vision_config.qkv_hidden_size={qkv} is not a multiple of "
-                             f"{v['num_heads']} heads")
+            raise ValueError(
+                f"config.json: vision_config.qkv_hidden_size={qkv} is not a multiple of {v['num_heads']} heads"
+            )
         v["head_dim"] = qkv // v["num_heads"]
     merge = vc.get("merge_kernel_size")
     if merge is not None:
@@ -333,16 +351,19 @@ def _check_supported(d: dict) -> None:
     _int(d, "num_hidden_layers")
     heads = _int(d, "num_attention_heads")
     if d.get("num_key_value_heads") not in (None, heads):
-        raise ValueError(f"config.json: num_key_value_heads={d['num_key_value_heads']} != num_attention_heads={heads} "
-                         "(MLA here has one K/V per query head)")
+        raise ValueError(
+            f"config.json: num_key_value_heads={d['num_key_value_heads']} != num_attention_heads={heads} "
+            "(MLA here has one K/V per query head)"
+        )
     if _int(d, "moe_layer_freq", default=1) != 1:
         raise ValueError(f"config.json: moe_layer_freq={d['moe_layer_freq']} is not supported (only 1)")
     if _int(d, "num_nextn_predict_layers", default=0) != 0:
         raise ValueError("config.json: MTP layers (num_nextn_predict_layers > 0) are not supported")
     groups, topk_groups = _int(d, "num_expert_group", "n_group", default=1), d.get("topk_group")
     if groups > 1 and topk_groups not in (None, groups):
-        raise ValueError(f"config.json: grouped routing (num_expert_group={groups}, topk_group={topk_groups}) "
-                         "is not supported")
+        raise ValueError(
+            f"config.json: grouped routing (num_expert_group={groups}, topk_group={topk_groups}) is not supported"
+        )
     if d.get("tie_word_embeddings"):
         raise ValueError("config.json: tie_word_embeddings=true is not supported")
     act = d.get("moe_router_activation_func", "sigmoid")
@@ -356,12 +377,15 @@ def _kda_config(d: dict, lac: dict, ext: dict) -> KDAConfig:
     kda_head = _int(lac, "head_dim", default=_int(d, "linear_head_dim", default=128), prefix="linear_attn_config.")
     lb = lac.get("gate_lower_bound")
     return KDAConfig(
-        num_heads=_int(lac, "num_heads", default=_int(d, "linear_num_heads", default=32),
-                       prefix="linear_attn_config."),
+        num_heads=_int(lac, "num_heads", default=_int(d, "linear_num_heads", default=32), prefix="linear_attn_config."),
         head_dim=kda_head,
         v_head_dim=_int(ext, "kda_v_head_dim", default=kda_head, prefix="k3."),
-        conv_kernel_size=_int(lac, "short_conv_kernel_size", default=_int(d, "linear_conv_kernel_dim", default=4),
-                              prefix="linear_attn_config."),
+        conv_kernel_size=_int(
+            lac,
+            "short_conv_kernel_size",
+            default=_int(d, "linear_conv_kernel_dim", default=4),
+            prefix="linear_attn_config.",
+        ),
         gate_lower_bound=None if lb is None else _float(lac, "gate_lower_bound", 0.0, "linear_attn_config."),
         full_rank_output_gate=bool(lac.get("use_full_rank_gate", False)),
         forget_gate_rank=_int(ext, "kda_forget_gate_rank", default=kda_head, prefix="k3."),
@@ -375,10 +399,13 @@ def _mla_config(d: dict, ext: dict) -> MLAConfig:
     """MLA from the top-level keys: NoPE unless ``mla_use_nope`` is false (then ``rope_theta``)."""
     use_nope = d.get("mla_use_nope", True)
     return MLAConfig(
-        num_heads=_int(d, "num_attention_heads"), q_lora_rank=_int(d, "q_lora_rank", default=None),
+        num_heads=_int(d, "num_attention_heads"),
+        q_lora_rank=_int(d, "q_lora_rank", default=None),
         kv_lora_rank=_int(d, "kv_lora_rank"),
-        qk_nope_head_dim=_int(d, "qk_nope_head_dim"), qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
-        v_head_dim=_int(d, "v_head_dim"), output_gate=bool(d.get("mla_use_output_gate", False)),
+        qk_nope_head_dim=_int(d, "qk_nope_head_dim"),
+        qk_rope_head_dim=_int(d, "qk_rope_head_dim"),
+        v_head_dim=_int(d, "v_head_dim"),
+        output_gate=bool(d.get("mla_use_output_gate", False)),
         rope_theta=None if use_nope else _float(d, "rope_theta", 10000.0),
         norm_eps=_float(ext, "mla_norm_eps", 1e-6, "k3."),
     )
@@ -404,8 +431,9 @@ def _attn_res_config(d: dict, ext: dict) -> AttnResConfig:
     """AttnRes is on when ``attn_res_block_size`` is set and non-zero; its mode (which the release does not
     spell) comes from ``k3.attn_res_mode``, ``snapshot`` by default."""
     block = _int(d, "attn_res_block_size", default=None)
-    return AttnResConfig(mode=ext.get("attn_res_mode", "snapshot") if block else "none",
-                         block_size=block if block else 1)
+    return AttnResConfig(
+        mode=ext.get("attn_res_mode", "snapshot") if block else "none", block_size=block if block else 1
+    )
 
 
 def _token(d: dict, key: str, vocab: int) -> int | None:
@@ -431,16 +459,25 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
     kda, mla, moe, attn_res = _kda_config(d, lac, ext), _mla_config(d, ext), _moe_config(d), _attn_res_config(d, ext)
     vocab = _int(d, "vocab_size")
     return K3Config(
-        name=str(ext.get("name", "custom")), vocab_size=vocab, hidden_size=_int(d, "hidden_size"),
-        num_hidden_layers=n, mla_layers=_mla_layers(d, n), first_k_dense_replace=_first_dense(d, n),
-        intermediate_size=_int(d, "intermediate_size"), hidden_act=str(d.get("hidden_act", "silu")),
+        name=str(ext.get("name", "custom")),
+        vocab_size=vocab,
+        hidden_size=_int(d, "hidden_size"),
+        num_hidden_layers=n,
+        mla_layers=_mla_layers(d, n),
+        first_k_dense_replace=_first_dense(d, n),
+        intermediate_size=_int(d, "intermediate_size"),
+        hidden_act=str(d.get("hidden_act", "silu")),
         situ_beta=_float(d, "activation_situ_beta", 4.0),
         situ_linear_beta=_float(d, "activation_situ_linear_beta", 25.0),
         rms_norm_eps=_float(d, "rms_norm_eps", 1e-5),
         max_position_embeddings=_int(d, "max_position_embeddings", "model_max_length", default=1048576),
         initializer_range=_float(d, "initializer_range", 0.02),
-        bos_token_id=_token(d, "bos_token_id", vocab), eos_token_id=_token(d, "eos_token_id", vocab),
+        bos_token_id=_token(d, "bos_token_id", vocab),
+        eos_token_id=_token(d, "eos_token_id", vocab),
         pad_token_id=_token(d, "pad_token_id", vocab),
-        kda=kda, mla=mla, moe=moe, attn_res=attn_res,
+        kda=kda,
+        mla=mla,
+        moe=moe,
+        attn_res=attn_res,
         vision=_vision(ext["vision"]) if ext.get("vision") else release_vision,
     )

@@ -11,14 +11,21 @@ from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEC
 def tiny() -> K3Config:
     """5 layers [KDA+dense, KDA+MoE, KDA+MoE, MLA+MoE, MLA+MoE]; AttnRes blocks [0,1] [2,3] [4] (partial)."""
     return K3Config(
-        name="tiny", vocab_size=512, hidden_size=64, num_hidden_layers=5, mla_layers=(3, 4),
-        first_k_dense_replace=1, intermediate_size=128, max_position_embeddings=4096,
-        kda=KDAConfig(num_heads=2, head_dim=16, v_head_dim=16, forget_gate_rank=16, output_gate_rank=16,
-                      chunk_size=16),
-        mla=MLAConfig(num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                      v_head_dim=16),
-        moe=MoEConfig(num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
-                      latent_size=32),
+        name="tiny",
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=5,
+        mla_layers=(3, 4),
+        first_k_dense_replace=1,
+        intermediate_size=128,
+        max_position_embeddings=4096,
+        kda=KDAConfig(num_heads=2, head_dim=16, v_head_dim=16, forget_gate_rank=16, output_gate_rank=16, chunk_size=16),
+        mla=MLAConfig(
+            num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
+        ),
+        moe=MoEConfig(
+            num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32, latent_size=32
+        ),
         attn_res=AttnResConfig(mode="snapshot", block_size=2),
     )
 
@@ -26,13 +33,21 @@ def tiny() -> K3Config:
 def small() -> K3Config:
     """~35M total / ~11M activated parameters in K3's layout: 2 x [KDA, KDA, KDA, MLA] + a final MLA."""
     return K3Config(
-        name="small", vocab_size=8192, hidden_size=256, num_hidden_layers=9, mla_layers=(3, 7, 8),
-        first_k_dense_replace=1, intermediate_size=768, max_position_embeddings=65536,
+        name="small",
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=9,
+        mla_layers=(3, 7, 8),
+        first_k_dense_replace=1,
+        intermediate_size=768,
+        max_position_embeddings=65536,
         kda=KDAConfig(num_heads=4, head_dim=64, v_head_dim=64, forget_gate_rank=64, output_gate_rank=64),
-        mla=MLAConfig(num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                      v_head_dim=64),
-        moe=MoEConfig(num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=256,
-                      latent_size=128),
+        mla=MLAConfig(
+            num_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64
+        ),
+        moe=MoEConfig(
+            num_experts=32, num_experts_per_token=4, num_shared_experts=1, moe_intermediate_size=256, latent_size=128
+        ),
         attn_res=AttnResConfig(mode="snapshot", block_size=4),
     )
 
@@ -40,13 +55,21 @@ def small() -> K3Config:
 def small_1b() -> K3Config:
     """~1.0B total / ~0.22B activated in K3's layout, for end-to-end GPU numbers: 3 x [KDA, KDA, KDA, MLA]."""
     return K3Config(
-        name="small-1b", vocab_size=32768, hidden_size=1024, num_hidden_layers=12, mla_layers=(3, 7, 11),
-        first_k_dense_replace=1, intermediate_size=2816, max_position_embeddings=1048576,
+        name="small-1b",
+        vocab_size=32768,
+        hidden_size=1024,
+        num_hidden_layers=12,
+        mla_layers=(3, 7, 11),
+        first_k_dense_replace=1,
+        intermediate_size=2816,
+        max_position_embeddings=1048576,
         kda=KDAConfig(num_heads=8, head_dim=128, v_head_dim=128, forget_gate_rank=128, output_gate_rank=128),
-        mla=MLAConfig(num_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128),
-        moe=MoEConfig(num_experts=64, num_experts_per_token=6, num_shared_experts=1, moe_intermediate_size=768,
-                      latent_size=512),
+        mla=MLAConfig(
+            num_heads=8, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+        ),
+        moe=MoEConfig(
+            num_experts=64, num_experts_per_token=6, num_shared_experts=1, moe_intermediate_size=768, latent_size=512
+        ),
         attn_res=AttnResConfig(mode="snapshot", block_size=4),
     )
 
@@ -55,15 +78,45 @@ def kimi_linear_48b() -> K3Config:
     """Kimi-Linear-48B-A3B (docs/architecture.md#layer-schedule): softplus gate, low-rank output gate, no q_lora,
     plain MoE, SwiGLU, no AttnRes."""
     return K3Config(
-        name="kimi-linear-48b", vocab_size=163840, hidden_size=2304, num_hidden_layers=27,
-        mla_layers=(3, 7, 11, 15, 19, 23, 26), first_k_dense_replace=1, intermediate_size=9216, hidden_act="silu",
-        rms_norm_eps=1e-5, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
-        kda=KDAConfig(num_heads=32, head_dim=128, v_head_dim=128, gate_lower_bound=None,
-                      full_rank_output_gate=False, forget_gate_rank=128, output_gate_rank=128),
-        mla=MLAConfig(num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, output_gate=False),
-        moe=MoEConfig(num_experts=256, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024,
-                      latent_size=None, latent_norm=False, routed_scaling_factor=2.446),
+        name="kimi-linear-48b",
+        vocab_size=163840,
+        hidden_size=2304,
+        num_hidden_layers=27,
+        mla_layers=(3, 7, 11, 15, 19, 23, 26),
+        first_k_dense_replace=1,
+        intermediate_size=9216,
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        bos_token_id=163584,
+        eos_token_id=163586,
+        pad_token_id=163839,
+        kda=KDAConfig(
+            num_heads=32,
+            head_dim=128,
+            v_head_dim=128,
+            gate_lower_bound=None,
+            full_rank_output_gate=False,
+            forget_gate_rank=128,
+            output_gate_rank=128,
+        ),
+        mla=MLAConfig(
+            num_heads=32,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            output_gate=False,
+        ),
+        moe=MoEConfig(
+            num_experts=256,
+            num_experts_per_token=8,
+            num_shared_experts=1,
+            moe_intermediate_size=1024,
+            latent_size=None,
+            latent_norm=False,
+            routed_scaling_factor=2.446,
+        ),
         attn_res=AttnResConfig(mode="none", block_size=1),
     )
 
@@ -72,13 +125,35 @@ def k2() -> K3Config:
     """Kimi K2 (docs/architecture.md#layer-schedule): 61 MLA layers with RoPE, 384 experts top-8, 1 shared, SwiGLU;
     1.04T / 32.6B."""
     return K3Config(
-        name="k2", vocab_size=163840, hidden_size=7168, num_hidden_layers=61, mla_layers=tuple(range(61)),
-        first_k_dense_replace=1, intermediate_size=18432, hidden_act="silu", rms_norm_eps=1e-6,
+        name="k2",
+        vocab_size=163840,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        mla_layers=tuple(range(61)),
+        first_k_dense_replace=1,
+        intermediate_size=18432,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
         max_position_embeddings=131072,
-        mla=MLAConfig(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                      v_head_dim=128, output_gate=False, rope_theta=50000.0),
-        moe=MoEConfig(num_experts=384, num_experts_per_token=8, num_shared_experts=1, moe_intermediate_size=2048,
-                      latent_size=None, latent_norm=False, routed_scaling_factor=2.827),
+        mla=MLAConfig(
+            num_heads=64,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            output_gate=False,
+            rope_theta=50000.0,
+        ),
+        moe=MoEConfig(
+            num_experts=384,
+            num_experts_per_token=8,
+            num_shared_experts=1,
+            moe_intermediate_size=2048,
+            latent_size=None,
+            latent_norm=False,
+            routed_scaling_factor=2.827,
+        ),
         attn_res=AttnResConfig(mode="none", block_size=1),
     )
 
@@ -120,14 +195,12 @@ def tiny_vision() -> VisionConfig:
 
 def small_vision() -> VisionConfig:
     """4 layers, width 256, 4 heads x 64, MLP 1024, 32 x 32 position grid (~3.6M encoder parameters)."""
-    return VisionConfig(num_layers=4, hidden_size=256, num_heads=4, head_dim=64, intermediate_size=1024,
-                        pos_grid=32)
+    return VisionConfig(num_layers=4, hidden_size=256, num_heads=4, head_dim=64, intermediate_size=1024, pos_grid=32)
 
 
 def small_1b_vision() -> VisionConfig:
     """8 layers, width 512, 8 heads x 64, MLP 2048, 48 x 48 position grid (~26.7M encoder parameters)."""
-    return VisionConfig(num_layers=8, hidden_size=512, num_heads=8, head_dim=64, intermediate_size=2048,
-                        pos_grid=48)
+    return VisionConfig(num_layers=8, hidden_size=512, num_heads=8, head_dim=64, intermediate_size=2048, pos_grid=48)
 
 
 VISION_PRESETS: dict[str, Callable[[], VisionConfig]] = {
@@ -142,8 +215,9 @@ def with_vision(config: K3Config, vision: VisionConfig | None = None) -> K3Confi
     """A validated copy of ``config`` carrying ``vision``, by default the tower of the preset it is named after."""
     if vision is None:
         if config.name not in VISION_PRESETS:
-            raise ValueError(f"no vision preset for config {config.name!r}; pass vision= or use one of: "
-                             f"{', '.join(VISION_PRESETS)}")
+            raise ValueError(
+                f"no vision preset for config {config.name!r}; pass vision= or use one of: {', '.join(VISION_PRESETS)}"
+            )
         vision = VISION_PRESETS[config.name]()
     return dataclasses.replace(config, vision=vision)
 

@@ -34,8 +34,12 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CHECKSUMS = "k3_checksums.json"
 DEFAULT_SHARD_BYTES = 5 * 10**9
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float64: "float64"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
 
 
 def _sha256(path: Path) -> str:
@@ -57,8 +61,14 @@ def _file_tensors(model, fmt: str, quantize: str | None, mode: str) -> Iterator[
             yield fname, ft.cpu()
 
 
-def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                     quantize: str | None = None, scale_mode: str | None = None) -> list[str]:
+def write_pretrained(
+    model,
+    directory: str | os.PathLike,
+    fmt: str = "k3",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    quantize: str | None = None,
+    scale_mode: str | None = None,
+) -> list[str]:
     """Write config.json and the weights into an existing directory (not atomic; see ``save_pretrained``).
     Shards are written as they fill, so host memory holds one shard (a GPU model is never copied whole)."""
     if quantize not in (None, "mxfp4"):
@@ -96,8 +106,11 @@ def write_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_s
         total += nbytes
     flush()
     shard = {}
-    names = [SINGLE] if len(parts) == 1 else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-                                              for i in range(len(parts))]
+    names = (
+        [SINGLE]
+        if len(parts) == 1
+        else [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    )
     for part, fname in zip(parts, names):
         os.replace(directory / part, directory / fname)
         normal_mode(directory / fname)  # safetensors writes through a 0600 temp file
@@ -127,14 +140,19 @@ def verify_checksum(directory: str | os.PathLike, name: str) -> None:
     except FileNotFoundError:
         raise ValueError(f"{directory / name} is not covered by checksums: {path} is missing") from None
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{directory / name} is not covered by checksums: {path} has no valid entry for it") \
-            from None
+        raise ValueError(f"{directory / name} is not covered by checksums: {path} has no valid entry for it") from None
     if _sha256(directory / name) != expected:
         raise ValueError(f"{directory / name} is corrupted: its SHA-256 differs from {CHECKSUMS}")
 
 
-def save_pretrained(model, directory: str | os.PathLike, fmt: str = "k3", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    quantize: str | None = None, scale_mode: str | None = None) -> Path:
+def save_pretrained(
+    model,
+    directory: str | os.PathLike,
+    fmt: str = "k3",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    quantize: str | None = None,
+    scale_mode: str | None = None,
+) -> Path:
     """Atomically (re)write ``directory`` with the model's config.json and safetensors weights.
 
     quantize="mxfp4": routed experts written packed (MXFP4, ``scale_mode`` "floor" or "rceil"; default: the
@@ -158,8 +176,12 @@ def read_config(directory: str | os.PathLike) -> K3Config:
 def _inside(directory: Path, fname: str) -> None:
     """Refuse a shard name that could read a file outside the checkpoint (``..``, absolute, a link out)."""
     root = directory.resolve()
-    if (not isinstance(fname, str) or Path(fname).is_absolute() or ".." in Path(fname).parts
-            or not (root / fname).resolve().is_relative_to(root)):
+    if (
+        not isinstance(fname, str)
+        or Path(fname).is_absolute()
+        or ".." in Path(fname).parts
+        or not (root / fname).resolve().is_relative_to(root)
+    ):
         raise ValueError(f"{directory / INDEX} names {fname!r}, which is outside the checkpoint directory")
 
 
@@ -203,12 +225,15 @@ def read_tensors(directory: str | os.PathLike, verify: bool = True) -> dict[str,
                         raise ValueError(f"{directory / fname} holds {key!r}, which {INDEX} does not map to it")
                     t = f.get_tensor(key)
                     if verify and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise ValueError(f"{directory / fname}: tensor {key!r} holds non-finite values (NaN or "
-                                         "inf); the checkpoint is corrupted or was saved from a diverged run")
+                        raise ValueError(
+                            f"{directory / fname}: tensor {key!r} holds non-finite values (NaN or "
+                            "inf); the checkpoint is corrupted or was saved from a diverged run"
+                        )
                     tensors[key] = t
         except SafetensorError as e:
-            raise ValueError(f"{directory / fname} is not a valid safetensors file (truncated or corrupted): {e}") \
-                from None
+            raise ValueError(
+                f"{directory / fname} is not a valid safetensors file (truncated or corrupted): {e}"
+            ) from None
     missing = sorted(set(weight_map) - set(tensors))
     if missing:
         raise ValueError(f"tensors listed in {INDEX} are absent from their files: {missing[:8]}")
@@ -224,16 +249,25 @@ def check_state(state: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
         problems.append(f"missing {len(missing)} tensor(s): {missing[:8]}")
     if unexpected:
         problems.append(f"unexpected {len(unexpected)} tensor(s): {unexpected[:8]}")
-    bad_shape = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-                 for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    bad_shape = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
     if bad_shape:
         problems.append("shape mismatch: " + "; ".join(bad_shape[:8]))
-    bad_dtype = [f"{k}: {t.dtype}" for k, t in state.items() if k in expected and not t.is_floating_point()
-                 and expected[k].is_floating_point()]
+    bad_dtype = [
+        f"{k}: {t.dtype}"
+        for k, t in state.items()
+        if k in expected and not t.is_floating_point() and expected[k].is_floating_point()
+    ]
     if bad_dtype:
         problems.append("non-floating tensors: " + "; ".join(bad_dtype[:8]))
-    bad_int = [f"{k}: checkpoint {t.dtype} vs model {expected[k].dtype}" for k, t in state.items()
-               if k in expected and not expected[k].is_floating_point() and t.dtype != expected[k].dtype]
+    bad_int = [
+        f"{k}: checkpoint {t.dtype} vs model {expected[k].dtype}"
+        for k, t in state.items()
+        if k in expected and not expected[k].is_floating_point() and t.dtype != expected[k].dtype
+    ]
     if bad_int:
         problems.append("dtype mismatch: " + "; ".join(bad_int[:8]))
     if problems:
@@ -260,5 +294,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         found = latest_checkpoint(path)
         if found is not None:
             return found
-    raise FileNotFoundError(f"{path} is neither a checkpoint directory (config.json) nor a training run with "
-                            "checkpoints/latest")
+    raise FileNotFoundError(
+        f"{path} is neither a checkpoint directory (config.json) nor a training run with checkpoints/latest"
+    )

@@ -32,7 +32,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
 )
 
 from k3.convert.atomic import atomic_directory
@@ -61,8 +64,9 @@ def _write(tmp: Path, model: nn.Module, optimizer, extra: dict | None) -> None:
     _barrier()  # every shard is on disk before rank 0 swaps the directory in
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict | None = None) -> Path:
+def save(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None
+) -> Path:
     """Save model + optimizer (sharded, DCP) and ``extra`` (rank 0's) atomically to directory ``path``; every
     rank calls it. Returns ``path``."""
     path = Path(path)
@@ -79,8 +83,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return path
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         no_dist: bool = False) -> dict:
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, no_dist: bool = False
+) -> dict:
     """Load a :func:`save` checkpoint into ``model`` (and ``optimizer``) as they are laid out now (any dp / ep,
     or none); returns ``extra``. Every rank calls it (``no_dist=True``: this process alone, see
     :func:`load_into_single`)."""
@@ -122,8 +127,7 @@ def _dcp_load(state: dict, path: Path, no_dist: bool) -> None:
         raise ValueError(f"{path} does not match the model (rank {rank}): {type(exc).__name__}: {exc}") from None
 
 
-def load_into_single(path: str | os.PathLike, model: nn.Module,
-                     optimizer: torch.optim.Optimizer | None = None) -> dict:
+def load_into_single(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint saved on any number of ranks into a plain single-device model (K3ForCausalLM with no
     FSDP / EP) and optionally its K3Muon (built with ``param_groups_for``), in this process only (no process
     group needed, none used if one exists). Returns ``extra``."""

@@ -21,11 +21,18 @@ from torch import Tensor
 
 from k3.config import K3Config
 from k3.convert.names import from_files, map_tensor, vision_layout
-from k3.quant.packed import PACKED, SCALE, read_quantization, \
-    unpack_weight, use_packed_experts
+from k3.quant.packed import PACKED, SCALE, read_quantization, unpack_weight, use_packed_experts
 
-from k3.convert.checkpoint import (CHECKSUMS, INDEX, SINGLE, _sha256, _weight_files, check_state, read_config,
-                                   read_tensors)
+from k3.convert.checkpoint import (
+    CHECKSUMS,
+    INDEX,
+    SINGLE,
+    _sha256,
+    _weight_files,
+    check_state,
+    read_config,
+    read_tensors,
+)
 
 
 def _from_dcp(directory: Path, config):
@@ -44,9 +51,20 @@ def _from_dcp(directory: Path, config):
     return model
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 if hasattr(torch, "float8_e8m0fnu"):
     _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -57,6 +75,7 @@ _MAX_HEADER = 100 << 20
 @dataclass
 class _Entry:
     """One tensor of a safetensors file: its name, dtype, shape and absolute byte range."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -67,6 +86,7 @@ class _Entry:
 def read_header(path: Path) -> tuple[list[_Entry], int]:
     """A safetensors file's tensors (sorted by offset) and where its data begins; one ValueError naming the file
     for anything malformed (short header, bad JSON, unknown dtype, a byte range that does not fit)."""
+
     def bad(why: str) -> ValueError:
         return ValueError(f"{path} is not a valid safetensors file (truncated or corrupted): {why}")
 
@@ -98,8 +118,10 @@ def read_header(path: Path) -> tuple[list[_Entry], int]:
         for d in shape:
             numel *= d
         if min(shape, default=0) < 0 or end - start != numel * dtype.itemsize or start < 0 or base + end > size:
-            raise bad(f"tensor {name!r}: bytes {start}..{end} do not hold {list(shape)} {info['dtype']} inside "
-                      f"the file's {size - base} data bytes")
+            raise bad(
+                f"tensor {name!r}: bytes {start}..{end} do not hold {list(shape)} {info['dtype']} inside "
+                f"the file's {size - base} data bytes"
+            )
         entries.append(_Entry(name, dtype, shape, base + start, base + end))
     entries.sort(key=lambda e: e.start)
     for prev, e in zip(entries, entries[1:]):
@@ -120,8 +142,11 @@ def _device_of(device) -> callable:
         for prefix, dev in table:
             if prefix == "" or name == prefix or name.startswith(prefix + "."):
                 return dev
-        raise ValueError(f"device map {sorted(device)} places no module prefix of {name!r}; add an entry "
-                         "for it or a default under \"\"")
+        raise ValueError(
+            f"device map {sorted(device)} places no module prefix of {name!r}; add an entry "
+            'for it or a default under ""'
+        )
+
     return lookup
 
 
@@ -158,8 +183,10 @@ def _dequantized_specs(specs: dict[str, Tensor], dtype: torch.dtype) -> dict[str
             raise ValueError(f"{name}: expected uint8, got {t.dtype}")
         want = (*t.shape[:-1], 2 * t.shape[-1] // GROUP) if t.dim() else None
         if t.dim() == 0 or (2 * t.shape[-1]) % GROUP or tuple(scale.shape) != want:
-            raise ValueError(f"{name} {tuple(t.shape)} and its {SCALE} {tuple(scale.shape)} do not match "
-                             f"(expected scales {want} for groups of {GROUP})")
+            raise ValueError(
+                f"{name} {tuple(t.shape)} and its {SCALE} {tuple(scale.shape)} do not match "
+                f"(expected scales {want} for groups of {GROUP})"
+            )
         out[f"{base}.weight"] = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=dtype, device="meta")
     return out
 
@@ -167,6 +194,7 @@ def _dequantized_specs(specs: dict[str, Tensor], dtype: torch.dtype) -> dict[str
 @dataclass
 class LoadPlan:
     """What a checkpoint holds, from its headers alone: files, their tensors, our state dict's shapes / dtypes."""
+
     directory: Path
     files: list[str]
     entries: dict[str, tuple[list[_Entry], int]]
@@ -233,11 +261,16 @@ def _materialise(model: torch.nn.Module, plan: LoadPlan, dtype: torch.dtype | No
                 if full in plan.state:
                     new = torch.empty(t.shape, dtype=_target_dtype(full, plan.state[full], t, dtype), device=dev)
                 elif t.is_meta:
-                    raise ValueError(f"{full}: not in the checkpoint and has no value after building on the meta "
-                                     "device (a buffer without an initialiser)")
+                    raise ValueError(
+                        f"{full}: not in the checkpoint and has no value after building on the meta "
+                        "device (a buffer without an initialiser)"
+                    )
                 else:
-                    want = t.dtype if not t.is_floating_point() else (
-                        torch.float32 if full.endswith(FP32_NAMES) else model_dtype)
+                    want = (
+                        t.dtype
+                        if not t.is_floating_point()
+                        else (torch.float32 if full.endswith(FP32_NAMES) else model_dtype)
+                    )
                     new = t.detach().to(device=dev, dtype=want)
                 table[key] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
 
@@ -247,7 +280,7 @@ def _read_into(f, buf: Tensor, hasher, pool: ThreadPoolExecutor | None, path: Pa
     mv = memoryview(buf.numpy())
     pending = []
     for off in range(0, len(mv), _CHUNK):
-        view = mv[off: off + _CHUNK]
+        view = mv[off : off + _CHUNK]
         got = 0
         while got < len(view):
             n = f.readinto(view[got:])
@@ -320,8 +353,13 @@ class _Placer:
             targets = self._targets(e.name, spec)
             if len(targets) == 1:
                 name, piece, dest = targets[0]
-                if (dest.device.type == "cpu" and dest.dtype == e.dtype and dest.is_contiguous()
-                        and piece.is_contiguous() and not name.endswith(".A_log")):
+                if (
+                    dest.device.type == "cpu"
+                    and dest.dtype == e.dtype
+                    and dest.is_contiguous()
+                    and piece.is_contiguous()
+                    and not name.endswith(".A_log")
+                ):
                     flat = dest.reshape(-1).view(torch.uint8)
                     if flat.numel() == nbytes:
                         self.direct[e.name] = dest
@@ -356,14 +394,25 @@ class _Placer:
     def _check_finite(self, raw: str, t: Tensor) -> None:
         # a non-finite element makes the sum non-finite; a finite sum is the cheap common case (an overflowing
         # sum of finite values falls back to the exact test)
-        if (self.verify and t.is_floating_point() and not bool(torch.isfinite(t.sum(dtype=torch.float32)))
-                and not bool(torch.isfinite(t).all())):
-            raise ValueError(f"{self.plan.directory / self.fname}: tensor {raw!r} holds non-finite values (NaN or "
-                             "inf); the checkpoint is corrupted or was saved from a diverged run")
+        if (
+            self.verify
+            and t.is_floating_point()
+            and not bool(torch.isfinite(t.sum(dtype=torch.float32)))
+            and not bool(torch.isfinite(t).all())
+        ):
+            raise ValueError(
+                f"{self.plan.directory / self.fname}: tensor {raw!r} holds non-finite values (NaN or "
+                "inf); the checkpoint is corrupted or was saved from a diverged run"
+            )
 
 
-def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: str | torch.device | dict = "cpu", verify: bool = True, packed: str = "dequantize"):
+def from_pretrained(
+    directory: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | dict = "cpu",
+    verify: bool = True,
+    packed: str = "dequantize",
+):
     """Load a checkpoint directory (ours, the K3 release layout, transformers' Kimi-Linear, or a multi-GPU
     training run's DCP checkpoint) as K3ForCausalLM (K3ForConditionalGeneration when it holds vision weights),
     streamed shard by shard into its final dtype and device.
@@ -386,15 +435,19 @@ def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     config = read_config(directory)
     if (directory / ".metadata").is_file():  # a multi-GPU run's torch.distributed.checkpoint
         if packed == "keep":
-            raise ValueError(f"packed='keep': {directory} is a distributed training checkpoint (high-precision "
-                             "experts); export packed experts first with k3 convert --quantize mxfp4")
+            raise ValueError(
+                f"packed='keep': {directory} is a distributed training checkpoint (high-precision "
+                "experts); export packed experts first with k3 convert --quantize mxfp4"
+            )
         if isinstance(device, dict):
             raise ValueError("a device map is not supported for a distributed training checkpoint; give one device")
         return _from_dcp(directory, config).cast(dtype or torch.float32).to(device)
     quantized = read_quantization(json.loads((directory / "config.json").read_text()))
     if packed == "keep" and quantized is None:
-        raise ValueError(f"packed='keep': {directory} has no packed experts (no quantization_config); write one "
-                         "with save_pretrained(..., quantize='mxfp4') or k3 convert --quantize mxfp4")
+        raise ValueError(
+            f"packed='keep': {directory} has no packed experts (no quantization_config); write one "
+            "with save_pretrained(..., quantize='mxfp4') or k3 convert --quantize mxfp4"
+        )
     plan = plan_load(directory, packed, dtype)
     with torch.device("meta"):
         if config.vision is not None and any(k.startswith("vision_tower.") for k in plan.state):

@@ -26,8 +26,10 @@ from torch import Tensor
 
 from k3.config import K3Config
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight"
-                     r"(_packed|_scale)?$")
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.weight"
+    r"(_packed|_scale)?$"
+)
 _STACKED = re.compile(r"\.block_sparse_moe\.experts\.(w[123])(_packed|_scale)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -88,8 +90,10 @@ def vision_layout(names) -> str:
     """``release`` when checkpoint tensor names use the release's vision spelling (``mm_projector.*``,
     ``...wqkv``, ``patch_embed.proj``), else ``k3`` (our module names)."""
     for n in names:
-        if n.startswith("mm_projector.") or (n.startswith("vision_tower.") and (
-                ".wqkv." in n or ".patch_embed.proj." in n or n.endswith("final_layernorm.weight"))):
+        if n.startswith("mm_projector.") or (
+            n.startswith("vision_tower.")
+            and (".wqkv." in n or ".patch_embed.proj." in n or n.endswith("final_layernorm.weight"))
+        ):
             return "release"
     return "k3"
 
@@ -137,7 +141,7 @@ def _canonical_name(name: str, config: K3Config, layout: str = "k3") -> str:
     if layout == "release" and name.startswith(("vision_tower.", "mm_projector.")):
         return _rename(name, _FROM_RELEASE) or name
     if name.startswith(TEXT_PREFIX):
-        name = name[len(TEXT_PREFIX):]
+        name = name[len(TEXT_PREFIX) :]
     m = _LAYER.match(name)
     if not m:
         return name
@@ -166,8 +170,9 @@ def map_tensor(raw: str, t: Tensor, config: K3Config, layout: str = "k3") -> lis
         if t.shape[0] != sum(sizes):
             raise ValueError(f"{raw}: fused conv has {t.shape[0]} channels, expected {sum(sizes)}")
         base = name[: -len("conv1d.weight")]
-        return [(f"{base}{part}_conv1d.weight", None, piece)
-                for part, piece in zip(("q", "k", "v"), t.split(sizes, dim=0))]
+        return [
+            (f"{base}{part}_conv1d.weight", None, piece) for part, piece in zip(("q", "k", "v"), t.split(sizes, dim=0))
+        ]
     if name.endswith(".experts.gate_up_proj"):  # transformers: [E, 2I, D] = [w1; w3]
         base = name[: -len("gate_up_proj")]
         w1, w3 = t.chunk(2, dim=1)
@@ -217,7 +222,8 @@ def check_experts(name: str, shapes: dict[int, tuple], num_experts: int) -> None
     if sorted(shapes) != want:
         missing = sorted(set(want) - set(shapes))[:8]
         extra = sorted(set(shapes) - set(want))[:8]
-        raise ValueError(f"{prefix}.*.{w}: expected experts 0..{num_experts - 1}; missing {missing}, "
-                         f"unexpected {extra}")
+        raise ValueError(
+            f"{prefix}.*.{w}: expected experts 0..{num_experts - 1}; missing {missing}, unexpected {extra}"
+        )
     if len(set(shapes.values())) != 1:
         raise ValueError(f"{prefix}.*.{w}: experts have different shapes {sorted(set(shapes.values()))}")

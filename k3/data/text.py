@@ -59,8 +59,7 @@ SPLITS = ("train", "validation", "all")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 DATA_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
 # Directories of the stdlib that are not the library itself (tests, the IDE, the retired 2to3, installed packages).
-STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
-                              "__pycache__"})
+STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
 IGNORE_INDEX = -100
 
 
@@ -82,8 +81,7 @@ def _name_hash(name: str) -> int:
     return int.from_bytes(hashlib.sha1(name.encode("utf-8")).digest()[:8], "big")
 
 
-def split_documents(documents: Sequence[Document], split: str,
-                    fraction: float = VALIDATION_FRACTION) -> list[Document]:
+def split_documents(documents: Sequence[Document], split: str, fraction: float = VALIDATION_FRACTION) -> list[Document]:
     """The documents of ``split`` ("train", "validation" or "all"), in their input order.
 
     A document is in validation when sha1(name) / 2**64 < fraction. With >= 2 documents, if no document falls in
@@ -177,8 +175,9 @@ def load_documents(path: str | Path, split: str = "train") -> list[Document]:
         raise ValueError(f"{path}: no documents (looked for non-empty {', '.join(DATA_SUFFIXES)} files)")
     chosen = split_documents(docs, split)
     if not chosen:
-        raise ValueError(f"{path}: the {split} split is empty ({len(docs)} document(s); a train/validation "
-                         "split needs at least 2)")
+        raise ValueError(
+            f"{path}: the {split} split is empty ({len(docs)} document(s); a train/validation split needs at least 2)"
+        )
     return chosen
 
 
@@ -314,8 +313,16 @@ class PackedDataset:
     ``num_bytes``, ``num_text_tokens`` (N minus the EOS ids), ``bytes_per_token``, ``position``.
     """
 
-    def __init__(self, documents: Iterable[Document], tokenizer: TokenizerLike, seq_len: int, seed: int = 0,
-                 max_tokens: int | None = None, shuffle: bool = True, encode_chunk: int = 256):
+    def __init__(
+        self,
+        documents: Iterable[Document],
+        tokenizer: TokenizerLike,
+        seq_len: int,
+        seed: int = 0,
+        max_tokens: int | None = None,
+        shuffle: bool = True,
+        encode_chunk: int = 256,
+    ):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 1")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -334,7 +341,7 @@ class PackedDataset:
         pieces: list[np.ndarray] = []
         total = num_bytes = num_docs = 0
         for start in range(0, len(docs), encode_chunk):
-            chunk = [docs[i] for i in order[start:start + encode_chunk]]
+            chunk = [docs[i] for i in order[start : start + encode_chunk]]
             texts = [d.text for d in chunk]
             encoded = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
             for doc, ids in zip(chunk, encoded):
@@ -342,8 +349,10 @@ class PackedDataset:
                 if arr.size and (arr.min() < 0 or arr.max() >= 2**31):
                     raise ValueError(f"document {doc.name!r}: token ids must be in [0, 2**31)")
                 if (arr == eos).any():
-                    raise ValueError(f"document {doc.name!r}: the tokenizer produced the EOS id {eos} inside the "
-                                     "text (encode special-token strings as plain text)")
+                    raise ValueError(
+                        f"document {doc.name!r}: the tokenizer produced the EOS id {eos} inside the "
+                        "text (encode special-token strings as plain text)"
+                    )
                 pieces += [arr, np.array([eos], dtype=np.int64)]
                 total += arr.size + 1
                 num_bytes += len(doc.text.encode("utf-8"))
@@ -359,8 +368,9 @@ class PackedDataset:
         self.bytes_per_token = num_bytes / max(self.num_text_tokens, 1)
         self.num_rows = (total - 1) // seq_len
         if self.num_rows < 1:
-            raise ValueError(f"{num_docs} document(s) give {total} tokens, fewer than one row of seq_len + 1 = "
-                             f"{seq_len + 1}")
+            raise ValueError(
+                f"{num_docs} document(s) give {total} tokens, fewer than one row of seq_len + 1 = {seq_len + 1}"
+            )
         self.position = DataPosition()
         self._perms: dict[int, Tensor] = {}
 
@@ -368,14 +378,16 @@ class PackedDataset:
         return self.num_rows
 
     def __repr__(self) -> str:
-        return (f"PackedDataset(documents={self.num_documents}, tokens={self.tokens.numel()}, rows={self.num_rows}"
-                f", seq_len={self.seq_len}, bytes_per_token={self.bytes_per_token:.3f})")
+        return (
+            f"PackedDataset(documents={self.num_documents}, tokens={self.tokens.numel()}, rows={self.num_rows}"
+            f", seq_len={self.seq_len}, bytes_per_token={self.bytes_per_token:.3f})"
+        )
 
     def row_tokens(self, row: int) -> Tensor:
         """Row ``row`` (in stream order) as int64 [T + 1]."""
         if not 0 <= row < self.num_rows:
             raise ValueError(f"row={row} out of range [0, {self.num_rows})")
-        return self.tokens[row * self.seq_len: (row + 1) * self.seq_len + 1].long()
+        return self.tokens[row * self.seq_len : (row + 1) * self.seq_len + 1].long()
 
     def rows_batch(self, rows: Tensor | Sequence[int]) -> Batch:
         """A :class:`Batch` of the given stream-order rows (in that order)."""
@@ -436,8 +448,14 @@ class PackedDataset:
 
     def state_dict(self) -> dict[str, int]:
         """The data position plus what identifies the packed stream (plain ints)."""
-        return {"epoch": self.position.epoch, "next_row": self.position.next_row, "seed": self.seed,
-                "seq_len": self.seq_len, "num_rows": self.num_rows, "num_tokens": int(self.tokens.numel())}
+        return {
+            "epoch": self.position.epoch,
+            "next_row": self.position.next_row,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "num_rows": self.num_rows,
+            "num_tokens": int(self.tokens.numel()),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore a position saved by :meth:`state_dict`; the stream must be the same one (same documents,

@@ -39,8 +39,14 @@ CL100K_PATTERN = (
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 # EOS comes first: it separates documents in packed training rows. The chat markers are Kimi's.
-DEFAULT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-                          "<|im_end|>")
+DEFAULT_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+)
 EOS_CANDIDATES = ("<|endoftext|>", "[EOS]", "</s>", "<|end_of_text|>", "<eos>")
 BOS_CANDIDATES = ("[BOS]", "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 
@@ -66,10 +72,12 @@ _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
 def _pre_tokenizer(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def _special(content: str) -> AddedToken:
@@ -172,9 +180,14 @@ class Tokenizer:
         return cls(hf, eos_token=eos_token, bos_token=bos_token)
 
     @classmethod
-    def from_tiktoken(cls, path: str | Path, pattern: str = CL100K_PATTERN,
-                      special_tokens: dict[str, int] | None = None, eos_token: str | None = None,
-                      bos_token: str | None = None) -> Tokenizer:
+    def from_tiktoken(
+        cls,
+        path: str | Path,
+        pattern: str = CL100K_PATTERN,
+        special_tokens: dict[str, int] | None = None,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+    ) -> Tokenizer:
         """Load a tiktoken-format BPE file (lines ``base64(token bytes) rank``) as a byte-level HF tokenizer.
 
         Token ids are the ranks. BPE merges are rebuilt from the ranks: for each multi-byte token t of rank r,
@@ -234,9 +247,13 @@ def _to_bytes(chars: str) -> bytes:
         raise ValueError(f"token {chars!r} is not byte-level (character {e.args[0]!r})") from None
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = 8192,
-              special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS, pattern: str = CL100K_PATTERN,
-              min_frequency: int = 2) -> Tokenizer:
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int = 8192,
+    special_tokens: Sequence[str] = DEFAULT_SPECIAL_TOKENS,
+    pattern: str = CL100K_PATTERN,
+    min_frequency: int = 2,
+) -> Tokenizer:
     """Train a byte-level BPE tokenizer (deterministic for the same texts and arguments).
 
     Args:
@@ -266,9 +283,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 8192,
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = _pre_tokenizer(pattern)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  special_tokens=[_special(s) for s in specials],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=False,
+        special_tokens=[_special(s) for s in specials],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(counted(), trainer=trainer)
     if seen == 0:
         raise ValueError("train_bpe got no text to train on")
@@ -310,15 +331,17 @@ def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
         raise ValueError(f"{path}: no tokens")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise ValueError(f"{path}: a byte-level vocabulary needs all 256 single bytes; {len(missing)} missing "
-                         f"(first: {missing[0]:#04x})")
+        raise ValueError(
+            f"{path}: a byte-level vocabulary needs all 256 single bytes; {len(missing)} missing "
+            f"(first: {missing[0]:#04x})"
+        )
     return ranks
 
 
 def bpe_split(token: bytes, ranks: dict[bytes, int], max_rank: int | None = None) -> list[bytes]:
     """Rank-based BPE (tiktoken's rule) on ``token``'s bytes: repeatedly merge the adjacent pair whose
     concatenation has the lowest rank (the leftmost on ties), using only ranks < ``max_rank``."""
-    parts = [token[i:i + 1] for i in range(len(token))]
+    parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 1:
         best_rank, best_i = None, -1
         for i in range(len(parts) - 1):
@@ -327,7 +350,7 @@ def bpe_split(token: bytes, ranks: dict[bytes, int], max_rank: int | None = None
                 best_rank, best_i = r, i
         if best_rank is None:
             break
-        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
     return parts
 
 
@@ -339,7 +362,9 @@ def derive_merges(ranks: dict[bytes, int], source: str = "tiktoken ranks") -> li
             continue
         parts = bpe_split(token, ranks, max_rank=rank)
         if len(parts) != 2:
-            raise ValueError(f"{source}: token {token!r} (rank {rank}) is not the merge of two lower-ranked "
-                             f"tokens (BPE stops at {len(parts)} parts)")
+            raise ValueError(
+                f"{source}: token {token!r} (rank {rank}) is not the merge of two lower-ranked "
+                f"tokens (BPE stops at {len(parts)} parts)"
+            )
         merges.append((parts[0], parts[1]))
     return merges

@@ -32,8 +32,9 @@ MEDIA_TOKENS = ("<|media_begin|>", "<|media_pad|>", "<|media_end|>")
 def task_tokenizer(vocab_size: int = 512) -> Tokenizer:
     """A byte-level BPE over every question and answer of the task, with the media special tokens."""
     texts = [" " + t for t in task_texts()] * 4
-    return train_bpe(texts, min(vocab_size, 4096), special_tokens=DEFAULT_SPECIAL_TOKENS + MEDIA_TOKENS,
-                     min_frequency=1)
+    return train_bpe(
+        texts, min(vocab_size, 4096), special_tokens=DEFAULT_SPECIAL_TOKENS + MEDIA_TOKENS, min_frequency=1
+    )
 
 
 def media_ids(tokenizer: Tokenizer) -> dict[str, int]:
@@ -43,8 +44,11 @@ def media_ids(tokenizer: Tokenizer) -> dict[str, int]:
     if missing:
         raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s): the vision task needs them")
     begin, pad, end = ids
-    return {"vision.media_begin_token_id": begin, "vision.media_placeholder_token_id": pad,
-            "vision.media_end_token_id": end}
+    return {
+        "vision.media_begin_token_id": begin,
+        "vision.media_placeholder_token_id": pad,
+        "vision.media_end_token_id": end,
+    }
 
 
 @dataclass
@@ -59,8 +63,9 @@ class VisionBatch:
 class VisionTaskData:
     """``next_batch(B)`` / ``rows_batch(indices)`` / ``state_dict()`` like k3.data.text.PackedDataset."""
 
-    def __init__(self, tokenizer: Tokenizer, vision: VisionConfig, split: str = "train", seed: int = 0,
-                 rows: int | None = None):
+    def __init__(
+        self, tokenizer: Tokenizer, vision: VisionConfig, split: str = "train", seed: int = 0, rows: int | None = None
+    ):
         self.tokenizer, self.vision, self.split, self.seed = tokenizer, vision, split, seed
         self.processor = ImageProcessor.from_config(vision)
         self.num_rows = rows if rows is not None else 1 << 62
@@ -80,8 +85,13 @@ class VisionTaskData:
         """Token ids of the image + question (what generation is prompted with)."""
         v = self.vision
         ids = [v.media_placeholder_token_id] + self.tokenizer.encode(" " + example.question)
-        return expand_placeholders(ids, [merged_tokens(grid_hw, v.merge_size)], v.media_placeholder_token_id,
-                                   v.media_begin_token_id, v.media_end_token_id)[0]
+        return expand_placeholders(
+            ids,
+            [merged_tokens(grid_hw, v.merge_size)],
+            v.media_placeholder_token_id,
+            v.media_begin_token_id,
+            v.media_end_token_id,
+        )[0]
 
     def rows_batch(self, indices) -> VisionBatch:
         examples = [self.example(int(i)) for i in indices]

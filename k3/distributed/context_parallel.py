@@ -59,8 +59,14 @@ from k3.ops.dtypes import upcast
 from k3.ops.kda import chunk_kda
 from k3.ops.segments import attach_host, host_list
 
-__all__ = ["CPContext", "shard_batch", "apply_context_parallel", "cp_context", "kda_context_parallel",
-           "recompute_context"]
+__all__ = [
+    "CPContext",
+    "shard_batch",
+    "apply_context_parallel",
+    "cp_context",
+    "kda_context_parallel",
+    "recompute_context",
+]
 
 
 @dataclass
@@ -96,8 +102,9 @@ class CPContext:
         """[N] int64: each local token's position within its document."""
         key = ("positions", str(device))
         if key not in self._cache:
-            self._cache[key] = torch.cat([torch.arange(o, o + n) for o, n in zip(self.seg_offset, self.seg_length)]
-                                         ).to(device)
+            self._cache[key] = torch.cat([torch.arange(o, o + n) for o, n in zip(self.seg_offset, self.seg_length)]).to(
+                device
+            )
         return self._cache[key]
 
     def key_plan(self, device) -> tuple[Tensor, Tensor]:
@@ -118,34 +125,49 @@ class CPContext:
         return self._cache[key]
 
 
-def shard_batch(input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, cp_rank: int, cp_size: int
-                ) -> tuple[Tensor, Tensor, Tensor, CPContext]:
+def shard_batch(
+    input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, cp_rank: int, cp_size: int
+) -> tuple[Tensor, Tensor, Tensor, CPContext]:
     """input_ids, labels [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (every row boundary included) ->
     (ids [B, T/C], labels [B, T/C], local cu_seqlens [S_local+1] (same dtype and device, host copy attached),
     CPContext). Raises one ValueError for a T not divisible by C or an invalid cu_seqlens."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-        raise ValueError(f"input_ids and labels must both be [B, T], got {tuple(input_ids.shape)} and "
-                         f"{tuple(labels.shape)}")
+        raise ValueError(
+            f"input_ids and labels must both be [B, T], got {tuple(input_ids.shape)} and {tuple(labels.shape)}"
+        )
     B, T = input_ids.shape
     if not 0 <= cp_rank < cp_size or T % cp_size:
-        raise ValueError(f"context parallelism needs the sequence length T={T} divisible by the CP size "
-                         f"{cp_size} and 0 <= cp_rank={cp_rank} < {cp_size}")
+        raise ValueError(
+            f"context parallelism needs the sequence length T={T} divisible by the CP size "
+            f"{cp_size} and 0 <= cp_rank={cp_rank} < {cp_size}"
+        )
     cu = host_list(cu_seqlens) if cu_seqlens.device.type == "cpu" else cu_seqlens.tolist()
-    if (cu[0] != 0 or cu[-1] != B * T or any(b <= a for a, b in zip(cu[:-1], cu[1:]))
-            or not set(range(0, B * T, T)) <= set(cu)):
-        raise ValueError(f"cu_seqlens must increase from 0 to B*T={B * T} and contain every row boundary "
-                         f"(multiples of T={T}); got {cu}")
+    if (
+        cu[0] != 0
+        or cu[-1] != B * T
+        or any(b <= a for a, b in zip(cu[:-1], cu[1:]))
+        or not set(range(0, B * T, T)) <= set(cu)
+    ):
+        raise ValueError(
+            f"cu_seqlens must increase from 0 to B*T={B * T} and contain every row boundary "
+            f"(multiples of T={T}); got {cu}"
+        )
     L = T // cp_size
     starts = set(cu[:-1])
     continues = [[b * T + j * L not in starts for b in range(B)] for j in range(cp_size)]
-    inside = [[continues[j][b] and bisect.bisect_right(cu, b * T + j * L) == bisect.bisect_left(cu, b * T + (j + 1) * L)
-               for b in range(B)] for j in range(cp_size)]  # no document starts inside the slice
+    inside = [
+        [
+            continues[j][b] and bisect.bisect_right(cu, b * T + j * L) == bisect.bisect_left(cu, b * T + (j + 1) * L)
+            for b in range(B)
+        ]
+        for j in range(cp_size)
+    ]  # no document starts inside the slice
 
     seg_doc, seg_offset, seg_start, seg_length, doc_start, heads, tails = [], [], [], [], [], [], []
     local_cu = [0]
     for b in range(B):
         w0, w1 = b * T + cp_rank * L, b * T + (cp_rank + 1) * L
-        cuts = [w0] + cu[bisect.bisect_right(cu, w0):bisect.bisect_left(cu, w1)] + [w1]
+        cuts = [w0] + cu[bisect.bisect_right(cu, w0) : bisect.bisect_left(cu, w1)] + [w1]
         heads.append(len(seg_doc))
         for a, e in zip(cuts[:-1], cuts[1:]):
             doc = bisect.bisect_right(cu, a) - 1
@@ -158,8 +180,9 @@ def shard_batch(input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, cp_rank: 
         tails.append(len(seg_doc) - 1)
     cols = slice(cp_rank * L, (cp_rank + 1) * L)
     local = attach_host(torch.tensor(local_cu, dtype=cu_seqlens.dtype).to(cu_seqlens.device), local_cu)
-    ctx = CPContext(cp_rank, cp_size, B, T, seg_doc, seg_offset, seg_start, seg_length, doc_start, heads, tails,
-                    continues, inside)
+    ctx = CPContext(
+        cp_rank, cp_size, B, T, seg_doc, seg_offset, seg_start, seg_length, doc_start, heads, tails, continues, inside
+    )
     return input_ids[:, cols].contiguous(), labels[:, cols].contiguous(), local, ctx
 
 
@@ -224,8 +247,19 @@ def _select_tokens(cu: list[int], segments: list[int], device) -> tuple[Tensor, 
     return index, attach_host(torch.tensor(bounds, dtype=torch.int64).to(device), bounds)
 
 
-def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
-                         ctx: CPContext, group, *, scale: float | None = None, chunk_size: int = 64) -> Tensor:
+def kda_context_parallel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    cu_seqlens: Tensor,
+    ctx: CPContext,
+    group,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
     """Exact KDA over the local tokens of a CP rank: q, k (L2-normalised), g [1, N, H, K]; v [1, N, H, V];
     beta [1, N, H]; cu_seqlens [S_local+1] from :func:`shard_batch` -> o [1, N, H, V] (v.dtype), equal to the
     rows of a single-process ``chunk_kda`` over the whole batch. Collective over ``group`` (every rank calls)."""
@@ -233,8 +267,9 @@ def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     V = v.shape[-1]
     B, r = ctx.batch, ctx.rank
     cu = host_list(cu_seqlens)
-    o, finals = chunk_kda(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu_seqlens,
-                          chunk_size=chunk_size)
+    o, finals = chunk_kda(
+        q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=chunk_size
+    )
     if not ctx.any_crossing:
         return o
     rows = [b for b in range(B) if ctx.continues[r][b]]  # rows whose first segment needs the incoming state
@@ -244,14 +279,26 @@ def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         index, cu2 = _select_tokens(cu, [ctx.heads[b] for b in rows], q.device)
         pick = lambda t: t.index_select(1, index)  # noqa: E731
         eye = torch.eye(K, dtype=last.dtype, device=q.device).expand(len(rows), H, K, K)
-        qp, trans_rows = chunk_kda(pick(q), pick(k), v.new_zeros(1, index.numel(), H, K), pick(g), pick(beta),
-                                   scale=scale, initial_state=eye, output_final_state=True, cu_seqlens=cu2,
-                                   chunk_size=chunk_size)  # qp [1, n, H, K] = scale P_t^T q_t; trans P [R, H, K, K]
+        qp, trans_rows = chunk_kda(
+            pick(q),
+            pick(k),
+            v.new_zeros(1, index.numel(), H, K),
+            pick(g),
+            pick(beta),
+            scale=scale,
+            initial_state=eye,
+            output_final_state=True,
+            cu_seqlens=cu2,
+            chunk_size=chunk_size,
+        )  # qp [1, n, H, K] = scale P_t^T q_t; trans P [R, H, K, K]
         inside = [i for i, b in enumerate(rows) if ctx.inside[r][b]]
         if inside:
             sel = torch.tensor(inside, device=q.device)
-            trans = trans.index_copy(0, torch.tensor([rows[i] for i in inside], device=q.device),
-                                     trans_rows.index_select(0, sel).to(trans.dtype))
+            trans = trans.index_copy(
+                0,
+                torch.tensor([rows[i] for i in inside], device=q.device),
+                trans_rows.index_select(0, sel).to(trans.dtype),
+            )
     gathered = _gather(torch.cat([trans, last], dim=-1), group)  # [C, B, H, K, K + V]: one collective
     if not rows:
         return _Anchor.apply(o, gathered)
@@ -261,8 +308,9 @@ def kda_context_parallel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
         keep = torch.tensor(ctx.inside[j], dtype=state.dtype, device=state.device).view(B, 1, 1, 1)
         state = all_last[j] + keep * (all_trans[j] @ state)
     bounds = host_list(cu2)
-    corr = torch.cat([torch.einsum("thk,hkv->thv", upcast(qp[0, a:e]), state[b])
-                      for b, a, e in zip(rows, bounds[:-1], bounds[1:])])  # [n, H, V]
+    corr = torch.cat(
+        [torch.einsum("thk,hkv->thv", upcast(qp[0, a:e]), state[b]) for b, a, e in zip(rows, bounds[:-1], bounds[1:])]
+    )  # [n, H, V]
     return o.index_add(1, index, corr.unsqueeze(0).to(o.dtype))
 
 
@@ -298,8 +346,9 @@ def _kda_forward(self: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, state=
         history = _conv_history(tails, ctx, width)  # [B, Ch, W-1]
         full = history.new_zeros(len(ctx.seg_doc), history.shape[1], width - 1)
         init = _Anchor.apply(full.index_copy(0, torch.tensor(ctx.heads, device=x.device), history), tails)
-    y = causal_conv1d(projected.unsqueeze(0), self.conv_weight(), cu_seqlens=cu_seqlens, initial_state=init,
-                      activation="silu")[0]
+    y = causal_conv1d(
+        projected.unsqueeze(0), self.conv_weight(), cu_seqlens=cu_seqlens, initial_state=init, activation="silu"
+    )[0]
     qkv = list(y[0].split(self.qkv_widths(), dim=-1))
     q, k, v, g, beta = self.recurrence_inputs(x, qkv)
     o = kda_context_parallel(q, k, v, g, beta, cu_seqlens, ctx, cp.group, chunk_size=self.chunk_size)
@@ -311,8 +360,9 @@ def _kda_forward(self: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, state=
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _mla_forward(self: MultiheadLatentAttention, x: Tensor, cu_seqlens: Tensor, state=None, seq_ids=None,
-                 absorb: bool | None = None) -> Tensor:
+def _mla_forward(
+    self: MultiheadLatentAttention, x: Tensor, cu_seqlens: Tensor, state=None, seq_ids=None, absorb: bool | None = None
+) -> Tensor:
     """CP-aware MultiheadLatentAttention.forward (same contract): x [N, d] local packed tokens -> [N, d]."""
     cp = self._k3_cp
     if cp.ctx is None or (state is None and not cp.ctx.any_crossing):  # no document crosses a rank: local
@@ -383,8 +433,10 @@ def cp_context(model, ctx: CPContext):
         raise ValueError("call apply_context_parallel(model, cp_group) before cp_context")
     size, rank = dist.get_world_size(state.group), dist.get_rank(state.group)
     if (ctx.size, ctx.rank) != (size, rank):
-        raise ValueError(f"the batch was sharded for CP rank {ctx.rank} of {ctx.size}, but this process is rank "
-                         f"{rank} of the {size}-rank CP group")
+        raise ValueError(
+            f"the batch was sharded for CP rank {ctx.rank} of {ctx.size}, but this process is rank "
+            f"{rank} of the {size}-rank CP group"
+        )
     previous, state.ctx = state.ctx, ctx
     try:
         yield ctx

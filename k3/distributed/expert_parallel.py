@@ -106,8 +106,9 @@ def _all_to_all(x: Tensor, recv_splits: list[int], send_splits: list[int], group
     return out
 
 
-def all_to_all_rows(x: Tensor, recv_splits: list[int], send_splits: list[int], group,
-                    stats: CommStats | None = None) -> Tensor:
+def all_to_all_rows(
+    x: Tensor, recv_splits: list[int], send_splits: list[int], group, stats: CommStats | None = None
+) -> Tensor:
     """Send rows x[sum(send_splits[:i]) : ...][send_splits[i]] to rank i of ``group``, receive recv_splits[i] rows
     from it (differentiable; timed into ``stats`` when given, backward included)."""
     return _AllToAll.apply(x, recv_splits, send_splits, group, stats)
@@ -166,21 +167,25 @@ class LatentAllToAll:
         if moe.qat is None:
             return moe_experts(rows, idx, ones, w1, w2, w3, moe.glu)
         q = moe.qat
-        return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu,
-                           act_quant=q.act_quant)
+        return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu, act_quant=q.act_quant)
 
 
 def comm_stats(model: nn.Module) -> CommStats | None:
     """The :class:`CommStats` of a model under expert parallelism (None without)."""
-    return next((m.expert_dispatch.stats for m in moe_layers(model) if isinstance(m.expert_dispatch, LatentAllToAll)),
-                None)
+    return next(
+        (m.expert_dispatch.stats for m in moe_layers(model) if isinstance(m.expert_dispatch, LatentAllToAll)), None
+    )
 
 
 def expert_parameters(model: nn.Module, expert_parallel_only: bool = False) -> list[nn.Parameter]:
     """The routed-expert stacks (w1, w2, w3 of every MoE layer), in module order; with ``expert_parallel_only``
     only those split by :func:`apply_expert_parallel` (not FSDP-sharded or plain ones)."""
-    return [getattr(m.experts, name) for m in moe_layers(model)
-            if not expert_parallel_only or isinstance(m.expert_dispatch, LatentAllToAll) for name in EXPERT_WEIGHTS]
+    return [
+        getattr(m.experts, name)
+        for m in moe_layers(model)
+        if not expert_parallel_only or isinstance(m.expert_dispatch, LatentAllToAll)
+        for name in EXPERT_WEIGHTS
+    ]
 
 
 def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
@@ -204,8 +209,10 @@ def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
             raise ValueError(f"MoE layer {moe.layer_idx} already has an expert dispatch (EP applied twice?)")
         w1 = moe.experts.w1
         if not isinstance(w1, nn.Parameter) or isinstance(w1, DTensor):
-            raise ValueError(f"apply_expert_parallel: MoE layer {moe.layer_idx} has no plain [E, I, D] expert "
-                             "parameters (packed inference experts, or already sharded)")
+            raise ValueError(
+                f"apply_expert_parallel: MoE layer {moe.layer_idx} has no plain [E, I, D] expert "
+                "parameters (packed inference experts, or already sharded)"
+            )
         e = w1.shape[0]
         if e % ep:
             raise ValueError(f"--ep={ep} must divide the number of routed experts ({e})")

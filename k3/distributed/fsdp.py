@@ -28,8 +28,9 @@ from k3.distributed.expert_parallel import expert_parameters
 from k3.model.decoder import DecoderLayer
 
 
-def apply_fsdp(model: nn.Module, meshes, *, mp_policy: MixedPrecisionPolicy | None = None,
-               reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, meshes, *, mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True
+) -> nn.Module:
     """``fully_shard`` every decoder layer's mixer and FFN (:func:`fsdp_units`), then the root, over
     ``meshes.dp_cp`` (parameters Shard(0) over all ranks), leaving out every parameter that already is a DTensor
     (the EP expert stacks); gradients are summed over the ranks (divide factor 1, SUM reductions; see the module
@@ -104,7 +105,7 @@ def reduce_expert_grads(model: nn.Module, meshes) -> None:
     dist.all_reduce(flat, group=mesh.get_group())
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 

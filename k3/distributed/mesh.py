@@ -36,11 +36,14 @@ class ParallelDims:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name}={v!r} must be a positive integer")
         if self.dp % self.ep:
-            raise ValueError(f"--ep={self.ep} must divide --dp={self.dp} (expert-parallel ranks are data-parallel "
-                             "ranks too)")
+            raise ValueError(
+                f"--ep={self.ep} must divide --dp={self.dp} (expert-parallel ranks are data-parallel ranks too)"
+            )
         if world is not None and world != self.world:
-            raise ValueError(f"--dp {self.dp} x --cp {self.cp} = {self.world} ranks, but the world has {world} "
-                             "processes (torchrun --nproc-per-node)")
+            raise ValueError(
+                f"--dp {self.dp} x --cp {self.cp} = {self.world} ranks, but the world has {world} "
+                "processes (torchrun --nproc-per-node)"
+            )
 
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -49,7 +49,7 @@ def select_rows(batch: Batch, start: int, count: int) -> Batch:
     t = batch.input_ids.shape[1]
     lo, hi = start * t, (start + count) * t
     cu = [c - lo for c in batch.cu_seqlens.tolist() if lo <= c <= hi]
-    return Batch(batch.input_ids[start:start + count], batch.labels[start:start + count], torch.tensor(cu))
+    return Batch(batch.input_ids[start : start + count], batch.labels[start : start + count], torch.tensor(cu))
 
 
 class DistributedTrainer(Trainer):
@@ -69,11 +69,19 @@ class DistributedTrainer(Trainer):
         if resume and cfg.tokenizer is None and (Path(cfg.out) / "tokenizer.json").is_file():
             cfg = dataclasses.replace(cfg, tokenizer=str(Path(cfg.out) / "tokenizer.json"))
         if cfg.device == "auto":
-            cfg = dataclasses.replace(cfg, device=f"cuda:{torch.cuda.current_device()}"
-                                      if self.meshes.device_type == "cuda" else "cpu")
+            cfg = dataclasses.replace(
+                cfg, device=f"cuda:{torch.cuda.current_device()}" if self.meshes.device_type == "cuda" else "cpu"
+            )
         super().__init__(cfg, resume=resume, progress=progress)
-        log.info("rank %d of %d: dp %d (ep %d), cp %d on %s", self.rank, dist.get_world_size(), dims.dp, dims.ep,
-                 dims.cp, self.meshes.device_type)
+        log.info(
+            "rank %d of %d: dp %d (ep %d), cp %d on %s",
+            self.rank,
+            dist.get_world_size(),
+            dims.dp,
+            dims.ep,
+            dims.cp,
+            self.meshes.device_type,
+        )
 
     # ------------------------------------------------------------------ set-up hooks
     def model_checkpoint(self, ckpt):
@@ -98,21 +106,24 @@ class DistributedTrainer(Trainer):
         local = select_rows(batch, self.meshes.dp.get_local_rank() * rows, rows)
         local.cp_ctx = None
         if self.dims.cp > 1:
-            ids, labels, cu, ctx = shard_batch(local.input_ids, local.labels, local.cu_seqlens,
-                                               self.meshes.cp.get_local_rank(), self.dims.cp)
+            ids, labels, cu, ctx = shard_batch(
+                local.input_ids, local.labels, local.cu_seqlens, self.meshes.cp.get_local_rank(), self.dims.cp
+            )
             local = Batch(ids, labels, cu)
             local.cp_ctx = ctx
         return local
 
     def next_batches(self) -> list:
-        return [self._local(self.train_data.next_batch(self.cfg.batch_size * self.dims.dp))
-                for _ in range(self.cfg.grad_accum)]
+        return [
+            self._local(self.train_data.next_batch(self.cfg.batch_size * self.dims.dp))
+            for _ in range(self.cfg.grad_accum)
+        ]
 
     def eval_batch(self, rows: list[int]):
         # pad the row list to a multiple of dp with repeats that carry no labels
         batch = self.val_data.rows_batch(rows + rows[:1] * (-len(rows) % self.dims.dp))
         if len(rows) % self.dims.dp:
-            batch.labels[len(rows):] = -100
+            batch.labels[len(rows) :] = -100
         return self._local(batch)
 
     def _forward_loss(self, batch, record: bool = False):

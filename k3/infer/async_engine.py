@@ -138,14 +138,28 @@ class AsyncEngine:
         self._thread.join()
 
     # ------------------------------------------------------------------ requests
-    async def submit(self, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None, images: list | None = None, media=None) -> RequestStream:
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: list | None = None,
+        media=None,
+    ) -> RequestStream:
         """Queue a request (``images``: one per media placeholder, or ``media`` from Engine.prepare; see
         Engine.add); returns once the engine accepted it. ValueError if the engine refuses it, EngineClosed if
         shutting down."""
         loop = asyncio.get_running_loop()
-        req = _Request(request_id or f"areq-{next(self._ids)}", list(prompt_ids), params, loop, asyncio.Queue(),
-                       loop.create_future(), images, media)
+        req = _Request(
+            request_id or f"areq-{next(self._ids)}",
+            list(prompt_ids),
+            params,
+            loop,
+            asyncio.Queue(),
+            loop.create_future(),
+            images,
+            media,
+        )
         with self._cv:
             if not self._accepting or self._thread is None or not self._thread.is_alive():
                 raise EngineClosed("the engine is not running (shutting down or not started)")
@@ -158,8 +172,9 @@ class AsyncEngine:
             raise
         return RequestStream(self, req)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[StepOutput]:
         """Submit and yield the request's :class:`StepOutput` deltas until the one with ``finished``. Closing
         or cancelling the iteration early aborts the request."""
         stream = await self.submit(prompt_ids, params, request_id)
@@ -195,7 +210,8 @@ class AsyncEngine:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
             stopping = self._stop_at is not None and (
-                time.monotonic() >= self._stop_at or not (inbox or self.engine.has_work()))
+                time.monotonic() >= self._stop_at or not (inbox or self.engine.has_work())
+            )
             return inbox, aborts, stopping
 
     def _run(self) -> None:

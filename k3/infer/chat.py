@@ -85,8 +85,9 @@ def _encode(tokenizer, text: str, image_token_id: int | None) -> list[int]:
     return ids
 
 
-def render_chat(messages, tokenizer, add_generation_prompt: bool = True,
-                image_token_id: int | None = None) -> RenderedChat:
+def render_chat(
+    messages, tokenizer, add_generation_prompt: bool = True, image_token_id: int | None = None
+) -> RenderedChat:
     """Render ``messages`` (roles system/user/assistant, string contents) for ``tokenizer``'s chat format.
 
     Returns a :class:`RenderedChat` with the text, the token ids (built piecewise: special-token ids spliced

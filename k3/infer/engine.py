@@ -109,42 +109,61 @@ class Media:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_batch: int = 16, max_context: int | None = None,
-                 prefill_chunk: int = 256, memory_budget: int | None = None, prefix_cache_bytes: int = 0,
-                 block_size: int = 64, state_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None,
-                 compile_decode: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch: int = 16,
+        max_context: int | None = None,
+        prefill_chunk: int = 256,
+        memory_budget: int | None = None,
+        prefix_cache_bytes: int = 0,
+        block_size: int = 64,
+        state_dtype: torch.dtype = torch.float32,
+        cuda_graphs: bool | None = None,
+        compile_decode: bool = False,
+    ):
         cfg = model.config
         if prefill_chunk < 1 or max_batch < 1:
             raise ValueError(f"prefill_chunk={prefill_chunk} and max_batch={max_batch} must be positive")
         if prefix_cache_bytes and prefill_chunk % block_size:
-            raise ValueError(f"prefill_chunk={prefill_chunk} must be a multiple of block_size={block_size} "
-                             "when prefix caching is on")
+            raise ValueError(
+                f"prefill_chunk={prefill_chunk} must be a multiple of block_size={block_size} when prefix caching is on"
+            )
         self.model, self.tokenizer = model.eval(), tokenizer
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.max_context = max_context or min(cfg.max_position_embeddings, 8192)
         self.memory_budget = memory_budget
         self.device = next(model.parameters()).device
-        self.cache = K3Cache(cfg, max_batch, device=self.device, dtype=next(model.parameters()).dtype,
-                             state_dtype=state_dtype)
+        self.cache = K3Cache(
+            cfg, max_batch, device=self.device, dtype=next(model.parameters()).dtype, state_dtype=state_dtype
+        )
         self.state_bytes = torch.empty((), dtype=state_dtype).element_size()
         self.kv_bytes = next(model.parameters()).element_size()
         self.prefix = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes else None
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if compile_decode and not cuda_graphs:
-            raise ValueError("compile_decode compiles the decode step replayed from CUDA graphs: it needs "
-                             "cuda_graphs on a CUDA device")
+            raise ValueError(
+                "compile_decode compiles the decode step replayed from CUDA graphs: it needs "
+                "cuda_graphs on a CUDA device"
+            )
         if compile_decode:  # one compilation per batch size: the MLA capacity is reserved whole, so never grows
             whole = max_batch * self.context_bytes(self.max_context)
             if memory_budget is not None and whole > memory_budget:
-                raise ValueError(f"compile_decode reserves the cache of max_batch={max_batch} sequences of "
-                                 f"max_context={self.max_context} tokens up front ({whole / 2**30:.2f} GiB), more "
-                                 f"than memory_budget ({memory_budget / 2**30:.2f} GiB): lower either")
+                raise ValueError(
+                    f"compile_decode reserves the cache of max_batch={max_batch} sequences of "
+                    f"max_context={self.max_context} tokens up front ({whole / 2**30:.2f} GiB), more "
+                    f"than memory_budget ({memory_budget / 2**30:.2f} GiB): lower either"
+                )
             self.cache.reserve(self.max_context + 1)
             raise_recompile_limit(max_batch + 8, "k3.infer.engine: compiled decode, one version per batch size")
         self.graphs = GraphedDecoder(model, self.cache, compile=compile_decode) if cuda_graphs else None
-        log.info("engine: decode steps run %s", ("compiled, in CUDA graphs" if compile_decode else "in CUDA graphs")
-                 if cuda_graphs else "eagerly")
+        log.info(
+            "engine: decode steps run %s",
+            ("compiled, in CUDA graphs" if compile_decode else "in CUDA graphs") if cuda_graphs else "eagerly",
+        )
         self.free_slots = list(range(max_batch))
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
@@ -153,16 +172,29 @@ class Engine:
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.vision = cfg.vision if hasattr(model, "vision_tower") else None  # VisionConfig: takes images
         v = self.vision
-        media = [] if v is None else [i for i in (v.media_placeholder_token_id, v.media_begin_token_id,
-                                                   v.media_end_token_id) if i is not None and i < cfg.vocab_size]
+        media = (
+            []
+            if v is None
+            else [
+                i
+                for i in (v.media_placeholder_token_id, v.media_begin_token_id, v.media_end_token_id)
+                if i is not None and i < cfg.vocab_size
+            ]
+        )
         self.media_ids = torch.tensor(media, dtype=torch.int64, device=self.device) if media else None
 
     # ------------------------------------------------------------------ requests
     def context_bytes(self, tokens: int) -> int:
         return cache_bytes_per_sequence(self.model.config, tokens, self.state_bytes, self.kv_bytes)["total_bytes"]
 
-    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            images: list | None = None, media: Media | None = None) -> str:
+    def add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: list | None = None,
+        media: Media | None = None,
+    ) -> str:
         """Queue a request; one ValueError if it can never run (bad params, empty or too long, bad images).
 
         images (multimodal models): paths, bytes or PIL images, one per media placeholder token of the prompt
@@ -180,8 +212,10 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt) + params.max_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"context limit of {self.max_context} tokens")
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context limit of {self.max_context} tokens"
+            )
         need = self.context_bytes(len(prompt) + params.max_tokens)
         if self.memory_budget is not None and need > self.memory_budget:
             raise ValueError(f"the request needs {need} cache bytes, more than the whole budget {self.memory_budget}")
@@ -189,8 +223,9 @@ class Engine:
         if any(s.request_id == rid for s in (*self.waiting, *self.running)):
             raise ValueError(f"request_id={rid!r} is already in use")
         features = None if media is None else self._encode(media)
-        self.waiting.append(_Sequence(rid, list(prompt), params, need, params.generator(self.device),
-                                      image_features=features))
+        self.waiting.append(
+            _Sequence(rid, list(prompt), params, need, params.generator(self.device), image_features=features)
+        )
         return rid
 
     def prepare(self, prompt: list[int], images: list) -> tuple[list[int], Media | None]:
@@ -208,13 +243,16 @@ class Engine:
         if not images:
             found = prompt.count(v.media_placeholder_token_id)
             if found:
-                raise ValueError(f"the prompt has {found} media placeholder token(s) (id "
-                                 f"{v.media_placeholder_token_id}) but 0 image(s) were given")
+                raise ValueError(
+                    f"the prompt has {found} media placeholder token(s) (id "
+                    f"{v.media_placeholder_token_id}) but 0 image(s) were given"
+                )
             return list(prompt), None
         patches, grids = ImageProcessor.from_config(v).process(images)
         counts = [merged_tokens(g, v.merge_size) for g in grids.tolist()]
-        prompt, _ = expand_placeholders(prompt, counts, v.media_placeholder_token_id, v.media_begin_token_id,
-                                        v.media_end_token_id)
+        prompt, _ = expand_placeholders(
+            prompt, counts, v.media_placeholder_token_id, v.media_begin_token_id, v.media_end_token_id
+        )
         return prompt, Media(patches, grids)
 
     @torch.no_grad()
@@ -283,7 +321,7 @@ class Engine:
                 if take <= 0:
                     continue
                 budget -= take
-                pieces.append(seq.prompt[seq.fed:seq.fed + take])
+                pieces.append(seq.prompt[seq.fed : seq.fed + take])
             else:
                 pieces.append([seq.output[-1]])
             batch.append(seq)
@@ -303,8 +341,9 @@ class Engine:
             logits = self.graphs(ids[0], slots) if self.graphs else self.model.decode(ids[0], self.cache, slots)
         else:
             kwargs = {} if images is None else {"image_features": images}
-            logits = self.model(ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not full,
-                                **kwargs).logits
+            logits = self.model(
+                ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not full, **kwargs
+            ).logits
             logits = logits[0] if full else logits
         raw = logits[cu[1:] - 1] if full else logits  # the model's, at each sequence's last position (logprobs)
         # sampled from: image tokens only ever come from images
@@ -338,16 +377,17 @@ class Engine:
             return None
         if seq.params.max_tokens == 0:  # scored only
             return self._finish_scoring(seq)
-        token, lp = self._sample(seq, fwd.rows[i], fwd.raw[i:i + 1])
+        token, lp = self._sample(seq, fwd.rows[i], fwd.raw[i : i + 1])
         return self._emit(seq, token, lp)
 
     @staticmethod
     def _score_prompt(seq: _Sequence, logits: torch.Tensor, start: int, n: int) -> None:
         """The ``n`` positions fed from ``start`` predict the prompt's next tokens: their log-probabilities."""
-        targets = seq.prompt[seq.fed + 1:seq.fed + n + 1]
+        targets = seq.prompt[seq.fed + 1 : seq.fed + n + 1]
         if targets:
-            seq.prompt_logprobs += token_logprobs(logits[start:start + len(targets)], targets,
-                                                  seq.params.prompt_logprobs)
+            seq.prompt_logprobs += token_logprobs(
+                logits[start : start + len(targets)], targets, seq.params.prompt_logprobs
+            )
 
     def _sample(self, seq: _Sequence, row: torch.Tensor, raw: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """The next token from ``row`` (sampling logits [V]) under the request's penalties and generator, appended
@@ -364,8 +404,9 @@ class Engine:
         """End one sequence whose step failed: its slot is freed, its output carries ``error``."""
         if seq in self.running:
             self._release(seq)
-        return StepOutput(seq.request_id, [], "", True, "error", len(seq.prompt), len(seq.output), seq.cached_tokens,
-                          error=error)
+        return StepOutput(
+            seq.request_id, [], "", True, "error", len(seq.prompt), len(seq.output), seq.cached_tokens, error=error
+        )
 
     def _image_rows(self, batch: list[_Sequence], pieces: list[list[int]]) -> torch.Tensor | None:
         """The image-feature rows of this pass's prefill pieces, in packing order (None without images)."""
@@ -376,7 +417,7 @@ class Engine:
         for seq, piece in zip(batch, pieces):
             n = sum(1 for t in piece if t == pad) if seq.fed < len(seq.prompt) else 0
             if n:
-                rows.append(seq.image_features[seq.features_used:seq.features_used + n])
+                rows.append(seq.image_features[seq.features_used : seq.features_used + n])
                 seq.features_used += n
         return torch.cat(rows) if rows else None  # None: no placeholder in this pass, nothing to splice
 
@@ -385,15 +426,14 @@ class Engine:
         bs = self.prefix.block_size
         if seq.fed % bs or seq.fed <= seq.remembered:
             return
-        keys = self.prefix.keys(seq.tokens[:seq.fed])
+        keys = self.prefix.keys(seq.tokens[: seq.fed])
         mla_layers = [layer for layer in self.cache.layers if isinstance(layer, MLAState)]
         for i in range(seq.remembered // bs, len(keys)):
             lo, hi = i * bs, (i + 1) * bs
             # a model without KDA layers can resume at any block; with them, only where the pass stopped
             at_end = i == len(keys) - 1 or not any(m.mixer == "kda" for m in self.model.model.layers)
             state = self.cache.kda_snapshot(seq.slot) if at_end else None
-            self.prefix.insert(keys[i], keys[i - 1] if i else None, [m.kv[seq.slot, lo:hi] for m in mla_layers],
-                               state)
+            self.prefix.insert(keys[i], keys[i - 1] if i else None, [m.kv[seq.slot, lo:hi] for m in mla_layers], state)
         seq.remembered = seq.fed
 
     def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> StepOutput:
@@ -411,25 +451,37 @@ class Engine:
             reason = "length"
         if reason is None:
             hold = max((len(s) - 1 for s in p.stop), default=0)
-            safe = text[:len(text) - hold] if hold else text
+            safe = text[: len(text) - hold] if hold else text
             while safe.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
                 safe = safe[:-1]
         else:
             safe = text
-        delta = safe[len(seq.emitted):] if safe.startswith(seq.emitted) else ""
+        delta = safe[len(seq.emitted) :] if safe.startswith(seq.emitted) else ""
         seq.emitted += delta
-        out = StepOutput(seq.request_id, [token], delta, reason is not None, reason, len(seq.prompt), len(seq.output),
-                         seq.cached_tokens, logprobs=None if p.logprobs is None else self._release_logprobs(
-                             seq, lp, len(text_all), reason is not None, cut >= 0, token in stop_ids),
-                         prompt_logprobs=seq.prompt_logprobs, stop_token=token in stop_ids)
+        out = StepOutput(
+            seq.request_id,
+            [token],
+            delta,
+            reason is not None,
+            reason,
+            len(seq.prompt),
+            len(seq.output),
+            seq.cached_tokens,
+            logprobs=None
+            if p.logprobs is None
+            else self._release_logprobs(seq, lp, len(text_all), reason is not None, cut >= 0, token in stop_ids),
+            prompt_logprobs=seq.prompt_logprobs,
+            stop_token=token in stop_ids,
+        )
         seq.prompt_logprobs = None  # handed out
         if reason is not None:
             self._release(seq)
         return out
 
     @staticmethod
-    def _release_logprobs(seq: _Sequence, lp: TokenLogprob, end: int, finished: bool, cut: bool, stop: bool
-                          ) -> list[TokenLogprob]:
+    def _release_logprobs(
+        seq: _Sequence, lp: TokenLogprob, end: int, finished: bool, cut: bool, stop: bool
+    ) -> list[TokenLogprob]:
         """The newest token's entry (``end``: len(decode(output))) joins the held ones; out go those of the tokens
         whose text is out. While the request runs: the held tokens whose text is wholly returned. When it ends: all,
         except after a stop string's cut, where only the tokens whose text starts before the cut go (a token across
@@ -445,15 +497,26 @@ class Engine:
             return out
         text_tokens = seq.held[:-1] if stop else seq.held
         if cut:
-            text_tokens = [e for i, e in enumerate(text_tokens, first)
-                           if (seq.ends[i - 1] if i else 0) < len(seq.emitted)]
-        out, seq.held = text_tokens + seq.held[len(seq.held) - stop:], []
+            text_tokens = [
+                e for i, e in enumerate(text_tokens, first) if (seq.ends[i - 1] if i else 0) < len(seq.emitted)
+            ]
+        out, seq.held = text_tokens + seq.held[len(seq.held) - stop :], []
         return out
 
     def _finish_scoring(self, seq: _Sequence) -> StepOutput:
         """A request with max_tokens=0 ends once its prompt is in: its prompt log-probabilities, no token."""
-        out = StepOutput(seq.request_id, [], "", True, "length", len(seq.prompt), 0, seq.cached_tokens,
-                         logprobs=None if seq.params.logprobs is None else [], prompt_logprobs=seq.prompt_logprobs)
+        out = StepOutput(
+            seq.request_id,
+            [],
+            "",
+            True,
+            "length",
+            len(seq.prompt),
+            0,
+            seq.cached_tokens,
+            logprobs=None if seq.params.logprobs is None else [],
+            prompt_logprobs=seq.prompt_logprobs,
+        )
         self._release(seq)
         return out
 
@@ -481,8 +544,13 @@ class Engine:
         return [done[i] for i in ids]
 
     def stats(self) -> dict:
-        s = {"running": len(self.running), "waiting": len(self.waiting), "reserved_bytes": self.reserved,
-             "memory_budget": self.memory_budget, "slots": self.max_batch}
+        s = {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "reserved_bytes": self.reserved,
+            "memory_budget": self.memory_budget,
+            "slots": self.max_batch,
+        }
         if self.prefix is not None:
             s["prefix_cache"] = self.prefix.stats()
         return s

@@ -56,8 +56,10 @@ class GraphedDecoder:
         if compile:  # inductor fuses the step's pointwise chains; compiled in the warm-up, never under capture
             options = COMPILE_OPTIONS | pdl.inductor_options(device)
             self.step = torch.compile(model.decode_step, dynamic=False, options=options)
-            log.info("decode graphs: decode_step compiled by torch.compile (inductor, %s) before each capture",
-                     ", ".join(f"{k}={v}" for k, v in options.items()))
+            log.info(
+                "decode graphs: decode_step compiled by torch.compile (inductor, %s) before each capture",
+                ", ".join(f"{k}={v}" for k, v in options.items()),
+            )
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}
         self.bound = self._tensors()
@@ -66,23 +68,29 @@ class GraphedDecoder:
         """Addresses of the cache tensors the graphs write (they change when the MLA capacity grows)."""
         out = []
         for layer in self.cache.layers:
-            out += [layer.recurrent.data_ptr()] + [c.data_ptr() for c in layer.conv] if isinstance(layer, KDAState) \
+            out += (
+                [layer.recurrent.data_ptr()] + [c.data_ptr() for c in layer.conv]
+                if isinstance(layer, KDAState)
                 else [layer.kv.data_ptr()]
+            )
         return out
 
     def __call__(self, input_ids: Tensor, seq_ids: list[int]) -> Tensor:
         ids = [int(i) for i in seq_ids]
         n = len(ids)
         if input_ids.shape != (n,) or not self.cache.distinct_slots(ids):
-            raise ValueError(f"need input_ids [N] and N distinct seq_ids in [0, {self.cache.batch_size}); got "
-                             f"shape {tuple(input_ids.shape)} and seq_ids={ids}")
+            raise ValueError(
+                f"need input_ids [N] and N distinct seq_ids in [0, {self.cache.batch_size}); got "
+                f"shape {tuple(input_ids.shape)} and seq_ids={ids}"
+            )
         need = max(self.cache.seq_lens[i] for i in ids) + 1
         if need > self.cache.capacity:
             self.cache.reserve(need + self.headroom)
         if self._tensors() != self.bound:  # the cache grew (here or in a prefill): graphs point at old tensors
             if self.graphs:
-                log.info("decode graphs: cache tensors replaced (MLA capacity %d rows); recapturing",
-                         self.cache.capacity)
+                log.info(
+                    "decode graphs: cache tensors replaced (MLA capacity %d rows); recapturing", self.cache.capacity
+                )
             self.graphs.clear()  # frees their memory pool too: the next captures need a new one
             self.pool = torch.cuda.graph_pool_handle()
             self.bound = self._tensors()
@@ -117,8 +125,11 @@ class GraphedDecoder:
         return _Captured(graph, input_ids, slots, positions, logits)
 
     def _save_states(self, slots: Tensor) -> list[list[Tensor]]:
-        return [[layer.recurrent[slots]] + [c[slots] for c in layer.conv]
-                for layer in self.cache.layers if isinstance(layer, KDAState)]
+        return [
+            [layer.recurrent[slots]] + [c[slots] for c in layer.conv]
+            for layer in self.cache.layers
+            if isinstance(layer, KDAState)
+        ]
 
     def _restore_states(self, slots: Tensor, saved: list[list[Tensor]]) -> None:
         kda = [layer for layer in self.cache.layers if isinstance(layer, KDAState)]

@@ -34,9 +34,11 @@ def peak_rss_bytes() -> int:
 
 def load_line(stats: dict) -> str:
     """One human line for the stats :func:`load_for_inference` fills."""
-    line = (f"loaded {stats['params'] / 1e6:.1f}M parameters ({stats['bytes'] / 2**30:.2f} GiB, {stats['dtype']}) "
-            f"in {stats['seconds']:.2f}s ({stats['bytes'] / 1e9 / max(stats['seconds'], 1e-9):.2f} GB/s) on "
-            f"{stats['device']}; host RSS peak {stats['host_rss_peak'] / 2**30:.2f} GiB")
+    line = (
+        f"loaded {stats['params'] / 1e6:.1f}M parameters ({stats['bytes'] / 2**30:.2f} GiB, {stats['dtype']}) "
+        f"in {stats['seconds']:.2f}s ({stats['bytes'] / 1e9 / max(stats['seconds'], 1e-9):.2f} GB/s) on "
+        f"{stats['device']}; host RSS peak {stats['host_rss_peak'] / 2**30:.2f} GiB"
+    )
     if "gpu_bytes" in stats:
         line += f", GPU memory {stats['gpu_bytes'] / 2**30:.2f} GiB (peak {stats['gpu_peak'] / 2**30:.2f} GiB)"
     return line
@@ -70,12 +72,19 @@ def find_tokenizer(checkpoint: Path, given: str | os.PathLike) -> Path:
     for directory in (checkpoint, Path(given)):
         if (directory / "tokenizer.json").is_file():
             return directory / "tokenizer.json"
-    raise FileNotFoundError(f"no tokenizer.json in {checkpoint}: inference needs the tokenizer the model was "
-                            "trained with; copy its tokenizer.json (and tokenizer_config.json) next to config.json")
+    raise FileNotFoundError(
+        f"no tokenizer.json in {checkpoint}: inference needs the tokenizer the model was "
+        "trained with; copy its tokenizer.json (and tokenizer_config.json) next to config.json"
+    )
 
 
-def load_for_inference(ckpt: str | os.PathLike, device: str | torch.device = "auto",
-                       dtype: str | torch.dtype | None = "auto", stats: dict | None = None, packed: str = "keep"):
+def load_for_inference(
+    ckpt: str | os.PathLike,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    stats: dict | None = None,
+    packed: str = "keep",
+):
     """A checkpoint directory or a training run directory (its latest checkpoint) ->
     ``(model in eval mode on device, Tokenizer, checkpoint path)``. One clear error for a missing checkpoint,
     a missing tokenizer or a tokenizer whose ids do not fit the model's vocabulary. ``dtype="auto"`` keeps the
@@ -96,15 +105,22 @@ def load_for_inference(ckpt: str | os.PathLike, device: str | torch.device = "au
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     tensors = list(model.parameters()) + list(model.buffers())
-    info = {"seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters()),
-            "bytes": sum(t.numel() * t.element_size() for t in tensors), "device": str(dev),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "host_rss_peak": peak_rss_bytes()}
+    info = {
+        "seconds": time.perf_counter() - t0,
+        "params": sum(p.numel() for p in model.parameters()),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "device": str(dev),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "host_rss_peak": peak_rss_bytes(),
+    }
     if dev.type == "cuda":
         info["gpu_bytes"], info["gpu_peak"] = torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
     log.info("%s: %s", path, load_line(info))
     if stats is not None:
         stats.update(info)
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
-                         f"{model.config.vocab_size}: they do not belong together")
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
+            f"{model.config.vocab_size}: they do not belong together"
+        )
     return model, tokenizer, path

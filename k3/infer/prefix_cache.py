@@ -61,7 +61,7 @@ class PrefixCache:
         """Chain keys of every full block of ``tokens``."""
         out, h = [], b""
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            block = tokens[start:start + self.block_size]
+            block = tokens[start : start + self.block_size]
             h = hashlib.sha256(h + b"|" + ",".join(map(str, block)).encode()).digest()
             out.append(h)
         return out
@@ -88,11 +88,15 @@ class PrefixCache:
         self.hits += 1
         self._refresh(keys[depth - 1])
         chain = [self.entries[k] for k in keys[:depth]]
-        return PrefixHit(length=depth * self.block_size, kda=chain[-1].kda,
-                         latents=[torch.cat([e.latents[j] for e in chain]) for j in range(len(chain[0].latents))])
+        return PrefixHit(
+            length=depth * self.block_size,
+            kda=chain[-1].kda,
+            latents=[torch.cat([e.latents[j] for e in chain]) for j in range(len(chain[0].latents))],
+        )
 
-    def insert(self, key: bytes, parent: bytes | None, latents: list[Tensor],
-               kda: list[tuple[Tensor, list[Tensor]]] | None) -> None:
+    def insert(
+        self, key: bytes, parent: bytes | None, latents: list[Tensor], kda: list[tuple[Tensor, list[Tensor]]] | None
+    ) -> None:
         """Add (or complete with a KDA state) the entry of one block; then evict down to the budget."""
         old = self.entries.get(key)
         if old is not None:
@@ -113,5 +117,11 @@ class PrefixCache:
             self.evictions += 1
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "budget_bytes": self.budget, "hits": self.hits,
-                "misses": self.misses, "evictions": self.evictions}
+        return {
+            "entries": len(self.entries),
+            "bytes": self.nbytes,
+            "budget_bytes": self.budget,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }

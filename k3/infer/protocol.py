@@ -30,14 +30,21 @@ MAX_IMAGE_BYTES = 32 << 20
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   kind: str = "invalid_request_error") -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
@@ -97,8 +104,12 @@ class BaseRequest(BaseModel):
         """One 400 naming the first option set to a value this server does not implement."""
         for name, (noop, allowed) in _NOOP.items():
             if name in type(self).model_fields and not noop(getattr(self, name)):
-                raise APIError(400, f"{name}={json.dumps(getattr(self, name))} is not supported (only {allowed})",
-                               name, "unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"{name}={json.dumps(getattr(self, name))} is not supported (only {allowed})",
+                    name,
+                    "unsupported_parameter",
+                )
 
 
 _NOOP = {  # option -> (is it at a value we implement?, what we accept)
@@ -110,8 +121,9 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
 
 
 def _one_prompt(v) -> bool:
-    return (isinstance(v, str) and bool(v)) or (isinstance(v, list) and bool(v) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in v))
+    return (isinstance(v, str) and bool(v)) or (
+        isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    )
 
 
 class CompletionRequest(BaseRequest):
@@ -130,8 +142,9 @@ class CompletionRequest(BaseRequest):
             return [v]
         if isinstance(v, list) and 0 < len(v) <= MAX_PROMPTS and all(_one_prompt(p) for p in v):
             return v
-        raise ValueError("must be a non-empty string, a non-empty list of token ids, or a list of up to "
-                         f"{MAX_PROMPTS} of either")
+        raise ValueError(
+            f"must be a non-empty string, a non-empty list of token ids, or a list of up to {MAX_PROMPTS} of either"
+        )
 
 
 class ChatRequest(BaseRequest):
@@ -149,8 +162,12 @@ def image_part(i: int, part: dict) -> bytes:
     url = part.get("image_url")
     url = url.get("url") if isinstance(url, dict) else url
     if not isinstance(url, str) or not url.startswith("data:"):
-        raise APIError(400, f"messages[{i}]: image_url must be a data: URI (data:image/png;base64,...); "
-                            "the server fetches nothing from the network", where)
+        raise APIError(
+            400,
+            f"messages[{i}]: image_url must be a data: URI (data:image/png;base64,...); "
+            "the server fetches nothing from the network",
+            where,
+        )
     header, _, payload = url.partition(",")
     if not header.endswith(";base64") or not payload:
         raise APIError(400, f"messages[{i}]: image_url data URI must be base64-encoded", where)
@@ -175,8 +192,9 @@ def message_content(i: int, m: dict, images: list[bytes]) -> dict:
                 images.append(image_part(i, p))
                 parts.append(IMAGE_SLOT)
             else:
-                raise APIError(400, f"messages[{i}].content: only text and image_url parts are supported",
-                               f"messages.{i}.content")
+                raise APIError(
+                    400, f"messages[{i}].content: only text and image_url parts are supported", f"messages.{i}.content"
+                )
         content = "".join(parts)
     role = "system" if m.get("role") == "developer" else m.get("role")
     return {"role": role, "content": content}

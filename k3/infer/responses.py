@@ -16,8 +16,11 @@ from k3.infer.async_engine import EngineClosed, EngineError
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def token_lps(out, text_only: bool) -> list:
@@ -47,8 +50,13 @@ async def stream_events(stream, first: list[dict], chunk, include_usage: bool, t
                 yield sse(chunk(out.text, out.finish_reason, pending, prompt))
                 pending, prompt = [], None
             if out.finished and include_usage:
-                yield sse({**chunk(None, None, [], None), "choices": [],
-                           "usage": usage(out.prompt_tokens, out.completion_tokens)})
+                yield sse(
+                    {
+                        **chunk(None, None, [], None),
+                        "choices": [],
+                        "usage": usage(out.prompt_tokens, out.completion_tokens),
+                    }
+                )
     except (EngineError, EngineClosed) as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
     finally:
@@ -76,19 +84,23 @@ class LogprobForms:
     def completion(self, lps: list, offset: int, prompt: list[int] | None = None) -> dict:
         """OpenAI's legacy completions form; ``offset``: the text_offset of the first token; ``prompt``: echoed
         prompt ids, whose entries in ``lps`` (None for the first) come first."""
-        ids = (prompt or []) + [e.token_id for e in lps[len(prompt or []):]]
+        ids = (prompt or []) + [e.token_id for e in lps[len(prompt or []) :]]
         tokens = [self.piece(t) for t in ids]
         starts = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in lps],
-                "top_logprobs": [None if e is None else self.top_dict(e) for e in lps],
-                "text_offset": starts}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else e.logprob for e in lps],
+            "top_logprobs": [None if e is None else self.top_dict(e) for e in lps],
+            "text_offset": starts,
+        }
 
     def chat(self, lps: list) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
             return {"token": self.piece(token_id), "logprob": logprob, "bytes": list(self.tok.token_bytes(token_id))}
 
-        return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]}
-                            for e in lps]}
+        return {
+            "content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, v) for i, v in e.top]} for e in lps]
+        }
 
 
 class CompletionChoice:
@@ -96,8 +108,9 @@ class CompletionChoice:
     first one with text carries the echoed prompt (``echo``), and ``text_offset`` runs on across a stream's chunks.
     ``logprobs``: the request's N (None: no log-probabilities)."""
 
-    def __init__(self, forms: LogprobForms, base: dict, index: int, prompt: Any, ids: list[int], echo: bool,
-                 logprobs: int | None):
+    def __init__(
+        self, forms: LogprobForms, base: dict, index: int, prompt: Any, ids: list[int], echo: bool, logprobs: int | None
+    ):
         self.forms, self.base, self.index, self.ids, self.echo, self.logprobs = forms, base, index, ids, echo, logprobs
         self.offset = 0
         self.echo_text = (prompt if isinstance(prompt, str) else forms.tok.decode(ids)) if echo else ""
@@ -108,11 +121,14 @@ class CompletionChoice:
         logprobs = None
         if self.logprobs is not None:
             echoed = self.echo and prompt_lps is not None
-            logprobs = self.forms.completion((prompt_lps if echoed else []) + lps, self.offset,
-                                             self.ids if echoed else None)
+            logprobs = self.forms.completion(
+                (prompt_lps if echoed else []) + lps, self.offset, self.ids if echoed else None
+            )
             self.offset += sum(len(t) for t in logprobs["tokens"])
-        return {**self.base, "choices": [{"index": self.index, "text": text or "", "logprobs": logprobs,
-                                          "finish_reason": reason}]}
+        return {
+            **self.base,
+            "choices": [{"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}],
+        }
 
 
 class ChatChoice:
@@ -128,11 +144,18 @@ class ChatChoice:
 
     def first(self) -> dict:
         """The chunk opening a stream: the assistant's role."""
-        return {**self.base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]}
+        return {
+            **self.base,
+            "object": "chat.completion.chunk",
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
 
     def __call__(self, text: str | None, reason: str | None, lps: list, prompt_lps: list | None = None) -> dict:
         delta = {} if text is None or reason is not None and not text else {"content": text}
-        return {**self.base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(lps), "finish_reason": reason}]}
+        return {
+            **self.base,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(lps), "finish_reason": reason}],
+        }

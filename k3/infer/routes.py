@@ -55,8 +55,9 @@ async def invalid_request(request: Request, exc: RequestValidationError):
 
 
 async def http_error(request: Request, exc: StarletteHTTPException):
-    return error_response(exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404
-                          else "invalid_request_error")
+    return error_response(
+        exc.status_code, str(exc.detail), kind="not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    )
 
 
 async def api_error(request: Request, exc: APIError):

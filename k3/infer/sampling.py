@@ -30,6 +30,7 @@ class TokenLogprob(NamedTuple):
     """A token's log-probability under the model and the ``n`` likeliest tokens' [(id, logprob)], most likely
     first: the log-softmax of the model's logits at that position, before the request's temperature, penalties
     and top-k / top-p (what the model predicts, not what the sampler drew from)."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
@@ -44,8 +45,10 @@ def token_logprobs(logits: Tensor, tokens: list[int], n: int) -> list[TokenLogpr
     if not n:
         return [TokenLogprob(t, v, []) for t, v in zip(tokens, chosen)]
     top = lp.topk(n, dim=-1)
-    return [TokenLogprob(t, v, list(zip(i, x))) for t, v, i, x in zip(tokens, chosen, top.indices.tolist(),
-                                                                         top.values.tolist())]
+    return [
+        TokenLogprob(t, v, list(zip(i, x)))
+        for t, v, i, x in zip(tokens, chosen, top.indices.tolist(), top.values.tolist())
+    ]
 
 
 @dataclass
@@ -68,32 +71,46 @@ class SamplingParams:
 
     def validate(self) -> None:
         """One ValueError naming the field for any out-of-range value."""
+
         def bad(name: str, why: str) -> None:
             raise SamplingError(name, f"{name}={getattr(self, name)!r} {why}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or \
-                self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < (0 if self.prompt_logprobs is not None else 1)
+        ):
             bad("max_tokens", "must be an integer >= 1 (0 only to score a prompt, with prompt_logprobs)")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
-                t == 0 or MIN_DIVISOR <= t <= MAX_TEMPERATURE):
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not (t == 0 or MIN_DIVISOR <= t <= MAX_TEMPERATURE)
+        ):
             bad("temperature", f"must be 0 (greedy) or in [{MIN_DIVISOR}, {MAX_TEMPERATURE:g}]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if isinstance(self.repetition_penalty, bool) or not isinstance(self.repetition_penalty, (int, float)) or \
-                not MIN_DIVISOR <= self.repetition_penalty <= 10:
+        if (
+            isinstance(self.repetition_penalty, bool)
+            or not isinstance(self.repetition_penalty, (int, float))
+            or not MIN_DIVISOR <= self.repetition_penalty <= 10
+        ):
             bad("repetition_penalty", f"must be in [{MIN_DIVISOR}, 10]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
                 bad(name, "must be in [-2, 2]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -2**63 <= self.seed < 2**64):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
             bad("seed", "must be None or an integer in [-2**63, 2**64)")
-        if (not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
-                or len(self.stop) > 16):
+        if (
+            not isinstance(self.stop, list)
+            or not all(isinstance(s, str) and s for s in self.stop)
+            or len(self.stop) > 16
+        ):
             bad("stop", "must be a list of at most 16 non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
@@ -131,8 +148,13 @@ def apply_output_penalties(logits: Tensor, generated: Tensor, presence: float, f
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def sample_next(logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
-                seen: Tensor | None = None, generated: Tensor | None = None) -> int:
+def sample_next(
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    seen: Tensor | None = None,
+    generated: Tensor | None = None,
+) -> int:
     """Pick the next token from logits [V] (fp32). seen: the prompt and output tokens (repetition penalty);
     generated: the output tokens (presence / frequency penalties)."""
     logits = logits.float()

@@ -101,8 +101,12 @@ class _Guard:
     async def _read_body(self, scope, receive, send):
         """The whole body within the limit, as a receive callable replaying it (then the client's own, which
         reports a disconnect); None once a 413 went out or the client left."""
-        too_large = error_response(413, f"the request body is larger than this server's limit of {self.max_bytes} "
-                                        "bytes (k3 serve --max-request-mb)", code="request_too_large")
+        too_large = error_response(
+            413,
+            f"the request body is larger than this server's limit of {self.max_bytes} "
+            "bytes (k3 serve --max-request-mb)",
+            code="request_too_large",
+        )
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await too_large(scope, receive, send)
@@ -131,8 +135,14 @@ class _Guard:
         return replay
 
 
-def create_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_context: int,
-               drain_timeout: float = 30.0, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    async_engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    model_name: str,
+    max_context: int,
+    drain_timeout: float = 30.0,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``async_engine`` (unless started) and shuts it down gracefully
     (requests in flight get up to ``drain_timeout`` seconds). Bodies over ``max_request_bytes`` answer 413."""
     serving = Serving(async_engine, tokenizer, model_name, max_context)

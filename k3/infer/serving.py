@@ -58,8 +58,10 @@ def max_token_chars(tokenizer: Tokenizer) -> int:
 
 def copies(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The params of n choices: choice j seeded seed + j, so a seeded request stays reproducible."""
-    return [params if j == 0 or params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
-            for j in range(n)]
+    return [
+        params if j == 0 or params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+        for j in range(n)
+    ]
 
 
 async def until_disconnected(request: Request) -> None:
@@ -93,13 +95,23 @@ class Serving:
 
     # ------------------------------------------------------------------ models and health
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "k3",
-                "max_model_len": self.max_context}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "k3",
+            "max_model_len": self.max_context,
+        }
 
     def model(self, name: str) -> dict:
         if name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}", "model",
-                           "model_not_found", "not_found_error")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+                "not_found_error",
+            )
         return self.model_card()
 
     def health(self):
@@ -113,37 +125,78 @@ class Serving:
         """Valid Unicode everywhere, this server's model, no unsupported option."""
         bad = bad_text({name: getattr(req, name) for name in type(req).model_fields})
         if bad is not None:
-            raise APIError(400, f"{bad}: the text is not valid Unicode (it holds an unpaired UTF-16 surrogate such "
-                                "as \\ud800)", bad, "invalid_text")
+            raise APIError(
+                400,
+                f"{bad}: the text is not valid Unicode (it holds an unpaired UTF-16 surrogate such as \\ud800)",
+                bad,
+                "invalid_text",
+            )
         if req.model != self.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found", "not_found_error")
+            raise APIError(
+                404,
+                f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+                "not_found_error",
+            )
         req.refuse_unsupported()
 
     def check_chars(self, chars: int, param: str) -> None:
         """A text of ``chars`` characters cannot fit the context: 400 without tokenising it (max_token_chars)."""
         if chars > self.max_chars:
-            raise APIError(400, f"the {param} is {chars} characters, more than this model's context of "
-                                f"{self.max_context} tokens can hold", param, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the {param} is {chars} characters, more than this model's context of "
+                f"{self.max_context} tokens can hold",
+                param,
+                "context_length_exceeded",
+            )
 
-    def sampling(self, req: BaseRequest, prompt_len: int, max_tokens: int | None, default_max: int, stop: list[str],
-                 stop_ids: list[int], logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(
+        self,
+        req: BaseRequest,
+        prompt_len: int,
+        max_tokens: int | None,
+        default_max: int,
+        stop: list[str],
+        stop_ids: list[int],
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """The SamplingParams of a prompt of ``prompt_len`` tokens, checked against the context and the sampler's
         ranges (SamplingParams.validate: its message, as `k3 generate` prints it)."""
         max_context = self.max_context
         if prompt_len > max_context or prompt_len == max_context and max_tokens != 0:  # 0: scored, fits whole
-            raise APIError(400, f"the prompt is {prompt_len} tokens; this model's context is {max_context} tokens",
-                           "prompt", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt is {prompt_len} tokens; this model's context is {max_context} tokens",
+                "prompt",
+                "context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = min(default_max, max_context - prompt_len)
         elif prompt_len + max_tokens > max_context:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
-                           f"context of {max_context} tokens", "max_tokens", "context_length_exceeded")
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                top_p=req.top_p, repetition_penalty=req.repetition_penalty,
-                                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                seed=req.seed, stop=list(req.stop or []) + stop, stop_token_ids=stop_ids,
-                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            raise APIError(
+                400,
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                f"context of {max_context} tokens",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            seed=req.seed,
+            stop=list(req.stop or []) + stop,
+            stop_token_ids=stop_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         try:
             params.validate()
         except SamplingError as e:
@@ -218,16 +271,21 @@ class Serving:
                 self.check_chars(len(p), "prompt")
         for p in req.prompt:
             ids = p if isinstance(p, list) else await self.off_loop(self.tok.encode, p)
-            params = self.sampling(req, len(ids), req.max_tokens, 16, [], [], req.logprobs,
-                                   (req.logprobs or 0) if scored else None)
+            params = self.sampling(
+                req, len(ids), req.max_tokens, 16, [], [], req.logprobs, (req.logprobs or 0) if scored else None
+            )
             jobs += [(p, ids, params_j) for params_j in copies(params, req.n)]
             prompt_tokens += len(ids)  # once per prompt, whatever n
         entries = sum(len(ids) for _, ids, _ in jobs) * ((req.logprobs or 0) + 1) if scored else 0
         if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-            raise APIError(400, f"echo with logprobs={req.logprobs or 0} over these prompts would return {entries} "
-                                f"prompt log-probability entries (prompt tokens x choices x (logprobs + 1)); the limit "
-                                f"is {MAX_PROMPT_LOGPROB_ENTRIES}: send fewer or shorter prompts or a smaller logprobs",
-                           "logprobs", "response_too_large")
+            raise APIError(
+                400,
+                f"echo with logprobs={req.logprobs or 0} over these prompts would return {entries} "
+                f"prompt log-probability entries (prompt tokens x choices x (logprobs + 1)); the limit "
+                f"is {MAX_PROMPT_LOGPROB_ENTRIES}: send fewer or shorter prompts or a smaller logprobs",
+                "logprobs",
+                "response_too_large",
+            )
         return jobs, prompt_tokens
 
     async def completions(self, req: CompletionRequest, request: Request):
@@ -247,9 +305,12 @@ class Serving:
             chunk = CompletionChoice(self.forms, base, 0, *jobs[0][:2], echo, req.logprobs)
             return StreamingResponse(stream_events(streams[0], [], chunk, include), media_type="text/event-stream")
         results = await self.collect_all(request, streams)
-        choices = [CompletionChoice(self.forms, base, i, p, ids, echo, req.logprobs)(
-                       text, last.finish_reason, lps, prompt_lps)["choices"][0]
-                   for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))]
+        choices = [
+            CompletionChoice(self.forms, base, i, p, ids, echo, req.logprobs)(
+                text, last.finish_reason, lps, prompt_lps
+            )["choices"][0]
+            for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))
+        ]
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
         return {**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
@@ -261,8 +322,9 @@ class Serving:
             raise APIError(400, f"model {self.model_name!r} takes no images (no vision tower)", "messages")
         self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), "messages")
         try:
-            rendered = await self.off_loop(render_chat, messages, self.tok,
-                                           image_token_id=self.image_token_id if images else None)
+            rendered = await self.off_loop(
+                render_chat, messages, self.tok, image_token_id=self.image_token_id if images else None
+            )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         try:  # expand the image placeholders first: the context check counts every image token
@@ -277,8 +339,15 @@ class Serving:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt, media, rendered = await self.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling(req, len(prompt), max_tokens, self.max_context, rendered.stop, rendered.stop_token_ids,
-                               (req.top_logprobs or 0) if req.logprobs else None)
+        params = self.sampling(
+            req,
+            len(prompt),
+            max_tokens,
+            self.max_context,
+            rendered.stop,
+            rendered.stop_token_ids,
+            (req.top_logprobs or 0) if req.logprobs else None,
+        )
         if req.stream and req.n > 1:
             raise APIError(400, "a streamed chat completion takes n=1", "n")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -287,12 +356,23 @@ class Serving:
         chunk = ChatChoice(self.forms, base, bool(req.logprobs))
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream_events(streams[0], [chunk.first()], chunk, include, text_only=True),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                stream_events(streams[0], [chunk.first()], chunk, include, text_only=True),
+                media_type="text/event-stream",
+            )
         results = await self.collect_all(request, streams, text_only=True)
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
-        return {**base, "object": "chat.completion",
-                "choices": [{"index": j, "message": {"role": "assistant", "content": text},
-                             "logprobs": chunk.logprobs(lps), "finish_reason": last.finish_reason}
-                            for j, (text, last, lps, _) in enumerate(results)],
-                "usage": usage(len(prompt), completion_tokens)}
+        return {
+            **base,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": j,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": chunk.logprobs(lps),
+                    "finish_reason": last.finish_reason,
+                }
+                for j, (text, last, lps, _) in enumerate(results)
+            ],
+            "usage": usage(len(prompt), completion_tokens),
+        }

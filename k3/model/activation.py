@@ -18,7 +18,6 @@ from k3.ops.fused import fused
 from k3.ops.linear import multi_linear
 
 
-
 def situ(x: Tensor, beta: float = 4.0) -> Tensor:
     x32 = upcast(x)
     return (beta * torch.tanh(x32 / beta) * torch.sigmoid(x32)).to(x.dtype)
@@ -41,6 +40,7 @@ class GLU:
     """The model's gated activation act(gate, up), by name: ``kind`` 'situ' (:func:`situ_glu` with beta /
     linear_beta) or 'silu' (:func:`swiglu`). Called like the function it names; a kernel that computes the
     activation itself (the MoE's fused up-projection, k3.ops.moe.small_groups.small_groups_glu) reads the fields."""
+
     kind: str
     beta: float = 4.0
     linear_beta: float = 25.0

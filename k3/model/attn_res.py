@@ -42,8 +42,16 @@ DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix eve
 
 
 @fused
-def attn_res_merge_norm(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float, weight: Tensor,
-                        norm_eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+def attn_res_merge_norm(
+    o: Tensor,
+    lse: Tensor,
+    live: list[Tensor],
+    query: Tensor,
+    eps: float,
+    weight: Tensor,
+    norm_eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
     """The phase-2 merge (k3.ops.attn_res.two_phase.attn_res_merge) followed by the sub-layer's pre-norm
     (rms_norm with ``weight``, ``norm_eps``, ``out_dtype``), compiled as one graph on CUDA so the norm is fused
     into the merge rather than a pass of its own over h. [N, d] -> [N, d]."""
@@ -51,8 +59,14 @@ def attn_res_merge_norm(o: Tensor, lse: Tensor, live: list[Tensor], query: Tenso
 
 
 @fused
-def attn_res_mix_norm(query: Tensor, sources: list[Tensor], eps: float, weight: Tensor, norm_eps: float,
-                      out_dtype: torch.dtype | None = None) -> Tensor:
+def attn_res_mix_norm(
+    query: Tensor,
+    sources: list[Tensor],
+    eps: float,
+    weight: Tensor,
+    norm_eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
     """A whole mix of S >= 2 sources [N, d] in one pass, then the sub-layer's pre-norm: the phase-2 merge with the
     first source in the place of phase 1's result (its own logit as the log-sum-exp), which is the depth mix of
     all S. For passes of few tokens (a decode step): compiled, one kernel per mix and no phase 1. -> [N, d]."""
@@ -74,8 +88,14 @@ class ResidualStream:
     ``output`` at the end. ``mixers``: the (key norm, pseudo-query proj) of every mix in order (attn and mlp of
     each layer, then the output mix); unused in mode ``none``."""
 
-    def __init__(self, mode: str, block_size: int, embedding: Tensor,
-                 mixers: list[tuple[nn.Module, nn.Linear]] | None = None, record: bool = False):
+    def __init__(
+        self,
+        mode: str,
+        block_size: int,
+        embedding: Tensor,
+        mixers: list[tuple[nn.Module, nn.Linear]] | None = None,
+        record: bool = False,
+    ):
         if mode != "none" and (mixers is None or len(mixers) % 2 != 1):
             raise ValueError(f"AttnRes mode {mode!r} needs 2 mixers per layer plus the output mixer")
         self.mode, self.block_size, self.mixers = mode, block_size, mixers
@@ -130,7 +150,7 @@ class ResidualStream:
         if self.mode == "block_sum":
             return self.bank, [] if self.partial is None else [self.partial]
         if self.mode == "full":
-            return self.outputs[:self.block_start], self.outputs[self.block_start:]
+            return self.outputs[: self.block_start], self.outputs[self.block_start :]
         return [self.r], []
 
     def _mix(self, j: int, layer: int, sublayer: str, norm: RMSNorm) -> Tensor:
@@ -151,15 +171,16 @@ class ResidualStream:
         first, o, lse = self.phase1
         if not live:
             return norm(o[j - first])
-        return attn_res_merge_norm(o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps,
-                                   norm.out_dtype(o[j - first]))
+        return attn_res_merge_norm(
+            o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps, norm.out_dtype(o[j - first])
+        )
 
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
         """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""
         eps = self.mixers[j][0].eps
         count = max(1, min(self.block_end - j, TWO_PHASE_BYTES // (fixed[0].numel() * fixed[0].element_size())))
         count = next((k for k in range(1, count) if self.mixers[j + k][0].eps != eps), count)
-        o, lse = attn_res_phase1(self.queries()[j:j + count], fixed, eps)
+        o, lse = attn_res_phase1(self.queries()[j : j + count], fixed, eps)
         # unbound once: indexing o [M, N, d] per mix would make each mix's backward a zero-filled [M, N, d]
         # gradient, summed M times; unbind's backward stacks the M gradients once
         self.phase1 = (j, o.unbind(0), lse.unbind(0))

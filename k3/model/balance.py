@@ -57,6 +57,7 @@ BALANCE_METHODS = ("qb", "qb_exact", "sign", "aux", "seqaux", "none")
 # Router statistics
 # --------------------------------------------------------------------------------------------------------------
 
+
 def expert_loads(topk_idx: Tensor, num_experts: int) -> Tensor:
     """int64 [E]: how many token-slots selected each expert (sync-free ``scatter_add_``, not ``bincount``)."""
     idx = topk_idx.reshape(-1).to(torch.int64)
@@ -107,6 +108,7 @@ def _as_2d(scores: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------------------------
 # Quantile Balancing, exact form
 # --------------------------------------------------------------------------------------------------------------
+
 
 def qb_required_bias(scores: Tensor, bias: Tensor, k: int) -> Tensor:
     """r_tj = c_t - s_tj [N, E], in promote(scores dtype, fp32): the bias expert j would need to clear token t's cutoff.
@@ -165,6 +167,7 @@ def qb_update(scores: Tensor, bias: Tensor, k: int) -> Tensor:
 # --------------------------------------------------------------------------------------------------------------
 # Quantile Balancing, histogram form (K3 report App. D)
 # --------------------------------------------------------------------------------------------------------------
+
 
 class QBHistogram:
     """Per-expert histograms of r = c - s, accumulated over micro-batches, for the distributed QB update.
@@ -252,6 +255,7 @@ class QBHistogram:
 # Baselines
 # --------------------------------------------------------------------------------------------------------------
 
+
 def sign_update(loads: Tensor, bias: Tensor, gamma: float = 1e-3) -> Tensor:
     """Loss-free balancing: b + gamma * sign(mean_load - load) (overloaded experts go down)."""
     load = loads.float()
@@ -278,8 +282,7 @@ def switch_aux_loss(scores: Tensor, topk_idx: Tensor, alpha: float = 1e-2) -> Te
     return alpha * e * (f * s.mean(dim=0)).sum()
 
 
-def seq_aux_loss(scores: Tensor, topk_idx: Tensor, cu_seqlens: Tensor | None = None,
-                 alpha: float = 1e-4) -> Tensor:
+def seq_aux_loss(scores: Tensor, topk_idx: Tensor, cu_seqlens: Tensor | None = None, alpha: float = 1e-4) -> Tensor:
     """DeepSeek-V3 sequence-wise auxiliary loss, alpha * mean_seq sum_i f_i P_i.
 
     Per sequence of length T: f_i = E / (k T) * count_i, P_i = mean_t s_ti / sum_j s_tj. ``cu_seqlens``
@@ -314,6 +317,7 @@ def seq_aux_loss(scores: Tensor, topk_idx: Tensor, cu_seqlens: Tensor | None = N
 # --------------------------------------------------------------------------------------------------------------
 # Metrics (0-dim tensors, no host sync)
 # --------------------------------------------------------------------------------------------------------------
+
 
 def max_vio(loads: Tensor) -> Tensor:
     """MaxVio = max_i load_i / mean(load) - 1 (fp32 0-dim); 0 when there is no load at all."""
@@ -378,8 +382,9 @@ def router_entropy(scores: Tensor) -> Tensor:
 METRIC_NAMES = ("maxvio", "drop_cf1.0", "drop_cf1.25", "dead", "entropy")
 
 
-def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
-                    ) -> dict[str, float]:
+def balance_metrics(
+    stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
+) -> dict[str, float]:
     """Per-layer and mean MaxVio, drop fraction at cf 1.0 and 1.25, dead experts and router entropy.
 
     Entries sharing a layer (micro-batches of one step) are merged: their loads are summed, giving the
@@ -394,8 +399,9 @@ def balance_metrics(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tens
     return metrics_from_rows(layers, rows.tolist()) if layers else {}
 
 
-def balance_metric_rows(stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
-                        ) -> tuple[list[int], Tensor | None]:
+def balance_metric_rows(
+    stats_list: Iterable[RouterStats], reduce_fn: Callable[[Tensor], None] | None = None
+) -> tuple[list[int], Tensor | None]:
     """The device half of :func:`balance_metrics`: (sorted layers, fp32 rows [L, 5] of :data:`METRIC_NAMES`),
     or ([], None) without statistics. No host sync without ``reduce_fn`` (one with it: the token counts)."""
     loads: dict[int, Tensor] = {}
@@ -416,23 +422,36 @@ def balance_metric_rows(stats_list: Iterable[RouterStats], reduce_fn: Callable[[
         layers = sorted(loads)
         if reduce_fn is not None:
             dev = loads[layers[0]].device
-            packed = torch.stack([torch.cat([loads[lay].double(), ent[lay].double().reshape(1),
-                                             torch.full((1,), tokens[lay], dtype=torch.float64, device=dev)])
-                                  for lay in layers])
+            packed = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            loads[lay].double(),
+                            ent[lay].double().reshape(1),
+                            torch.full((1,), tokens[lay], dtype=torch.float64, device=dev),
+                        ]
+                    )
+                    for lay in layers
+                ]
+            )
             reduce_fn(packed)
             counts = packed[:, -1].tolist()
             for i, lay in enumerate(layers):
                 loads[lay], ent[lay], tokens[lay] = packed[i, :-2].round().long(), packed[i, -2], int(counts[i])
-        rows = torch.stack([
-            torch.stack([
-                max_vio(loads[lay]),
-                drop_fraction(loads[lay], k_of[lay], tokens[lay], 1.0),
-                drop_fraction(loads[lay], k_of[lay], tokens[lay], 1.25),
-                dead_experts(loads[lay]).float(),
-                ent[lay] / max(tokens[lay], 1),
-            ])
-            for lay in layers
-        ])
+        rows = torch.stack(
+            [
+                torch.stack(
+                    [
+                        max_vio(loads[lay]),
+                        drop_fraction(loads[lay], k_of[lay], tokens[lay], 1.0),
+                        drop_fraction(loads[lay], k_of[lay], tokens[lay], 1.25),
+                        dead_experts(loads[lay]).float(),
+                        ent[lay] / max(tokens[lay], 1),
+                    ]
+                )
+                for lay in layers
+            ]
+        )
     return layers, rows
 
 
@@ -454,6 +473,7 @@ def metrics_from_rows(layers: Sequence[int], values: Sequence[Sequence[float]]) 
 # Trainer front-end
 # --------------------------------------------------------------------------------------------------------------
 
+
 class Balancer:
     """Load-balancing front-end for the trainer.
 
@@ -469,8 +489,16 @@ class Balancer:
     main loss.
     """
 
-    def __init__(self, method: str, num_experts: int, k: int, *, gamma: float = 1e-3,
-                 alpha: float | None = None, bins: int = 1000):
+    def __init__(
+        self,
+        method: str,
+        num_experts: int,
+        k: int,
+        *,
+        gamma: float = 1e-3,
+        alpha: float | None = None,
+        bins: int = 1000,
+    ):
         if method not in BALANCE_METHODS:
             raise ValueError(f"unknown balancing method {method!r}; expected one of {', '.join(BALANCE_METHODS)}")
         if method in ("qb", "qb_exact"):
@@ -503,8 +531,10 @@ class Balancer:
         loss: Tensor | None = None
         for st in stats_list:
             if st.num_experts != self.num_experts or st.k != self.k:
-                raise ValueError(f"layer {st.layer}: router has E={st.num_experts}, k={st.k}; "
-                                 f"balancer expects E={self.num_experts}, k={self.k}")
+                raise ValueError(
+                    f"layer {st.layer}: router has E={st.num_experts}, k={st.k}; "
+                    f"balancer expects E={self.num_experts}, k={self.k}"
+                )
             lay = int(st.layer)
             if self.method == "qb":
                 if lay not in self._hist:
@@ -528,8 +558,7 @@ class Balancer:
         return loss
 
     @torch.no_grad()
-    def step(self, bias_buffers: Mapping[int, Tensor],
-             reduce_fn: Callable[[Tensor], None] | None = None) -> None:
+    def step(self, bias_buffers: Mapping[int, Tensor], reduce_fn: Callable[[Tensor], None] | None = None) -> None:
         """Update ``bias_buffers[layer]`` in place from the accumulated statistics, then reset.
 
         ``reduce_fn`` (optional) sums a tensor in place across data/context-parallel ranks, e.g.

@@ -46,7 +46,7 @@ class MLAState:
         """Write ``rows`` [n, r + dr] after the slot's last row, doubling the capacity when needed."""
         end = self.lengths[slot] + rows.shape[0]
         self.reserve(end)
-        self.kv[slot, self.lengths[slot]:end] = rows.to(self.kv.dtype)
+        self.kv[slot, self.lengths[slot] : end] = rows.to(self.kv.dtype)
         self.lengths[slot] = end
 
     def set(self, slot: int, rows: Tensor) -> None:
@@ -58,8 +58,15 @@ class K3Cache:
     """Cache for ``batch_size`` sequences. A forward call names the sequences its segments extend (``seq_ids``;
     by default segment s extends sequence s and every sequence takes part)."""
 
-    def __init__(self, config: K3Config, batch_size: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32, capacity: int = 256):
+    def __init__(
+        self,
+        config: K3Config,
+        batch_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype = torch.float32,
+        capacity: int = 256,
+    ):
         self.config = config
         self.batch_size = batch_size
         self.seq_lens = [0] * batch_size
@@ -68,15 +75,22 @@ class K3Cache:
         w = kda.conv_kernel_size - 1
         for i in range(config.num_hidden_layers):
             if config.mixer(i) == "kda":
-                self.layers.append(KDAState(
-                    recurrent=torch.zeros(batch_size, kda.num_heads, kda.head_dim, kda.v_head_dim, dtype=state_dtype,
-                                          device=device),
-                    conv=[torch.zeros(batch_size, kda.num_heads * d, w, dtype=dtype, device=device)
-                          for d in (kda.head_dim, kda.head_dim, kda.v_head_dim)]))
+                self.layers.append(
+                    KDAState(
+                        recurrent=torch.zeros(
+                            batch_size, kda.num_heads, kda.head_dim, kda.v_head_dim, dtype=state_dtype, device=device
+                        ),
+                        conv=[
+                            torch.zeros(batch_size, kda.num_heads * d, w, dtype=dtype, device=device)
+                            for d in (kda.head_dim, kda.head_dim, kda.v_head_dim)
+                        ],
+                    )
+                )
             else:
                 width = mla.kv_lora_rank + mla.qk_rope_head_dim
-                self.layers.append(MLAState(torch.zeros(batch_size, capacity, width, dtype=dtype, device=device),
-                                            [0] * batch_size))
+                self.layers.append(
+                    MLAState(torch.zeros(batch_size, capacity, width, dtype=dtype, device=device), [0] * batch_size)
+                )
 
     def distinct_slots(self, seq_ids: list[int]) -> bool:
         """Whether ``seq_ids`` name distinct sequences of this cache (each in [0, batch_size))."""
@@ -119,8 +133,11 @@ class K3Cache:
 
     def kda_snapshot(self, slot: int) -> list[tuple[Tensor, list[Tensor]]]:
         """Copies of every KDA layer's (recurrent state, conv states) of ``slot``."""
-        return [(layer.recurrent[slot].clone(), [c[slot].clone() for c in layer.conv])
-                for layer in self.layers if isinstance(layer, KDAState)]
+        return [
+            (layer.recurrent[slot].clone(), [c[slot].clone() for c in layer.conv])
+            for layer in self.layers
+            if isinstance(layer, KDAState)
+        ]
 
     def restore(self, slot: int, kda: list[tuple[Tensor, list[Tensor]]], latents: list[Tensor], length: int) -> None:
         """Set ``slot`` to a state of ``length`` tokens: KDA states from a snapshot, latent rows per MLA layer."""
@@ -158,5 +175,10 @@ def cache_bytes_per_sequence(config: K3Config, context: int, state_bytes: int = 
     kda_state = n_kda * kda.num_heads * kda.head_dim * kda.v_head_dim * state_bytes
     conv_state = n_kda * kda.num_heads * (2 * kda.head_dim + kda.v_head_dim) * (kda.conv_kernel_size - 1) * kv_bytes
     mla_cache = n_mla * context * (mla.kv_lora_rank + mla.qk_rope_head_dim) * kv_bytes
-    return {"context": context, "kda_state_bytes": kda_state, "conv_state_bytes": conv_state,
-            "mla_cache_bytes": mla_cache, "total_bytes": kda_state + conv_state + mla_cache}
+    return {
+        "context": context,
+        "kda_state_bytes": kda_state,
+        "conv_state_bytes": conv_state,
+        "mla_cache_bytes": mla_cache,
+        "total_bytes": kda_state + conv_state + mla_cache,
+    }

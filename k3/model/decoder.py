@@ -62,8 +62,14 @@ class DecoderLayer(nn.Module):
             make_mix_params(self, "self_attention_res", d, eps)
             make_mix_params(self, "mlp_res", d, eps)
 
-    def forward(self, stream: ResidualStream, cu_seqlens: Tensor | None, state=None, seq_ids=None,
-                positions: Tensor | None = None) -> RouterStats | None:
+    def forward(
+        self,
+        stream: ResidualStream,
+        cu_seqlens: Tensor | None,
+        state=None,
+        seq_ids=None,
+        positions: Tensor | None = None,
+    ) -> RouterStats | None:
         """With ``positions`` (decode: one token per sequence, cu_seqlens unused) the mixer runs its step form."""
         x = stream.input(self.layer_idx, "attn", self.input_layernorm)
         if positions is None:
@@ -95,20 +101,30 @@ class K3Model(nn.Module):
         """The AttnRes (key norm, pseudo-query) of every mix: attn and mlp of each layer, then the output mix."""
         if self.config.attn_res.mode == "none":
             return None
-        pairs = [(getattr(layer, f"{sub}_res_norm"), getattr(layer, f"{sub}_res_proj"))
-                 for layer in self.layers for sub in ("self_attention", "mlp")]
+        pairs = [
+            (getattr(layer, f"{sub}_res_norm"), getattr(layer, f"{sub}_res_proj"))
+            for layer in self.layers
+            for sub in ("self_attention", "mlp")
+        ]
         return pairs + [(self.output_attn_res_norm, self.output_attn_res_proj)]
 
-    def forward(self, tokens: Tensor, cu_seqlens: Tensor | None, cache: K3Cache | None = None,
-                seq_ids: Tensor | None = None, record_attn_res: bool = False,
-                positions: Tensor | None = None, inputs_embeds: Tensor | None = None
-                ) -> tuple[Tensor, list, list | None]:
+    def forward(
+        self,
+        tokens: Tensor,
+        cu_seqlens: Tensor | None,
+        cache: K3Cache | None = None,
+        seq_ids: Tensor | None = None,
+        record_attn_res: bool = False,
+        positions: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> tuple[Tensor, list, list | None]:
         """tokens [N] packed, cu_seqlens [S+1] -> (hidden [N, d] after the final norm, router stats, AttnRes records).
         Decode step: ``positions`` [N] given, one token per cached sequence ``seq_ids`` (see decode_step).
         ``inputs_embeds`` [N, d]: the token embeddings to use (images spliced in), instead of embedding ``tokens``."""
         x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
-        stream = ResidualStream(self.config.attn_res.mode, self.config.attn_res.block_size, x, self.mixers(),
-                                record=record_attn_res)
+        stream = ResidualStream(
+            self.config.attn_res.mode, self.config.attn_res.block_size, x, self.mixers(), record=record_attn_res
+        )
         stats = []
         for i, layer in enumerate(self.layers):
             s = layer(stream, cu_seqlens, None if cache is None else cache.layers[i], seq_ids, positions)
@@ -159,9 +175,16 @@ class K3ForCausalLM(nn.Module):
                 t.data = t.data.to(torch.float32 if name.endswith(FP32_NAMES) else dtype)
         return self
 
-    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None, cache: K3Cache | None = None,
-                seq_ids: list[int] | Tensor | None = None, record_attn_res: bool = False,
-                last_only: bool = False, image_features: Tensor | None = None) -> K3Output:
+    def forward(
+        self,
+        input_ids: Tensor,
+        cu_seqlens: Tensor | None = None,
+        cache: K3Cache | None = None,
+        seq_ids: list[int] | Tensor | None = None,
+        record_attn_res: bool = False,
+        last_only: bool = False,
+        image_features: Tensor | None = None,
+    ) -> K3Output:
         """Logits for every input token.
 
         input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence);
@@ -176,8 +199,9 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
         if cu_seqlens is None:
-            cu_seqlens = attach_host(torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64),
-                                     list(range(0, b * t + 1, t)))
+            cu_seqlens = attach_host(
+                torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64), list(range(0, b * t + 1, t))
+            )
         else:  # one host read of the offsets (none if they come on the CPU or carry a host copy); the ops reuse it
             cu_seqlens = offsets_to(cu_seqlens, input_ids.device)
             check_cu_seqlens(cu_seqlens, b, t)
@@ -187,8 +211,9 @@ class K3ForCausalLM(nn.Module):
         elif seq_ids is not None:
             raise ValueError("seq_ids needs a cache")
         embeds = None if image_features is None else self.splice_images(input_ids.reshape(-1), image_features)
-        hidden, stats, records = self.model(input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res,
-                                            inputs_embeds=embeds)
+        hidden, stats, records = self.model(
+            input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res, inputs_embeds=embeds
+        )
         if cache is not None:
             offsets = host_list(cu_seqlens)
             cache.advance(host_list(seq_ids), [b - a for a, b in zip(offsets[:-1], offsets[1:])])
@@ -209,8 +234,10 @@ class K3ForCausalLM(nn.Module):
         Equal to ``forward(..., last_only=True)`` with one token per sequence."""
         ids = [int(i) for i in seq_ids]
         if input_ids.shape != (len(ids),) or not cache.distinct_slots(ids):
-            raise ValueError(f"decode needs input_ids [N] and N distinct seq_ids in [0, {cache.batch_size}); got "
-                             f"shape {tuple(input_ids.shape)} and seq_ids={ids}")
+            raise ValueError(
+                f"decode needs input_ids [N] and N distinct seq_ids in [0, {cache.batch_size}); got "
+                f"shape {tuple(input_ids.shape)} and seq_ids={ids}"
+            )
         cache.reserve(max(cache.seq_lens[i] for i in ids) + 1)
         device = input_ids.device
         slots = torch.tensor(ids, dtype=torch.int64).to(device)
@@ -227,8 +254,10 @@ class K3ForCausalLM(nn.Module):
         mask = tokens == self.config.vision.media_placeholder_token_id
         found = int(mask.sum())
         if image_features.dim() != 2 or image_features.shape != (found, self.config.hidden_size):
-            raise ValueError(f"the input has {found} media placeholder tokens but image_features has shape "
-                             f"{tuple(image_features.shape)} (expected [{found}, {self.config.hidden_size}])")
+            raise ValueError(
+                f"the input has {found} media placeholder tokens but image_features has shape "
+                f"{tuple(image_features.shape)} (expected [{found}, {self.config.hidden_size}])"
+            )
         x = self.model.embed_tokens(tokens)
         return x.masked_scatter(mask.unsqueeze(-1), image_features.to(x.dtype))
 
@@ -236,8 +265,10 @@ class K3ForCausalLM(nn.Module):
     def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:
         if seq_ids is None:
             if cache.batch_size != segments:
-                raise ValueError(f"the input has {segments} sequences but the cache holds {cache.batch_size}; "
-                                 "pass seq_ids to extend a subset")
+                raise ValueError(
+                    f"the input has {segments} sequences but the cache holds {cache.batch_size}; "
+                    "pass seq_ids to extend a subset"
+                )
             return attach_host(torch.arange(segments, device=device), list(range(segments)))
         if isinstance(seq_ids, Tensor):
             listed = host_list(seq_ids) if seq_ids.device.type == "cpu" else seq_ids.tolist()
@@ -245,14 +276,21 @@ class K3ForCausalLM(nn.Module):
             listed = [int(i) for i in seq_ids]
         ids = attach_host(torch.as_tensor(listed, dtype=torch.int64).to(device), listed)
         if len(listed) != segments or not cache.distinct_slots(listed):
-            raise ValueError(f"seq_ids={listed} must name {segments} distinct cached sequences in "
-                             f"[0, {cache.batch_size})")
+            raise ValueError(
+                f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})"
+            )
         return ids
 
-    def new_cache(self, batch_size: int, state_dtype: torch.dtype = torch.float32, dtype: torch.dtype | None = None,
-                  capacity: int = 256) -> K3Cache:
+    def new_cache(
+        self,
+        batch_size: int,
+        state_dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
+        capacity: int = 256,
+    ) -> K3Cache:
         """An empty cache for ``batch_size`` sequences; latents and conv states in ``dtype`` (default: the
         model's), KDA states in ``state_dtype``."""
         p = self.lm_head.weight
-        return K3Cache(self.config, batch_size, device=p.device, dtype=dtype or p.dtype, state_dtype=state_dtype,
-                       capacity=capacity)
+        return K3Cache(
+            self.config, batch_size, device=p.device, dtype=dtype or p.dtype, state_dtype=state_dtype, capacity=capacity
+        )

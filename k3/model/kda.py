@@ -100,8 +100,9 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(upcast(b))
         return l2norm(q, self.l2norm_eps), l2norm(k, self.l2norm_eps), v, g, beta
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, state: KDAState | None = None,
-                seq_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cu_seqlens: Tensor, state: KDAState | None = None, seq_ids: Tensor | None = None
+    ) -> Tensor:
         """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
 
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its rows are updated).
@@ -109,8 +110,14 @@ class KimiDeltaAttention(nn.Module):
         n = x.shape[0]
         widths = self.qkv_widths()
         init = None if state is None else torch.cat([c[seq_ids] for c in state.conv], dim=1)
-        y, conv_state = causal_conv1d(self.project(x).unsqueeze(0), self.conv_weight(), cu_seqlens=cu_seqlens,
-                                      initial_state=init, output_final_state=state is not None, activation="silu")
+        y, conv_state = causal_conv1d(
+            self.project(x).unsqueeze(0),
+            self.conv_weight(),
+            cu_seqlens=cu_seqlens,
+            initial_state=init,
+            output_final_state=state is not None,
+            activation="silu",
+        )
         qkv = list(y[0].split(widths, dim=-1))  # q, k, v [N, C] each (column views)
         if state is not None:
             for c, s in zip(state.conv, conv_state.split(widths, dim=1)):
@@ -120,12 +127,21 @@ class KimiDeltaAttention(nn.Module):
         mode = self.mode
         if mode == "auto":
             mode = "recurrent" if n == segments else "chunk"  # one new token per sequence: decode
-        kwargs = dict(initial_state=None if state is None else state.recurrent[seq_ids],
-                      output_final_state=state is not None, cu_seqlens=cu_seqlens)
+        kwargs = dict(
+            initial_state=None if state is None else state.recurrent[seq_ids],
+            output_final_state=state is not None,
+            cu_seqlens=cu_seqlens,
+        )
         if mode == "chunk":  # the norms, gate and sigmoid inside the op (fused into fla's kernels)
-            o, final = chunk_kda_raw(*self.raw_inputs(x, qkv), A_log=self.A_log, dt_bias=self.dt_bias,
-                                     lower_bound=self.lower_bound, l2norm_eps=self.l2norm_eps,
-                                     chunk_size=self.chunk_size, **kwargs)
+            o, final = chunk_kda_raw(
+                *self.raw_inputs(x, qkv),
+                A_log=self.A_log,
+                dt_bias=self.dt_bias,
+                lower_bound=self.lower_bound,
+                l2norm_eps=self.l2norm_eps,
+                chunk_size=self.chunk_size,
+                **kwargs,
+            )
         elif mode == "recurrent":
             o, final = recurrent_kda(*self.recurrence_inputs(x, qkv), **kwargs)
         else:
@@ -143,16 +159,32 @@ class KimiDeltaAttention(nn.Module):
         full_gate = hasattr(self, "g_proj")
         gate_in = self.g_proj if full_gate else self.g_a_proj
         # the six maps of x in one call (k3.ops.linear: one Triton launch where chosen, else six linears)
-        *qkv, f_a, b, g = multi_linear(x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj,
-                                                             self.b_proj, gate_in)])
+        *qkv, f_a, b, g = multi_linear(
+            x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate_in)]
+        )
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        q, k, v = causal_conv1d_steps(qkv, [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots,
-                                      activation="silu")  # one Triton launch where chosen
-        y = kda_decode(q, k, v, f_a, b, g, f_b_weight=self.f_b_proj.weight,
-                       g_b_weight=None if full_gate else self.g_b_proj.weight, A_log=self.A_log,
-                       dt_bias=self.dt_bias, lower_bound=self.lower_bound, norm_weight=self.o_norm.weight,
-                       norm_eps=self.o_norm.eps, out_dtype=self.o_norm.out_dtype(v) or self.o_proj.weight.dtype,
-                       state=state.recurrent, slots=slots, l2norm_eps=self.l2norm_eps)
+        q, k, v = causal_conv1d_steps(
+            qkv, [conv.weight[:, 0] for conv in convs], states=state.conv, slots=slots, activation="silu"
+        )  # one Triton launch where chosen
+        y = kda_decode(
+            q,
+            k,
+            v,
+            f_a,
+            b,
+            g,
+            f_b_weight=self.f_b_proj.weight,
+            g_b_weight=None if full_gate else self.g_b_proj.weight,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound,
+            norm_weight=self.o_norm.weight,
+            norm_eps=self.o_norm.eps,
+            out_dtype=self.o_norm.out_dtype(v) or self.o_proj.weight.dtype,
+            state=state.recurrent,
+            slots=slots,
+            l2norm_eps=self.l2norm_eps,
+        )
         return multi_linear(y, [self.o_proj.weight])[0]  # o_proj, a GEMV: one Triton launch where chosen
 
     def _output(self, x: Tensor, o: Tensor) -> Tensor:

@@ -42,9 +42,14 @@ class MultiheadLatentAttention(nn.Module):
         super().__init__()
         c = config.mla
         d = config.hidden_size
-        self.num_heads, self.dn, self.dr, self.dv, self.r = (c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                                                             c.v_head_dim, c.kv_lora_rank)
-        self.scale = c.qk_head_dim ** -0.5
+        self.num_heads, self.dn, self.dr, self.dv, self.r = (
+            c.num_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.kv_lora_rank,
+        )
+        self.scale = c.qk_head_dim**-0.5
         self.rope_theta = c.rope_theta
         self.absorb: bool | None = None  # None: absorbed when every segment brings one token with a cache
         if c.q_lora_rank is None:
@@ -78,33 +83,52 @@ class MultiheadLatentAttention(nn.Module):
     def absorbed_query(self, q_nope: Tensor, q_pe: Tensor) -> Tensor:
         """q_nope [N, H, dn] folded through kv_b_proj's key half into the latent space, q_pe appended:
         [N, H, r + dr], a query against the cache rows [c_kv, k_pe] themselves."""
-        w_k = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)[:, :self.dn]
+        w_k = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)[:, : self.dn]
         return torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, w_k), q_pe], dim=-1)
 
     def absorbed_output(self, o_lat: Tensor) -> Tensor:
         """Latent attention output [N, H, r] through kv_b_proj's value half -> [N, H, dv]."""
-        w_v = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)[:, self.dn:]
+        w_v = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.r)[:, self.dn :]
         return torch.einsum("nhr,hvr->nhv", o_lat, w_v)
 
-    def attend(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-               absorb: bool) -> Tensor:
+    def attend(
+        self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, absorb: bool
+    ) -> Tensor:
         """Attention of the queries over key rows [M, r + dr] (latent c_kv and rotated k_pe; segment s of the
         queries sees its key segment, queries last): absorbed (one shared latent head) or with keys and values
         expanded through kv_b_proj. -> o [N, H, dv]."""
         h = self.num_heads
         if absorb:
             keys = rows.unsqueeze(1)  # [M, 1, r + dr]
-            o_lat = attention(self.absorbed_query(q_nope, q_pe), keys, keys[..., :self.r], scale=self.scale,
-                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            o_lat = attention(
+                self.absorbed_query(q_nope, q_pe),
+                keys,
+                keys[..., : self.r],
+                scale=self.scale,
+                cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k,
+            )
             return self.absorbed_output(o_lat)
         c_all, pe_all = rows.split([self.r, self.dr], dim=-1)
         k_nope, v = self.kv_b_proj(c_all).view(-1, h, self.dn + self.dv).split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, pe_all.unsqueeze(1).expand(-1, h, -1)], dim=-1)
-        return attention(torch.cat([q_nope, q_pe], dim=-1), k, v, scale=self.scale, cu_seqlens_q=cu_seqlens_q,
-                         cu_seqlens_k=cu_seqlens_k)
+        return attention(
+            torch.cat([q_nope, q_pe], dim=-1),
+            k,
+            v,
+            scale=self.scale,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+        )
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, state: MLAState | None = None, seq_ids: Tensor | None = None,
-                absorb: bool | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cu_seqlens: Tensor,
+        state: MLAState | None = None,
+        seq_ids: Tensor | None = None,
+        absorb: bool | None = None,
+    ) -> Tensor:
         """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
 
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its latents are appended).
@@ -131,17 +155,23 @@ class MultiheadLatentAttention(nn.Module):
         elif absorb:  # straight over the latent cache
             host_lens = [state.lengths[i] for i in ids]
             key_lens = attach_host(torch.tensor(host_lens).to(x.device, non_blocking=True), host_lens)
-            o_lat = latent_attention(self.absorbed_query(q_nope, q_pe), state.kv, seq_ids=seq_ids, lengths=key_lens,
-                                     cu_seqlens_q=cu_seqlens, scale=self.scale, v_dim=self.r,
-                                     max_length=max(host_lens))
+            o_lat = latent_attention(
+                self.absorbed_query(q_nope, q_pe),
+                state.kv,
+                seq_ids=seq_ids,
+                lengths=key_lens,
+                cu_seqlens_q=cu_seqlens,
+                scale=self.scale,
+                v_dim=self.r,
+                max_length=max(host_lens),
+            )
             o = self.absorbed_output(o_lat)
         else:
             offsets = [0]
             for i in ids:
                 offsets.append(offsets[-1] + state.lengths[i])
             cu_k = attach_host(torch.tensor(offsets, dtype=cu_seqlens.dtype).to(x.device), offsets)
-            o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), cu_seqlens, cu_k,
-                            False)
+            o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), cu_seqlens, cu_k, False)
         return self._output(x, o)
 
     def step(self, x: Tensor, state: MLAState, slots: Tensor, positions: Tensor) -> Tensor:
@@ -159,8 +189,16 @@ class MultiheadLatentAttention(nn.Module):
             k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
         state.kv[slots, positions] = torch.cat([c_kv, k_pe], dim=-1).to(state.kv.dtype)
         cu_q = attach_host(torch.arange(n + 1, device=x.device), list(range(n + 1)))
-        o_lat = latent_attention(self.absorbed_query(q_nope, q_pe), state.kv, seq_ids=slots, lengths=positions + 1,
-                                 cu_seqlens_q=cu_q, scale=self.scale, v_dim=self.r, max_length=state.kv.shape[1])
+        o_lat = latent_attention(
+            self.absorbed_query(q_nope, q_pe),
+            state.kv,
+            seq_ids=slots,
+            lengths=positions + 1,
+            cu_seqlens_q=cu_q,
+            scale=self.scale,
+            v_dim=self.r,
+            max_length=state.kv.shape[1],
+        )
         return self._output(x, self.absorbed_output(o_lat), maps[2] if gated else None)
 
     def _output(self, x: Tensor, o: Tensor, gate: Tensor | None = None) -> Tensor:

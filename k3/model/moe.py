@@ -85,8 +85,12 @@ class MoE(nn.Module):
         """x [N, d] -> (out [N, d], router statistics of this layer)."""
         latent = hasattr(self, "routed_expert_down_proj")
         shared = getattr(self, "shared_experts", None)
-        logits, z, shared_in = moe_inputs(x, self.gate.weight, self.routed_expert_down_proj.weight if latent else None,
-                                          () if shared is None else (shared.gate_proj.weight, shared.up_proj.weight))
+        logits, z, shared_in = moe_inputs(
+            x,
+            self.gate.weight,
+            self.routed_expert_down_proj.weight if latent else None,
+            () if shared is None else (shared.gate_proj.weight, shared.up_proj.weight),
+        )
         scores, topk_idx, topk_weight = self.gate.route(logits)
         z = x if z is None else z
         packed = getattr(self.experts, "packed", False)  # MXFP4 bytes (k3.quant.packed), never dequantised whole
@@ -98,16 +102,28 @@ class MoE(nn.Module):
         elif self.qat is None:
             y = moe_experts(z, topk_idx, topk_weight, w1, w2, w3, self.glu)
         else:  # fake-quantised expert weights and matmul inputs, straight-through gradients
-            y = moe_experts(z, topk_idx, topk_weight, self.qat.weight(w1), self.qat.weight(w2), self.qat.weight(w3),
-                            self.glu, act_quant=self.qat.act_quant)
+            y = moe_experts(
+                z,
+                topk_idx,
+                topk_weight,
+                self.qat.weight(w1),
+                self.qat.weight(w2),
+                self.qat.weight(w3),
+                self.glu,
+                act_quant=self.qat.act_quant,
+            )
         if latent:
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)
             y = self.routed_expert_up_proj(y)
         if shared is not None:
             y = y + shared.finish(*shared_in)
-        stats = RouterStats(scores=scores, topk_idx=topk_idx, bias=self.gate.e_score_correction_bias.detach().clone(),
-                            layer=self.layer_idx)
+        stats = RouterStats(
+            scores=scores,
+            topk_idx=topk_idx,
+            bias=self.gate.e_score_correction_bias.detach().clone(),
+            layer=self.layer_idx,
+        )
         return y, stats
 
 

@@ -24,8 +24,10 @@ class K3ForConditionalGeneration(K3ForCausalLM):
 
     def __init__(self, config: K3Config):
         if config.vision is None:
-            raise ValueError(f"config {config.name!r} has no vision section: use K3ForCausalLM, or add one "
-                             "(k3.config.presets.with_vision)")
+            raise ValueError(
+                f"config {config.name!r} has no vision section: use K3ForCausalLM, or add one "
+                "(k3.config.presets.with_vision)"
+            )
         super().__init__(config)
         self.vision_tower = VisionTower(config)
 
@@ -33,8 +35,14 @@ class K3ForConditionalGeneration(K3ForCausalLM):
         """Packed image patches (k3.vision.processor) -> [sum_i n_i, hidden_size] LM-width image tokens."""
         return self.vision_tower(pixel_patches, grid_hws)
 
-    def forward(self, input_ids: Tensor, *args, pixel_patches: Tensor | None = None,
-                grid_hws: Tensor | Sequence[Sequence[int]] | None = None, **kwargs) -> K3Output:
+    def forward(
+        self,
+        input_ids: Tensor,
+        *args,
+        pixel_patches: Tensor | None = None,
+        grid_hws: Tensor | Sequence[Sequence[int]] | None = None,
+        **kwargs,
+    ) -> K3Output:
         """As :meth:`K3ForCausalLM.forward` (same positional arguments); images given as patches (keywords) are
         encoded here, or pass ``image_features`` already encoded, as the engine does during chunked prefill."""
         if pixel_patches is not None:

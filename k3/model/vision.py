@@ -57,8 +57,8 @@ def vision_param_counts(config: K3Config) -> dict[str, int]:
     v = _vision(config)
     d, inner = v.hidden_size, v.num_heads * v.head_dim
     block = d * 3 * inner + inner * d + 2 * d * v.intermediate_size + 2 * d
-    encoder = CHANNELS * v.patch_size ** 2 * d + v.pos_grid ** 2 * d + v.num_layers * block + d
-    merged = v.merge_size ** 2 * d
+    encoder = CHANNELS * v.patch_size**2 * d + v.pos_grid**2 * d + v.num_layers * block + d
+    merged = v.merge_size**2 * d
     projector = merged * merged + merged * config.hidden_size + config.hidden_size
     return {"encoder": encoder, "projector": projector}
 
@@ -83,8 +83,9 @@ def rope_2d(x: Tensor, rows: Tensor, cols: Tensor, theta: float = ROPE_THETA) ->
 
     The first Dh/2 channels rotate with the row index, the last Dh/2 with the column index."""
     half = x.shape[-1] // 2
-    return torch.cat([rotate_half_rope(x[..., :half], rows, theta),
-                      rotate_half_rope(x[..., half:], cols, theta)], dim=-1)
+    return torch.cat(
+        [rotate_half_rope(x[..., :half], rows, theta), rotate_half_rope(x[..., half:], cols, theta)], dim=-1
+    )
 
 
 def interpolate_pos_grid(grid: Tensor, h: int, w: int) -> Tensor:
@@ -122,7 +123,7 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, H, Dh]
         q, k = rope_2d(q, rows, cols), rope_2d(k, rows, cols)
-        o = bidirectional_attention(q, k, v, scale=self.head_dim ** -0.5, cu_seqlens=cu_seqlens)
+        o = bidirectional_attention(q, k, v, scale=self.head_dim**-0.5, cu_seqlens=cu_seqlens)
         return self.proj(o.reshape(n, -1))
 
 
@@ -161,7 +162,7 @@ class MoonViTEncoder(nn.Module):
 
     def __init__(self, v: VisionConfig, eps: float):
         super().__init__()
-        self.patch_embed = nn.Linear(CHANNELS * v.patch_size ** 2, v.hidden_size, bias=False)
+        self.patch_embed = nn.Linear(CHANNELS * v.patch_size**2, v.hidden_size, bias=False)
         self.pos_embed = nn.Parameter(torch.zeros(v.pos_grid, v.pos_grid, v.hidden_size))
         self.blocks = nn.ModuleList(VisionBlock(v, eps) for _ in range(v.num_layers))
         self.norm = RMSNorm(v.hidden_size, eps=eps)
@@ -209,13 +210,13 @@ class VisionProjector(nn.Module):
     def __init__(self, v: VisionConfig, text_hidden: int, eps: float):
         super().__init__()
         self.merge = v.merge_size
-        merged = v.merge_size ** 2 * v.hidden_size
+        merged = v.merge_size**2 * v.hidden_size
         self.fc1 = nn.Linear(merged, merged, bias=False)
         self.fc2 = nn.Linear(merged, text_hidden, bias=False)
         self.norm = RMSNorm(text_hidden, eps=eps, cast=False)  # its output is spliced into the text embeddings
 
     def forward(self, x: Tensor, grids: Sequence[tuple[int, int]]) -> Tensor:
-        m2 = self.merge ** 2
+        m2 = self.merge**2
         x = x[merge_index(grids, self.merge, x.device)].reshape(x.shape[0] // m2, m2 * x.shape[1])
         return self.norm(self.fc2(gelu_tanh(self.fc1(x))))
 
@@ -277,8 +278,10 @@ class VisionTower(nn.Module):
 
     def _grids(self, pixel_patches: Tensor, grid_hws: Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int]]:
         v = self.vision_config
-        width = CHANNELS * v.patch_size ** 2
+        width = CHANNELS * v.patch_size**2
         if pixel_patches.dim() != 2 or pixel_patches.shape[1] != width:
-            raise ValueError(f"pixel_patches must be [N, {width}] (3 x {v.patch_size} x {v.patch_size} patches), "
-                             f"got shape {tuple(pixel_patches.shape)}")
+            raise ValueError(
+                f"pixel_patches must be [N, {width}] (3 x {v.patch_size} x {v.patch_size} patches), "
+                f"got shape {tuple(pixel_patches.shape)}"
+            )
         return check_grids(grid_hws, pixel_patches.shape[0], v.merge_size)

@@ -71,8 +71,13 @@ _triton_usable: bool | None = None  # Triton importable with a GPU it supports, 
 _kernels: dict[str, tuple[str, str]] | None = None  # kernel -> (what runs, why), once resolved
 
 
-def register(op: str, backend: str, fn: Callable, supports: Callable[[torch.device], bool] = lambda d: True,
-             label: str | None = None) -> None:
+def register(
+    op: str,
+    backend: str,
+    fn: Callable,
+    supports: Callable[[torch.device], bool] = lambda d: True,
+    label: str | None = None,
+) -> None:
     """Register an implementation of ``op`` under ``backend`` ('reference' or 'fast'); ``label`` says what runs
     it (in the log line and the plan table)."""
     if backend not in ("reference", "fast"):
@@ -143,8 +148,9 @@ def kernel_choices() -> dict[str, tuple[str, str]]:
         for name, k in KERNELS.items():
             value = wanted.get(name)
             if value == k.on and not usable:
-                raise ValueError(f"K3_KERNELS: {name}={k.on} needs Triton, which is not installed or has no GPU "
-                                 "it supports")
+                raise ValueError(
+                    f"K3_KERNELS: {name}={k.on} needs Triton, which is not installed or has no GPU it supports"
+                )
             if value is not None:
                 out[name] = (value, "K3_KERNELS")
             else:
@@ -192,8 +198,9 @@ def dispatch(op: str, device: torch.device, *args, **kwargs):
     return resolve(op, device)[1](*args, **kwargs)
 
 
-def triton_or_torch(kernel: str, what: str, why_not: Callable[[], str], labels: tuple[str, str],
-                    logged: set[str]) -> str:
+def triton_or_torch(
+    kernel: str, what: str, why_not: Callable[[], str], labels: tuple[str, str], logged: set[str]
+) -> str:
     """KERNELS[kernel].on or .off for one call of a fast path that has this kernel: the kernel where the plan chose
     it and ``why_not()`` gives no reason against it for this call (a gradient is needed, a shape the kernel does not
     take). Each (choice, reason) is logged once through ``logged``: "<what> <label>[: <reason>]", labels = (the

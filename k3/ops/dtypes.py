@@ -39,6 +39,7 @@ def autocast_off(fn: F) -> F:
     by the architecture (docs/precision.md). The decorator turns autocast off on the device of the first tensor
     argument for the call; outside autocast it changes nothing. Compiled callers keep it (dynamo traces the
     context)."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         t = _first_tensor(args, kwargs)

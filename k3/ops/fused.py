@@ -74,8 +74,9 @@ def fused(fn: Callable) -> Callable:
 
             raise_recompile_limit()
             # FailOnRecompileLimitHit (too many input shapes for fullgraph) derives from Exception alone
-            errors = tuple(getattr(exc, n) for n in ("TorchDynamoException", "FailOnRecompileLimitHit")
-                           if hasattr(exc, n))
+            errors = tuple(
+                getattr(exc, n) for n in ("TorchDynamoException", "FailOnRecompileLimitHit") if hasattr(exc, n)
+            )
             compiled, compile_error = torch.compile(fn, fullgraph=True), errors
         try:
             return compiled(*args, **kwargs)
@@ -85,8 +86,12 @@ def fused(fn: Callable) -> Callable:
             out = fn(*args, **kwargs)  # raises the plain error if the inputs are at fault
             failed = True
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            backend.log.error("op %s: torch.compile failed (%s: %s); its reference runs from now on "
-                              "(K3_BACKEND=fast raises instead)", name, type(e).__name__, first)
+            backend.log.error(
+                "op %s: torch.compile failed (%s: %s); its reference runs from now on (K3_BACKEND=fast raises instead)",
+                name,
+                type(e).__name__,
+                first,
+            )
             return out
 
     backend.register(name, "reference", fn)

@@ -184,16 +184,17 @@ def scale_values(scales: Tensor) -> Tensor:
     return torch.where(s == SCALE_NAN, float("nan"), pow2(s.clamp(max=254) - SCALE_BIAS))
 
 
-def dequantize(codes: Tensor, scales: Tensor, elem: str, block: int = 32,
-               dtype: torch.dtype = torch.float32) -> Tensor:
+def dequantize(codes: Tensor, scales: Tensor, elem: str, block: int = 32, dtype: torch.dtype = torch.float32) -> Tensor:
     """codes uint8 [..., n], scales uint8 [..., n / block] -> values [..., n] in ``dtype``
     (exact in float32; rounded once to ``dtype`` otherwise)."""
     element(elem)
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block={block!r} must be a positive integer")
     if codes.dim() == 0 or codes.shape[-1] % block or scales.shape != (*codes.shape[:-1], codes.shape[-1] // block):
-        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not match block={block}: "
-                         f"scales must be codes.shape[:-1] + (n / {block},)")
+        raise ValueError(
+            f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not match block={block}: "
+            f"scales must be codes.shape[:-1] + (n / {block},)"
+        )
     values = decode(codes, elem).reshape(*scales.shape, block) * scale_values(scales).unsqueeze(-1)
     return values.reshape(codes.shape).to(dtype)
 

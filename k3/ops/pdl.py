@@ -43,6 +43,7 @@ log = logging.getLogger("k3.ops")
 _supported: dict[int, bool] = {}  # CUDA device index -> capability >= 9 and Triton has gdc_wait
 
 if triton is not None:
+
     @triton.jit
     def wait_then_release(PDL: tl.constexpr):
         """A PDL kernel's first statement: wait for the kernel before it, then let the next one start (no-op
@@ -56,8 +57,12 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: the kernel plan has kernel pdl on, a CUDA GPU of capability >= 9
     and a Triton
     with gdc_wait (asked once per device and logged)."""
-    if (device.type != "cuda" or triton is None or os.environ.get("TRITON_INTERPRET") == "1"
-            or backend.kernel_choice("pdl") != "on"):
+    if (
+        device.type != "cuda"
+        or triton is None
+        or os.environ.get("TRITON_INTERPRET") == "1"
+        or backend.kernel_choice("pdl") != "on"
+    ):
         return False  # (Triton's interpreter cannot run the wait instruction)
     index = torch.cuda.current_device() if device.index is None else device.index
     if index not in _supported:
@@ -65,9 +70,13 @@ def enabled(device: torch.device) -> bool:
 
         ok = torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(cuda, "gdc_wait")
         _supported[index] = ok
-        log.info("Triton decode kernels on cuda:%d launch %s", index,
-                 "with programmatic dependent launch (K3_KERNELS=pdl=off turns it off)" if ok else
-                 "without programmatic dependent launch (needs compute capability >= 9)")
+        log.info(
+            "Triton decode kernels on cuda:%d launch %s",
+            index,
+            "with programmatic dependent launch (K3_KERNELS=pdl=off turns it off)"
+            if ok
+            else "without programmatic dependent launch (needs compute capability >= 9)",
+        )
     return _supported[index]
 
 

@@ -45,6 +45,8 @@ def plan_table(device: torch.device | str) -> str:
     """:func:`plan` as a plain-text table under a line naming the device and the user's choices."""
     rows = [("op / kernel", "runs", "why")] + plan(device)
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    head = (f"kernel plan on {torch.device(device)} (K3_BACKEND={backend.get_backend()}, "
-            f"K3_KERNELS={backend.kernel_spec() or '-'})")
+    head = (
+        f"kernel plan on {torch.device(device)} (K3_BACKEND={backend.get_backend()}, "
+        f"K3_KERNELS={backend.kernel_spec() or '-'})"
+    )
     return "\n".join([head] + [f"  {a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows])

@@ -39,8 +39,9 @@ class Cluster:
     def __post_init__(self) -> None:
         check_positive_ints(self, "gpus", "gpus_per_node")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(f"--gpus={self.gpus} must be a multiple of --gpus-per-node={self.gpus_per_node} "
-                             "(whole nodes)")
+            raise ValueError(
+                f"--gpus={self.gpus} must be a multiple of --gpus-per-node={self.gpus_per_node} (whole nodes)"
+            )
         for name in ("hbm_gib", "hbm_bytes_per_s", "bf16_flops", "intra_bytes_per_s", "inter_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be positive")
@@ -59,7 +60,7 @@ class Cluster:
 
     @property
     def hbm_bytes(self) -> float:
-        return self.hbm_gib * 2 ** 30
+        return self.hbm_gib * 2**30
 
     def replace(self, **changes) -> "Cluster":
         return dataclasses.replace(self, **changes)
@@ -67,8 +68,7 @@ class Cluster:
 
 H200_SOURCES = {
     "hbm_gib": "measured: the memory torch reports on the H200 we run on (139.8 GiB of the 141 GB sold)",
-    "hbm_bytes_per_s": "measured: device-to-device copy bandwidth, 4.21 TB/s "
-                       "(benchmarks/results/decode-targets.json)",
+    "hbm_bytes_per_s": "measured: device-to-device copy bandwidth, 4.21 TB/s (benchmarks/results/decode-targets.json)",
     "bf16_flops": "measured: dense bf16 matmul rate on one H200, 790 TFLOP/s (k3.bench.model.PEAK)",
     "intra_bytes_per_s": "assumed: NVLink 4, 450 GB/s each way per GPU (vendor figure)",
     "inter_bytes_per_s": "assumed: one 400 Gb/s NIC per GPU, 50 GB/s each way (vendor figure)",

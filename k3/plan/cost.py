@@ -84,20 +84,39 @@ def _shape(config: K3Config) -> ModelShape:
     width = moe.latent_size or config.hidden_size
     expert_params = 3 * moe.moe_intermediate_size * width
     dense = sum(counts.values()) - counts["routed_experts"] - counts["vision"]
-    dense_active = sum(active.values()) - active["routed_experts"] - active["embedding"] - active["norms"] \
-        - active["attn_res"] - active["vision"]
+    dense_active = (
+        sum(active.values())
+        - active["routed_experts"]
+        - active["embedding"]
+        - active["norms"]
+        - active["attn_res"]
+        - active["vision"]
+    )
     cache = cache_bytes_per_sequence(config, 1)
     ns = 0.0
     for name, p in model.named_parameters():
         if p.dim() < 2 or "embed" in name or name.startswith("lm_head") or "conv1d" in name:
             continue
         a, b = sorted(p.shape[-2:])
-        ns += (p.numel() // (a * b)) * 5 * (4 * a * a * b + 2 * a ** 3)
+        ns += (p.numel() // (a * b)) * 5 * (4 * a * a * b + 2 * a**3)
     attn = tuple((c, sum(attention_flops_per_token(config, c).values())) for c in (1024, 4096, 32768, 131072))
-    return ModelShape(config.name, config.num_hidden_layers, n_moe, config.hidden_size, moe.num_experts,
-                      moe.num_experts_per_token, width, expert_params, dense, counts["embedding"], dense_active,
-                      cache["kda_state_bytes"] + cache["conv_state_bytes"], cache["mla_cache_bytes"],
-                      attn, ns)
+    return ModelShape(
+        config.name,
+        config.num_hidden_layers,
+        n_moe,
+        config.hidden_size,
+        moe.num_experts,
+        moe.num_experts_per_token,
+        width,
+        expert_params,
+        dense,
+        counts["embedding"],
+        dense_active,
+        cache["kda_state_bytes"] + cache["conv_state_bytes"],
+        cache["mla_cache_bytes"],
+        attn,
+        ns,
+    )
 
 
 def attention_flops(shape: ModelShape, context: int) -> float:

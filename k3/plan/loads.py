@@ -50,8 +50,7 @@ def zipf_shares(num_layers: int, num_experts: int, k: int, s: float, seed: int =
     return torch.stack([f[torch.randperm(num_experts, generator=g)] for _ in range(num_layers)])
 
 
-def shares_from_counts(counts: dict[int, list[float]] | list[list[float]], num_layers: int,
-                       num_experts: int) -> Tensor:
+def shares_from_counts(counts: dict[int, list[float]] | list[list[float]], num_layers: int, num_experts: int) -> Tensor:
     """Shares [num_layers, E] from per-layer counts (a list, or {layer: counts}); fewer layers than the model's
     repeat in order (a small run's statistics stand for a larger model's layers). Counts must have E entries."""
     rows = list(counts.values()) if isinstance(counts, dict) else list(counts)

@@ -73,8 +73,9 @@ def replica_counts(shares: np.ndarray, total_slots: int, max_replicas: int) -> l
     return r
 
 
-def place(shares, gpus: int, gpus_per_node: int, slots: int, replicate: bool = True,
-          search_steps: int | None = None) -> LayerPlacement:
+def place(
+    shares, gpus: int, gpus_per_node: int, slots: int, replicate: bool = True, search_steps: int | None = None
+) -> LayerPlacement:
     """Place one layer's experts (see the module docstring). ``replicate=False`` fills spare slots with nothing.
 
     With replication, the replica counts that minimise the largest per-replica share need not pack best (a hot
@@ -96,8 +97,7 @@ def place(shares, gpus: int, gpus_per_node: int, slots: int, replicate: bool = T
     return best
 
 
-def _place(shares: np.ndarray, r: list[int], gpus: int, gpus_per_node: int, slots: int,
-           steps: int) -> LayerPlacement:
+def _place(shares: np.ndarray, r: list[int], gpus: int, gpus_per_node: int, slots: int, steps: int) -> LayerPlacement:
     """Steps 2 and 3 of the module docstring for replica counts ``r``."""
     e = len(shares)
     per_node = min(gpus, gpus_per_node)
@@ -129,7 +129,7 @@ def _improve(p: LayerPlacement, shares: np.ndarray, slots: int, steps: int) -> L
     g_count = len(p.gpu_experts)
     ids = np.full((g_count, slots), -1, dtype=np.int64)
     for g, xs in enumerate(p.gpu_experts):
-        ids[g, :len(xs)] = xs
+        ids[g, : len(xs)] = xs
     per_replica = shares / np.asarray(p.replicas, dtype=np.float64)
     for _ in range(steps):
         w = np.where(ids >= 0, per_replica[np.maximum(ids, 0)], 0.0)  # [G, S]

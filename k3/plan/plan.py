@@ -13,7 +13,7 @@ from k3.plan import cost
 from k3.plan.cluster import Cluster, check_positive_ints
 from k3.plan.placement import LayerPlacement, contiguous, min_slots, place
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Training:
     """``global_tokens`` tokens per optimizer step in sequences of ``seq_len``; each GPU runs micro-batches of
     ``micro_tokens`` (gradient accumulation up to the global batch), with activation checkpointing or not."""
 
-    global_tokens: int = 4 * 2 ** 20
+    global_tokens: int = 4 * 2**20
     seq_len: int = 4096
     micro_tokens: int = 4096
     checkpointing: bool = True
@@ -57,8 +57,9 @@ def _tp_choices(cluster: Cluster, heads: int) -> list[int]:
     return [t for t in (1, 2, 4, 8, 16) if t <= cluster.per_node and cluster.per_node % t == 0 and heads % t == 0]
 
 
-def serving_memory(shape: cost.ModelShape, cluster: Cluster, precision: str, work: Serving, tp: int,
-                   slots: int) -> dict:
+def serving_memory(
+    shape: cost.ModelShape, cluster: Cluster, precision: str, work: Serving, tp: int, slots: int
+) -> dict:
     """Bytes one GPU holds while serving: dense weights split over ``tp`` (bf16), ``slots`` expert replicas per MoE
     layer, its data-parallel group's caches (KDA states split by head over tp; MLA latents, one shared head, whole
     on every tp rank), the assumed workspace."""
@@ -70,9 +71,18 @@ def serving_memory(shape: cost.ModelShape, cluster: Cluster, precision: str, wor
     latents = seqs * shape.mla_bytes_per_token * work.mean_context
     workspace = cost.WORKSPACE_GIB * GIB
     total = dense + experts + states + latents + workspace
-    return {"dense_weights": dense, "experts": experts, "kda_states": states, "mla_latents": latents,
-            "workspace": workspace, "total": total, "hbm": cluster.hbm_bytes, "headroom": cluster.hbm_bytes - total,
-            "fits": total <= cluster.hbm_bytes, "sequences_per_gpu_group": seqs}
+    return {
+        "dense_weights": dense,
+        "experts": experts,
+        "kda_states": states,
+        "mla_latents": latents,
+        "workspace": workspace,
+        "total": total,
+        "hbm": cluster.hbm_bytes,
+        "headroom": cluster.hbm_bytes - total,
+        "fits": total <= cluster.hbm_bytes,
+        "sequences_per_gpu_group": seqs,
+    }
 
 
 def _hits(p: LayerPlacement, shares: np.ndarray, top_k: int, tokens: int) -> np.ndarray:
@@ -87,8 +97,16 @@ def place_layers(shares: np.ndarray, cluster: Cluster, slots: int, replicate: bo
     return [place(f, cluster.gpus, cluster.per_node, slots, replicate) for f in shares]
 
 
-def decode_step(shape: cost.ModelShape, cluster: Cluster, precision: str, work: Serving, tp: int,
-                placements: list[LayerPlacement], shares: np.ndarray, memory: dict) -> dict:
+def decode_step(
+    shape: cost.ModelShape,
+    cluster: Cluster,
+    precision: str,
+    work: Serving,
+    tp: int,
+    placements: list[LayerPlacement],
+    shares: np.ndarray,
+    memory: dict,
+) -> dict:
     """Predicted seconds of one decode step (every sequence one token), per term; see k3.plan.cost."""
     bw = cluster.hbm_bytes_per_s
     t_tokens = work.concurrency
@@ -109,11 +127,20 @@ def decode_step(shape: cost.ModelShape, cluster: Cluster, precision: str, work: 
     flops = 2 * shape.dense_active * group_tokens / tp / cluster.bf16_flops
     overhead = shape.layers * cost.LAYER_OVERHEAD_S
     total = max(dense + cache, flops) + experts_max + a2a + tp_comm + overhead
-    return {"dense_weights_s": dense, "caches_s": cache, "dense_flops_s": flops, "experts_s": experts_max,
-            "experts_mean_gpu_s": experts_mean,
-            "straggler_s": experts_max - experts_mean + a2a - a2a_even,
-            "all_to_all_s": a2a, "all_to_all_full_width_s": a2a_full, "tensor_parallel_s": tp_comm,
-            "layer_overhead_s": overhead, "step_s": total, "tokens_per_s": t_tokens / total}
+    return {
+        "dense_weights_s": dense,
+        "caches_s": cache,
+        "dense_flops_s": flops,
+        "experts_s": experts_max,
+        "experts_mean_gpu_s": experts_mean,
+        "straggler_s": experts_max - experts_mean + a2a - a2a_even,
+        "all_to_all_s": a2a,
+        "all_to_all_full_width_s": a2a_full,
+        "tensor_parallel_s": tp_comm,
+        "layer_overhead_s": overhead,
+        "step_s": total,
+        "tokens_per_s": t_tokens / total,
+    }
 
 
 def expected_max_over_mean(p: LayerPlacement, slots_per_step: float) -> float:
@@ -129,12 +156,22 @@ def expected_max_over_mean(p: LayerPlacement, slots_per_step: float) -> float:
 def _load_summary(before: list[LayerPlacement], after: list[LayerPlacement]) -> dict:
     b = [p.max_over_mean for p in before]
     a = [p.max_over_mean for p in after]
-    return {"max_over_mean_before": {"mean": float(np.mean(b)), "worst": float(np.max(b))},
-            "max_over_mean_after": {"mean": float(np.mean(a)), "worst": float(np.max(a))}}
+    return {
+        "max_over_mean_before": {"mean": float(np.mean(b)), "worst": float(np.max(b))},
+        "max_over_mean_after": {"mean": float(np.mean(a)), "worst": float(np.max(a))},
+    }
 
 
-def plan_serving(config: K3Config, cluster: Cluster, precision: str, work: Serving, shares: np.ndarray,
-                 tp: int | None = None, replicas: int | None = None, placements: bool = True) -> dict:
+def plan_serving(
+    config: K3Config,
+    cluster: Cluster,
+    precision: str,
+    work: Serving,
+    shares: np.ndarray,
+    tp: int | None = None,
+    replicas: int | None = None,
+    placements: bool = True,
+) -> dict:
     """The fastest layout that fits (tensor-parallel degree ``tp`` and extra expert slots per GPU ``replicas``
     searched when None), or, when none fits, the one that comes closest with its shortfall."""
     shape = cost.model_shape(config)
@@ -149,8 +186,13 @@ def plan_serving(config: K3Config, cluster: Cluster, precision: str, work: Servi
     fitting = [c for c in candidates if c[2]["fits"]]
     if not fitting:
         t, extra, mem = max(candidates, key=lambda c: c[2]["headroom"])
-        return {"fits": False, "shortfall_gib": -mem["headroom"] / GIB, "layout": _layout(cluster, t, base, extra),
-                "memory_gib": _gib(mem), "why": _why_not(shape, cluster, precision, mem, t)}
+        return {
+            "fits": False,
+            "shortfall_gib": -mem["headroom"] / GIB,
+            "layout": _layout(cluster, t, base, extra),
+            "memory_gib": _gib(mem),
+            "why": _why_not(shape, cluster, precision, mem, t),
+        }
     best, placed = None, {}
     for t, extra, mem in fitting:
         if extra not in placed:  # the placement depends on the slots, not on the tensor-parallel degree
@@ -162,12 +204,19 @@ def plan_serving(config: K3Config, cluster: Cluster, precision: str, work: Servi
     t, extra, mem, step, after = best
     before = [contiguous(f, cluster.gpus) for f in shares]
     step_before = decode_step(shape, cluster, precision, work, t, before, shares, mem)
-    out = {"fits": True, "layout": _layout(cluster, t, base, extra), "memory_gib": _gib(mem),
-           "load": _load_summary(before, after), "decode": step, "decode_without_placement": step_before,
-           "prefill_s_per_sequence": _prefill(shape, cluster, work, t)}
+    out = {
+        "fits": True,
+        "layout": _layout(cluster, t, base, extra),
+        "memory_gib": _gib(mem),
+        "load": _load_summary(before, after),
+        "decode": step,
+        "decode_without_placement": step_before,
+        "prefill_s_per_sequence": _prefill(shape, cluster, work, t),
+    }
     if placements:
-        out["placement"] = [{"moe_layer": i, "gpu_experts": p.gpu_experts, "replicas": p.replicas}
-                            for i, p in enumerate(after)]
+        out["placement"] = [
+            {"moe_layer": i, "gpu_experts": p.gpu_experts, "replicas": p.replicas} for i, p in enumerate(after)
+        ]
     return out
 
 
@@ -180,9 +229,15 @@ def _prefill(shape: cost.ModelShape, cluster: Cluster, work: Serving, tp: int) -
 
 
 def _layout(cluster: Cluster, tp: int, base: int, extra: int) -> dict:
-    return {"gpus": cluster.gpus, "nodes": cluster.nodes, "expert_parallel": cluster.gpus, "tensor_parallel": tp,
-            "data_parallel": cluster.gpus // tp, "expert_slots_per_gpu": base + extra,
-            "replica_slots_per_gpu": extra}
+    return {
+        "gpus": cluster.gpus,
+        "nodes": cluster.nodes,
+        "expert_parallel": cluster.gpus,
+        "tensor_parallel": tp,
+        "data_parallel": cluster.gpus // tp,
+        "expert_slots_per_gpu": base + extra,
+        "replica_slots_per_gpu": extra,
+    }
 
 
 def _gib(mem: dict) -> dict:
@@ -192,10 +247,12 @@ def _gib(mem: dict) -> dict:
 
 def _why_not(shape: cost.ModelShape, cluster: Cluster, precision: str, mem: dict, tp: int) -> str:
     weights = shape.dense_params * 2 + shape.moe_layers * shape.experts * shape.expert_bytes(precision)
-    return (f"{shape.name} needs {weights / GIB:,.0f} GiB of weights ({precision} experts) plus caches and "
-            f"workspace; {cluster.gpus} GPUs x {cluster.hbm_gib:g} GiB = {cluster.gpus * cluster.hbm_gib:,.0f} GiB. "
-            f"The closest layout (tensor parallel {tp}) needs {mem['total'] / GIB:,.1f} GiB per GPU: "
-            f"short by {-mem['headroom'] / GIB:,.1f} GiB per GPU.")
+    return (
+        f"{shape.name} needs {weights / GIB:,.0f} GiB of weights ({precision} experts) plus caches and "
+        f"workspace; {cluster.gpus} GPUs x {cluster.hbm_gib:g} GiB = {cluster.gpus * cluster.hbm_gib:,.0f} GiB. "
+        f"The closest layout (tensor parallel {tp}) needs {mem['total'] / GIB:,.1f} GiB per GPU: "
+        f"short by {-mem['headroom'] / GIB:,.1f} GiB per GPU."
+    )
 
 
 def plan_training(config: K3Config, cluster: Cluster, work: Training, shares: np.ndarray) -> dict:
@@ -212,8 +269,11 @@ def plan_training(config: K3Config, cluster: Cluster, work: Training, shares: np
         acts = micro * shape.hidden * (4 * shape.layers + cost.ACTIVATION_BYTES)
     else:
         acts = micro * shape.layers * shape.hidden * cost.ACTIVATION_BYTES
-    mem = {"weights_grads_optimizer": params * cost.STATE_BYTES_PER_PARAM["muon"] / g, "activations": acts,
-           "workspace": cost.WORKSPACE_GIB * GIB}
+    mem = {
+        "weights_grads_optimizer": params * cost.STATE_BYTES_PER_PARAM["muon"] / g,
+        "activations": acts,
+        "workspace": cost.WORKSPACE_GIB * GIB,
+    }
     mem["total"] = sum(mem.values())
     mem["hbm"] = cluster.hbm_bytes
     mem["headroom"] = cluster.hbm_bytes - mem["total"]
@@ -233,17 +293,32 @@ def plan_training(config: K3Config, cluster: Cluster, work: Training, shares: np
     ns = shape.muon_ns_flops / g / cluster.bf16_flops
     total = t_dense + t_experts + t_straggler + a2a + fsdp + ns
     flops_model = 6 * (shape.dense_active + shape.top_k * shape.expert_params) * tokens + attn
-    return {"fits": mem["fits"], "memory_gib": _gib(mem),
-            "layout": {"gpus": g, "fsdp": g, "expert_parallel": g, "expert_slots_per_gpu": slots,
-                       "micro_batch_tokens": micro, "activation_checkpointing": work.checkpointing},
-            "load": {**_load_summary(before, after), "per_step_max_over_mean": imbalance},
-            "step": {"dense_flops_s": t_dense, "expert_flops_s": t_experts, "straggler_s": t_straggler,
-                     "all_to_all_s": a2a, "fsdp_s": fsdp, "newton_schulz_s": ns, "step_s": total,
-                     "tokens_per_s": work.global_tokens / total, "mfu": flops_model / total / cluster.bf16_flops}}
+    return {
+        "fits": mem["fits"],
+        "memory_gib": _gib(mem),
+        "layout": {
+            "gpus": g,
+            "fsdp": g,
+            "expert_parallel": g,
+            "expert_slots_per_gpu": slots,
+            "micro_batch_tokens": micro,
+            "activation_checkpointing": work.checkpointing,
+        },
+        "load": {**_load_summary(before, after), "per_step_max_over_mean": imbalance},
+        "step": {
+            "dense_flops_s": t_dense,
+            "expert_flops_s": t_experts,
+            "straggler_s": t_straggler,
+            "all_to_all_s": a2a,
+            "fsdp_s": fsdp,
+            "newton_schulz_s": ns,
+            "step_s": total,
+            "tokens_per_s": work.global_tokens / total,
+            "mfu": flops_model / total / cluster.bf16_flops,
+        },
+    }
 
 
 def summary(plan: dict) -> dict:
     """The plan without its per-layer placement lists (what a table or a log line needs)."""
     return {k: v for k, v in plan.items() if k != "placement"}
-
-

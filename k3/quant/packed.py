@@ -35,22 +35,46 @@ FORMAT = "mxfp4-pack-quantized"
 ELEM, GROUP = "e2m1", 32
 PACKED, SCALE = "weight_packed", "weight_scale"
 EXPERT_TARGET = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
-IGNORE = ["lm_head", r"re:.*self_attn\..*", r"re:.*shared_experts\..*", r"re:.*block_sparse_moe\.gate$",
-          r"re:.*routed_expert_(down|up)_proj$", r"re:.*\.mlp\..*", r"re:.*vision_tower.*",
-          r"re:.*mm_projector.*"]
+IGNORE = [
+    "lm_head",
+    r"re:.*self_attn\..*",
+    r"re:.*shared_experts\..*",
+    r"re:.*block_sparse_moe\.gate$",
+    r"re:.*routed_expert_(down|up)_proj$",
+    r"re:.*\.mlp\..*",
+    r"re:.*vision_tower.*",
+    r"re:.*mm_projector.*",
+]
 _EXPERT_WEIGHT = re.compile(r"^(.*\.block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 
 
 def quantization_config() -> dict:
     """The ``config.json`` ``quantization_config`` of a packed K3 checkpoint (routed experts only)."""
-    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": GROUP,
-               "dynamic": False, "scale_dtype": "uint8", "zp_dtype": None, "actorder": None, "block_structure": None}
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": GROUP,
+        "dynamic": False,
+        "scale_dtype": "uint8",
+        "zp_dtype": None,
+        "actorder": None,
+        "block_structure": None,
+    }
     return {
         "quant_method": "compressed-tensors",
         "format": FORMAT,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": [EXPERT_TARGET], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": FORMAT}},
+        "config_groups": {
+            "group_0": {
+                "targets": [EXPERT_TARGET],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": FORMAT,
+            }
+        },
         "ignore": list(IGNORE),
         "kv_cache_scheme": None,
         "sparsity_config": {},
@@ -68,26 +92,33 @@ def read_quantization(raw: dict) -> str | None:
     if not isinstance(qc, dict):
         raise ValueError("config.json: quantization_config must be an object")
     if qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"config.json: quantization_config.quant_method={qc.get('quant_method')!r} is not "
-                         f"supported (only compressed-tensors {FORMAT})")
+        raise ValueError(
+            f"config.json: quantization_config.quant_method={qc.get('quant_method')!r} is not "
+            f"supported (only compressed-tensors {FORMAT})"
+        )
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise ValueError("config.json: quantization_config.config_groups must be an object")
     formats = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
     formats.discard(None)
     if formats != {FORMAT}:
-        raise ValueError(f"config.json: quantization format {sorted(map(str, formats))} is not supported "
-                         f"(only {FORMAT})")
+        raise ValueError(
+            f"config.json: quantization format {sorted(map(str, formats))} is not supported (only {FORMAT})"
+        )
     for name, g in groups.items():
         w = (g or {}).get("weights") or {}
         got = (w.get("num_bits"), w.get("type"), w.get("group_size"))
         if w and got != (4, "float", GROUP):
-            raise ValueError(f"config.json: quantization group {name}: weights (num_bits, type, group_size) = {got}, "
-                             f"expected (4, 'float', {GROUP}) for {FORMAT}")
+            raise ValueError(
+                f"config.json: quantization group {name}: weights (num_bits, type, group_size) = {got}, "
+                f"expected (4, 'float', {GROUP}) for {FORMAT}"
+            )
         if (g or {}).get("input_activations"):
-            log.info("quantization group %s declares input_activations; they are a runtime choice here "
-                     "(k3.quant.enable_qat(model, weights=None, activations=...)), the model loads without them",
-                     name)
+            log.info(
+                "quantization group %s declares input_activations; they are a runtime choice here "
+                "(k3.quant.enable_qat(model, weights=None, activations=...)), the model loads without them",
+                name,
+            )
     return FORMAT
 
 
@@ -136,8 +167,10 @@ def unpack_expert_tensors(tensors: dict[str, Tensor], dtype: torch.dtype = torch
             raise ValueError(f"{name}: expected uint8, got {t.dtype}")
         want = (*t.shape[:-1], 2 * t.shape[-1] // GROUP) if t.dim() else None
         if t.dim() == 0 or (2 * t.shape[-1]) % GROUP or tuple(scale.shape) != want:
-            raise ValueError(f"{name} {tuple(t.shape)} and its {SCALE} {tuple(scale.shape)} do not match "
-                             f"(expected scales {want} for groups of {GROUP})")
+            raise ValueError(
+                f"{name} {tuple(t.shape)} and its {SCALE} {tuple(scale.shape)} do not match "
+                f"(expected scales {want} for groups of {GROUP})"
+            )
         out[f"{base}.weight"] = unpack_weight(t, scale, dtype)
     return out
 

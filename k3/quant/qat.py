@@ -29,8 +29,10 @@ from k3.ops.mx import MODES, fake_quantize
 FORMATS = {"mxfp4": "e2m1", "mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2"}
 BLOCK = 32
 # ``k3 train --qat NAME``: (weights, activations)
-RECIPES = {"mxfp4": ("mxfp4", "mxfp8_e4m3"),  # K3: MXFP4 weights, MXFP8 activations
-           "mxfp4-weights": ("mxfp4", None)}  # weight-only (W4A16, as K2-Thinking's INT4 QAT)
+RECIPES = {
+    "mxfp4": ("mxfp4", "mxfp8_e4m3"),  # K3: MXFP4 weights, MXFP8 activations
+    "mxfp4-weights": ("mxfp4", None),
+}  # weight-only (W4A16, as K2-Thinking's INT4 QAT)
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):
@@ -73,8 +75,7 @@ class ExpertQAT:
 
     def act(self, x: Tensor) -> Tensor:
         """An expert-matmul input [n, features], fake-quantised along ``features``."""
-        return x if self.activations is None else fake_quantize_ste(x, FORMATS[self.activations], self.block,
-                                                                    self.mode)
+        return x if self.activations is None else fake_quantize_ste(x, FORMATS[self.activations], self.block, self.mode)
 
     @property
     def act_quant(self):
@@ -82,8 +83,9 @@ class ExpertQAT:
         return None if self.activations is None else self.act
 
 
-def enable_qat(model: nn.Module, weights: str | None = "mxfp4", activations: str | None = "mxfp8_e4m3",
-               mode: str = "floor") -> ExpertQAT:
+def enable_qat(
+    model: nn.Module, weights: str | None = "mxfp4", activations: str | None = "mxfp8_e4m3", mode: str = "floor"
+) -> ExpertQAT:
     """Fake-quantise every MoE layer's routed experts (see the module docstring); returns the settings.
 
     Raises ValueError when the model has no MoE layer, holds packed experts (inference only), or an expert
@@ -95,12 +97,16 @@ def enable_qat(model: nn.Module, weights: str | None = "mxfp4", activations: str
     for moe in layers:
         w1, w2 = moe.experts.w1, moe.experts.w2
         if not isinstance(w1, nn.Parameter):
-            raise ValueError("enable_qat: the experts are packed (loaded with packed='keep', inference only); "
-                             "load with packed='dequantize' to train")
+            raise ValueError(
+                "enable_qat: the experts are packed (loaded with packed='keep', inference only); "
+                "load with packed='dequantize' to train"
+            )
         for name, width in (("expert input width D", w1.shape[-1]), ("moe_intermediate_size", w2.shape[-1])):
             if width % qat.block:
-                raise ValueError(f"enable_qat: {name}={width} (layer {moe.layer_idx}) is not a multiple of "
-                                 f"the MX block size {qat.block}")
+                raise ValueError(
+                    f"enable_qat: {name}={width} (layer {moe.layer_idx}) is not a multiple of "
+                    f"the MX block size {qat.block}"
+                )
     for moe in layers:
         moe.qat = qat
     return qat

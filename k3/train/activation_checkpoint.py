@@ -32,8 +32,9 @@ SUBLAYERS = ("self_attn", "mlp", "block_sparse_moe")
 def _checkpointed_forward(self, *args, **kwargs):
     """The forward of a checkpointed sub-layer (bound to it, so copies of the model stay consistent)."""
     inner, context_fn, state_arg = self._k3_checkpointed
-    has_state = state_arg is not None and (kwargs.get("state") is not None
-                                           or (len(args) > state_arg and args[state_arg] is not None))
+    has_state = state_arg is not None and (
+        kwargs.get("state") is not None or (len(args) > state_arg and args[state_arg] is not None)
+    )
     if not torch.is_grad_enabled() or has_state:
         return inner(*args, **kwargs)
     extra = {} if context_fn is None else {"context_fn": context_fn}

@@ -40,9 +40,17 @@ def rng_state() -> dict:
     """The RNG states as tensors and plain types (numpy's key array as an int64 tensor), so they load with
     ``weights_only=True``."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -94,8 +102,10 @@ class RunLock:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             f.close()
-            raise ValueError(f"{self.path.parent} is in use by another k3 train (pid {holder}); wait for it to "
-                             "finish or stop it, or pass another --out") from None
+            raise ValueError(
+                f"{self.path.parent} is in use by another k3 train (pid {holder}); wait for it to "
+                "finish or stop it, or pass another --out"
+            ) from None
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()}\n")
@@ -120,8 +130,11 @@ def clean_stray(run_dir: Path) -> list[Path]:
         else:
             p.unlink(missing_ok=True)
     if removed:
-        log.warning("removed %d leftover(s) of an interrupted checkpoint write: %s", len(removed),
-                    ", ".join(p.name for p in removed))
+        log.warning(
+            "removed %d leftover(s) of an interrupted checkpoint write: %s",
+            len(removed),
+            ", ".join(p.name for p in removed),
+        )
     return removed
 
 

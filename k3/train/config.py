@@ -19,12 +19,30 @@ TASKS = ("text", "vision")
 
 # fields a resume may change: where and how often it reports and saves, the device, the step count (the schedule
 # keeps its recorded length, ``schedule_steps``), and the tokenizer (a resumed run reads its checkpoint's)
-RESUME_MAY_CHANGE = ("out", "device", "steps", "schedule_steps", "save_every", "eval_every", "samples",
-                     "keep_checkpoints", "tokenizer")
+RESUME_MAY_CHANGE = (
+    "out",
+    "device",
+    "steps",
+    "schedule_steps",
+    "save_every",
+    "eval_every",
+    "samples",
+    "keep_checkpoints",
+    "tokenizer",
+)
 
 # integer fields that must be positive (``schedule_steps`` may also be None)
-_POSITIVE = ("steps", "batch_size", "grad_accum", "seq_len", "vocab_size", "eval_every", "eval_rows",
-             "max_bad_steps", "schedule_steps")
+_POSITIVE = (
+    "steps",
+    "batch_size",
+    "grad_accum",
+    "seq_len",
+    "vocab_size",
+    "eval_every",
+    "eval_rows",
+    "max_bad_steps",
+    "schedule_steps",
+)
 
 
 def _f(default, text: str, **meta):
@@ -37,20 +55,28 @@ def _f(default, text: str, **meta):
 @dataclass
 class TrainConfig:
     preset: str = _f("small", "model preset (k3.config.presets)")
-    task: str = _f("text", "text: language modelling on --data; vision: the embedded image question-answering task",
-                   choices=TASKS)
-    overrides: dict = _f({}, "override a config field, e.g. --set moe.num_experts=16 (repeatable)",
-                         metavar="FIELD=VALUE")
-    data: str | None = _f(None, "text file, directory, .jsonl (field text) or .parquet (default: the Python standard "
-                                "library's own sources)")
-    tokenizer: str | None = _f(None, "tokenizer.json (or its directory) or a tiktoken BPE file (default: train a "
-                                     "byte-level BPE)")
+    task: str = _f(
+        "text", "text: language modelling on --data; vision: the embedded image question-answering task", choices=TASKS
+    )
+    overrides: dict = _f(
+        {}, "override a config field, e.g. --set moe.num_experts=16 (repeatable)", metavar="FIELD=VALUE"
+    )
+    data: str | None = _f(
+        None,
+        "text file, directory, .jsonl (field text) or .parquet (default: the Python standard library's own sources)",
+    )
+    tokenizer: str | None = _f(
+        None, "tokenizer.json (or its directory) or a tiktoken BPE file (default: train a byte-level BPE)"
+    )
     vocab_size: int = _f(8192, "BPE vocabulary when training one")
     tokenizer_train_bytes: int = _f(4_000_000, "BPE training text budget in characters (from the training split)")
     max_tokens: int | None = _f(3_000_000, "cap on the tokenised training stream")
     steps: int = _f(120, "optimizer steps")
-    schedule_steps: int | None = _f(None, "length of the cosine learning-rate schedule (default: --steps; a resume "
-                                          "keeps the recorded length unless this is given)")
+    schedule_steps: int | None = _f(
+        None,
+        "length of the cosine learning-rate schedule (default: --steps; a resume "
+        "keeps the recorded length unless this is given)",
+    )
     batch_size: int = _f(8, "rows (vision: examples) per micro-batch")
     grad_accum: int = _f(1, "micro-batches per step")
     seq_len: int = _f(256, "tokens per packed row")
@@ -59,16 +85,21 @@ class TrainConfig:
     warmup_frac: float = _f(0.01, "share of the schedule spent warming up the learning rate")
     min_lr_ratio: float = _f(0.1, "the schedule's final learning rate, as a fraction of --lr")
     clip: float = _f(1.0, "gradient-norm clip")
-    per_head_muon: bool = _f(True, "Muon per head for the head-structured projections (--no-per-head-muon: "
-                                   "whole-matrix Muon)")
+    per_head_muon: bool = _f(
+        True, "Muon per head for the head-structured projections (--no-per-head-muon: whole-matrix Muon)"
+    )
     balance: str = _f("qb", "router balancing (K3: qb)", choices=BALANCE_METHODS)
     qk_clip: float | None = _f(None, "QK-Clip MLA logits at TAU (K2: 100; default: off)", metavar="TAU")
-    qat: str | None = _f(None, "quantisation-aware training of the routed experts: mxfp4 = MXFP4 weights + MXFP8 "
-                               "activations (K3), mxfp4-weights = weights only (default: off)",
-                         choices=tuple(sorted(QAT_RECIPES)))
+    qat: str | None = _f(
+        None,
+        "quantisation-aware training of the routed experts: mxfp4 = MXFP4 weights + MXFP8 "
+        "activations (K3), mxfp4-weights = weights only (default: off)",
+        choices=tuple(sorted(QAT_RECIPES)),
+    )
     qat_scale_mode: str = _f("floor", "MX scale rule for --qat: floor (OCP) or rceil", choices=MX_MODES)
-    activation_checkpointing: bool = _f(False, "recompute each mixer and FFN in the backward pass: less activation "
-                                               "memory, ~1/3 more compute")
+    activation_checkpointing: bool = _f(
+        False, "recompute each mixer and FFN in the backward pass: less activation memory, ~1/3 more compute"
+    )
     eval_every: int = _f(20, "steps between evaluations")
     eval_rows: int = _f(32, "validation rows (vision: questions) per evaluation (all if fewer)")
     save_every: int = _f(0, "also checkpoint every N steps (0: only at the end)")
@@ -96,17 +127,23 @@ class TrainConfig:
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
 
 
-def check_resume_config(cfg: TrainConfig, recorded: dict, data_ranks: int = 1,
-                        recorded_ranks: int | None = None) -> None:
+def check_resume_config(
+    cfg: TrainConfig, recorded: dict, data_ranks: int = 1, recorded_ranks: int | None = None
+) -> None:
     """Refuse (one ValueError naming the flags) a resume whose settings differ from the checkpoint's recorded ones,
     except those in ``RESUME_MAY_CHANGE``. A per-rank ``batch_size`` may change with the number of data ranks when
     the global batch stays the same (a distributed run resumed on fewer or more GPUs)."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))
     differ = [k for k, v in recorded.items() if k in now and k not in RESUME_MAY_CHANGE and now[k] != v]
-    if "batch_size" in differ and recorded_ranks and cfg.batch_size * data_ranks == \
-            recorded["batch_size"] * recorded_ranks:
+    if (
+        "batch_size" in differ
+        and recorded_ranks
+        and cfg.batch_size * data_ranks == recorded["batch_size"] * recorded_ranks
+    ):
         differ.remove("batch_size")
     if differ:
-        raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')}={now[k]!r} (recorded {recorded[k]!r})"
-                                                  for k in differ) +
-                         " differ from the run's recorded settings; drop them to resume, or start a new --out")
+        raise ValueError(
+            "--resume: "
+            + ", ".join(f"--{k.replace('_', '-')}={now[k]!r} (recorded {recorded[k]!r})" for k in differ)
+            + " differ from the run's recorded settings; drop them to resume, or start a new --out"
+        )

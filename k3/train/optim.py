@@ -54,8 +54,7 @@ from k3.ops.segments import host_list
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_BATCH_BYTES = 256 << 20  # most bytes (in the NS dtype) orthogonalised in one batched Newton-Schulz call
 KINDS = ("muon_head", "muon_expert", "muon", "adamw")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str:
@@ -75,9 +74,15 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str:
 # Newton-Schulz
 # --------------------------------------------------------------------------------------------------------------
 
+
 @autocast_off  # runs in its ``dtype`` also if called under autocast
-def newton_schulz(G: Tensor, steps: int = 5, coeffs: tuple[float, float, float] = NS_COEFFICIENTS,
-                  eps: float = 1e-7, dtype: torch.dtype | str | None = None) -> Tensor:
+def newton_schulz(
+    G: Tensor,
+    steps: int = 5,
+    coeffs: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype | str | None = None,
+) -> Tensor:
     """Approximate orthogonalisation U S' V^T (S'_ii roughly in (0.5, 1.5)) of every matrix in G [..., A, B].
 
     Each matrix is divided by max(||X||_F, eps) (the placement ``torch.optim.Muon`` uses) and iterated ``steps``
@@ -138,6 +143,7 @@ def muon_scale(rows: int, cols: int, rule: str = "match_rms_adamw") -> float:
 # The optimiser
 # --------------------------------------------------------------------------------------------------------------
 
+
 class K3Muon(torch.optim.Optimizer):
     """Per-head Muon + AdamW. Every param group has a ``kind`` (see the module docstring).
 
@@ -146,18 +152,42 @@ class K3Muon(torch.optim.Optimizer):
     "float32", scale_rule "match_rms_adamw", betas (0.9, 0.95), adam_eps 1e-8.
     """
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, kind: str = "muon",
-                 momentum: float = 0.95, nesterov: bool = True,
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, eps: float = 1e-7,
-                 ns_dtype: torch.dtype | str | None = None, scale_rule: str = "match_rms_adamw",
-                 betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8, lr_scale: float = 1.0,
-                 head_dim: int | None = None):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        kind: str = "muon",
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_steps: int = 5,
+        eps: float = 1e-7,
+        ns_dtype: torch.dtype | str | None = None,
+        scale_rule: str = "match_rms_adamw",
+        betas: tuple[float, float] = (0.9, 0.95),
+        adam_eps: float = 1e-8,
+        lr_scale: float = 1.0,
+        head_dim: int | None = None,
+    ):
         if lr < 0:
             raise ValueError(f"lr={lr} must be >= 0")
-        defaults = dict(lr=lr, weight_decay=weight_decay, kind=kind, lr_scale=lr_scale, head_dim=head_dim,
-                        momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
-                        ns_steps=ns_steps, eps=eps, ns_dtype=_dtype_name(ns_dtype), scale_rule=scale_rule,
-                        betas=tuple(betas), adam_eps=adam_eps)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            kind=kind,
+            lr_scale=lr_scale,
+            head_dim=head_dim,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_steps=ns_steps,
+            eps=eps,
+            ns_dtype=_dtype_name(ns_dtype),
+            scale_rule=scale_rule,
+            betas=tuple(betas),
+            adam_eps=adam_eps,
+        )
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -224,8 +254,11 @@ class K3Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
                 gathered = _is_dtensor(p) and not (kind == "muon_expert" and _sharded_only_on_dim0(p))
                 shape = p.shape if gathered else local_shard(g).shape  # gathered: NS sees the whole matrix
-                yield ((local_shard(g).device, *block_shape(group, shape)), math.prod(shape),
-                       _Queued(p, local_shard(g), local_shard(state["momentum_buffer"]), gathered, shape))
+                yield (
+                    (local_shard(g).device, *block_shape(group, shape)),
+                    math.prod(shape),
+                    _Queued(p, local_shard(g), local_shard(state["momentum_buffer"]), gathered, shape),
+                )
 
         budget = NS_BATCH_BYTES // torch.empty((), dtype=ns_dtype).element_size()  # elements per call
         for (_, rows, cols), queue in ns_batches(queued(), budget).items():
@@ -244,8 +277,10 @@ class K3Muon(torch.optim.Optimizer):
                     else:
                         dst.copy_(q.buf)
                 ortho = newton_schulz(blocks, group["ns_steps"], group["ns_coefficients"], group["eps"], ns_dtype)
-                ortho = [_shard_like(o.reshape(q.param.shape), q.param) if q.gathered else o.reshape(p.shape)
-                         for o, p, q in zip(ortho.split(counts), params, batch)]
+                ortho = [
+                    _shard_like(o.reshape(q.param.shape), q.param) if q.gathered else o.reshape(p.shape)
+                    for o, p, q in zip(ortho.split(counts), params, batch)
+                ]
                 _mul_(params, 1 - lr * wd)
                 torch._foreach_add_(params, ortho, alpha=-lr * scale)
 
@@ -272,14 +307,15 @@ class K3Muon(torch.optim.Optimizer):
             _mul_(vs, beta2)
             torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
             denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
+            torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
             torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - beta1 ** t))
+            torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - beta1**t))
 
 
 class _Queued(NamedTuple):
     """A parameter waiting for its batched Newton-Schulz: grad and momentum buffer are this rank's shards; shape is
     what Newton-Schulz sees (the whole matrix when gathered)."""
+
     param: Tensor
     grad: Tensor
     buf: Tensor
@@ -302,6 +338,7 @@ def _mul_(tensors: list[Tensor], c: float) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # DTensor parameters (FSDP2 / expert parallelism): local views, and whole matrices for Newton-Schulz
 # --------------------------------------------------------------------------------------------------------------
+
 
 @functools.cache
 def _dtensor_type():
@@ -333,8 +370,9 @@ def _sharded_only_on_dim0(p: Tensor) -> bool:
 def _full(local: Tensor, like: Tensor) -> Tensor:
     """The whole tensor of which ``local`` is this rank's shard, sharded like the DTensor ``like`` (all-gather)."""
     cls = _dtensor_type()
-    return cls.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                          stride=like.stride()).full_tensor()
+    return cls.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    ).full_tensor()
 
 
 def _shard_like(full: Tensor, like: Tensor) -> Tensor:
@@ -350,19 +388,29 @@ def _shard_like(full: Tensor, like: Tensor) -> Tensor:
 # Parameter groups
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _head_dims(config) -> dict[type, dict[str, int]]:
     """Rows per head of every per-head projection, keyed by attention class and projection name."""
     k, m = config.kda, config.mla
     return {
-        KimiDeltaAttention: {"q_proj": k.head_dim, "k_proj": k.head_dim, "v_proj": k.v_head_dim,
-                             "g_proj": k.v_head_dim},
-        MultiheadLatentAttention: {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim,
-                                   "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim, "g_proj": m.v_head_dim},
+        KimiDeltaAttention: {
+            "q_proj": k.head_dim,
+            "k_proj": k.head_dim,
+            "v_proj": k.v_head_dim,
+            "g_proj": k.v_head_dim,
+        },
+        MultiheadLatentAttention: {
+            "q_proj": m.qk_head_dim,
+            "q_b_proj": m.qk_head_dim,
+            "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim,
+            "g_proj": m.v_head_dim,
+        },
     }
 
 
-def classify_parameters(model: nn.Module, per_head: bool = True, router: str = "muon",
-                        config=None) -> list[tuple[str, Tensor, str, int | None, bool]]:
+def classify_parameters(
+    model: nn.Module, per_head: bool = True, router: str = "muon", config=None
+) -> list[tuple[str, Tensor, str, int | None, bool]]:
     """(name, param, kind, head_dim, decay) for every trainable parameter, in ``named_parameters`` order.
 
     Rules, first match wins:
@@ -421,8 +469,9 @@ def classify_parameters(model: nn.Module, per_head: bool = True, router: str = "
     return out
 
 
-def param_groups_for(model: nn.Module, lr: float, weight_decay: float = 0.1, per_head: bool = True,
-                     router: str = "muon", config=None) -> list[dict]:
+def param_groups_for(
+    model: nn.Module, lr: float, weight_decay: float = 0.1, per_head: bool = True, router: str = "muon", config=None
+) -> list[dict]:
     """Param groups for :class:`K3Muon`: one group per (kind, head_dim, decay), in first-seen order.
 
     Each group: ``params``, ``param_names``, ``kind``, ``lr``, ``weight_decay`` (``weight_decay`` or 0 for
@@ -432,8 +481,13 @@ def param_groups_for(model: nn.Module, lr: float, weight_decay: float = 0.1, per
     for name, p, kind, hd, decay in classify_parameters(model, per_head, router, config):
         key = (kind, hd, decay)
         if key not in groups:
-            groups[key] = {"params": [], "param_names": [], "kind": kind, "lr": lr,
-                           "weight_decay": weight_decay if decay else 0.0}
+            groups[key] = {
+                "params": [],
+                "param_names": [],
+                "kind": kind,
+                "lr": lr,
+                "weight_decay": weight_decay if decay else 0.0,
+            }
             if hd is not None:
                 groups[key]["head_dim"] = hd
         groups[key]["params"].append(p)
@@ -449,8 +503,9 @@ def describe_groups(groups: Iterable[dict]) -> str:
         n = sum(p.numel() for p in g["params"])
         totals[g["kind"]] = totals.get(g["kind"], 0) + n
         hd = g.get("head_dim")
-        lines.append(f"{g['kind']:<12} {'-' if hd is None else hd:>8} {g['weight_decay']:>6g} "
-                     f"{len(g['params']):>8} {n:>14,}")
+        lines.append(
+            f"{g['kind']:<12} {'-' if hd is None else hd:>8} {g['weight_decay']:>6g} {len(g['params']):>8} {n:>14,}"
+        )
     total = sum(totals.values()) or 1
     lines.append("share: " + ", ".join(f"{k} {v / total:.1%}" for k, v in totals.items()))
     return "\n".join(lines)
@@ -459,6 +514,7 @@ def describe_groups(groups: Iterable[dict]) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # Schedule and clipping
 # --------------------------------------------------------------------------------------------------------------
+
 
 def cosine_schedule(step: int, total_steps: int, warmup_frac: float = 0.01, min_ratio: float = 0.1) -> float:
     """lr multiplier for 0-based optimiser step ``step``.
@@ -477,8 +533,9 @@ def cosine_schedule(step: int, total_steps: int, warmup_frac: float = 0.01, min_
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_scheduler(opt: torch.optim.Optimizer, total_steps: int, warmup_frac: float = 0.01,
-                   min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    opt: torch.optim.Optimizer, total_steps: int, warmup_frac: float = 0.01, min_ratio: float = 0.1
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR with :func:`cosine_schedule`; call ``scheduler.step()`` after every ``opt.step()``."""
     fn = partial(cosine_schedule, total_steps=total_steps, warmup_frac=warmup_frac, min_ratio=min_ratio)
     return torch.optim.lr_scheduler.LambdaLR(opt, fn)
@@ -494,13 +551,15 @@ def clip_grad_norm(model_or_params, max_norm: float, norm_type: float = 2.0) -> 
 # QK-Clip (Kimi K2 MuonClip) for MLA
 # --------------------------------------------------------------------------------------------------------------
 
+
 def _q_weight(mla: MultiheadLatentAttention) -> Tensor:
     return mla.q_proj.weight if hasattr(mla, "q_proj") else mla.q_b_proj.weight
 
 
 @torch.no_grad()
-def mla_max_logits(mla: MultiheadLatentAttention, x_normed: Tensor, cu_seqlens: Tensor,
-                   query_chunk: int = 1024) -> Tensor:
+def mla_max_logits(
+    mla: MultiheadLatentAttention, x_normed: Tensor, cu_seqlens: Tensor, query_chunk: int = 1024
+) -> Tensor:
     """Per-head max pre-softmax logit (scale included, causal, within each segment) -> [H] fp32.
 
     x_normed [N, d] is the layer's MLA input (after ``input_layernorm``), packed by cu_seqlens [S+1]. Recomputes

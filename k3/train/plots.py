@@ -49,8 +49,11 @@ def loss_curves(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-MAXVIO_SERIES = (("maxvio", "global batch (all ranks)"), ("maxvio_micro", "micro-batch"),
-                 ("maxvio_seq", "per sequence (length-weighted)"))
+MAXVIO_SERIES = (
+    ("maxvio", "global batch (all ranks)"),
+    ("maxvio_micro", "micro-batch"),
+    ("maxvio_seq", "per sequence (length-weighted)"),
+)
 
 
 def maxvio_curves(history: list[dict], path: Path) -> bool:
@@ -61,9 +64,13 @@ def maxvio_curves(history: list[dict], path: Path) -> bool:
     steps, runs logged before it existed) are left out of its line. Writes nothing and returns False when no
     record has any (a model without MoE layers).
     """
-    series = [(label, [(h["step"], h[key]) for h in history
-                       if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])])
-              for key, label in MAXVIO_SERIES]
+    series = [
+        (
+            label,
+            [(h["step"], h[key]) for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])],
+        )
+        for key, label in MAXVIO_SERIES
+    ]
     if not any(points for _, points in series):
         return False
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -83,19 +83,29 @@ class RunState:
 
     # ------------------------------------------------------------------ saving
     def trainer_state(self) -> dict:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(), "data": self.train_data.state_dict(),
-                "rng": rng_state(), "scheduler": {"kind": "cosine", "total_steps": self.cfg.steps,
-                                                  "warmup_frac": self.cfg.warmup_frac,
-                                                  "min_ratio": self.cfg.min_lr_ratio},
-                "train_config": dataclasses.asdict(self.cfg), "data_ranks": self.data_ranks()}
+        return {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.train_data.state_dict(),
+            "rng": rng_state(),
+            "scheduler": {
+                "kind": "cosine",
+                "total_steps": self.cfg.steps,
+                "warmup_frac": self.cfg.warmup_frac,
+                "min_ratio": self.cfg.min_lr_ratio,
+            },
+            "train_config": dataclasses.asdict(self.cfg),
+            "data_ranks": self.data_ranks(),
+        }
 
     def save(self) -> Path:
         """Checkpoint the current step, with finite weights only: a pending or fresh weight check is read first
         (non-finite: the last finite state is restored and saved); afterwards that state is the new snapshot."""
         if not self.verify_weights() and self.nonfinite_count().item() > 0:
             raise TrainingDiverged("the weights are not finite and no finite state is kept; nothing was saved")
-        path = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, self.trainer_state(),
-                               keep=self.cfg.keep_checkpoints)
+        path = save_checkpoint(
+            self.run_dir, self.step, self.model, self.tokenizer, self.trainer_state(), keep=self.cfg.keep_checkpoints
+        )
         log.info("saved %s", path)
         self.snapshot()
         return path
@@ -106,8 +116,11 @@ class RunState:
         biases) and optimizer state, in a fixed order."""
         out = [p for p in self.model.parameters()] + [b for b in self.model.buffers() if b.is_floating_point()]
         for p in self.model.parameters():
-            out += [v for v in self.optimizer.state.get(p, {}).values()
-                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            out += [
+                v
+                for v in self.optimizer.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+            ]
         return [_local(t) for t in out]
 
     @torch.no_grad()
@@ -127,9 +140,14 @@ class RunState:
         params = list(self.model.parameters())
         self._snap_params = [_local(t).to("cpu", copy=True) for t in params]
         self._snap_buffers = [_local(b).to("cpu", copy=True) for b in self.model.buffers()]
-        self._snap_optim = {i: {k: (_local(v).to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
-                                for k, v in self.optimizer.state[p].items()}
-                            for i, p in enumerate(params) if p in self.optimizer.state}
+        self._snap_optim = {
+            i: {
+                k: (_local(v).to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                for k, v in self.optimizer.state[p].items()
+            }
+            for i, p in enumerate(params)
+            if p in self.optimizer.state
+        }
         self.snapshot_step = self.step
 
     @torch.no_grad()
@@ -156,8 +174,12 @@ class RunState:
     def _roll_back(self, record: dict | None) -> None:
         self.restore_snapshot()
         self.bad_steps += 1
-        log.warning("step %d: the weights became non-finite; restored those of step %d (%d bad in a row)",
-                    self.step, self.snapshot_step, self.bad_steps)
+        log.warning(
+            "step %d: the weights became non-finite; restored those of step %d (%d bad in a row)",
+            self.step,
+            self.snapshot_step,
+            self.bad_steps,
+        )
         if record is not None:
             record.update(skipped="non-finite weights", restored_step=self.snapshot_step)
 

@@ -39,6 +39,7 @@ def to_host(tensors: dict, device: torch.device) -> dict:
 class StepSums:
     """What a step's micro-batches leave on the device, all device tensors: float64 sums added in micro-batch order
     (the numbers Python floats would give), and the statistics the balancer and the metrics read."""
+
     total: torch.Tensor  # summed cross-entropy
     aux: torch.Tensor  # summed auxiliary (balance) loss
     stats: list = field(default_factory=list)  # router statistics of every micro-batch and MoE layer, scores detached
@@ -96,11 +97,19 @@ class TrainStep:
         host = to_host(self._readout(sums, grad_norm, layers, rows), self.device)
         (total, aux_total), grad_norm = host["sums"].tolist(), host["grad_norm"].item()
         loss = total / valid
-        record = {"step": self.step, "loss": loss, "lr": lr, "tokens": (self.step + 1) * cfg.batch_size *
-                  cfg.grad_accum * cfg.seq_len}
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "tokens": (self.step + 1) * cfg.batch_size * cfg.grad_accum * cfg.seq_len,
+        }
         weights_bad = self._previous_update_bad(host)
-        finite = (math.isfinite(loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
-                  and bool(host.get("scores_finite", True)))
+        finite = (
+            math.isfinite(loss)
+            and math.isfinite(aux_total)
+            and math.isfinite(grad_norm)
+            and bool(host.get("scores_finite", True))
+        )
         if weights_bad or not finite:
             self._drop_step(record, weights_bad, loss, grad_norm)
         else:
@@ -176,12 +185,18 @@ class TrainStep:
         else:
             self.bad_steps += 1
             record.update(skipped=True)
-            log.warning("step %d: non-finite loss %s or gradient norm %s, step skipped (%d in a row)",
-                        self.step, loss, grad_norm, self.bad_steps)
+            log.warning(
+                "step %d: non-finite loss %s or gradient norm %s, step skipped (%d in a row)",
+                self.step,
+                loss,
+                grad_norm,
+                self.bad_steps,
+            )
         record.update(loss=str(loss))
 
-    def _update(self, record: dict, sums: StepSums, host: dict, layers: list, grad_norm: float,
-                aux_total: float) -> None:
+    def _update(
+        self, record: dict, sums: StepSums, host: dict, layers: list, grad_norm: float, aux_total: float
+    ) -> None:
         """A finite step: the optimiser update, the router-bias update (applied from the next step), QK-Clip, the
         step's metrics, and a weight check queued on the device to read with the next step."""
         self.optimizer.step()
@@ -194,8 +209,13 @@ class TrainStep:
         metrics = metrics_from_rows(layers, host["metrics"].tolist()) if layers else {}
         for layer in sums.loads:
             self.recent_loads[layer] = self.recent_loads.get(layer, 0) + host["loads", layer]
-        record.update(grad_norm=grad_norm, aux_loss=aux_total, maxvio=metrics.get("maxvio/mean"),
-                      maxvio_max=metrics.get("maxvio/max"), dead_experts=metrics.get("dead/total"))
+        record.update(
+            grad_norm=grad_norm,
+            aux_loss=aux_total,
+            maxvio=metrics.get("maxvio/mean"),
+            maxvio_max=metrics.get("maxvio/max"),
+            dead_experts=metrics.get("dead/total"),
+        )
         if sums.local_vio:  # means over micro-batches and MoE layers, this rank's
             micro, seq = host["local_vio"].double().mean(dim=0).tolist()
             record.update(maxvio_micro=micro, maxvio_seq=seq)
@@ -213,8 +233,9 @@ class TrainStep:
             images = {"pixel_patches": to_device(batch.pixel_patches, self.device), "grid_hws": batch.grid_hws}
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             out = self.model(ids, cu_seqlens=cu, record_attn_res=record, **images)
-        loss_sum = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
+        loss_sum = F.cross_entropy(
+            out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         return loss_sum, int((batch.labels != IGNORE_INDEX).sum()), out
 
     def _mla_inputs_hook(self, captured: dict) -> list:
@@ -223,9 +244,11 @@ class TrainStep:
         hooks = []
         for i, layer in enumerate(self.model.model.layers):
             if isinstance(layer.self_attn, MultiheadLatentAttention):
+
                 def hook(mod, args, i=i):
                     with torch.no_grad():
                         m = mla_max_logits(mod, args[0].detach(), args[1])
                     captured[i] = torch.maximum(captured[i], m) if i in captured else m
+
                 hooks.append(layer.self_attn.register_forward_pre_hook(hook))
         return hooks

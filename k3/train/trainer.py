@@ -55,8 +55,17 @@ from k3.train.step import TrainStep, to_host
 
 log = logging.getLogger("k3.train")
 
-__all__ = ["RESUME_MAY_CHANGE", "TASKS", "TrainConfig", "Trainer", "TrainingDiverged",
-           "check_resume_config", "read_metrics", "to_host", "write_expert_loads"]
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "TASKS",
+    "TrainConfig",
+    "Trainer",
+    "TrainingDiverged",
+    "check_resume_config",
+    "read_metrics",
+    "to_host",
+    "write_expert_loads",
+]
 
 
 def _device(name: str) -> torch.device:
@@ -129,8 +138,13 @@ class Trainer(TrainStep, RunState):
             atomic_write_text(self.run_dir / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.snapshot()
         n = sum(p.numel() for p in self.model.parameters())
-        log.info("model %s: %.2fM parameters on %s, autocast %s", self.model_cfg.name, n / 1e6, self.device.type,
-                 "bf16" if self.device.type == "cuda" else "off (fp32)")
+        log.info(
+            "model %s: %.2fM parameters on %s, autocast %s",
+            self.model_cfg.name,
+            n / 1e6,
+            self.device.type,
+            "bf16" if self.device.type == "cuda" else "off (fp32)",
+        )
 
     def _open_run_dir(self, resume: bool):
         """Check the run directory against ``resume`` and create it; returns the checkpoint to resume from."""
@@ -153,9 +167,15 @@ class Trainer(TrainStep, RunState):
         if cfg.qat:
             weights, acts = QAT_RECIPES[cfg.qat]
             enable_qat(self.model, weights, acts, cfg.qat_scale_mode)
-            log.info("QAT %s: routed experts run on %s weights and %s inputs (%s scales); checkpoints hold the "
-                     "high-precision masters; export packed with k3 convert --quantize mxfp4 --scale-mode %s",
-                     cfg.qat, weights, acts or "high-precision", cfg.qat_scale_mode, cfg.qat_scale_mode)
+            log.info(
+                "QAT %s: routed experts run on %s weights and %s inputs (%s scales); checkpoints hold the "
+                "high-precision masters; export packed with k3 convert --quantize mxfp4 --scale-mode %s",
+                cfg.qat,
+                weights,
+                acts or "high-precision",
+                cfg.qat_scale_mode,
+                cfg.qat_scale_mode,
+            )
 
     def _setup_optimizer(self) -> None:
         """K3Muon over the model's parameter groups, and the router balancer with the bias buffers it updates."""
@@ -166,8 +186,11 @@ class Trainer(TrainStep, RunState):
         log.info("optimizer groups:\n%s", describe_groups(self.optimizer.param_groups))
         moe = self.model_cfg.moe
         self.balancer = Balancer(cfg.balance, moe.num_experts, moe.num_experts_per_token)
-        self.bias_buffers = {i: layer.block_sparse_moe.gate.e_score_correction_bias
-                             for i, layer in enumerate(self.model.model.layers) if hasattr(layer, "block_sparse_moe")}
+        self.bias_buffers = {
+            i: layer.block_sparse_moe.gate.e_score_correction_bias
+            for i, layer in enumerate(self.model.model.layers)
+            if hasattr(layer, "block_sparse_moe")
+        }
 
     # -------------------------------------------------------- set-up hooks (k3.distributed.train overrides them)
     def model_checkpoint(self, ckpt):
@@ -191,18 +214,28 @@ class Trainer(TrainStep, RunState):
         if self.is_main:
             self.tokenizer.save(self.run_dir)
         t0 = time.perf_counter()
-        self.train_data = PackedDataset(train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed,
-                                        max_tokens=cfg.max_tokens)
-        self.val_data = PackedDataset(val_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, shuffle=False,
-                                      max_tokens=cfg.eval_rows * cfg.seq_len + 1)
+        self.train_data = PackedDataset(
+            train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, max_tokens=cfg.max_tokens
+        )
+        self.val_data = PackedDataset(
+            val_docs,
+            self.tokenizer,
+            cfg.seq_len,
+            seed=cfg.seed,
+            shuffle=False,
+            max_tokens=cfg.eval_rows * cfg.seq_len + 1,
+        )
         self.val_docs = val_docs
         log.info("data: train %r, validation %r (%.1fs)", self.train_data, self.val_data, time.perf_counter() - t0)
         if ckpt is not None:
             self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
         else:
             model_cfg = get_preset(cfg.preset).replace(
-                vocab_size=self.tokenizer.vocab_size, eos_token_id=self.tokenizer.eos_id,
-                bos_token_id=self.tokenizer.bos_id, **cfg.overrides)
+                vocab_size=self.tokenizer.vocab_size,
+                eos_token_id=self.tokenizer.eos_id,
+                bos_token_id=self.tokenizer.bos_id,
+                **cfg.overrides,
+            )
             self.model = K3ForCausalLM(model_cfg).to(self.device)
 
     def _text_tokenizer(self, ckpt, train_docs) -> Tokenizer:
@@ -214,8 +247,9 @@ class Trainer(TrainStep, RunState):
             return _load_tokenizer(cfg.tokenizer)
         t0 = time.perf_counter()
         tokenizer = train_bpe(_text_budget(train_docs, cfg.tokenizer_train_bytes), cfg.vocab_size)
-        log.info("trained a byte-level BPE tokenizer (vocab %d) in %.1fs", tokenizer.vocab_size,
-                 time.perf_counter() - t0)
+        log.info(
+            "trained a byte-level BPE tokenizer (vocab %d) in %.1fs", tokenizer.vocab_size, time.perf_counter() - t0
+        )
         return tokenizer
 
     def _setup_vision(self, ckpt) -> None:
@@ -232,8 +266,12 @@ class Trainer(TrainStep, RunState):
             self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
         else:
             model_cfg = with_vision(get_preset(cfg.preset)).replace(
-                vocab_size=self.tokenizer.vocab_size, eos_token_id=self.tokenizer.eos_id,
-                bos_token_id=self.tokenizer.bos_id, **media_ids(self.tokenizer), **cfg.overrides)
+                vocab_size=self.tokenizer.vocab_size,
+                eos_token_id=self.tokenizer.eos_id,
+                bos_token_id=self.tokenizer.bos_id,
+                **media_ids(self.tokenizer),
+                **cfg.overrides,
+            )
             self.model = K3ForConditionalGeneration(model_cfg).to(self.device)
         vision = self.model.config.vision
         self.train_data = VisionTaskData(self.tokenizer, vision, "train", cfg.seed)
@@ -273,8 +311,10 @@ class Trainer(TrainStep, RunState):
         pad = self.model_cfg.vision.media_placeholder_token_id
         engine = Engine(self.model, self.tokenizer, max_batch=min(n, 64), prefill_chunk=4096, cuda_graphs=False)
         prompts = [[pad] + self.tokenizer.encode(" " + e.question) for e in examples]
-        ids = [engine.add(p, SamplingParams(max_tokens=4, temperature=0.0), images=[e.image])
-               for p, e in zip(prompts, examples)]
+        ids = [
+            engine.add(p, SamplingParams(max_tokens=4, temperature=0.0), images=[e.image])
+            for p, e in zip(prompts, examples)
+        ]
         done = {i: "" for i in ids}
         while engine.has_work():
             for o in engine.step():
@@ -312,7 +352,7 @@ class Trainer(TrainStep, RunState):
             if not prompt:
                 continue
             ids = greedy_generate(self.model, torch.tensor([prompt], device=self.device), 48, eos_token_id=eos)
-            out.append((self.tokenizer.decode(prompt), self.tokenizer.decode(ids[0, len(prompt):].tolist())))
+            out.append((self.tokenizer.decode(prompt), self.tokenizer.decode(ids[0, len(prompt) :].tolist())))
         self.model.train()
         return out
 
@@ -330,8 +370,9 @@ class Trainer(TrainStep, RunState):
     def _run(self, stop_at: int | None) -> dict:
         cfg = self.cfg
         self.model.train()
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not (self.progress and self.is_main), desc="train",
-                   unit="step")
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, disable=not (self.progress and self.is_main), desc="train", unit="step"
+        )
         with open(self.metrics_path, "a") if self.is_main else contextlib.nullcontext() as metrics_file:
             while self.step < cfg.steps:
                 if stop_at is not None and self.step >= stop_at:
@@ -366,14 +407,19 @@ class Trainer(TrainStep, RunState):
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
         bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}" if not record.get("skipped") else "nan",
-                        tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}",
-                        maxvio=f"{record['maxvio']:.2f}" if record.get("maxvio") is not None else "-")
+        bar.set_postfix(
+            loss=f"{record['loss']:.3f}" if not record.get("skipped") else "nan",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            lr=f"{record['lr']:.2e}",
+            maxvio=f"{record['maxvio']:.2f}" if record.get("maxvio") is not None else "-",
+        )
 
     def _stop_if_diverged(self) -> None:
         """After ``max_bad_steps`` bad steps in a row: save the last finite state and raise TrainingDiverged."""
         if self.bad_steps >= self.cfg.max_bad_steps:
             path = self.save()
-            raise TrainingDiverged(f"{self.bad_steps} bad steps in a row (non-finite loss, gradients or "
-                                   f"weights) at step {self.step - 1}; stopped. The checkpoint holds the "
-                                   f"last finite weights: {path}")
+            raise TrainingDiverged(
+                f"{self.bad_steps} bad steps in a row (non-finite loss, gradients or "
+                f"weights) at step {self.step - 1}; stopped. The checkpoint holds the "
+                f"last finite weights: {path}"
+            )

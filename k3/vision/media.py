@@ -25,8 +25,13 @@ def merged_tokens(grid_hw: Sequence[int], merge: int) -> int:
     return (h // merge) * (w // merge)
 
 
-def expand_placeholders(token_ids: Sequence[int], tokens_per_image: Sequence[int], placeholder_id: int,
-                        begin_id: int | None, end_id: int | None) -> tuple[list[int], list[int]]:
+def expand_placeholders(
+    token_ids: Sequence[int],
+    tokens_per_image: Sequence[int],
+    placeholder_id: int,
+    begin_id: int | None,
+    end_id: int | None,
+) -> tuple[list[int], list[int]]:
     """Expand each media placeholder into ``begin + n x placeholder + end`` (no wrapping when both are None).
 
     token_ids: the prompt, holding exactly one ``placeholder_id`` per image; tokens_per_image [num_images]:
@@ -44,8 +49,10 @@ def expand_placeholders(token_ids: Sequence[int], tokens_per_image: Sequence[int
         raise ValueError(f"tokens_per_image={counts} must all be positive")
     found = sum(1 for t in token_ids if t == placeholder_id)
     if found != len(counts):
-        raise ValueError(f"the prompt has {found} media placeholder token(s) (id {placeholder_id}) "
-                         f"but {len(counts)} image(s) were given")
+        raise ValueError(
+            f"the prompt has {found} media placeholder token(s) (id {placeholder_id}) "
+            f"but {len(counts)} image(s) were given"
+        )
     expanded: list[int] = []
     positions: list[int] = []
     image = 0

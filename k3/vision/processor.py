@@ -74,8 +74,8 @@ class ImageProcessor:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.max_pixels < self.unit ** 2:
-            raise ValueError(f"max_pixels={self.max_pixels} must be >= (patch_size * merge_size)^2 = {self.unit ** 2}")
+        if self.max_pixels < self.unit**2:
+            raise ValueError(f"max_pixels={self.max_pixels} must be >= (patch_size * merge_size)^2 = {self.unit**2}")
         if self.max_side < self.unit:
             raise ValueError(f"max_side={self.max_side} must be >= patch_size * merge_size = {self.unit}")
         for name in ("mean", "std"):
@@ -147,8 +147,10 @@ class ImageProcessor:
         if width <= 0 or height <= 0:
             raise ValueError(f"{what} has zero size ({width} x {height})")
         if max(width, height) > self.max_side:
-            raise ValueError(f"{what} is {width} x {height}, a side over max_side={self.max_side} "
-                             "(refused as a possible decompression bomb)")
+            raise ValueError(
+                f"{what} is {width} x {height}, a side over max_side={self.max_side} "
+                "(refused as a possible decompression bomb)"
+            )
 
     @staticmethod
     def _to_rgb(img: Image.Image) -> Image.Image:
@@ -182,8 +184,10 @@ class ImageProcessor:
         w, h = img.size
         p = self.patch_size
         if img.mode != "RGB" or w % self.unit or h % self.unit:
-            raise ValueError(f"to_patches needs an RGB image with sides multiple of {self.unit}, got {img.mode} "
-                             f"{w} x {h} (use resize() first)")
+            raise ValueError(
+                f"to_patches needs an RGB image with sides multiple of {self.unit}, got {img.mode} "
+                f"{w} x {h} (use resize() first)"
+            )
         x = torch.from_numpy(np.array(img, dtype=np.uint8)).to(torch.float32).div_(255.0)  # [H, W, 3]
         mean, std = torch.tensor(self.mean), torch.tensor(self.std)
         x = ((x - mean) / std).permute(2, 0, 1)  # [3, H, W]
@@ -195,8 +199,9 @@ class ImageProcessor:
         """One image, all four steps -> (patches [gh * gw, 3 * p * p], (gh, gw))."""
         return self.to_patches(self.resize(self.load(image)), dtype)
 
-    def process(self, images: ImageInput | Sequence[ImageInput],
-                dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    def process(
+        self, images: ImageInput | Sequence[ImageInput], dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor]:
         """Images -> (pixel_patches [sum gh * gw, 3 * p * p] packed image after image, grid_hws [num_images, 2]
         int64 patch grids (gh, gw), both even). A single image may be passed without a list."""
         if isinstance(images, _SINGLE):

@@ -139,8 +139,12 @@ def _place(rng: random.Random, width: int, height: int, n: int, max_radius: int)
                 placed.append((cx, cy, r))
                 if len(placed) == n:
                     return placed
-    cells = [(width // 4, height // 4), (3 * width // 4, height // 4), (width // 4, 3 * height // 4),
-             (3 * width // 4, 3 * height // 4)]
+    cells = [
+        (width // 4, height // 4),
+        (3 * width // 4, height // 4),
+        (width // 4, 3 * height // 4),
+        (3 * width // 4, 3 * height // 4),
+    ]
     return [(cx, cy, MIN_RADIUS) for cx, cy in cells[:n]]
 
 

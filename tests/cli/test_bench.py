@@ -9,10 +9,13 @@ from k3.bench import decode, kernels
 from k3.cli.main import main
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["bench", "decode", "--cases", "train"], "k3 bench decode --cases takes targets, not 'train'"),
-    (["bench", "kernels", "--cases", "targets"], "--cases applies to k3 bench model and decode only"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["bench", "decode", "--cases", "train"], "k3 bench decode --cases takes targets, not 'train'"),
+        (["bench", "kernels", "--cases", "targets"], "--cases applies to k3 bench model and decode only"),
+    ],
+)
 def test_bad_cases_are_one_clear_error(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -71,12 +74,20 @@ def test_device_activity_counts_kernels_not_the_annotations_that_span_them():
     def event(name, device, annotation=False):
         return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation)
 
-    events = [event("phase: optimizer", cpu, True), event("phase: optimizer", cuda, True),  # a range, both sides
-              event("Optimizer.step#K3Muon.step", cuda, True), event("aten::mm", cpu),
-              event("nvjet_sm90_tst_256x128", cuda), event("Memcpy DtoD (Device -> Device)", cuda),
-              event("Memset (Device)", cuda)]
-    assert [e.name for e in device_activity(events)] == ["nvjet_sm90_tst_256x128", "Memcpy DtoD (Device -> Device)",
-                                                          "Memset (Device)"]
+    events = [
+        event("phase: optimizer", cpu, True),
+        event("phase: optimizer", cuda, True),  # a range, both sides
+        event("Optimizer.step#K3Muon.step", cuda, True),
+        event("aten::mm", cpu),
+        event("nvjet_sm90_tst_256x128", cuda),
+        event("Memcpy DtoD (Device -> Device)", cuda),
+        event("Memset (Device)", cuda),
+    ]
+    assert [e.name for e in device_activity(events)] == [
+        "nvjet_sm90_tst_256x128",
+        "Memcpy DtoD (Device -> Device)",
+        "Memset (Device)",
+    ]
     assert [e.name for e in device_activity(events, memcpy=False)] == ["nvjet_sm90_tst_256x128", "Memset (Device)"]
 
 
@@ -108,17 +119,20 @@ def test_profile_train_steps_device_timeline_splits_busy_and_idle_time_by_phase(
     cuda = torch.autograd.DeviceType.CUDA
 
     def ev(name, start, end, annotation=False):
-        return SimpleNamespace(name=name, device_type=cuda, is_user_annotation=annotation,
-                               time_range=SimpleNamespace(start=start, end=end))
+        return SimpleNamespace(
+            name=name, device_type=cuda, is_user_annotation=annotation, time_range=SimpleNamespace(start=start, end=end)
+        )
 
     ms = 1000  # the profiler's clock is in us
     kernels = [ev("k", 0, 10 * ms), ev("k", 20 * ms, 30 * ms), ev("k", 40 * ms, 45 * ms), ev("k", 60 * ms, 100 * ms)]
     phases = [ev("phase: forward + loss", 0, 30 * ms, True), ev("phase: backward", 0, 0, True)]
     lines = module.device_timeline(phases + kernels, kernels, steps=2)
     rows = {line[:46].strip(): [float(v) for v in line[46:].split()] for line in lines[1:]}
-    assert rows == {"phase: forward + loss": [15.0, 10.0, 5.0],  # ms per step: span, busy, idle
-                    "outside those ranges": [35.0, 22.5, 12.5],
-                    "window (first kernel to last)": [50.0, 32.5, 17.5]}
+    assert rows == {
+        "phase: forward + loss": [15.0, 10.0, 5.0],  # ms per step: span, busy, idle
+        "outside those ranges": [35.0, 22.5, 12.5],
+        "window (first kernel to last)": [50.0, 32.5, 17.5],
+    }
 
 
 def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers(monkeypatch):
@@ -149,19 +163,28 @@ def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers(monkeypatch)
         backend.set_backend("auto")
     n_kda, n_mla = cfg.num_hidden_layers - len(cfg.mla_layers), len(cfg.mla_layers)
     groups = [g for g in param_groups_for(model, 1e-4) if g["kind"] != "adamw"]
-    blocks = {"muon_head": lambda p, g: p.shape[0] // g["head_dim"], "muon_expert": lambda p, g: p.shape[0],
-              "muon": lambda p, g: 1}
+    blocks = {
+        "muon_head": lambda p, g: p.shape[0] // g["head_dim"],
+        "muon_expert": lambda p, g: p.shape[0],
+        "muon": lambda p, g: 1,
+    }
     matrices = sum(blocks[g["kind"]](p, g) for g in groups for p in g["params"])
-    shapes = {(i, (g["head_dim"], p.shape[1]) if g["kind"] == "muon_head" else tuple(p.shape[-2:]))
-              for i, g in enumerate(groups) for p in g["params"]}  # a call per group and block shape
+    shapes = {
+        (i, (g["head_dim"], p.shape[1]) if g["kind"] == "muon_head" else tuple(p.shape[-2:]))
+        for i, g in enumerate(groups)
+        for p in g["params"]
+    }  # a call per group and block shape
     calls = floor.muon_batches(model)
     assert sum(c[0] for c in calls) == matrices and len(calls) == len(shapes)  # tiny: each fits one call
     monkeypatch.setattr(floor, "NS_BATCH_BYTES", 2)  # below one block: each parameter its own call, never split
     assert [c[0] for c in floor.muon_batches(model)] == [blocks[g["kind"]](p, g) for g in groups for p in g["params"]]
-    assert parts == {f"fla chunked KDA (fwd+bwd) x{n_kda}": n_kda, f"fla short convs (fwd+bwd) x{n_kda}": n_kda,
-                     f"MLA attention (fwd+bwd) x{n_mla}": n_mla,
-                     f"Newton-Schulz of {matrices} Muon matrices in {len(calls)} calls": 1.0,
-                     "matrix products at 100% of the bf16 rate": 6 * 1000.0 * 32 / 1e6}
+    assert parts == {
+        f"fla chunked KDA (fwd+bwd) x{n_kda}": n_kda,
+        f"fla short convs (fwd+bwd) x{n_kda}": n_kda,
+        f"MLA attention (fwd+bwd) x{n_mla}": n_mla,
+        f"Newton-Schulz of {matrices} Muon matrices in {len(calls)} calls": 1.0,
+        "matrix products at 100% of the bf16 rate": 6 * 1000.0 * 32 / 1e6,
+    }
     assert len(runs) == 4
     kda = next(m for m in model.modules() if isinstance(m, floor.KimiDeltaAttention))
     assert kda.A_log.grad is not None and kda.q_conv1d.weight.grad is not None  # the backward ran

@@ -47,8 +47,24 @@ def greedy(ckpt):
 
 def test_generate_prints_the_greedy_continuation(ckpt, greedy, capsys):
     tok, run = greedy
-    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hello there", "--max-tokens", "8",
-                 "--temperature", "0", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(ckpt),
+                "--prompt",
+                "Hello there",
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert out == run(tok.encode("Hello there"), 8) + "\n"
     assert "prompt +" in err and "generated tokens" in err and "finish:" in err
@@ -58,8 +74,26 @@ def test_generate_from_a_run_directory(ckpt, tmp_path, capsys):
     step = tmp_path / "run" / "checkpoints" / "step-000001"
     shutil.copytree(ckpt, step)
     (step.parent / "latest").write_text(step.name)
-    assert main(["generate", "--ckpt", str(tmp_path / "run"), "--prompt", "Hi", "--max-tokens", "3",
-                 "--seed", "1", "--top-k", "5", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(tmp_path / "run"),
+                "--prompt",
+                "Hi",
+                "--max-tokens",
+                "3",
+                "--seed",
+                "1",
+                "--top-k",
+                "5",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.endswith("\n")
 
 
@@ -78,8 +112,24 @@ def test_generate_clear_errors(ckpt, tmp_path, capsys):
 def test_chat_two_turns_reset_and_exit(ckpt, greedy, capsys, monkeypatch):
     tok, run = greedy
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\nHow are you?\n/reset\nHello\n/exit\nnever read\n"))
-    assert main(["chat", "--ckpt", str(ckpt), "--max-tokens", "6", "--temperature", "0", "--device", "cpu",
-                 "--system", "Be brief."]) == 0
+    assert (
+        main(
+            [
+                "chat",
+                "--ckpt",
+                str(ckpt),
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--device",
+                "cpu",
+                "--system",
+                "Be brief.",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
 
     def reply(history):
@@ -95,9 +145,28 @@ def test_chat_two_turns_reset_and_exit(ckpt, greedy, capsys, monkeypatch):
 
 
 def test_chat_over_a_pipe(ckpt):
-    proc = subprocess.run([sys.executable, "-m", "k3", "chat", "--ckpt", str(ckpt), "--max-tokens", "4",
-                           "--temperature", "0", "--device", "cpu", "--stats"], cwd=REPO,
-                          input="Hello\nHow are you?\n", capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3",
+            "chat",
+            "--ckpt",
+            str(ckpt),
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+            "--stats",
+        ],
+        cwd=REPO,
+        input="Hello\nHow are you?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("generated tokens") == 2  # two replies, then EOF ends the REPL
     assert "you>" not in proc.stdout  # no prompts when stdin is not a terminal

@@ -47,8 +47,10 @@ def test_every_preset_in_seconds(capsys, preset):
     r = info_json(capsys, preset)
     assert time.perf_counter() - t0 < 20
     assert {"params_total", "params_activated", "layers"} <= set(r)
-    assert all(set(la) >= {"mixer", "ffn"} and la["mixer"] in ("kda", "mla") and la["ffn"] in ("dense", "moe")
-               for la in r["layers"])
+    assert all(
+        set(la) >= {"mixer", "ffn"} and la["mixer"] in ("kda", "mla") and la["ffn"] in ("dense", "moe")
+        for la in r["layers"]
+    )
     assert 0 < r["params_activated"] < r["params_total"]
 
 
@@ -61,7 +63,8 @@ def test_text_output_and_errors(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "k3", "info", "--preset", "small", "--json"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "k3", "info", "--preset", "small", "--json"], capture_output=True, text=True, check=True
+    ).stdout
     r = json.loads(out)
     assert 20e6 <= r["params_total"] <= 50e6

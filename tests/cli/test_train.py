@@ -13,11 +13,41 @@ from k3.cli.main import build_parser
 from k3.train.config import RESUME_MAY_CHANGE, TrainConfig
 
 # the flags `k3 train` has always taken; a derived flag must not rename any of them
-FLAGS = ["--preset", "--task", "--vision-eval", "--set", "--data", "--tokenizer", "--vocab-size", "--max-tokens",
-         "--steps", "--batch-size", "--grad-accum", "--seq-len", "--lr", "--weight-decay", "--clip",
-         "--no-per-head-muon", "--balance", "--qk-clip", "--qat", "--qat-scale-mode", "--activation-checkpointing",
-         "--eval-every", "--eval-rows", "--save-every", "--samples", "--out", "--resume", "--seed", "--device", "--dp",
-         "--ep", "--cp", "--no-progress"]
+FLAGS = [
+    "--preset",
+    "--task",
+    "--vision-eval",
+    "--set",
+    "--data",
+    "--tokenizer",
+    "--vocab-size",
+    "--max-tokens",
+    "--steps",
+    "--batch-size",
+    "--grad-accum",
+    "--seq-len",
+    "--lr",
+    "--weight-decay",
+    "--clip",
+    "--no-per-head-muon",
+    "--balance",
+    "--qk-clip",
+    "--qat",
+    "--qat-scale-mode",
+    "--activation-checkpointing",
+    "--eval-every",
+    "--eval-rows",
+    "--save-every",
+    "--samples",
+    "--out",
+    "--resume",
+    "--seed",
+    "--device",
+    "--dp",
+    "--ep",
+    "--cp",
+    "--no-progress",
+]
 FIELDS = dataclasses.fields(TrainConfig)
 
 
@@ -58,8 +88,11 @@ def test_no_flags_give_the_default_config():
     assert config("--task", "vision") == vision
 
 
-@pytest.mark.parametrize("f", [f for f in FIELDS if f.default not in (None, dataclasses.MISSING)
-                               and not isinstance(f.default, bool)], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "f",
+    [f for f in FIELDS if f.default not in (None, dataclasses.MISSING) and not isinstance(f.default, bool)],
+    ids=lambda f: f.name,
+)
 def test_giving_the_default_round_trips(f):
     flag = "--" + f.name.replace("_", "-")
     cfg = config(flag, str(f.default), *(["--out", "runs/small"] if f.name != "out" else []))
@@ -70,9 +103,24 @@ def test_giving_the_default_round_trips(f):
 def test_switches_optional_values_and_overrides():
     assert config("--no-per-head-muon").per_head_muon is False
     assert config("--activation-checkpointing").activation_checkpointing is True
-    cfg = config("--qk-clip", "100", "--schedule-steps", "200", "--max-tokens", "5", "--qat", "mxfp4",
-                 "--data", "corpus.txt", "--tokenizer", "tok.json", "--set", "moe.num_experts=16",
-                 "--set", "name=x")
+    cfg = config(
+        "--qk-clip",
+        "100",
+        "--schedule-steps",
+        "200",
+        "--max-tokens",
+        "5",
+        "--qat",
+        "mxfp4",
+        "--data",
+        "corpus.txt",
+        "--tokenizer",
+        "tok.json",
+        "--set",
+        "moe.num_experts=16",
+        "--set",
+        "name=x",
+    )
     assert (cfg.qk_clip, cfg.schedule_steps, cfg.max_tokens, cfg.qat) == (100.0, 200, 5, "mxfp4")
     assert (cfg.data, cfg.tokenizer) == ("corpus.txt", "tok.json")
     assert cfg.overrides == {"moe.num_experts": 16, "name": "x"}
@@ -84,8 +132,7 @@ def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     text = capsys.readouterr().out
-    for flag in FLAGS + ["--" + f.name.replace("_", "-") for f in FIELDS if f.type != "bool"
-                         and f.name != "overrides"]:
+    for flag in FLAGS + ["--" + f.name.replace("_", "-") for f in FIELDS if f.type != "bool" and f.name != "overrides"]:
         assert flag in text, flag
 
 

@@ -86,11 +86,22 @@ def test_k3_preset_is_the_released_config():
     assert c.kda.gate_lower_bound == -5.0 and c.kda.full_rank_output_gate
     m = c.mla
     assert (m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (
-        96, 1536, 512, 128, 64, 128)
+        96,
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
     assert m.output_gate and m.rope_theta is None
     e = c.moe
     assert (e.num_experts, e.num_experts_per_token, e.num_shared_experts, e.moe_intermediate_size, e.latent_size) == (
-        896, 16, 2, 3072, 3584)
+        896,
+        16,
+        2,
+        3072,
+        3584,
+    )
     assert e.latent_norm and e.routed_scaling_factor == 1.0 and e.renormalize
     assert (c.attn_res.mode, c.attn_res.block_size) == ("snapshot", 12)
     assert c.max_position_embeddings == 1048576 and not c.tie_word_embeddings
@@ -111,32 +122,47 @@ def test_release_kimi_k3_config_gives_k3_tower_and_media_ids():
 
     text = to_hf_config(get_preset("k3"))
     del text["k3"]
-    vision_config = {"vt_num_hidden_layers": 27, "vt_hidden_size": 1024, "vt_num_attention_heads": 12,
-                     "qkv_hidden_size": 1536, "vt_intermediate_size": 4096, "patch_size": 14,
-                     "merge_kernel_size": [2, 2]}
-    release = {"model_type": "kimi_k3", "text_config": text, "vision_config": vision_config,
-               "media_placeholder_token_id": 163605}
+    vision_config = {
+        "vt_num_hidden_layers": 27,
+        "vt_hidden_size": 1024,
+        "vt_num_attention_heads": 12,
+        "qkv_hidden_size": 1536,
+        "vt_intermediate_size": 4096,
+        "patch_size": 14,
+        "merge_kernel_size": [2, 2],
+    }
+    release = {
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": vision_config,
+        "media_placeholder_token_id": 163605,
+    }
     assert from_hf_config(release).vision == get_preset("k3").vision
     v = from_hf_config({**release, "media_begin_token_id": 5, "media_end_token_id": 6}).vision
     assert (v.media_begin_token_id, v.media_end_token_id) == (5, 6)
-    assert from_hf_config({**release, "vision_config": {**vision_config, "vt_num_hidden_layers": 3}}).vision \
-        .num_layers == 3
+    assert (
+        from_hf_config({**release, "vision_config": {**vision_config, "vt_num_hidden_layers": 3}}).vision.num_layers
+        == 3
+    )
     assert from_hf_config(text).vision is None
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("hidden_size", None, "hidden_size is missing or null"),
-    ("vocab_size", "DELETE", "vocab_size is missing or null"),
-    ("num_attention_heads", None, "num_attention_heads is missing or null"),
-    ("hidden_size", 64.9, "hidden_size=64.9 must be an integer"),
-    ("num_hidden_layers", 5.0, "num_hidden_layers=5.0 must be an integer"),
-    ("kv_lora_rank", True, "kv_lora_rank=True must be an integer"),
-    ("moe_intermediate_size", "32", "moe_intermediate_size='32' must be an integer"),
-    ("eos_token_id", 10**6, "eos_token_id=1000000 is outside the vocabulary"),
-    ("bos_token_id", -1, "bos_token_id=-1 is outside the vocabulary"),
-    ("eos_token_id", 2.5, "eos_token_id=2.5 must be an integer"),
-    ("rms_norm_eps", "tiny", "rms_norm_eps='tiny' must be a number"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("hidden_size", None, "hidden_size is missing or null"),
+        ("vocab_size", "DELETE", "vocab_size is missing or null"),
+        ("num_attention_heads", None, "num_attention_heads is missing or null"),
+        ("hidden_size", 64.9, "hidden_size=64.9 must be an integer"),
+        ("num_hidden_layers", 5.0, "num_hidden_layers=5.0 must be an integer"),
+        ("kv_lora_rank", True, "kv_lora_rank=True must be an integer"),
+        ("moe_intermediate_size", "32", "moe_intermediate_size='32' must be an integer"),
+        ("eos_token_id", 10**6, "eos_token_id=1000000 is outside the vocabulary"),
+        ("bos_token_id", -1, "bos_token_id=-1 is outside the vocabulary"),
+        ("eos_token_id", 2.5, "eos_token_id=2.5 must be an integer"),
+        ("rms_norm_eps", "tiny", "rms_norm_eps='tiny' must be a number"),
+    ],
+)
 def test_config_json_values_are_checked(key, value, match):
     """config.json: a missing / null required key, a non-integer where an integer belongs and an out-of-range
     token id each give one ValueError naming the key (before: KeyError / TypeError, truncation, silent drop)."""
@@ -167,15 +193,18 @@ def test_config_json_nested_values_are_checked():
         from_hf_config([1, 2])
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("model_type", "llama", "model_type 'llama' is not kimi_linear / kimi_k3"),
-    ("num_key_value_heads", 1, "num_key_value_heads=1 != num_attention_heads="),
-    ("moe_layer_freq", 2, "moe_layer_freq=2 is not supported"),
-    ("num_nextn_predict_layers", 1, "MTP layers"),
-    ("num_expert_group", 4, r"grouped routing \(num_expert_group=4, topk_group=1\)"),
-    ("tie_word_embeddings", True, "tie_word_embeddings=true is not supported"),
-    ("moe_router_activation_func", "softmax", "moe_router_activation_func='softmax' is not supported"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("model_type", "llama", "model_type 'llama' is not kimi_linear / kimi_k3"),
+        ("num_key_value_heads", 1, "num_key_value_heads=1 != num_attention_heads="),
+        ("moe_layer_freq", 2, "moe_layer_freq=2 is not supported"),
+        ("num_nextn_predict_layers", 1, "MTP layers"),
+        ("num_expert_group", 4, r"grouped routing \(num_expert_group=4, topk_group=1\)"),
+        ("tie_word_embeddings", True, "tie_word_embeddings=true is not supported"),
+        ("moe_router_activation_func", "softmax", "moe_router_activation_func='softmax' is not supported"),
+    ],
+)
 def test_config_json_unsupported_features_are_refused(key, value, match):
     from k3.config.hf import from_hf_config, to_hf_config
 
@@ -196,9 +225,13 @@ def test_config_json_transformers_spellings_read_the_same():
     d.update(
         layer_types=["full_attention" if i + 1 in lac["full_attn_layers"] else "linear_attention" for i in range(n)],
         mlp_layer_types=["dense"] * d.pop("first_k_dense_replace") + ["sparse"] * (n - c.first_k_dense_replace),
-        linear_num_heads=lac["num_heads"], linear_head_dim=lac["head_dim"],
-        linear_conv_kernel_dim=lac["short_conv_kernel_size"], num_local_experts=d.pop("num_experts"),
-        num_experts_per_tok=d.pop("num_experts_per_token"), n_shared_experts=d.pop("num_shared_experts"),
-        norm_topk_prob=d.pop("moe_renormalize"), model_max_length=d.pop("max_position_embeddings"),
+        linear_num_heads=lac["num_heads"],
+        linear_head_dim=lac["head_dim"],
+        linear_conv_kernel_dim=lac["short_conv_kernel_size"],
+        num_local_experts=d.pop("num_experts"),
+        num_experts_per_tok=d.pop("num_experts_per_token"),
+        n_shared_experts=d.pop("num_shared_experts"),
+        norm_topk_prob=d.pop("moe_renormalize"),
+        model_max_length=d.pop("max_position_embeddings"),
     )
     assert from_hf_config(d) == from_hf_config(to_hf_config(c, "kimi_linear"))

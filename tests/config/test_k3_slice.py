@@ -21,8 +21,13 @@ def test_k3_slice_has_k3s_widths_and_a_short_schedule():
     assert (s.hidden_size, s.kda.num_heads, s.kda.head_dim, s.mla.num_heads) == (7168, 96, 128, 96)
     assert (s.mla.q_lora_rank, s.mla.kv_lora_rank) == (1536, 512)
     m = s.moe
-    assert (m.num_experts, m.num_experts_per_token, m.latent_size, m.moe_intermediate_size,
-            m.num_shared_experts) == (896, 16, 3584, 3072, 2)
+    assert (m.num_experts, m.num_experts_per_token, m.latent_size, m.moe_intermediate_size, m.num_shared_experts) == (
+        896,
+        16,
+        3584,
+        3072,
+        2,
+    )
     assert s.attn_res.mode != "none"
 
 

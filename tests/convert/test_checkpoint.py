@@ -14,10 +14,19 @@ from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.convert.checkpoint import save_pretrained
 
-KIMI_LINEAR_STYLE = {"kda.gate_lower_bound": None, "kda.full_rank_output_gate": False, "mla.q_lora_rank": None,
-                     "mla.output_gate": False, "moe.latent_size": None, "moe.latent_norm": False,
-                     "moe.routed_scaling_factor": 2.446, "hidden_act": "silu", "attn_res.mode": "none",
-                     "kda.forget_gate_rank": 16, "kda.output_gate_rank": 16}
+KIMI_LINEAR_STYLE = {
+    "kda.gate_lower_bound": None,
+    "kda.full_rank_output_gate": False,
+    "mla.q_lora_rank": None,
+    "mla.output_gate": False,
+    "moe.latent_size": None,
+    "moe.latent_norm": False,
+    "moe.routed_scaling_factor": 2.446,
+    "hidden_act": "silu",
+    "attn_res.mode": "none",
+    "kda.forget_gate_rank": 16,
+    "kda.output_gate_rank": 16,
+}
 
 
 def random_model(cfg, seed=0):
@@ -113,8 +122,10 @@ def test_release_variants_zero_padded_A_log_and_prefix(tmp_path):
     model = random_model(get_preset("tiny"))
     save_pretrained(model, tmp_path / "ck")
     tensors = ckpt.read_tensors(tmp_path / "ck")
-    varied = {"language_model." + k: (torch.cat([v.reshape(-1), torch.zeros(6)]) if k.endswith("A_log") else v)
-              for k, v in tensors.items()}
+    varied = {
+        "language_model." + k: (torch.cat([v.reshape(-1), torch.zeros(6)]) if k.endswith("A_log") else v)
+        for k, v in tensors.items()
+    }
     os.remove(tmp_path / "ck" / ckpt.CHECKSUMS)
     save_file(varied, tmp_path / "ck" / "model.safetensors")
     assert_same(model, k3.from_pretrained(tmp_path / "ck"))
@@ -158,8 +169,9 @@ def test_wrong_shape_missing_and_unexpected(saved):
     bad = dict(tensors)
     bad["model.layers.0.self_attn.q_proj.weight"] = torch.randn(7, 64)
     save_file(bad, path / "model.safetensors")
-    with pytest.raises(ValueError,
-                       match=r"shape mismatch: model.layers.0.self_attn.q_proj.weight: checkpoint \(7, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"shape mismatch: model.layers.0.self_attn.q_proj.weight: checkpoint \(7, 64\)"
+    ):
         k3.from_pretrained(path)
     bad = dict(tensors)
     del bad["model.norm.weight"]
@@ -281,8 +293,9 @@ def test_A_log_file_layout_and_round_trip(tmp_path, style):
     back = from_files(files, cfg)
     assert all(torch.equal(back[k], state[k]) for k in a_logs)
     save_pretrained(model, tmp_path / "ck")
-    assert ckpt.read_tensors(tmp_path / "ck")["model.layers.0.self_attn.A_log"].shape == next(
-        iter(a_logs.values())).shape
+    assert (
+        ckpt.read_tensors(tmp_path / "ck")["model.layers.0.self_attn.A_log"].shape == next(iter(a_logs.values())).shape
+    )
     assert_same(model, k3.from_pretrained(tmp_path / "ck"))
 
 
@@ -310,8 +323,9 @@ def test_nonfinite_tensor_without_checksums_is_refused(saved):
         k3.from_pretrained(path)
 
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "/tmp/abs.safetensors", "sub/../../x.safetensors",
-                                  "link.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../outside.safetensors", "/tmp/abs.safetensors", "sub/../../x.safetensors", "link.safetensors"]
+)
 def test_shard_index_cannot_leave_the_directory(saved, tmp_path, name):
     _, path = saved
     outside = tmp_path / "outside.safetensors"

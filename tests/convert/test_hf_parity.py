@@ -13,13 +13,36 @@ from k3.infer.generate import greedy_generate  # noqa: E402
 
 def hf_model(seed=0):
     cfg = KimiLinearConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.446, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        initializer_range=0.05, rms_norm_eps=1e-5,
-        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4, 5], "num_heads": 2, "head_dim": 16,
-                            "short_conv_kernel_size": 4})
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.446,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.05,
+        rms_norm_eps=1e-5,
+        linear_attn_config={
+            "kda_layers": [1, 2, 3],
+            "full_attn_layers": [4, 5],
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+    )
     torch.manual_seed(seed)
     model = KimiLinearForCausalLM(cfg).eval()
     with torch.no_grad():  # non-zero router bias, so selection differs from the raw scores
@@ -73,5 +96,5 @@ def test_greedy_generation_matches_transformers(pair):
     for row in range(2):
         ties = near_tie[row].nonzero()
         stop = int(ties[0]) if len(ties) else 16
-        assert torch.equal(got[row, 12:12 + stop], want[row, 12:12 + stop]), (row, stop)
+        assert torch.equal(got[row, 12 : 12 + stop], want[row, 12 : 12 + stop]), (row, stop)
     assert not near_tie.any(), "random model produced a near tie; the comparison above was partial"

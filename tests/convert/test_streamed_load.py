@@ -121,8 +121,14 @@ def test_hand_written_release_dir_loads(tmp_path):
     files["vision_tower.patch_embed.pos_emb.weight"] = state[f"{enc}.pos_embed"].clone()
     for i in range(v.num_layers):
         b, ours = f"vision_tower.encoder.blocks.{i}", f"{enc}.blocks.{i}"
-        for release, mine in (("norm0", "norm1"), ("wqkv", "attn.qkv"), ("wo", "attn.proj"), ("norm1", "norm2"),
-                              ("mlp.fc0", "mlp.fc1"), ("mlp.fc1", "mlp.fc2")):
+        for release, mine in (
+            ("norm0", "norm1"),
+            ("wqkv", "attn.qkv"),
+            ("wo", "attn.proj"),
+            ("norm1", "norm2"),
+            ("mlp.fc0", "mlp.fc1"),
+            ("mlp.fc1", "mlp.fc2"),
+        ):
             files[f"{b}.{release}.weight"] = state[f"{ours}.{mine}.weight"].clone()
     files["vision_tower.encoder.final_layernorm.weight"] = state[f"{enc}.norm.weight"].clone()
     files["mm_projector.proj.0.weight"] = state[f"{proj}.fc1.weight"].clone()
@@ -130,14 +136,25 @@ def test_hand_written_release_dir_loads(tmp_path):
     files["mm_projector.post_norm.weight"] = state[f"{proj}.norm.weight"].clone()
     text = ckpt.to_hf_config(cfg, "k3")
     del text["k3"]["vision"]
-    config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-              "vision_config": {"vt_num_hidden_layers": v.num_layers, "vt_hidden_size": v.hidden_size,
-                                "vt_num_attention_heads": v.num_heads, "qkv_hidden_size": v.num_heads * v.head_dim,
-                                "vt_intermediate_size": v.intermediate_size, "patch_size": p,
-                                "merge_kernel_size": [2, 2], "init_pos_emb_height": v.pos_grid,
-                                "init_pos_emb_width": v.pos_grid},
-              "media_placeholder_token_id": v.media_placeholder_token_id, "media_begin_token_id": None,
-              "media_end_token_id": None}
+    config = {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "vision_config": {
+            "vt_num_hidden_layers": v.num_layers,
+            "vt_hidden_size": v.hidden_size,
+            "vt_num_attention_heads": v.num_heads,
+            "qkv_hidden_size": v.num_heads * v.head_dim,
+            "vt_intermediate_size": v.intermediate_size,
+            "patch_size": p,
+            "merge_kernel_size": [2, 2],
+            "init_pos_emb_height": v.pos_grid,
+            "init_pos_emb_width": v.pos_grid,
+        },
+        "media_placeholder_token_id": v.media_placeholder_token_id,
+        "media_begin_token_id": None,
+        "media_end_token_id": None,
+    }
     d = tmp_path / "hand"
     d.mkdir()
     names = sorted(files)
@@ -192,9 +209,16 @@ CHILD = textwrap.dedent("""
 def test_large_bf16_checkpoint_streams_in_bounded_memory(tmp_path):
     """>= 1 GB of bf16 weights in <= 200 MB shards load in a fresh process with peak RSS <= model + largest
     shard + 600 MB, to exactly the bytes safetensors reads."""
-    cfg = get_preset("tiny").replace(**{"hidden_size": 1024, "vocab_size": 65536, "intermediate_size": 8192,
-                                        "moe.num_experts": 64, "moe.moe_intermediate_size": 1024,
-                                        "moe.latent_size": 512})
+    cfg = get_preset("tiny").replace(
+        **{
+            "hidden_size": 1024,
+            "vocab_size": 65536,
+            "intermediate_size": 8192,
+            "moe.num_experts": 64,
+            "moe.moe_intermediate_size": 1024,
+            "moe.latent_size": 512,
+        }
+    )
     with torch.device("meta"):
         model = K3ForCausalLM(cfg).to(torch.bfloat16)
     model.to_empty(device="cpu").cast(torch.bfloat16)
@@ -210,11 +234,14 @@ def test_large_bf16_checkpoint_streams_in_bounded_memory(tmp_path):
     largest = max(s.stat().st_size for s in shards)
     assert len(shards) > 1 and largest <= 200 * 10**6
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "big")], capture_output=True, text=True,
-                         cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "big")], capture_output=True, text=True, cwd=REPO, check=True
+    )
     stats = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"streamed {stats['model_bytes'] / 1e9:.2f} GB in {stats['seconds']:.1f}s; child peak RSS "
-          f"{stats['rss'] / 2**20:.0f} MiB; largest shard {largest / 2**20:.0f} MiB; child total "
-          f"{time.perf_counter() - t0:.1f}s")
+    print(
+        f"streamed {stats['model_bytes'] / 1e9:.2f} GB in {stats['seconds']:.1f}s; child peak RSS "
+        f"{stats['rss'] / 2**20:.0f} MiB; largest shard {largest / 2**20:.0f} MiB; child total "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
     assert stats["model_bytes"] >= 10**9
     assert stats["rss"] <= stats["model_bytes"] + largest + 600 * 2**20

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from k3.data.text import (
-    IGNORE_INDEX, Document, PackedDataset, load_corpus, load_documents, seeded_permutation, split_documents,
+    IGNORE_INDEX,
+    Document,
+    PackedDataset,
+    load_corpus,
+    load_documents,
+    seeded_permutation,
+    split_documents,
     stdlib_corpus,
 )
 
@@ -23,8 +29,7 @@ class CharTokenizer:
 def toy_docs(n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 25, (n,), generator=g).tolist()
-    return [Document(f"doc{i}", "".join(chr(ord("a") + (i + j) % 26) for j in range(k)))
-            for i, k in enumerate(lengths)]
+    return [Document(f"doc{i}", "".join(chr(ord("a") + (i + j) % 26) for j in range(k))) for i, k in enumerate(lengths)]
 
 
 # ----------------------------------------------------------------------------------------------- corpus, split
@@ -166,7 +171,7 @@ def test_packing_semantics(T):
     full = torch.cat([b.input_ids for b in ds.validation_batches(4)])
     assert torch.equal(full.reshape(-1), stream[: ds.num_rows * T])
     labels = torch.cat([b.labels for b in ds.validation_batches(4)]).reshape(-1)
-    shifted = stream[1: ds.num_rows * T + 1]
+    shifted = stream[1 : ds.num_rows * T + 1]
     keep = stream[: ds.num_rows * T] != 0
     assert torch.equal(labels[keep], shifted[keep]) and (labels[~keep] == IGNORE_INDEX).all()
 

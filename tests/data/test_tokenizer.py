@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from k3.data.text import stdlib_corpus
 from k3.data.tokenizer import (
-    DEFAULT_SPECIAL_TOKENS, Tokenizer, bpe_split, bytes_to_unicode, read_tiktoken_ranks, train_bpe,
+    DEFAULT_SPECIAL_TOKENS,
+    Tokenizer,
+    bpe_split,
+    bytes_to_unicode,
+    read_tiktoken_ranks,
+    train_bpe,
 )
 
 SAMPLES = [

@@ -59,8 +59,9 @@ def run(world: int, fn, *args, timeout: float = 300.0) -> list:
                     waited += 1.0
                     dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
                     if dead:
-                        raise RuntimeError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) "
-                                           "without reporting") from None
+                        raise RuntimeError(
+                            f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without reporting"
+                        ) from None
                     if waited >= timeout:
                         raise TimeoutError(f"no rank reported for {timeout:.0f} s (ranks done: {sorted(results)})")
             if status == "error":

@@ -21,8 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3.config import get_preset
-from k3.distributed.context_parallel import (apply_context_parallel, cp_context, kda_context_parallel,
-                                             recompute_context, shard_batch)
+from k3.distributed.context_parallel import (
+    apply_context_parallel,
+    cp_context,
+    kda_context_parallel,
+    recompute_context,
+    shard_batch,
+)
 from k3.model.decoder import K3ForCausalLM
 from k3.ops.kda import kda_gate, l2norm
 from k3.ops.kda.reference import recurrent_kda
@@ -92,14 +97,18 @@ def model_worker(rank, world, models, cases, ac=False):
         # a gradient that is zero but for rounding (layer 0's first snapshot mix sees the embedding twice, so its
         # query moves nothing) is held to its size relative to the whole gradient's
         scale = torch.cat(list(refs.values())).norm()
-        worst = max(rel(grads[n], refs[n]) if refs[n].norm() > 1e-12 * scale else float(grads[n].norm() / scale)
-                    for n in params)
+        worst = max(
+            rel(grads[n], refs[n]) if refs[n].norm() > 1e-12 * scale else float(grads[n].norm() / scale) for n in params
+        )
         errors.append((dtype, rel(total, ref_loss), worst, rel(flat, torch.cat(list(refs.values())))))
     return errors
 
 
-@pytest.mark.parametrize("overrides", [{}, {"mla.rope_theta": 10000.0, "attn_res.mode": "full", "absorb": True}],
-                         ids=["tiny", "rope-full-absorbed"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"mla.rope_theta": 10000.0, "attn_res.mode": "full", "absorb": True}],
+    ids=["tiny", "rope-full-absorbed"],
+)
 @pytest.mark.parametrize("world", [2, 4])
 def test_model_loss_and_grads_match_single_process(world, overrides):
     """fp64: exact up to fp64 rounding, every parameter. fp32: loss and the whole gradient within 1e-5 (a few

@@ -9,7 +9,15 @@ import torch
 
 from tests.distributed.spawn import run
 from tests.distributed.test_expert_parallel import (
-    build_model, compare, full, make_optimizer, one_thread, portable, prepare, single_step, train_step,
+    build_model,
+    compare,
+    full,
+    make_optimizer,
+    one_thread,
+    portable,
+    prepare,
+    single_step,
+    train_step,
 )
 
 EXTRA = {"step": 1, "data": {"epoch": 0, "position": 4}, "note": "dcp test"}
@@ -22,9 +30,12 @@ def train_state(model, opt) -> dict:
     for p, s in opt.state.items():
         state[names[p]] = {k: full(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"params": {n: full(p) for n, p in model.named_parameters()},
-            "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-            "optim": state, "groups": groups}
+    return {
+        "params": {n: full(p) for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "optim": state,
+        "groups": groups,
+    }
 
 
 def save_on_ranks(rank, world, path):

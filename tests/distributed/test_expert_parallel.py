@@ -86,8 +86,13 @@ def single_step(qat: bool = False, model=None, opt=None) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
     opt.step()
-    return {"loss": loss.item(), "grads": grads, "norm": float(norm), "initial": initial,
-            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "loss": loss.item(),
+        "grads": grads,
+        "norm": float(norm),
+        "initial": initial,
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def prepare(dp: int, ep: int, seed: int = 0, qat: bool = False):
@@ -116,7 +121,7 @@ def train_step(meshes, model, opt) -> dict:
     ids, labels = global_batch()
     valid = int((labels != IGNORE).sum())
     r, n = meshes.dp.get_local_rank(), ROWS // meshes.dims.dp
-    loss = loss_sum(model, ids[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]) / valid
+    loss = loss_sum(model, ids[r * n : (r + 1) * n], labels[r * n : (r + 1) * n]) / valid
     loss.backward()
     reduce_expert_grads(model, meshes)
     grads = {name: full(p.grad) for name, p in model.named_parameters()}
@@ -125,8 +130,12 @@ def train_step(meshes, model, opt) -> dict:
     opt.zero_grad(set_to_none=True)
     total = loss.detach().clone()
     dist.all_reduce(total)
-    return {"loss": total.item(), "grads": grads, "norm": float(norm),
-            "weights": {name: full(p) for name, p in model.named_parameters()}}
+    return {
+        "loss": total.item(),
+        "grads": grads,
+        "norm": float(norm),
+        "weights": {name: full(p) for name, p in model.named_parameters()},
+    }
 
 
 def distributed_step(rank: int, world: int, dp: int, ep: int, qat: bool = False) -> dict:
@@ -249,7 +258,7 @@ def test_apply_expert_parallel_layout():
         for b, p in zip(before, expert_parameters(model)):
             assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == b.shape
             e = b.shape[0] // 2
-            assert torch.equal(p.to_local(), b[rank * e:(rank + 1) * e])
+            assert torch.equal(p.to_local(), b[rank * e : (rank + 1) * e])
             assert torch.equal(p.full_tensor(), b)
         with pytest.raises(ValueError, match="already"):
             apply_expert_parallel(model, meshes)

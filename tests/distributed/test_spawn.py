@@ -35,8 +35,9 @@ def _both_fail_rank_zero_later(rank, world):
 
 def test_every_failing_rank_is_reported():
     """The first report to arrive need not hold the cause: the other ranks' tracebacks are collected too."""
-    with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*cause on rank 1(.|\n)*rank 0 failed(.|\n)*cause "
-                                           "on rank 0"):
+    with pytest.raises(
+        RuntimeError, match="rank 1 failed(.|\n)*cause on rank 1(.|\n)*rank 0 failed(.|\n)*cause on rank 0"
+    ):
         run(2, _both_fail_rank_zero_later, timeout=25)
 
 
@@ -61,5 +62,5 @@ def test_a_dead_rank_is_reported():
 def test_an_unpicklable_result_is_reported_at_once():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank [01] failed(.|\n)*Can't pickle"):
-        run(2, lambda rank, world: (lambda: rank), timeout=25)
+        run(2, lambda rank, world: lambda: rank, timeout=25)
     assert time.monotonic() - start < 15

@@ -28,9 +28,22 @@ ROWS = 2  # per data-parallel rank
 
 
 def cfg(out, dp=1, **kw):
-    base = dict(preset="tiny", steps=1, batch_size=ROWS * dp, seq_len=48, vocab_size=400,
-                tokenizer_train_bytes=200_000, max_tokens=30_000, eval_every=1, eval_rows=4, samples=0,
-                out=str(out), seed=0, lr=3e-3, overrides={"moe.num_experts": 8})
+    base = dict(
+        preset="tiny",
+        steps=1,
+        batch_size=ROWS * dp,
+        seq_len=48,
+        vocab_size=400,
+        tokenizer_train_bytes=200_000,
+        max_tokens=30_000,
+        eval_every=1,
+        eval_rows=4,
+        samples=0,
+        out=str(out),
+        seed=0,
+        lr=3e-3,
+        overrides={"moe.num_experts": 8},
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -82,17 +95,24 @@ def compare(got, want, tol=1e-5):
         assert want[k].abs().max() > 0  # one QB update happened
 
 
-@pytest.mark.parametrize("world,dims,ac", [(2, ParallelDims(dp=2), False), (2, ParallelDims(dp=2, ep=2), False),
-                                           (2, ParallelDims(dp=1, cp=2), False),
-                                           (4, ParallelDims(dp=2, ep=2, cp=2), False),
-                                           (4, ParallelDims(dp=2, ep=2, cp=2), True)],
-                         ids=["dp2", "ep2", "cp2", "dp2-ep2-cp2", "dp2-ep2-cp2-activation-checkpointing"])
+@pytest.mark.parametrize(
+    "world,dims,ac",
+    [
+        (2, ParallelDims(dp=2), False),
+        (2, ParallelDims(dp=2, ep=2), False),
+        (2, ParallelDims(dp=1, cp=2), False),
+        (4, ParallelDims(dp=2, ep=2, cp=2), False),
+        (4, ParallelDims(dp=2, ep=2, cp=2), True),
+    ],
+    ids=["dp2", "ep2", "cp2", "dp2-ep2-cp2", "dp2-ep2-cp2-activation-checkpointing"],
+)
 def test_one_step_equals_single_process(tmp_path, world, dims, ac):
     """The last case recomputes every mixer and FFN in the backward pass (FSDP-sharded parameters, expert
     all-to-alls and CP exchanges repeated) and is compared with the single process without recomputation."""
     want_loss, want = single(tmp_path, "single", dp=dims.dp)
-    losses = run(world, _rank_train, cfg(tmp_path / "dist", dp=1, batch_size=ROWS, activation_checkpointing=ac),
-                 dims, False)
+    losses = run(
+        world, _rank_train, cfg(tmp_path / "dist", dp=1, batch_size=ROWS, activation_checkpointing=ac), dims, False
+    )
     assert all(abs(loss[0] - want_loss[0]) <= 1e-6 * want_loss[0] for loss in losses), (losses, want_loss)
     compare(dist_weights(tmp_path / "dist"), want, tol=1e-4 if dims.cp > 1 else 1e-5)
 
@@ -125,8 +145,13 @@ def test_dcp_resume_on_fewer_ranks(tmp_path):
     out = tmp_path / "dist"
     run(4, _rank_train, cfg(out, dp=1, batch_size=ROWS, steps=1), ParallelDims(dp=4, ep=2), False)
     # resume: same global batch of 4 x ROWS rows, now 2 ranks x 2 ROWS
-    run(2, _rank_train, dataclasses.replace(cfg(out, batch_size=2 * ROWS, keep_checkpoints=1), steps=2),
-        ParallelDims(dp=2, ep=2), True)
+    run(
+        2,
+        _rank_train,
+        dataclasses.replace(cfg(out, batch_size=2 * ROWS, keep_checkpoints=1), steps=2),
+        ParallelDims(dp=2, ep=2),
+        True,
+    )
     compare(dist_weights(out), want)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["latest", "step-000002"], kept  # keep_checkpoints=1 pruned step 1

@@ -65,8 +65,9 @@ def test_fla_fused_recurrent_matches_reference():
     q, k, v, g, beta, h0, cu = kda_inputs(T=3)
     cu = torch.tensor([0, 1, 2, 3], device=DEV)
     o, s = fla.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    o_r, s_r = kda_ref.recurrent_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
-                                     output_final_state=True, cu_seqlens=cu)
+    o_r, s_r = kda_ref.recurrent_kda(
+        q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0, output_final_state=True, cu_seqlens=cu
+    )
     assert rel(o, o_r) <= 2e-2 and rel(s, s_r) <= 2e-2
 
 
@@ -77,8 +78,8 @@ def test_grouped_mm_moe_matches_the_loop(d, i):
     torch.manual_seed(0)
     n, e, topk = 1000, 32, 4
     x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    w1, w3 = (torch.randn(e, i, d, device=DEV) * d ** -0.5 for _ in range(2))
-    w2 = torch.randn(e, d, i, device=DEV) * i ** -0.5
+    w1, w3 = (torch.randn(e, i, d, device=DEV) * d**-0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i, device=DEV) * i**-0.5
     ws = [w.requires_grad_() for w in (w1, w2, w3)]
     idx = torch.stack([torch.randperm(e, device=DEV)[:topk] for _ in range(n)])
     idx[:50] = 3  # a hot expert and (likely) some cold ones: ragged, unaligned groups
@@ -103,8 +104,8 @@ def _decode_experts(n: int, seed: int, gain: float = 1.0, i: int = 512):
     torch.manual_seed(seed)
     e, topk, d = 64, 8, 1024
     x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16)
-    w1, w3 = (torch.randn(e, i, d, device=DEV) * gain * d ** -0.5 for _ in range(2))
-    w2 = torch.randn(e, d, i, device=DEV) * i ** -0.5
+    w1, w3 = (torch.randn(e, i, d, device=DEV) * gain * d**-0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i, device=DEV) * i**-0.5
     idx = torch.rand(n, e, device=DEV).topk(topk).indices
     idx[:, 0] = 7
     return x, idx, torch.rand(n, topk, device=DEV), w1, w2, w3
@@ -161,8 +162,9 @@ def test_triton_mla_decode_matches_reference():
     cu = torch.arange(4, device=DEV)
     scale = (128 + 64) ** -0.5
     got = mla_fast.latent_attention(q, kv, seq_ids=seq_ids, lengths=lengths, cu_seqlens_q=cu, scale=scale, v_dim=r)
-    want = mla_ref.latent_attention(q.float(), kv.float(), seq_ids=seq_ids, lengths=lengths, cu_seqlens_q=cu,
-                                    scale=scale, v_dim=r)
+    want = mla_ref.latent_attention(
+        q.float(), kv.float(), seq_ids=seq_ids, lengths=lengths, cu_seqlens_q=cu, scale=scale, v_dim=r
+    )
     assert rel(got, want) <= 2e-2
 
 
@@ -216,8 +218,7 @@ def test_fla_short_conv_matches_reference():
     for fn, xx in ((conv_fla.causal_conv1d, x), (packed, x.float())):
         y, state = fn(xx, w, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         assert state.shape == (5, 384, 3)
-        outs.append((y, state, *torch.autograd.grad((y.float() * gy).sum() + (state.float() * gs).sum(),
-                                                    (x, w, h0))))
+        outs.append((y, state, *torch.autograd.grad((y.float() * gy).sum() + (state.float() * gs).sum(), (x, w, h0))))
     for name, a, b in zip(("y", "state", "dx", "dw", "dh0"), *outs):
         assert rel(a, b) <= 1e-2, (name, rel(a, b))
 
@@ -239,10 +240,19 @@ def test_fla_chunk_kda_raw_forward_and_gradients(lower_bound, eps):
     cu = torch.tensor([0, 300, 301, T], device=DEV)
     runs = []
     for fn, dtype in ((fla.chunk_kda_raw, torch.bfloat16), (kda_ref.chunk_kda_raw, torch.float32)):
-        leaves = [t.detach().clone().to(dtype if t.dim() > 2 else torch.float32).requires_grad_()
-                  for t in (q, k, v, f, b)] + [t.detach().clone().requires_grad_() for t in (A_log, dt_bias, h0)]
-        o, s = fn(*leaves[:5], A_log=leaves[5], dt_bias=leaves[6], lower_bound=lower_bound, l2norm_eps=eps,
-                  initial_state=leaves[7], output_final_state=True, cu_seqlens=cu)
+        leaves = [
+            t.detach().clone().to(dtype if t.dim() > 2 else torch.float32).requires_grad_() for t in (q, k, v, f, b)
+        ] + [t.detach().clone().requires_grad_() for t in (A_log, dt_bias, h0)]
+        o, s = fn(
+            *leaves[:5],
+            A_log=leaves[5],
+            dt_bias=leaves[6],
+            lower_bound=lower_bound,
+            l2norm_eps=eps,
+            initial_state=leaves[7],
+            output_final_state=True,
+            cu_seqlens=cu,
+        )
         gen = torch.Generator(device=DEV).manual_seed(9)  # the same output weights for both runs
         w_o, w_s = torch.randn(o.shape, device=DEV, generator=gen), torch.randn(s.shape, device=DEV, generator=gen)
         ((o.float() * w_o).sum() + (s.float() * w_s).sum()).backward()
@@ -280,9 +290,17 @@ def test_whole_model_fast_equals_reference_and_decode_is_consistent():
     from k3.ops import backend
 
     torch.manual_seed(3)
-    cfg = get_preset("tiny").replace(**{"kda.num_heads": 8, "kda.head_dim": 128, "kda.v_head_dim": 128,
-                                        "kda.chunk_size": 64, "mla.num_heads": 16, "mla.kv_lora_rank": 64,
-                                        "mla.qk_rope_head_dim": 16})
+    cfg = get_preset("tiny").replace(
+        **{
+            "kda.num_heads": 8,
+            "kda.head_dim": 128,
+            "kda.v_head_dim": 128,
+            "kda.chunk_size": 64,
+            "mla.num_heads": 16,
+            "mla.kv_lora_rank": 64,
+            "mla.qk_rope_head_dim": 16,
+        }
+    )
     model = K3ForCausalLM(cfg).to(DEV).eval()
     ids = torch.randint(0, 512, (2, 200), device=DEV)
     try:
@@ -295,7 +313,7 @@ def test_whole_model_fast_equals_reference_and_decode_is_consistent():
             cache = model.new_cache(2, dtype=torch.bfloat16)
             steps = [model(ids[:, :150], cache=cache).logits.float()]
             for t in range(150, 200):
-                steps.append(model(ids[:, t:t + 1], cache=cache).logits.float())
+                steps.append(model(ids[:, t : t + 1], cache=cache).logits.float())
         decoded = torch.cat(steps, 1)
     finally:
         backend.set_backend("auto")
@@ -349,8 +367,16 @@ def _decode_model(seed: int):
     from k3.model.decoder import K3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = get_preset("tiny").replace(**{"kda.num_heads": 8, "kda.head_dim": 128, "kda.v_head_dim": 128,
-                                        "mla.num_heads": 16, "mla.kv_lora_rank": 64, "mla.qk_rope_head_dim": 16})
+    cfg = get_preset("tiny").replace(
+        **{
+            "kda.num_heads": 8,
+            "kda.head_dim": 128,
+            "kda.v_head_dim": 128,
+            "mla.num_heads": 16,
+            "mla.kv_lora_rank": 64,
+            "mla.qk_rope_head_dim": 16,
+        }
+    )
     return K3ForCausalLM(cfg).to(DEV).cast(torch.bfloat16).eval()
 
 
@@ -474,8 +500,17 @@ def test_compiled_decode_step_is_one_graph(kernels, monkeypatch):
     assert explained.graph_break_count == 0, [b.reason[:200] for b in explained.break_reasons]
     code = "\n".join(g.code for g in explained.graphs)
     ops = ("k3.mla_decode", "k3.small_groups_mm") + (
-        ("k3.router_topk", "k3.multi_linear", "k3.moe_route", "k3.small_groups_glu", "k3.conv_steps",
-         "k3.kda_decode_core") if kernels else ("k3.kda_decode_launch",))
+        (
+            "k3.router_topk",
+            "k3.multi_linear",
+            "k3.moe_route",
+            "k3.small_groups_glu",
+            "k3.conv_steps",
+            "k3.kda_decode_core",
+        )
+        if kernels
+        else ("k3.kda_decode_launch",)
+    )
     for op in ops:
         assert op in code, op
 
@@ -503,8 +538,9 @@ def test_engine_with_cuda_graphs_equals_eager_engine(compile_decode):
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (12, 20, 7, 15)]
     outs = []
     for graphs in (True, False):
-        engine = Engine(model, Ids(), max_batch=3, prefill_chunk=16, cuda_graphs=graphs,
-                        compile_decode=compile_decode and graphs)
+        engine = Engine(
+            model, Ids(), max_batch=3, prefill_chunk=16, cuda_graphs=graphs, compile_decode=compile_decode and graphs
+        )
         outs.append([r["token_ids"] for r in engine.generate(prompts, params)])
     assert outs[0] == outs[1]
 
@@ -565,8 +601,10 @@ def test_compiled_two_phase_attn_res_matches_reference(dtype):
     g = torch.Generator(device=DEV).manual_seed(9)
     for n in (1000, 4096):  # phase 1 scores by multiply-and-sum up to 2048 tokens, by GEMMs above
         for n_fixed, n_live in ((3, 1), (2, 3)):
-            src = [(torch.randn(n, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_()
-                   for i in range(n_fixed + n_live)]
+            src = [
+                (torch.randn(n, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_()
+                for i in range(n_fixed + n_live)
+            ]
             queries = torch.randn(4, 256, device=DEV, generator=g).requires_grad_()
             ref_src = [s.detach().double().requires_grad_() for s in src]
             ref_q = queries.detach().double().requires_grad_()
@@ -596,8 +634,9 @@ def test_compiled_merge_with_pre_norm_matches_reference(dtype):
     assert backend.resolve("attn_res_merge_norm", torch.device(DEV))[0] == "fast"
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     g = torch.Generator(device=DEV).manual_seed(10)
-    src = [(torch.randn(1000, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_()
-           for i in range(3)]
+    src = [
+        (torch.randn(1000, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_() for i in range(3)
+    ]
     queries = torch.randn(2, 256, device=DEV, generator=g).requires_grad_()
     weight = (1 + 0.1 * torch.randn(256, device=DEV, generator=g)).requires_grad_()
     leaves = src + [queries, weight]
@@ -645,9 +684,17 @@ def test_activation_checkpointing_with_fast_paths_keeps_loss_and_gradients():
     from k3.train.activation_checkpoint import apply_activation_checkpointing
 
     torch.manual_seed(5)
-    cfg = get_preset("tiny").replace(**{"kda.num_heads": 8, "kda.head_dim": 128, "kda.v_head_dim": 128,
-                                        "kda.chunk_size": 64, "mla.num_heads": 16, "mla.kv_lora_rank": 64,
-                                        "mla.qk_rope_head_dim": 16})
+    cfg = get_preset("tiny").replace(
+        **{
+            "kda.num_heads": 8,
+            "kda.head_dim": 128,
+            "kda.v_head_dim": 128,
+            "kda.chunk_size": 64,
+            "mla.num_heads": 16,
+            "mla.kv_lora_rank": 64,
+            "mla.qk_rope_head_dim": 16,
+        }
+    )
     plain = K3ForCausalLM(cfg).to(DEV)
     ckpt = copy.deepcopy(plain)
     assert apply_activation_checkpointing(ckpt) == 2 * cfg.num_hidden_layers

@@ -17,9 +17,11 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("H,K,V,RF,RG,bound,warps", [(16, 64, 64, 64, 64, None, None), (16, 64, 64, 64, 64, None, 4),
-                                                     (8, 128, 128, 128, 0, -5.0, None)],
-                         ids=["kimi-linear", "kimi-linear-four-warps", "k3-like"])
+@pytest.mark.parametrize(
+    "H,K,V,RF,RG,bound,warps",
+    [(16, 64, 64, 64, 64, None, None), (16, 64, 64, 64, 64, None, 4), (8, 128, 128, 128, 0, -5.0, None)],
+    ids=["kimi-linear", "kimi-linear-four-warps", "k3-like"],
+)
 def test_kda_decode_core_matches_the_float64_composition(H, K, V, RF, RG, bound, warps, monkeypatch):
     """``warps``: the launch rule's choice (for the kimi-linear shape's 1024 programs one warp on GPUs of at most
     256 SMs, an H200's 132 among them; 8 for the k3-like heads of 128), or four warps forced (the rule's choice at
@@ -37,17 +39,18 @@ def test_kda_decode_core_matches_the_float64_composition(H, K, V, RF, RG, bound,
         return (torch.randn(*shape, device=DEV, generator=g) * scale).bfloat16()
 
     q, k, v, b = rand(N, H * K), rand(N, H * K), rand(N, H * V), rand(N, H)
-    f_a, w_fb = rand(N, RF), rand(H * K, RF, scale=RF ** -0.5)
+    f_a, w_fb = rand(N, RF), rand(H * K, RF, scale=RF**-0.5)
     gate_in = rand(N, RG or H * V)
-    w_gb = rand(H * V, RG, scale=RG ** -0.5) if RG else None
+    w_gb = rand(H * V, RG, scale=RG**-0.5) if RG else None
     A_log = torch.rand(H, device=DEV, generator=g).log1p()
     dt_bias = torch.randn(H * K, device=DEV, generator=g) * 0.5
     norm_w = torch.rand(V, device=DEV, generator=g) + 0.5
     pool = torch.randn(S, H, K, V, device=DEV, generator=g) * 0.3
     slots = torch.randperm(S, device=DEV, generator=g)[:N]
     mine = pool.clone()
-    y = kda_decode_core(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, mine, slots, bound, 1e-6,
-                        1e-5, torch.bfloat16)
+    y = kda_decode_core(
+        q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, mine, slots, bound, 1e-6, 1e-5, torch.bfloat16
+    )
     want, want_pool = core_float64(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_w, pool, slots, bound)
     assert y.dtype == torch.bfloat16 and _rel(y, want) <= 8e-3
     assert _rel(mine[slots], want_pool[slots]) <= 1e-5

@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEV = "cuda"
 
 
-@pytest.mark.parametrize("n,k,e", [(1, 8, 64), (64, 8, 64), (1, 16, 896), (64, 16, 896), (128, 16, 896),
-                                   (256, 8, 512), (7, 3, 4096)])
+@pytest.mark.parametrize(
+    "n,k,e", [(1, 8, 64), (64, 8, 64), (1, 16, 896), (64, 16, 896), (128, 16, 896), (256, 8, 512), (7, 3, 4096)]
+)
 def test_triton_route_matches_definition_and_torch(n, k, e, monkeypatch):
     from k3.ops.moe.triton_route import moe_route
 
@@ -37,8 +38,8 @@ def test_moe_experts_with_the_routing_kernel(monkeypatch):
     x = torch.randn(n, d, device=DEV, dtype=torch.bfloat16)
     idx = torch.rand(n, e, device=DEV).topk(k).indices
     weight = torch.rand(n, k, device=DEV)
-    w1, w3 = (torch.randn(e, i, d, device=DEV, dtype=torch.bfloat16) * d ** -0.5 for _ in range(2))
-    w2 = torch.randn(e, d, i, device=DEV, dtype=torch.bfloat16) * i ** -0.5
+    w1, w3 = (torch.randn(e, i, d, device=DEV, dtype=torch.bfloat16) * d**-0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i, device=DEV, dtype=torch.bfloat16) * i**-0.5
 
     def glu(a, b):
         return torch.nn.functional.silu(a.float()) * b.float()

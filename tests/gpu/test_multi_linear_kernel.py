@@ -25,7 +25,7 @@ def test_triton_multi_linear_matches_reference(m, sizes, k):
 
     g = torch.Generator(device=DEV).manual_seed(m + k)
     x = torch.randn(m, k, device=DEV, generator=g).bfloat16()
-    ws = [(torch.randn(n, k, device=DEV, generator=g) * k ** -0.5).bfloat16() for n in sizes]
+    ws = [(torch.randn(n, k, device=DEV, generator=g) * k**-0.5).bfloat16() for n in sizes]
     got = multi_linear(x, ws)
     for y, want in zip(got, reference.multi_linear(x.float(), [w.float() for w in ws])):
         assert y.dtype == torch.bfloat16 and y.shape == want.shape

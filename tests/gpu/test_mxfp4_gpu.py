@@ -45,8 +45,9 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err.max() < 1e-2, err.max()
 
 
-@pytest.mark.parametrize("n,k,e,d,i", [(1, 16, 896, 512, 384), (8, 16, 896, 512, 384), (64, 8, 64, 256, 128),
-                                       (5, 2, 4, 96, 160)])
+@pytest.mark.parametrize(
+    "n,k,e,d,i", [(1, 16, 896, 512, 384), (8, 16, 896, 512, 384), (64, 8, 64, 256, 128), (5, 2, 4, 96, 160)]
+)
 @pytest.mark.parametrize("extremes", [False, True])
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_kernel_matches_reference(n, k, e, d, i, extremes, act):

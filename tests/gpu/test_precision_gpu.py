@@ -19,11 +19,28 @@ def test_training_step_router_scores_are_fp32(tmp_path):
     and the expert sets are the top-k of the fp32 scores plus bias."""
     from k3.train.trainer import TrainConfig, Trainer
 
-    cfg = TrainConfig(preset="tiny", steps=1, batch_size=2, seq_len=256, vocab_size=400,
-                      tokenizer_train_bytes=200_000, max_tokens=30_000, eval_every=1, save_every=0, samples=0,
-                      out=str(tmp_path), seed=0, device="cuda",
-                      overrides={"kda.num_heads": 4, "kda.head_dim": 64, "kda.v_head_dim": 64,
-                                 "moe.num_experts": 64, "moe.num_experts_per_token": 8})
+    cfg = TrainConfig(
+        preset="tiny",
+        steps=1,
+        batch_size=2,
+        seq_len=256,
+        vocab_size=400,
+        tokenizer_train_bytes=200_000,
+        max_tokens=30_000,
+        eval_every=1,
+        save_every=0,
+        samples=0,
+        out=str(tmp_path),
+        seed=0,
+        device="cuda",
+        overrides={
+            "kda.num_heads": 4,
+            "kda.head_dim": 64,
+            "kda.v_head_dim": 64,
+            "moe.num_experts": 64,
+            "moe.num_experts_per_token": 8,
+        },
+    )
     trainer = Trainer(cfg, progress=False)
     seen = []
 

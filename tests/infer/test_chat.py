@@ -6,25 +6,34 @@ import pytest
 from k3.infer.chat import PLAIN_STOP, chat_format, render_chat
 from k3.data.tokenizer import train_bpe
 
-TEXT = ("The assistant answers the user. The system message sets the rules. " * 20
-        + "def render(messages): return [m for m in messages if m]\n" * 10)
+TEXT = (
+    "The assistant answers the user. The system message sets the rules. " * 20
+    + "def render(messages): return [m for m in messages if m]\n" * 10
+)
 K3 = ("<|endoftext|>", "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 K2 = ("<|endoftext|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>")
-MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"},
-        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "What is 2+2?"}]
+MSGS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "What is 2+2?"},
+]
 
 
 @pytest.fixture(scope="module")
 def toks():
-    return {name: train_bpe([TEXT], vocab_size=300 + len(specials), special_tokens=specials)
-            for name, specials in (("k3", K3), ("k2", K2), ("plain", ("<|endoftext|>",)))}
+    return {
+        name: train_bpe([TEXT], vocab_size=300 + len(specials), special_tokens=specials)
+        for name, specials in (("k3", K3), ("k2", K2), ("plain", ("<|endoftext|>",)))
+    }
 
 
 def test_format_follows_special_tokens(toks):
     assert {name: chat_format(t) for name, t in toks.items()} == {"k3": "k3", "k2": "k2", "plain": "plain"}
     # K3 needs all four XTML tokens; three are not enough
-    partial = train_bpe([TEXT], vocab_size=300, special_tokens=("<|endoftext|>", "<|open|>", "<|sep|>",
-                                                                  "<|end_of_msg|>"))
+    partial = train_bpe(
+        [TEXT], vocab_size=300, special_tokens=("<|endoftext|>", "<|open|>", "<|sep|>", "<|end_of_msg|>")
+    )
     assert chat_format(partial) == "plain"
 
 
@@ -32,9 +41,11 @@ def test_k3_rendering(toks):
     tok = toks["k3"]
     r = render_chat(MSGS, tok)
     assert r.format == "k3"
-    assert r.text == ("<|open|>system<|sep|>Be brief.<|end_of_msg|><|open|>user<|sep|>hi there<|end_of_msg|>"
-                      "<|open|>assistant<|sep|>Hello!<|end_of_msg|><|open|>user<|sep|>What is 2+2?<|end_of_msg|>"
-                      "<|open|>assistant<|sep|>")
+    assert r.text == (
+        "<|open|>system<|sep|>Be brief.<|end_of_msg|><|open|>user<|sep|>hi there<|end_of_msg|>"
+        "<|open|>assistant<|sep|>Hello!<|end_of_msg|><|open|>user<|sep|>What is 2+2?<|end_of_msg|>"
+        "<|open|>assistant<|sep|>"
+    )
     assert r.token_ids == tok.encode(r.text, allow_special=True)
     assert r.stop == [] and r.stop_token_ids == [tok.hf.token_to_id("<|end_of_msg|>")]
     assert tok.decode(r.token_ids) == r.text
@@ -44,13 +55,15 @@ def test_k2_rendering(toks):
     tok = toks["k2"]
     r = render_chat(MSGS[:2], tok)
     assert r.format == "k2"
-    assert r.text == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi there"
-                      "<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert r.text == (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>hi there"
+        "<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     assert r.token_ids == tok.encode(r.text, allow_special=True)
     assert r.stop_token_ids == [tok.hf.token_to_id("<|im_end|>")]
     no_prompt = render_chat(MSGS[:2], tok, add_generation_prompt=False)
     assert no_prompt.text == r.text.removesuffix("<|im_assistant|>assistant<|im_middle|>")
-    assert r.token_ids[:len(no_prompt.token_ids)] == no_prompt.token_ids
+    assert r.token_ids[: len(no_prompt.token_ids)] == no_prompt.token_ids
 
 
 def test_plain_rendering(toks):
@@ -74,16 +87,19 @@ def test_contents_cannot_inject_special_tokens(toks, fmt):
     assert tok.decode(r.token_ids) == r.text
 
 
-@pytest.mark.parametrize("messages,words", [
-    ([], "non-empty list"),
-    ("hello", "non-empty list"),
-    (["hello"], "messages[0] must be an object"),
-    ([{"role": "robot", "content": "x"}], "messages[0].role='robot'"),
-    ([{"role": "user", "content": "x"}, {"content": "y"}], "messages[1].role=None"),
-    ([{"role": "user", "content": 5}], "messages[0].content must be a string, got int"),
-    ([{"role": "user", "content": None}], "messages[0].content must be a string, got NoneType"),
-    ([{"role": "user"}], "messages[0].content must be a string"),
-])
+@pytest.mark.parametrize(
+    "messages,words",
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        (["hello"], "messages[0] must be an object"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role='robot'"),
+        ([{"role": "user", "content": "x"}, {"content": "y"}], "messages[1].role=None"),
+        ([{"role": "user", "content": 5}], "messages[0].content must be a string, got int"),
+        ([{"role": "user", "content": None}], "messages[0].content must be a string, got NoneType"),
+        ([{"role": "user"}], "messages[0].content must be a string"),
+    ],
+)
 def test_bad_messages_raise_one_value_error(toks, messages, words):
     for tok in toks.values():
         with pytest.raises(ValueError) as e:
@@ -93,6 +109,9 @@ def test_bad_messages_raise_one_value_error(toks, messages, words):
 
 def test_empty_content_and_unicode(toks):
     for tok in toks.values():
-        r = render_chat([{"role": "user", "content": ""}, {"role": "assistant", "content": "héllo ✓ 你好"}], tok,
-                        add_generation_prompt=False)
+        r = render_chat(
+            [{"role": "user", "content": ""}, {"role": "assistant", "content": "héllo ✓ 你好"}],
+            tok,
+            add_generation_prompt=False,
+        )
         assert tok.decode(r.token_ids) == r.text and "héllo ✓ 你好" in r.text

@@ -49,7 +49,7 @@ def full_forward_logits(model, prompt, generated):
     """Logits for every generated position from a full forward of the whole sequence (no cache)."""
     seq = torch.tensor(prompt + generated[:-1])[None]
     with torch.no_grad():
-        return model(seq).logits[0, len(prompt) - 1:]
+        return model(seq).logits[0, len(prompt) - 1 :]
 
 
 def test_continuous_batching_equals_full_forward(model, monkeypatch):
@@ -136,8 +136,15 @@ def test_compiled_decode_needs_cuda_graphs_and_its_whole_cache_in_the_budget(mod
         Engine(model, IdTokenizer(), max_batch=2, cuda_graphs=False, compile_decode=True)
     per_sequence = Engine(model, IdTokenizer(), max_batch=2, max_context=256).context_bytes(256)
     with pytest.raises(ValueError, match="more than memory_budget"):  # checked before any CUDA graph
-        Engine(model, IdTokenizer(), max_batch=2, max_context=256, memory_budget=per_sequence, cuda_graphs=True,
-               compile_decode=True)
+        Engine(
+            model,
+            IdTokenizer(),
+            max_batch=2,
+            max_context=256,
+            memory_budget=per_sequence,
+            cuda_graphs=True,
+            compile_decode=True,
+        )
 
 
 def test_seeded_sampling_is_batch_independent(model):
@@ -152,8 +159,9 @@ def test_seeded_sampling_is_batch_independent(model):
 def test_stops_eos_and_abort(model):
     torch.manual_seed(6)
     prompt = torch.randint(0, 512, (12,)).tolist()
-    greedy = Engine(model, IdTokenizer(), max_batch=2).generate([prompt],
-                                                                SamplingParams(temperature=0, max_tokens=8))[0]
+    greedy = Engine(model, IdTokenizer(), max_batch=2).generate([prompt], SamplingParams(temperature=0, max_tokens=8))[
+        0
+    ]
     third = greedy["token_ids"][2]
     eos = Engine(model, IdTokenizer(eos_id=third), max_batch=2)
     r = eos.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
@@ -161,7 +169,8 @@ def test_stops_eos_and_abort(model):
     assert r["text"] == "".join(f" {t}" for t in greedy["token_ids"][:2])  # the EOS itself is not text
     stop_text = f" {greedy['token_ids'][4]}"
     s = Engine(model, IdTokenizer(), max_batch=2).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=8, stop=[stop_text]))[0]
+        [prompt], SamplingParams(temperature=0, max_tokens=8, stop=[stop_text])
+    )[0]
     assert s["finish_reason"] == "stop" and stop_text not in s["text"]
     eng = Engine(model, IdTokenizer(), max_batch=1)
     rid = eng.add(prompt, SamplingParams(temperature=0, max_tokens=50))
@@ -176,8 +185,10 @@ def test_logprobs_are_the_full_forward_log_softmax(model):
     sampler's); logprobs=0 gives no alternatives; a stop token has its entry too (flagged); the default has none."""
     torch.manual_seed(7)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (6, 40)]
-    params = [SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=9, logprobs=5),
-              SamplingParams(temperature=0, max_tokens=9, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=9, logprobs=5),
+        SamplingParams(temperature=0, max_tokens=9, logprobs=0),
+    ]
     results = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=16).generate(prompts, params)
     for p, r, n in zip(prompts, results, (5, 0)):
         want = full_forward_logits(model, p, r["token_ids"]).double().log_softmax(-1)
@@ -215,7 +226,8 @@ def test_logprobs_follow_the_returned_text(model):
     torch.manual_seed(6)
     prompt = torch.randint(0, 512, (12,)).tolist()
     free = Engine(model, IdTokenizer(), max_batch=1).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=2))[0]
+        [prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    )[0]
     tokens, pieces = free["token_ids"], [f" {t}" for t in free["token_ids"]]
     full, stop = "".join(pieces), pieces[6][1:] + pieces[7]  # starts inside token 6's text, ends with token 7's
     assert full.index(stop) == len("".join(pieces[:6])) + 1
@@ -241,10 +253,12 @@ def test_prompt_logprobs_score_the_prompt(model):
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (40, 40, 23, 1)]
     eng = Engine(model, IdTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=1 << 24, block_size=8)
     eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # caches blocks of prompt 0
-    params = [SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2),
-              SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=1),
-              SamplingParams(temperature=0, max_tokens=12),
-              SamplingParams(max_tokens=0, prompt_logprobs=3)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(max_tokens=0, prompt_logprobs=3),
+    ]
     results = eng.generate(prompts, params)
     for p, r, sp in zip(prompts, results, params):
         if sp.prompt_logprobs is None:
@@ -287,8 +301,9 @@ def test_presence_and_frequency_penalties_follow_openais_rule(model):
     for j, row in enumerate(logits):
         counts = torch.bincount(torch.tensor(out[:j], dtype=torch.long), minlength=row.numel()).float()
         assert out[j] == int((row - 0.7 * counts - 1.5 * (counts > 0).float()).argmax()), j
-    plain = Engine(model, IdTokenizer(), max_batch=1).generate([prompt], SamplingParams(temperature=0,
-                                                                                       max_tokens=16))[0]
+    plain = Engine(model, IdTokenizer(), max_batch=1).generate([prompt], SamplingParams(temperature=0, max_tokens=16))[
+        0
+    ]
     assert plain["token_ids"] != out  # the penalties changed the greedy path (it repeats tokens unpenalised)
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(presence_penalty=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
@@ -303,15 +318,25 @@ def test_sampling_rules():
     assert sample_next(logits, SamplingParams(temperature=1.0, top_p=0.01), g) == 3
     draws = {sample_next(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(50)}
     assert draws == {0, 3}
-    for bad in (dict(max_tokens=0), dict(top_p=0.0), dict(top_k=-1), dict(stop=[""]), dict(repetition_penalty=0),
-                dict(seed=2**64), dict(temperature=True)):
+    for bad in (
+        dict(max_tokens=0),
+        dict(top_p=0.0),
+        dict(top_k=-1),
+        dict(stop=[""]),
+        dict(repetition_penalty=0),
+        dict(seed=2**64),
+        dict(temperature=True),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad).validate()
 
 
 def test_sampler_refuses_what_it_cannot_compute():
-    for params in (SamplingParams(temperature=1e-40), SamplingParams(repetition_penalty=1e-40),
-                   SamplingParams(temperature=float("nan"))):
+    for params in (
+        SamplingParams(temperature=1e-40),
+        SamplingParams(repetition_penalty=1e-40),
+        SamplingParams(temperature=float("nan")),
+    ):
         with pytest.raises(ValueError, match="temperature|repetition_penalty"):
             params.validate()
     SamplingParams(temperature=0.01, repetition_penalty=0.01).validate()

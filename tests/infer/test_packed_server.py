@@ -52,8 +52,10 @@ def test_k3_serve_runs_a_packed_checkpoint(packed_ckpt):
     proc, url = start_serve(packed_ckpt, "--dtype", "float32", "--model-name", MODEL, "--max-context", str(CONTEXT))
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        served = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
-                  for p in PROMPTS]
+        served = [
+            client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in PROMPTS
+        ]
     finally:
         proc.terminate()
         proc.wait(30)
@@ -61,7 +63,7 @@ def test_k3_serve_runs_a_packed_checkpoint(packed_ckpt):
     assert "kernel plan on cpu" in printed and "moe_experts_packed" in printed  # the plan, printed once at start
     for prompt, text in zip(PROMPTS, served):
         ids = torch.tensor([tok.encode(prompt)])
-        new = greedy_generate(model, ids, 12, tok.eos_id)[0, ids.shape[1]:].tolist()
+        new = greedy_generate(model, ids, 12, tok.eos_id)[0, ids.shape[1] :].tolist()
         if tok.eos_id in new:
             new = new[: new.index(tok.eos_id)]
         assert len(new) > 0

@@ -122,13 +122,22 @@ def test_completion(served, client):
     assert r.usage.prompt_tokens == n_prompt and 1 <= r.usage.completion_tokens <= 8
     assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
     # a prompt given as token ids is the same request
-    same = client.completions.create(model=MODEL, prompt=served.tok.encode("The json module"), max_tokens=8,
-                                     temperature=0)
+    same = client.completions.create(
+        model=MODEL, prompt=served.tok.encode("The json module"), max_tokens=8, temperature=0
+    )
     assert same.choices[0].text == c.text
     # seeded sampling repeats; extensions top_k / repetition_penalty are accepted
-    kw = dict(model=MODEL, prompt="Hello", max_tokens=8, temperature=0.9, top_p=0.9, seed=7, presence_penalty=0.5,
-              frequency_penalty=-0.5,
-              extra_body={"top_k": 20, "repetition_penalty": 1.2})
+    kw = dict(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0.9,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        extra_body={"top_k": 20, "repetition_penalty": 1.2},
+    )
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
@@ -150,8 +159,16 @@ def test_chat_and_chat_stream(served, client):
     m = r.choices[0].message
     assert m.role == "assistant" and isinstance(m.content, str) and r.choices[0].finish_reason in ("stop", "length")
     assert "<|im_end|>" not in m.content  # the template's stop token ends the reply and is not shown
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == m.content
     finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -159,8 +176,10 @@ def test_chat_and_chat_stream(served, client):
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     # without include_usage no chunk carries usage; the raw stream ends with [DONE]
-    raw = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 3,
-                                                                "temperature": 0, "stream": True})
+    raw = httpx.post(
+        served.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": msgs, "max_tokens": 3, "temperature": 0, "stream": True},
+    )
     events = [e for e in raw.text.split("\n\n") if e]
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
@@ -207,8 +226,8 @@ def test_echo_scores_the_prompt(served, client):
     plain, echoed = client.completions.create(**kw), client.completions.create(echo=True, **kw)
     assert echoed.choices[0].text == text + plain.choices[0].text
     e, p = echoed.choices[0].logprobs, plain.choices[0].logprobs
-    assert e.tokens == lp.tokens + p.tokens and e.token_logprobs[:len(ids)] == lp.token_logprobs
-    assert max(abs(a - b) for a, b in zip(e.token_logprobs[len(ids):], p.token_logprobs)) <= 1e-4
+    assert e.tokens == lp.tokens + p.tokens and e.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert max(abs(a - b) for a, b in zip(e.token_logprobs[len(ids) :], p.token_logprobs)) <= 1e-4
     assert e.text_offset == [sum(len(t) for t in e.tokens[:i]) for i in range(len(e.tokens))]
     chunks = list(client.completions.create(echo=True, stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
@@ -281,11 +300,13 @@ def test_chat_logprobs_streamed_or_not(client):
 
 
 def test_32_concurrent_streams_equal_sequential(served, client):
-    prompts = [f"{w} " * (1 + i % 5) + f"item {i}:" for i, w in
-               enumerate(["json", "The", "parse", "class", "def", "import", "return", "email"] * 4)]
+    prompts = [
+        f"{w} " * (1 + i % 5) + f"item {i}:"
+        for i, w in enumerate(["json", "The", "parse", "class", "def", "import", "return", "email"] * 4)
+    ]
 
     lengths = [6 + i % 8 for i in range(len(prompts))]  # requests finish at different steps: waiting ones join
-    sequential = []                                      # a batch that is mid-decode (prefill + decode mixed)
+    sequential = []  # a batch that is mid-decode (prefill + decode mixed)
     served.batches.clear()  # (earlier tests may have batched: a list of prompts runs at once)
     for p, n in zip(prompts, lengths):
         r = client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0)
@@ -295,8 +316,9 @@ def test_32_concurrent_streams_equal_sequential(served, client):
 
     async def one(aclient, p, n):
         text, reason, usage = [], None, None
-        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=p, max_tokens=n, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
         async for ch in stream:
             if ch.choices:
                 text.append(ch.choices[0].text)
@@ -306,10 +328,10 @@ def test_32_concurrent_streams_equal_sequential(served, client):
         return "".join(text), reason, usage
 
     async def all_at_once():
-        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0,
-                                      timeout=120) as aclient:
-            return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, lengths)),
-                                        return_exceptions=True)
+        async with openai.AsyncOpenAI(
+            base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(prompts, lengths)), return_exceptions=True)
 
     concurrent = asyncio.run(all_at_once())
     errors = [c for c in concurrent if isinstance(c, BaseException)]
@@ -345,11 +367,14 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "temperature": 1e-40}, 400, "temperature=1e-40 must be 0 (greedy) or in [0.01"),
     ("/v1/chat/completions", {**CHAT, "temperature": 1e-3}, 400, "temperature"),
     ("/v1/completions", {**OK, "prompt": "x" * 100_000}, 400, "characters"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}, 400,
-     "characters"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}, 400, "characters"),
     ("/v1/completions", b'{"model": "k3-test", "prompt": "ab\\ud800cd", "max_tokens": 2}', 400, "surrogate"),
-    ("/v1/chat/completions", b'{"model": "k3-test", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
-     "messages.0.content"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "k3-test", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        "messages.0.content",
+    ),
     ("/v1/completions", {**OK, "n": 17}, 400, "n"),
     ("/v1/completions", {**OK, "n": 2, "stream": True}, 400, "n=1"),
     ("/v1/completions", {**OK, "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -446,9 +471,14 @@ def start_serve(ckpt, *flags: str) -> tuple[subprocess.Popen, str]:
     """A live ``k3 serve`` on a free loopback port (CPU), once /health answers 200: (process, base URL)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--port", str(port),
-                             "--device", "cpu", *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3", "serve", "--ckpt", str(ckpt), "--port", str(port), "--device", "cpu", *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -465,9 +495,18 @@ def test_k3_serve_cli_graceful_sigterm(ckpt):
     proc, url = start_serve(ckpt, "--max-context", "512")
     try:
         events = []
-        with httpx.stream("POST", url + "/v1/completions", json={"model": "k3", "prompt": "Hello", "max_tokens": 40,
-                                                                 "temperature": 0, "stream": True,
-                                                                 "stream_options": {"include_usage": True}}) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json={
+                "model": "k3",
+                "prompt": "Hello",
+                "max_tokens": 40,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     if not events:
@@ -510,6 +549,7 @@ class FakeEngine:
 
     def step(self):
         from k3.infer.engine import StepOutput
+
         time.sleep(self.delay)
         outs = []
         for rid, st in list(self.running.items()):
@@ -622,11 +662,13 @@ def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
 
     monkeypatch.setattr(engine_mod, "sample_next", sampler)
     prompts = [f"item {i}: json" for i in range(6)]
-    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text
-             for p in prompts]
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts
+    ]
 
     async def scenario():
         async with httpx.AsyncClient(base_url=served.url, timeout=60) as ac:
+
             async def good(p, stream):
                 body = {**OK, "prompt": p, "max_tokens": 6, "stream": stream}
                 if not stream:
@@ -643,8 +685,9 @@ def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
                 async with ac.stream("POST", "/v1/completions", json=body) as r:
                     return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
 
-            return await asyncio.gather(victim(False), victim(True),
-                                        *(good(p, i % 2 == 0) for i, p in enumerate(prompts)))
+            return await asyncio.gather(
+                victim(False), victim(True), *(good(p, i % 2 == 0) for i, p in enumerate(prompts))
+            )
 
     failed, failed_stream, *others = asyncio.run(scenario())
     assert others == alone
@@ -655,12 +698,15 @@ def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
 
 def test_body_over_the_limit_is_413_declared_or_chunked(served):
     big = json.dumps({**OK, "prompt": "x" * (LIMIT + 1)}).encode()
-    for content in (big, iter([big[i:i + 8192] for i in range(0, len(big), 8192)])):  # Content-Length, chunked
+    for content in (big, iter([big[i : i + 8192] for i in range(0, len(big), 8192)])):  # Content-Length, chunked
         r = httpx.post(served.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text
         err = r.json()["error"]
-        assert "larger than" in err["message"] and err["code"] == "request_too_large" and set(err) == {
-            "message", "type", "param", "code"}
+        assert (
+            "larger than" in err["message"]
+            and err["code"] == "request_too_large"
+            and set(err) == {"message", "type", "param", "code"}
+        )
     assert post(served, "/v1/completions", OK).status_code == 200
 
 
@@ -668,8 +714,11 @@ def test_tokenising_runs_off_the_event_loop(served, monkeypatch):
     from k3.data.tokenizer import Tokenizer
 
     threads, real = [], Tokenizer.encode
-    monkeypatch.setattr(Tokenizer, "encode", lambda self, *a, **k: (threads.append(
-        threading.current_thread().name), real(self, *a, **k))[1])
+    monkeypatch.setattr(
+        Tokenizer,
+        "encode",
+        lambda self, *a, **k: (threads.append(threading.current_thread().name), real(self, *a, **k))[1],
+    )
     assert post(served, "/v1/completions", OK).status_code == 200
     assert post(served, "/v1/chat/completions", CHAT).status_code == 200
     assert threads and all(t.startswith("k3-tokenize") for t in threads), threads
@@ -710,8 +759,11 @@ def raw_exchange(url: str, requests: list[tuple[str, bytes]]) -> list[tuple[int,
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         f = sock.makefile("rb")
         for path, body in requests:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             status = f.readline()
             assert status, "the server closed the connection"
             headers = {}
@@ -733,12 +785,23 @@ def test_bad_text_and_internal_errors_keep_the_connection(served, monkeypatch):
         raise RuntimeError("simulated bug")
 
     monkeypatch.setattr(serving_mod, "render_chat", bug)  # an unexpected exception inside a handler
-    replies = raw_exchange(served.url, [("/v1/completions", bad_text), ("/v1/completions", good),
-                                        ("/v1/chat/completions", chat), ("/v1/completions", good)])
+    replies = raw_exchange(
+        served.url,
+        [
+            ("/v1/completions", bad_text),
+            ("/v1/completions", good),
+            ("/v1/chat/completions", chat),
+            ("/v1/completions", good),
+        ],
+    )
     assert [status for status, _, _ in replies] == [400, 200, 500, 200]
     assert "surrogate" in json.loads(replies[0][2])["error"]["message"]
-    assert json.loads(replies[2][2])["error"] == {"message": "internal error: RuntimeError: simulated bug",
-                                                  "type": "server_error", "param": None, "code": None}
+    assert json.loads(replies[2][2])["error"] == {
+        "message": "internal error: RuntimeError: simulated bug",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
     assert all(h.get("connection") != "close" for _, h, _ in replies)
 
 
@@ -782,8 +845,7 @@ def test_k3_serve_sigterm_past_the_drain_ends_requests_with_errors(ckpt):
     try:
         body = {"model": "k3", "prompt": "Hello", "max_tokens": 2000, "temperature": 0}  # far past the drain
         whole = {}
-        t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", json=body,
-                                                                        timeout=60)))
+        t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", json=body, timeout=60)))
         t.start()
         deadline = time.monotonic() + 30
         while httpx.get(url + "/health").json()["running"] < 1:  # the non-streamed one is in before the SIGTERM
@@ -815,10 +877,12 @@ def test_k3_serve_request_limit_flag(ckpt, monkeypatch, capsys):
     assert main(["serve", "--ckpt", str(ckpt), "--max-request-mb", "0"]) == 2
     assert capsys.readouterr().err == "k3 serve: error: --max-request-mb=0.0 must be in (0, 4096]\n"
     seen = {}
-    monkeypatch.setattr(serve_mod, "_server", lambda config, engine, drain: seen.update(
-        config=config, drain=drain) or argparse.Namespace(run=lambda: None))
-    assert main(["serve", "--ckpt", str(ckpt), "--device", "cpu", "--max-request-mb", "2",
-                 "--drain-timeout", "3"]) == 0
+    monkeypatch.setattr(
+        serve_mod,
+        "_server",
+        lambda config, engine, drain: seen.update(config=config, drain=drain) or argparse.Namespace(run=lambda: None),
+    )
+    assert main(["serve", "--ckpt", str(ckpt), "--device", "cpu", "--max-request-mb", "2", "--drain-timeout", "3"]) == 0
     guard = next(m for m in seen["config"].app.user_middleware if m.cls.__name__ == "_Guard")
     assert guard.kwargs["max_bytes"] == 2 << 20 and seen["drain"] == 3
     assert seen["config"].timeout_graceful_shutdown > 3  # uvicorn waits past the drain for the error responses

@@ -34,12 +34,12 @@ def plain_loop(model, tokens, cu):
             return [emb] + outputs
         if mode == "snapshot":
             r = emb + sum(outputs) if outputs else emb
-            bank = [emb + sum(outputs[:2 * b * bsize]) if b else emb for b in range(layer // bsize + 1)]
+            bank = [emb + sum(outputs[: 2 * b * bsize]) if b else emb for b in range(layer // bsize + 1)]
             return bank + [r]
         # block_sum: blocks of 2*bsize sub-layers; b_0 = embedding
         n = i_sub // (2 * bsize)
-        blocks = [emb] + [sum(outputs[2 * bsize * j:2 * bsize * (j + 1)]) for j in range(n)]
-        partial = outputs[2 * bsize * n:i_sub]
+        blocks = [emb] + [sum(outputs[2 * bsize * j : 2 * bsize * (j + 1)]) for j in range(n)]
+        partial = outputs[2 * bsize * n : i_sub]
         return blocks + ([sum(partial)] if partial else [])
 
     for i, layer in enumerate(model.model.layers):
@@ -53,9 +53,9 @@ def plain_loop(model, tokens, cu):
         final = sources(len(model.model.layers) - 1, "mlp")[:-1] + [emb + sum(outputs)]
     else:
         n_done = len(outputs) // (2 * bsize)
-        final = [emb] + [sum(outputs[2 * bsize * j:2 * bsize * (j + 1)]) for j in range(n_done)]
+        final = [emb] + [sum(outputs[2 * bsize * j : 2 * bsize * (j + 1)]) for j in range(n_done)]
         if len(outputs) % (2 * bsize):
-            final.append(sum(outputs[2 * bsize * n_done:]))
+            final.append(sum(outputs[2 * bsize * n_done :]))
     h = mix_eq(final, model.model.output_attn_res_norm, model.model.output_attn_res_proj)
     return model.lm_head(model.model.norm(h))
 
@@ -105,8 +105,9 @@ def test_two_phase_equals_reference_with_gradients(n_fixed, n_live):
     """Phase 1 over the fixed sources + online-softmax merge of the live ones == the reference mix of the whole
     list, values and gradients (fp64: equal to rounding); gradcheck of the two phases."""
     torch.manual_seed(n_fixed * 10 + n_live)
-    src = [(torch.randn(9, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_()
-           for i in range(n_fixed + n_live)]
+    src = [
+        (torch.randn(9, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(n_fixed + n_live)
+    ]
     q = torch.randn(16, dtype=torch.float64, requires_grad=True)
     split = lambda s: (list(s[:n_fixed]), list(s[n_fixed:]))  # noqa: E731
     assert torch.autograd.gradcheck(lambda qq, *s: two_phase(*split(s), qq, 1e-5), [q, *src])

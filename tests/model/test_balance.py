@@ -56,6 +56,7 @@ def _stats(scores, bias, layer, k=K):
 # Quantile Balancing, exact
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_qb_acceptance_new_batch():
     off = _offsets(0)
     a, b = _batch(off, 1), _batch(off, 2)
@@ -119,8 +120,9 @@ def test_exact_qb_is_the_spec_order_statistic(n, e, k):
     arithmetic), to fp32 rounding on the fp32 scores the router produces; no interpolation between order
     statistics (the linear-quantile rule differed by 7e-5 to 3e-3 here)."""
     g = _gen(n + e)
-    s64 = torch.sigmoid(torch.randn(n, e, generator=g, dtype=torch.float64) + torch.randn(e, generator=g,
-                                                                                           dtype=torch.float64))
+    s64 = torch.sigmoid(
+        torch.randn(n, e, generator=g, dtype=torch.float64) + torch.randn(e, generator=g, dtype=torch.float64)
+    )
     bias = 0.1 * torch.randn(e, generator=g, dtype=torch.float64)
     ref = _qb_spec_fp64(s64, bias, k)
     assert (qb_update(s64, bias, k) - ref).abs().max().item() <= 1e-9
@@ -132,8 +134,13 @@ def test_exact_qb_is_the_spec_order_statistic(n, e, k):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10_000), shift=st.floats(-2.0, 2.0), e=st.sampled_from([8, 16, 32]),
-       k=st.sampled_from([1, 2, 4]), n=st.integers(16, 300))
+@given(
+    seed=st.integers(0, 10_000),
+    shift=st.floats(-2.0, 2.0),
+    e=st.sampled_from([8, 16, 32]),
+    k=st.sampled_from([1, 2, 4]),
+    n=st.integers(16, 300),
+)
 def test_qb_update_shift_invariant_and_centred(seed, shift, e, k, n):
     off = _offsets(seed, 1.0, e)
     s = _batch(off, seed + 1, n)
@@ -153,6 +160,7 @@ def test_qb_rejects_bad_k():
 # ---------------------------------------------------------------------------------------------------------------
 # Quantile Balancing, histogram
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_histogram_quantile_within_one_bin():
     off = _offsets(8)
@@ -206,6 +214,7 @@ def test_histogram_range_fixed_and_clamping():
 # Baselines
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_sign_update_direction():
     loads = torch.tensor([30, 10, 20, 20])  # mean 20
     bias = torch.tensor([0.3, -0.2, 0.1, 0.05])
@@ -245,11 +254,9 @@ def test_switch_aux_loss_gradient():
 
 
 def test_seq_aux_loss_by_hand():
-    s = torch.tensor([[0.9, 0.2, 0.6, 0.3],
-                      [0.1, 0.8, 0.7, 0.4],
-                      [0.5, 0.5, 0.2, 0.9],
-                      [0.3, 0.6, 0.8, 0.2],
-                      [0.7, 0.4, 0.1, 0.6]])
+    s = torch.tensor(
+        [[0.9, 0.2, 0.6, 0.3], [0.1, 0.8, 0.7, 0.4], [0.5, 0.5, 0.2, 0.9], [0.3, 0.6, 0.8, 0.2], [0.7, 0.4, 0.1, 0.6]]
+    )
     idx = torch.tensor([[0, 2], [1, 2], [3, 0], [2, 1], [0, 3]])
     t, e, k, alpha = 5, 4, 2, 1e-4
     count = [0] * e
@@ -275,8 +282,7 @@ def test_seq_aux_loss_segments_padding_and_grad():
     idx = _route(s.detach(), 0.0, k)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
     got = seq_aux_loss(s, idx, cu, alpha=1e-4)
-    per = [seq_aux_loss(s[a:b], idx[a:b], None, alpha=1e-4) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
-           if b > a]
+    per = [seq_aux_loss(s[a:b], idx[a:b], None, alpha=1e-4) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
     torch.testing.assert_close(got, torch.stack(per).mean())
     got.backward()
     assert s.grad[:n_real].abs().sum() > 0
@@ -286,6 +292,7 @@ def test_seq_aux_loss_segments_padding_and_grad():
 # ---------------------------------------------------------------------------------------------------------------
 # Metrics
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_metrics_hand_made():
     loads = torch.tensor([10, 20, 30, 0, 40])  # E=5, N=50, k=2: N k = 100, mean 20
@@ -305,7 +312,7 @@ def _seq_max_vio_loop(topk_idx: torch.Tensor, cu: list[int], e: int) -> float:
     rows, k = topk_idx.tolist(), topk_idx.shape[1]
     num = den = 0.0
     for start, end in zip(cu[:-1], cu[1:]):
-        toks = rows[start:min(end, len(rows))]
+        toks = rows[start : min(end, len(rows))]
         if not toks:
             continue
         counts = [0] * e
@@ -337,11 +344,11 @@ def test_seq_max_vio_matches_a_loop_over_sequences(seed):
     assert got.dtype == torch.float32 and got.dim() == 0
     assert got.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
     # never below the MaxVio of the counted tokens' summed loads (the sum of maxima >= the maximum of sums)
-    counted = topk_idx[:min(cu[-1], n)]
+    counted = topk_idx[: min(cu[-1], n)]
     assert got.item() >= max_vio(expert_loads(counted, e)).item() - 1e-6
     # padding's routes do not matter
     noisy = topk_idx.clone()
-    noisy[min(cu[-1], n):] = torch.arange(k)
+    noisy[min(cu[-1], n) :] = torch.arange(k)
     assert seq_max_vio(noisy, torch.tensor(cu), e).item() == got.item()
 
 
@@ -391,6 +398,7 @@ def test_router_stats_loads_and_balance_metrics():
 # ---------------------------------------------------------------------------------------------------------------
 # Balancer
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_balancer_qb_updates_only_at_step_in_place():
     off = _offsets(32)

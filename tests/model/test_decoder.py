@@ -62,12 +62,23 @@ def test_rows_with_documents_match_flat_packing(tiny_model):
     assert rel(two_rows, one_row) <= 1e-6
 
 
-KIMI_LINEAR_STYLE = {"kda.gate_lower_bound": None, "kda.full_rank_output_gate": False, "mla.q_lora_rank": None,
-                     "mla.output_gate": False, "moe.latent_size": None, "moe.routed_scaling_factor": 2.446,
-                     "hidden_act": "silu", "attn_res.mode": "none"}
-VARIANTS = {"k3": {}, "kimi_linear": KIMI_LINEAR_STYLE, "block_sum": {"attn_res.mode": "block_sum"},
-            "full_rope": {"attn_res.mode": "full", "mla.rope_theta": 10000.0},
-            "narrow_values": {"kda.v_head_dim": 8}}  # q|k|v of unequal widths (one stacked conv, its states split)
+KIMI_LINEAR_STYLE = {
+    "kda.gate_lower_bound": None,
+    "kda.full_rank_output_gate": False,
+    "mla.q_lora_rank": None,
+    "mla.output_gate": False,
+    "moe.latent_size": None,
+    "moe.routed_scaling_factor": 2.446,
+    "hidden_act": "silu",
+    "attn_res.mode": "none",
+}
+VARIANTS = {
+    "k3": {},
+    "kimi_linear": KIMI_LINEAR_STYLE,
+    "block_sum": {"attn_res.mode": "block_sum"},
+    "full_rope": {"attn_res.mode": "full", "mla.rope_theta": 10000.0},
+    "narrow_values": {"kda.v_head_dim": 8},
+}  # q|k|v of unequal widths (one stacked conv, its states split)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -87,7 +98,7 @@ def test_chunked_prefill_and_decode_reproduce_full_logits(tiny_model, variant):
         pos = [0, 0, 0]
 
         def step(ids, take):
-            pieces = [seqs[i][pos[i]:pos[i] + n] for i, n in zip(ids, take)]
+            pieces = [seqs[i][pos[i] : pos[i] + n] for i, n in zip(ids, take)]
             cu = torch.tensor([0] + take).cumsum(0)
             logits = tiny_model(torch.cat(pieces)[None], cu_seqlens=cu, cache=cache, seq_ids=ids).logits[0]
             for i, a, b in zip(ids, cu[:-1].tolist(), cu[1:].tolist()):
@@ -121,11 +132,11 @@ def test_decode_step_reproduces_full_logits(tiny_model, variant):
         cache = tiny_model.new_cache(3, capacity=8)
         got = [[] for _ in seqs]
         for i in (0, 2):
-            got[i].append(tiny_model(seqs[i][None, :prompt[i]], cache=cache, seq_ids=[i]).logits[0])
+            got[i].append(tiny_model(seqs[i][None, : prompt[i]], cache=cache, seq_ids=[i]).logits[0])
         pos = [prompt[0], 0, prompt[2]]
         while any(p < n for p, n in zip(pos, total)):
             if pos[1] == 0 and pos[0] >= 16:  # sequence 1 joins mid-way
-                got[1].append(tiny_model(seqs[1][None, :prompt[1]], cache=cache, seq_ids=[1]).logits[0])
+                got[1].append(tiny_model(seqs[1][None, : prompt[1]], cache=cache, seq_ids=[1]).logits[0])
                 pos[1] = prompt[1]
             ids = [i for i in (2, 0, 1) if 0 < pos[i] < total[i]]
             logits = tiny_model.decode(torch.stack([seqs[i][pos[i]] for i in ids]), cache, ids)
@@ -165,8 +176,9 @@ def test_compiled_decode_step_equals_eager(tiny_model):
         logits.append(torch.stack(out))
     assert rel(logits[1], logits[0]) <= 1e-5
     for a, b in zip(caches[1].layers, caches[0].layers):
-        for x, y in ([(a.recurrent, b.recurrent)] + list(zip(a.conv, b.conv))) if hasattr(a, "recurrent") \
-                else [(a.kv, b.kv)]:
+        for x, y in (
+            ([(a.recurrent, b.recurrent)] + list(zip(a.conv, b.conv))) if hasattr(a, "recurrent") else [(a.kv, b.kv)]
+        ):
             assert rel(x, y) <= 1e-5
 
 
@@ -185,8 +197,11 @@ def test_decode_step_in_bf16_matches_forward(tiny_model):
         got = model.decode(ids[:, 9], b, [0, 1])
     assert got.dtype == torch.bfloat16 and rel(got, ref) <= 2e-2  # a few bf16 roundings (2^-8) apart
     for x, y in zip(a.layers, b.layers):
-        for u, v in ([(x.recurrent, y.recurrent)] + list(zip(x.conv, y.conv)) if hasattr(x, "recurrent")
-                     else [(x.rows(0), y.rows(0)), (x.rows(1), y.rows(1))]):
+        for u, v in (
+            [(x.recurrent, y.recurrent)] + list(zip(x.conv, y.conv))
+            if hasattr(x, "recurrent")
+            else [(x.rows(0), y.rows(0)), (x.rows(1), y.rows(1))]
+        ):
             assert rel(v, u) <= 2e-2
 
 

@@ -31,13 +31,13 @@ def manual(m, x):
     q = q.view(n, h, -1)
     c_kv, k_pe = m.kv_a_proj_with_mqa(x).split([m.r, m.dr], -1)
     if m.rope_theta is not None:
-        q = torch.cat([q[..., :m.dn], rotate_half_rope(q[..., m.dn:], torch.arange(n), m.rope_theta)], -1)
+        q = torch.cat([q[..., : m.dn], rotate_half_rope(q[..., m.dn :], torch.arange(n), m.rope_theta)], -1)
         k_pe = rotate_half_rope(k_pe, torch.arange(n), m.rope_theta)
     kv = m.kv_b_proj(m.kv_a_layernorm(c_kv)).view(n, h, -1)
     outs = []
     for head in range(h):
-        k = torch.cat([kv[:, head, :m.dn], k_pe], -1)
-        v = kv[:, head, m.dn:]
+        k = torch.cat([kv[:, head, : m.dn], k_pe], -1)
+        v = kv[:, head, m.dn :]
         s = q[:, head] @ k.T * (m.dn + m.dr) ** -0.5
         s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
         outs.append(s.softmax(-1) @ v)
@@ -79,7 +79,7 @@ def test_absorbed_decode_with_latent_cache_equals_naive_prefill():
         rows = [x[start[i] + pos[i]] for i in ids_now]
         o = m(torch.stack(rows), torch.arange(len(rows) + 1), state, torch.tensor(ids_now))
         for j, i in enumerate(ids_now):
-            outs[i].append(o[j:j + 1])
+            outs[i].append(o[j : j + 1])
             pos[i] += 1
     assert state.lengths == [11, 5] and state.rows(0).shape == (11, m.r + m.dr)
     assert rel(torch.cat(outs[0]), full[:11]) <= 1e-5

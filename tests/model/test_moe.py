@@ -62,8 +62,14 @@ def test_latent_moe_dataflow_and_router_semantics():
 
 
 def test_plain_moe_kimi_linear_style():
-    cfg, moe = make_moe(**{"moe.latent_size": None, "moe.routed_scaling_factor": 2.446, "moe.num_shared_experts": 0,
-                           "hidden_act": "silu"})
+    cfg, moe = make_moe(
+        **{
+            "moe.latent_size": None,
+            "moe.routed_scaling_factor": 2.446,
+            "moe.num_shared_experts": 0,
+            "hidden_act": "silu",
+        }
+    )
     assert not hasattr(moe, "routed_expert_down_proj") and not hasattr(moe, "shared_experts")
     x = torch.randn(20, cfg.hidden_size)
     out, stats = moe(x)

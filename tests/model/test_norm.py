@@ -75,19 +75,22 @@ def test_image_features_keep_their_dtype_under_autocast(monkeypatch):
     """The vision projector's norm feeds the text embeddings, not a matmul: it does not cast, and the image
     features and logits under autocast are those of the per-consumer casts."""
     cfg = with_vision(get_preset("tiny"))
-    v = dataclasses.replace(cfg.vision, media_placeholder_token_id=500, media_begin_token_id=501,
-                            media_end_token_id=502)
+    v = dataclasses.replace(
+        cfg.vision, media_placeholder_token_id=500, media_begin_token_id=501, media_end_token_id=502
+    )
     cfg = dataclasses.replace(cfg, vision=v)
     torch.manual_seed(0)
     model = perturbed(K3ForConditionalGeneration(cfg))
-    grids, patches = [(4, 4)], torch.randn(16, 3 * v.patch_size ** 2)
+    grids, patches = [(4, 4)], torch.randn(16, 3 * v.patch_size**2)
     ids = torch.randint(0, 300, (1, 12))
     ids[0, 2:6] = v.media_placeholder_token_id
 
     def run():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            return (model.encode_images(patches, grids),
-                    model(ids, pixel_patches=patches, grid_hws=grids).logits.float())
+            return (
+                model.encode_images(patches, grids),
+                model(ids, pixel_patches=patches, grid_hws=grids).logits.float(),
+            )
 
     features, logits = run()
     monkeypatch.setattr(norm_mod, "matmul_dtype", lambda x: None)

@@ -33,13 +33,17 @@ def rel(a, b):
 def k3_width_moe(experts: int = 896, top_k: int = 16, d: int = 1024) -> MoE:
     """A MoE layer with K3's router shape (896 experts, top-16) at width d, tiny experts (the router is the point)."""
     cfg = get_preset("tiny")
-    cfg = cfg.replace(hidden_size=d, moe=dataclasses.replace(cfg.moe, num_experts=experts, num_experts_per_token=top_k,
-                                                             moe_intermediate_size=8, latent_size=16))
+    cfg = cfg.replace(
+        hidden_size=d,
+        moe=dataclasses.replace(
+            cfg.moe, num_experts=experts, num_experts_per_token=top_k, moe_intermediate_size=8, latent_size=16
+        ),
+    )
     torch.manual_seed(0)
     moe = MoE(cfg, layer_idx=1)
     with torch.no_grad():
         for p in moe.parameters():
-            p.normal_(0, d ** -0.5)
+            p.normal_(0, d**-0.5)
         moe.gate.e_score_correction_bias.normal_(0, 0.01)
     return moe
 
@@ -85,8 +89,15 @@ def test_attn_res_phase1_logsumexp_is_fp32_under_autocast():
     lse64 = torch.stack([torch.logsumexp(_logits64(sources, q), 0) for q in queries])  # [M, N]
     assert lse.dtype == torch.float32
     assert (lse.double() - lse64).abs().max().item() <= 1e-5
-    o64 = torch.stack([(depth_weights([s.double() for s in sources], q.double(), 1e-6).unsqueeze(-1)
-                        * torch.stack([s.double() for s in sources])).sum(0) for q in queries])
+    o64 = torch.stack(
+        [
+            (
+                depth_weights([s.double() for s in sources], q.double(), 1e-6).unsqueeze(-1)
+                * torch.stack([s.double() for s in sources])
+            ).sum(0)
+            for q in queries
+        ]
+    )
     assert o.dtype == torch.float32 and rel(o, o64) <= 1e-6
 
 
@@ -117,9 +128,9 @@ def test_kda_reference_state_is_fp32_under_autocast(fn):
 def test_mla_reference_scores_are_fp32_under_autocast():
     torch.manual_seed(4)
     q, k, v = torch.randn(40, 4, 192), torch.randn(40, 1, 192), torch.randn(40, 1, 128)
-    plain = segment_attention(q, k, v, 192 ** -0.5)
+    plain = segment_attention(q, k, v, 192**-0.5)
     with torch.autocast(**BF16):
-        out = segment_attention(q, k, v, 192 ** -0.5)
+        out = segment_attention(q, k, v, 192**-0.5)
     assert rel(out, plain) <= 1e-6
 
 
@@ -154,8 +165,11 @@ def test_kda_gate_and_beta_are_fp32_from_bf16_projections(lower_bound):
     A_log, dt_bias = torch.rand(2).log1p(), torch.randn(16)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     z = f.double() + dt_bias.double().view(2, 8)
-    truth = (lower_bound * torch.sigmoid(A_log.double().exp()[:, None] * z) if lower_bound is not None
-             else -A_log.double().exp()[:, None] * F.softplus(z))
+    truth = (
+        lower_bound * torch.sigmoid(A_log.double().exp()[:, None] * z)
+        if lower_bound is not None
+        else -A_log.double().exp()[:, None] * F.softplus(z)
+    )
     assert g.dtype == torch.float32 and rel(g, truth) <= 1e-6
     cfg = get_preset("tiny")
     layer = KimiDeltaAttention(cfg.replace(**{"kda.gate_lower_bound": lower_bound}))

@@ -217,8 +217,12 @@ def test_flat_boundary_cache_follows_the_offsets_and_inf_stays_in_its_document()
     flat_conv(x, weight, cu_seqlens=cu)
     cu.copy_(torch.tensor([0, 2, 12]))
     cu._k3_host[:] = [0, 2, 12]  # edited in place: the same list object
-    check("conv after the offsets changed", flat_conv(x, weight, cu_seqlens=cu)[0],
-          reference_conv(x, weight, cu_seqlens=torch.tensor([0, 2, 12]))[0], 1e-7)
+    check(
+        "conv after the offsets changed",
+        flat_conv(x, weight, cu_seqlens=cu)[0],
+        reference_conv(x, weight, cu_seqlens=torch.tensor([0, 2, 12]))[0],
+        1e-7,
+    )
     x[0, 1] = float("inf")  # the last token of the first document
     y = flat_conv(x, weight, cu_seqlens=cu)[0]
     assert torch.isfinite(y[0, 2:]).all()
@@ -285,8 +289,9 @@ def test_fast_steps_run_the_kernel_only_without_gradients(monkeypatch, caplog):
     xs = [torch.zeros(2, 8) for _ in range(3)]
     ws = [torch.zeros(8, 4, requires_grad=True) for _ in range(3)]
     pools = [torch.zeros(5, 8, 3) for _ in range(3)]
-    check_kernel_switch(monkeypatch, "conv_step", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], pools,
-                                                                                 "silu"))
+    check_kernel_switch(
+        monkeypatch, "conv_step", lambda: conv.steps_kernel(xs, [w.detach() for w in ws], pools, "silu")
+    )
     monkeypatch.setattr(conv, "_steps_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert conv.steps_kernel(xs, ws, pools, "silu") == "torch"
@@ -302,7 +307,8 @@ def test_fast_steps_run_the_kernel_only_without_gradients(monkeypatch, caplog):
         "causal_conv1d_steps: three torch steps (reference): the kernel takes three inputs and activation silu or None",
         "causal_conv1d_steps: three torch steps (reference): fp64 inputs (the kernel computes in fp32)",
         "causal_conv1d_steps: three torch steps (reference): the kernel takes contiguous state pools and widths of at "
-        "least 2"]
+        "least 2",
+    ]
 
 
 def test_steps_equal_three_single_steps():

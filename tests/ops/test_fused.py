@@ -160,6 +160,7 @@ def test_fast_path_support_is_asked_once_per_device():
     backend.register("doubling_test_op", "reference", lambda x: x + x)
     backend.register("doubling_test_op", "fast", lambda x: x * 2, supports)
     try:
+
         def caller(x):
             return backend.dispatch("doubling_test_op", x.device, x.sin()).cos()
 

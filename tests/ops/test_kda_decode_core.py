@@ -101,8 +101,9 @@ def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch
     monkeypatch.setitem(backend._OPS["kda_decode_step"].supports, "fast", lambda d: True)
     x, state = torch.zeros(2, 8), torch.zeros(4, 2, 16, 32)
     params = [torch.zeros(3, requires_grad=True)]
-    check_kernel_switch(monkeypatch, "kda_decode_core",
-                        lambda: kda.decode_core_kernel(x, state, [p.detach() for p in params]))
+    check_kernel_switch(
+        monkeypatch, "kda_decode_core", lambda: kda.decode_core_kernel(x, state, [p.detach() for p in params])
+    )
     monkeypatch.setattr(kda, "_core_logged", set())
     with caplog.at_level(logging.INFO, logger="k3.ops"):
         assert kda.decode_core_kernel(x, state, params) == "torch"
@@ -124,4 +125,5 @@ def test_decode_core_runs_only_on_the_fast_backend_without_gradients(monkeypatch
         "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: fp64 inputs (the kernel computes in "
         "fp32)",
         "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: a non-contiguous state pool",
-        "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: kda_decode_step runs its reference"]
+        "kda decode step: f_b_proj, kda_decode_step, g_b_proj, the gated norm: kda_decode_step runs its reference",
+    ]

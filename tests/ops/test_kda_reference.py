@@ -281,11 +281,16 @@ def test_decode_step_updates_the_pool_in_place(lower_bound):
     pool = torch.randn(S, H, K, V, generator=gen)
     before = pool.clone()
     slots = torch.tensor([3, 0, 4])
-    o = kda_decode_step(q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state=pool,
-                        slots=slots)
+    o = kda_decode_step(q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state=pool, slots=slots)
     g = kda_gate(f, A_log, dt_bias, lower_bound)
-    o_ref, final = truth_kda(F.normalize(q, dim=-1)[:, None], F.normalize(k, dim=-1)[:, None], v[:, None],
-                             g[:, None], torch.sigmoid(b)[:, None], initial_state=before[slots])
+    o_ref, final = truth_kda(
+        F.normalize(q, dim=-1)[:, None],
+        F.normalize(k, dim=-1)[:, None],
+        v[:, None],
+        g[:, None],
+        torch.sigmoid(b)[:, None],
+        initial_state=before[slots],
+    )
     check("decode step output", o, o_ref[:, 0], 1e-6)
     check("decode step states", pool[slots], final, 1e-6)
     untouched = torch.tensor([1, 2])
@@ -302,26 +307,58 @@ def test_chunk_kda_raw_equals_the_truth_on_normalised_inputs(lower_bound):
     gen = torch.Generator().manual_seed(11)
     T, H, K, V, cut = 13, 2, 4, 3, 6
     q, k, f = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
-    v, b = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64), torch.randn(1, T, H, generator=gen,
-                                                                                      dtype=torch.float64)
+    v, b = (
+        torch.randn(1, T, H, V, generator=gen, dtype=torch.float64),
+        torch.randn(1, T, H, generator=gen, dtype=torch.float64),
+    )
     A_log = (torch.randn(H, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
     dt_bias = torch.randn(H * K, generator=gen, dtype=torch.float64).requires_grad_()
     s0 = torch.randn(2, H, K, V, generator=gen, dtype=torch.float64)
     cu = torch.tensor([0, cut, T])
-    o, s = chunk_kda_raw(q, k, v, f, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_eps=1e-12,
-                         initial_state=s0,
-                         output_final_state=True, cu_seqlens=cu, chunk_size=4)
+    o, s = chunk_kda_raw(
+        q,
+        k,
+        v,
+        f,
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        l2norm_eps=1e-12,
+        initial_state=s0,
+        output_final_state=True,
+        cu_seqlens=cu,
+        chunk_size=4,
+    )
     g = kda_gate(f, A_log, dt_bias, lower_bound)
     for i, (a, e) in enumerate(((0, cut), (cut, T))):
-        o_ref, s_ref = truth_kda(F.normalize(q[:, a:e], dim=-1), F.normalize(k[:, a:e], dim=-1), v[:, a:e],
-                                 g[:, a:e], torch.sigmoid(b[:, a:e]), initial_state=s0[i:i + 1])
+        o_ref, s_ref = truth_kda(
+            F.normalize(q[:, a:e], dim=-1),
+            F.normalize(k[:, a:e], dim=-1),
+            v[:, a:e],
+            g[:, a:e],
+            torch.sigmoid(b[:, a:e]),
+            initial_state=s0[i : i + 1],
+        )
         check(f"raw chunk output, segment {i}", o[:, a:e], o_ref, 1e-10)
-        check(f"raw chunk state, segment {i}", s[i:i + 1], s_ref, 1e-10)
+        check(f"raw chunk state, segment {i}", s[i : i + 1], s_ref, 1e-10)
 
     def fn(A, dt, ff, bb):
-        o, s = chunk_kda_raw(q, k, v, ff, bb, A_log=A, dt_bias=dt, lower_bound=lower_bound, l2norm_eps=1e-12,
-                             initial_state=s0,
-                             output_final_state=True, cu_seqlens=cu, chunk_size=4)
+        o, s = chunk_kda_raw(
+            q,
+            k,
+            v,
+            ff,
+            bb,
+            A_log=A,
+            dt_bias=dt,
+            lower_bound=lower_bound,
+            l2norm_eps=1e-12,
+            initial_state=s0,
+            output_final_state=True,
+            cu_seqlens=cu,
+            chunk_size=4,
+        )
         return o, s
 
     assert torch.autograd.gradcheck(fn, (A_log, dt_bias, f.requires_grad_(), b.requires_grad_()))

@@ -24,8 +24,17 @@ from k3.ops import pdl  # noqa: E402
 
 PTXAS = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
 pytestmark = pytest.mark.skipif(not PTXAS, reason="Triton's NVIDIA backend (ptxas) is not installed")
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.bool: "i1"}
+_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.bool: "i1",
+}
 _OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
@@ -61,7 +70,7 @@ def assemble(kernel, values: dict, options: dict, tmp_path) -> str:
         elif isinstance(v, bool):
             sig[p.name] = "i1"
         elif isinstance(v, int):
-            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
         else:
             sig[p.name] = "fp32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params) if sig[p.name].startswith("*")}
@@ -69,8 +78,11 @@ def assemble(kernel, values: dict, options: dict, tmp_path) -> str:
     compiled = triton.compile(src, target=targets.GPUTarget("cuda", 90, 32), options=options)
     ptx = tmp_path / f"{kernel.__name__}.ptx"
     ptx.write_text(compiled.asm["ptx"])
-    done = subprocess.run([PTXAS[0], "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "k.cubin")],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [PTXAS[0], "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "k.cubin")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stderr + done.stdout
 
@@ -86,8 +98,13 @@ def _conv_steps(rows):
     from k3.ops.conv.triton_step import conv_steps
 
     xs = [torch.randn(rows, n).bfloat16() for n in (1024, 1024, 1024)]
-    return lambda: conv_steps(*xs, *(torch.randn(1024, 4) for _ in range(3)),
-                              *(torch.randn(rows + 1, 1024, 3) for _ in range(3)), torch.arange(rows), True)
+    return lambda: conv_steps(
+        *xs,
+        *(torch.randn(1024, 4) for _ in range(3)),
+        *(torch.randn(rows + 1, 1024, 3) for _ in range(3)),
+        torch.arange(rows),
+        True,
+    )
 
 
 def _router_topk(n, e, k):
@@ -112,6 +129,7 @@ def _small_groups(n, e, k, d, i):
     def both():
         h = small_groups_glu(torch.randn(n, d).bfloat16(), route.src_pair, k, w1, w3, route.offs, "situ", 1.0, 0.5)
         small_groups_mm(h, w2, route.offs)
+
     return both
 
 
@@ -119,16 +137,32 @@ def _kda_core(n, h, dk, dv, rg, bound, warps=None):
     from k3.ops.kda.triton_decode import kda_decode_core
 
     bf = torch.bfloat16
-    args = (torch.randn(n, h * dk).to(bf), torch.randn(n, h * dk).to(bf), torch.randn(n, h * dv).to(bf),
-            torch.randn(n, dk).to(bf), torch.randn(h * dk, dk).to(bf), torch.randn(n, h).to(bf),
-            torch.randn(n, rg or h * dv).to(bf), torch.randn(h * dv, rg).to(bf) if rg else None, torch.rand(h),
-            torch.randn(h * dk), torch.rand(dv), torch.randn(n + 1, h, dk, dv), torch.arange(n), bound, 1e-6, 1e-5, bf)
+    args = (
+        torch.randn(n, h * dk).to(bf),
+        torch.randn(n, h * dk).to(bf),
+        torch.randn(n, h * dv).to(bf),
+        torch.randn(n, dk).to(bf),
+        torch.randn(h * dk, dk).to(bf),
+        torch.randn(n, h).to(bf),
+        torch.randn(n, rg or h * dv).to(bf),
+        torch.randn(h * dv, rg).to(bf) if rg else None,
+        torch.rand(h),
+        torch.randn(h * dk),
+        torch.rand(dv),
+        torch.randn(n + 1, h, dk, dv),
+        torch.arange(n),
+        bound,
+        1e-6,
+        1e-5,
+        bf,
+    )
     if warps is None:
         return lambda: kda_decode_core(*args)
 
     def run():
         with patch("k3.ops.kda.triton_decode._warps", lambda *a: warps):  # what a GPU with <= 256 SMs picks
             kda_decode_core(*args)
+
     return run
 
 
@@ -140,8 +174,16 @@ def _mla(b, h, length):
 
     def run():
         with patch("torch.cuda.get_device_properties", lambda device: h200):
-            triton_decode.mla_decode(torch.randn(b, h, 576).bfloat16(), kv, torch.arange(b).int(),
-                                     torch.full((b,), length).int(), 0.1, 512, max_length=length)
+            triton_decode.mla_decode(
+                torch.randn(b, h, 576).bfloat16(),
+                kv,
+                torch.arange(b).int(),
+                torch.full((b,), length).int(),
+                0.1,
+                512,
+                max_length=length,
+            )
+
     return run
 
 
@@ -183,7 +225,7 @@ def test_kernel_waits_for_its_predecessor_with_pdl(case, monkeypatch, tmp_path):
         assert options.get("launch_pdl") is True and values["PDL"] is True, kernel.__name__
         assemble(kernel, values, options, tmp_path)
         ptx = (tmp_path / f"{kernel.__name__}.ptx").read_text()
-        body = ptx[ptx.index(".entry"):]
+        body = ptx[ptx.index(".entry") :]
         wait = body.find("griddepcontrol.wait")
         assert wait >= 0, kernel.__name__
         writes = [i for i in (body.find(op) for op in ("st.global", "atom.global", "red.global")) if i >= 0]

@@ -88,8 +88,8 @@ def test_forward_matches_the_loop_on_cpu():
     x = torch.randn(n, d, dtype=torch.bfloat16)
     idx = routing(n=n, e=e, k=k)
     w = torch.rand(n, k)
-    w1, w3 = (torch.randn(e, i, d) * d ** -0.5 for _ in range(2))
-    w2 = torch.randn(e, d, i) * i ** -0.5
+    w1, w3 = (torch.randn(e, i, d) * d**-0.5 for _ in range(2))
+    w2 = torch.randn(e, d, i) * i**-0.5
     try:
         got = grouped.moe_experts(x, idx, w, w1, w2, w3, situ_glu)
     except (RuntimeError, NotImplementedError) as err:  # no CPU kernel in this torch
@@ -114,7 +114,13 @@ def test_spread_rows_selects_not_multiplies():
 
 def test_no_tokens():
     """Zero tokens give an empty output, as the loop does (the dispatch would otherwise read token 0)."""
-    out = grouped.moe_experts(torch.randn(0, 8, dtype=torch.bfloat16), torch.zeros(0, 2, dtype=torch.int64),
-                              torch.rand(0, 2), torch.randn(4, 16, 8), torch.randn(4, 8, 16), torch.randn(4, 16, 8),
-                              situ_glu)
+    out = grouped.moe_experts(
+        torch.randn(0, 8, dtype=torch.bfloat16),
+        torch.zeros(0, 2, dtype=torch.int64),
+        torch.rand(0, 2),
+        torch.randn(4, 16, 8),
+        torch.randn(4, 8, 16),
+        torch.randn(4, 16, 8),
+        situ_glu,
+    )
     assert out.shape == (0, 8) and out.dtype == torch.bfloat16

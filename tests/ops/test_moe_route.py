@@ -100,7 +100,8 @@ def test_selection(monkeypatch, caplog):
         "moe_experts: routing by torch: the routing is not on a GPU",
         "moe_experts: routing by one Triton program (k3.ops.moe.triton_route)",
         f"moe_experts: routing by torch: more than {grouped.COUNT_PAIRS} token-expert pairs",
-        f"moe_experts: routing by torch: more than the kernel's {grouped.ROUTE_MAX_EXPERTS} experts"]
+        f"moe_experts: routing by torch: more than the kernel's {grouped.ROUTE_MAX_EXPERTS} experts",
+    ]
 
 
 def test_torch_form(monkeypatch):
@@ -108,16 +109,23 @@ def test_torch_form(monkeypatch):
     keep_kernel_plan(monkeypatch)
     backend.set_kernels("moe_route=torch")
     torch.manual_seed(0)
-    for idx, e in [(torch.randint(0, 50, (200, 8)), 50), (torch.randint(0, 50, (300, 8)), 50),  # 1600, 2400 pairs
-                   (torch.full((300, 8), 3), 5), (torch.zeros(0, 4, dtype=torch.long), 8)]:
+    for idx, e in [
+        (torch.randint(0, 50, (200, 8)), 50),
+        (torch.randint(0, 50, (300, 8)), 50),  # 1600, 2400 pairs
+        (torch.full((300, 8), 3), 5),
+        (torch.zeros(0, 4, dtype=torch.long), 8),
+    ]:
         assert_routing(idx, e, *grouped._route(idx, e))
 
 
 def test_rejects_bad_inputs():
     tr = pytest.importorskip("k3.ops.moe.triton_route")
-    for idx, e in [(torch.zeros(4, 2, dtype=torch.int32), 8), (torch.zeros(8, dtype=torch.long), 8),
-                   (torch.zeros(grouped.COUNT_PAIRS + 1, 1, dtype=torch.long), 8),
-                   (torch.zeros(2, 2, dtype=torch.long), 0),
-                   (torch.zeros(2, 2, dtype=torch.long), grouped.ROUTE_MAX_EXPERTS + 1)]:
+    for idx, e in [
+        (torch.zeros(4, 2, dtype=torch.int32), 8),
+        (torch.zeros(8, dtype=torch.long), 8),
+        (torch.zeros(grouped.COUNT_PAIRS + 1, 1, dtype=torch.long), 8),
+        (torch.zeros(2, 2, dtype=torch.long), 0),
+        (torch.zeros(2, 2, dtype=torch.long), grouped.ROUTE_MAX_EXPERTS + 1),
+    ]:
         with pytest.raises(ValueError, match="moe_route: .* do not match"):
             tr.moe_route(idx, e)

@@ -132,7 +132,8 @@ def test_up_glu_selection(monkeypatch, caplog):
         "a GPU",
         "moe_experts: up-projection and GLU by one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
         "moe_experts: up-projection and GLU by the row gather, two matmuls and the GLU apart: the GLU is not a "
-        "named form (k3.model.activation.GLU), e.g. QAT's quantised one"]
+        "named form (k3.model.activation.GLU), e.g. QAT's quantised one",
+    ]
 
     def quantized_glu(g, u):  # as k3.ops.moe composes QAT's
         return swiglu(g, u).round()
@@ -140,7 +141,8 @@ def test_up_glu_selection(monkeypatch, caplog):
     for glu in (make_glu("situ"), quantized_glu):
         want = grouped.up_glu_kernel(glu, CPU)
         explained = torch._dynamo.explain(lambda t: t * 2 if grouped.up_glu_kernel(glu, CPU) == "triton" else t * 3)(
-            torch.ones(2))
+            torch.ones(2)
+        )
         assert explained.graph_count == 1 and explained.graph_break_count == 0, (want, explained.break_reasons)
 
 
@@ -168,9 +170,13 @@ def test_rejects_mismatched_inputs():
     with pytest.raises(ValueError, match="do not match"):
         sg.small_groups_mm(x.float(), torch.zeros(2, 4, 16), torch.tensor([8, 8]))
     w, src, offs = torch.zeros(2, 4, 16, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.long), torch.tensor([8, 8])
-    for args in [(x, src, 1, w, w[:, :2], offs, "situ"), (x, src.int(), 1, w, w, offs, "situ"),
-                 (x, src, 0, w, w, offs, "situ"), (x, src, 1, w, w, offs, "gelu"),
-                 (x.float(), src, 1, w, w, offs, "silu")]:
+    for args in [
+        (x, src, 1, w, w[:, :2], offs, "situ"),
+        (x, src.int(), 1, w, w, offs, "situ"),
+        (x, src, 0, w, w, offs, "situ"),
+        (x, src, 1, w, w, offs, "gelu"),
+        (x.float(), src, 1, w, w, offs, "silu"),
+    ]:
         with pytest.raises(ValueError, match="small_groups_glu: .* do not match"):
             sg.small_groups_glu(*args, 4.0, 25.0)
 

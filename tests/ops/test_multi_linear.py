@@ -88,13 +88,14 @@ def test_fast_backend_runs_the_kernel_only_where_it_fits(monkeypatch, caplog):
             assert linear.kernel(x, [router] + ws, fp32=1) == "torch"  # an fp32 weight in a slot of x's dtype
         assert linear.kernel(x, ws) == "triton"  # grad mode on, but nothing to differentiate
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == [f"multi_linear: {linear.TORCH_FORM}: a gradient is needed",
-                     "multi_linear: one Triton launch (k3.ops.linear.triton_multi)",
-                     f"multi_linear: {linear.TORCH_FORM}: the kernel takes 2-D bf16 / fp16 inputs, not 2-D "
-                     "torch.float32",
-                     f"multi_linear: {linear.TORCH_FORM}: more than 256 rows",
-                     f"multi_linear: {linear.TORCH_FORM}: the kernel takes 1..8 [N, K] weights of the "
-                     "input's dtype (fp32 ones: also fp32)"]
+    assert lines == [
+        f"multi_linear: {linear.TORCH_FORM}: a gradient is needed",
+        "multi_linear: one Triton launch (k3.ops.linear.triton_multi)",
+        f"multi_linear: {linear.TORCH_FORM}: the kernel takes 2-D bf16 / fp16 inputs, not 2-D torch.float32",
+        f"multi_linear: {linear.TORCH_FORM}: more than 256 rows",
+        f"multi_linear: {linear.TORCH_FORM}: the kernel takes 1..8 [N, K] weights of the "
+        "input's dtype (fp32 ones: also fp32)",
+    ]
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 1e-2)])
@@ -148,10 +149,15 @@ def test_fast_backend_stacks_the_weights_where_a_gradient_is_needed(monkeypatch)
 def test_kernel_rejects_bad_inputs():
     tm = pytest.importorskip("k3.ops.linear.triton_multi")
     x = torch.zeros(2, 8, dtype=torch.float16)
-    for args in [(x.float(), [torch.zeros(4, 8)]), (x, []), (x, [torch.zeros(4, 9, dtype=torch.float16)]),
-                 (x, [torch.zeros(4, 8)]), (x, [torch.zeros(4, 8, dtype=torch.float16)] * 9),
-                 (x, [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16)], 1),
-                 (x, [torch.zeros(4, 8, dtype=torch.float16)], 2)]:
+    for args in [
+        (x.float(), [torch.zeros(4, 8)]),
+        (x, []),
+        (x, [torch.zeros(4, 9, dtype=torch.float16)]),
+        (x, [torch.zeros(4, 8)]),
+        (x, [torch.zeros(4, 8, dtype=torch.float16)] * 9),
+        (x, [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float16)], 1),
+        (x, [torch.zeros(4, 8, dtype=torch.float16)], 2),
+    ]:
         with pytest.raises(ValueError, match="multi_linear: .* do not match"):
             tm.multi_linear(*args)
 
@@ -264,7 +270,7 @@ def test_kda_decode_step_takes_its_six_maps_in_one_call(monkeypatch):
         x = torch.randn(6, cfg.hidden_size, dtype=torch.float64)
         with torch.no_grad():
             full = layer(x, torch.tensor([0, 6]))
-            steps = torch.cat([layer.step(x[t:t + 1], state, torch.tensor([0])) for t in range(6)])
+            steps = torch.cat([layer.step(x[t : t + 1], state, torch.tensor([0])) for t in range(6)])
         err = ((steps - full).norm() / full.norm()).item()
         assert err <= 1e-10, (full_gate, err)
     assert calls == [6, 1] * 12  # the six input maps, then o_proj
@@ -282,8 +288,13 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
 
     calls = spy_calls(monkeypatch, importlib.import_module("k3.ops.moe"))  # moe_inputs: the layer's one op
     torch.manual_seed(4)
-    cfg = get_preset("tiny").replace(**{"moe.latent_size": 32 if latent else None, "moe.latent_norm": latent,
-                                        "moe.num_shared_experts": 1 if shared else 0})
+    cfg = get_preset("tiny").replace(
+        **{
+            "moe.latent_size": 32 if latent else None,
+            "moe.latent_norm": latent,
+            "moe.num_shared_experts": 1 if shared else 0,
+        }
+    )
     moe = moe_module.MoE(cfg, layer_idx=1)
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -299,8 +310,11 @@ def test_moe_takes_its_input_maps_in_one_call(monkeypatch, latent, shared):
         want = want + moe.shared_experts(x)
     assert torch.equal(y, want)
     y.sum().backward()  # gradients reach every map through the torch path
-    maps = ([moe.routed_expert_down_proj] if latent else []) + (
-        [moe.shared_experts.gate_proj, moe.shared_experts.up_proj] if shared else []) + [moe.gate]
+    maps = (
+        ([moe.routed_expert_down_proj] if latent else [])
+        + ([moe.shared_experts.gate_proj, moe.shared_experts.up_proj] if shared else [])
+        + [moe.gate]
+    )
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in maps)
 
 
@@ -322,6 +336,6 @@ def test_mla_decode_step_takes_its_maps_in_one_call(monkeypatch, q_lora_rank, ou
     x = torch.randn(6, cfg.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         full = layer(x, torch.tensor([0, 6]))
-        steps = torch.cat([layer.step(x[t:t + 1], state, torch.tensor([0]), torch.tensor([t])) for t in range(6)])
+        steps = torch.cat([layer.step(x[t : t + 1], state, torch.tensor([0]), torch.tensor([t])) for t in range(6)])
     assert ((steps - full).norm() / full.norm()).item() <= 1e-10
     assert calls == [2 + int(output_gate)] * 6

@@ -52,16 +52,20 @@ def test_kernels_default_to_triton_where_usable_and_follow_k3_kernels(fresh, mon
     assert choices["moe_small_groups"] == ("grouped_mm", "K3_KERNELS") and choices["pdl"] == ("off", "K3_KERNELS")
     assert choices["router_topk"] == ("triton", "default")
     table = plan_table(CPU)
-    assert table.splitlines()[0] == ("kernel plan on cpu (K3_BACKEND=auto, "
-                                     "K3_KERNELS=moe_small_groups=grouped_mm, pdl=off)")
+    assert table.splitlines()[0] == (
+        "kernel plan on cpu (K3_BACKEND=auto, K3_KERNELS=moe_small_groups=grouped_mm, pdl=off)"
+    )
     assert "kernel moe_small_groups  grouped_mm" in table
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("router=torch", "'router=torch' must be name=value with a name among multi_linear, "),
-    ("router_topk", "'router_topk' must be name=value"),
-    ("conv_step=off", "conv_step='off' must be triton or torch"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("router=torch", "'router=torch' must be name=value with a name among multi_linear, "),
+        ("router_topk", "'router_topk' must be name=value"),
+        ("conv_step=off", "conv_step='off' must be triton or torch"),
+    ],
+)
 def test_bad_kernel_choices_are_one_clear_error(fresh, spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         backend.set_kernels(spec)

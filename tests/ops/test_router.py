@@ -111,18 +111,26 @@ def test_fast_backend_runs_the_kernel_only_without_gradients(monkeypatch, caplog
         assert router.topk_kernel(logits.detach(), bias) == "triton"  # grad mode on, but nothing to differentiate
         assert router.topk_kernel(logits, bias) == "torch"
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["router: top-k by torch (k3.ops.router.reference): a gradient is needed",
-                     "router: top-k by the Triton kernel (k3.ops.router.triton_topk)",
-                     "router: top-k by torch (k3.ops.router.reference): the kernel takes fp32 logits and bias, not "
-                     "torch.float64 and torch.float64",
-                     "router: top-k by torch (k3.ops.router.reference): 4097 experts, more than the kernel's 4096"]
+    assert lines == [
+        "router: top-k by torch (k3.ops.router.reference): a gradient is needed",
+        "router: top-k by the Triton kernel (k3.ops.router.triton_topk)",
+        "router: top-k by torch (k3.ops.router.reference): the kernel takes fp32 logits and bias, not "
+        "torch.float64 and torch.float64",
+        "router: top-k by torch (k3.ops.router.reference): 4097 experts, more than the kernel's 4096",
+    ]
 
 
 def test_kernel_rejects_bad_inputs():
     tk = pytest.importorskip("k3.ops.router.triton_topk")
     logits, bias = torch.zeros(3, 16), torch.zeros(16)
-    for args in [(logits.double(), bias.double(), 4), (logits[0], bias, 4), (logits, bias[:8], 4), (logits, bias, 0),
-                 (logits, bias, 17), (torch.zeros(1, 4097), torch.zeros(4097), 4)]:
+    for args in [
+        (logits.double(), bias.double(), 4),
+        (logits[0], bias, 4),
+        (logits, bias[:8], 4),
+        (logits, bias, 0),
+        (logits, bias, 17),
+        (torch.zeros(1, 4097), torch.zeros(4097), 4),
+    ]:
         with pytest.raises(ValueError, match="router_topk: .* do not match"):
             tk.router_topk(*args, True, 1.0)
 

@@ -22,8 +22,9 @@ def _random_shares(rng, e, alpha=1.0):
     return f / f.sum()
 
 
-@pytest.mark.parametrize("e,g,per_node,extra", [(896, 64, 8, 1), (896, 64, 8, 0), (64, 8, 4, 2), (30, 4, 4, 1),
-                                                (7, 3, 3, 0)])
+@pytest.mark.parametrize(
+    "e,g,per_node,extra", [(896, 64, 8, 1), (896, 64, 8, 0), (64, 8, 4, 2), (30, 4, 4, 1), (7, 3, 3, 0)]
+)
 def test_placement_invariants(e, g, per_node, extra):
     """Every expert at least once, no GPU over its slots or holding an expert twice, replicas as counted, loads
     adding up; placed is never worse than contiguous blocks, replication never worse than none (to 1%)."""

@@ -67,7 +67,7 @@ def scalar_scale_exponent(amax: float, elem: str, mode: str) -> int:
 def scalar_quantize(row: list[float], elem: str, mode: str, block: int = 32) -> tuple[list[int], list[int]]:
     codes, scales = [], []
     for b in range(0, len(row), block):
-        vals = row[b:b + block]
+        vals = row[b : b + block]
         if any(math.isnan(v) or math.isinf(v) for v in vals):
             scales.append(0xFF)
             codes += [NAN_CODE[elem]] * block
@@ -98,22 +98,22 @@ def edge_rows(elem: str) -> torch.Tensor:
     r = torch.randn(32, generator=gen).tolist()
     above = math.nextafter(vmax, INF)
     blocks = [
-        [0.0] * 32,                                                     # zero block
-        [-0.0, 0.0] * 16,                                               # signed zeros
-        [1e-40, -2.0**-149, 1e-38, -3e-39] * 8,                         # float32 subnormals only
+        [0.0] * 32,  # zero block
+        [-0.0, 0.0] * 16,  # signed zeros
+        [1e-40, -(2.0**-149), 1e-38, -3e-39] * 8,  # float32 subnormals only
         [1.0, 2.0**-10, -3 * 2.0**-11, 2.0**-17, 2.0**-18, 5e-6, -1e-7, 0.3] * 4,  # element subnormals
-        mids,                                                           # round-half-to-even ties
-        [-m * 2.0**-5 for m in mids],                                   # the same, negative and scaled
-        [vmax, -vmax, vmax * 2.0**10, 1.0] * 8,                         # element max (and a scaled max)
-        [above, 7.9, -7.5, 1.0] * 8,                                    # above max: FLOOR saturates
-        [1e6, -1e-6, 3.0, 1e-30] * 8,                                   # mixed magnitudes
-        [3.4e38, -3e38, 1e38, 1.0] * 8,                                 # near float32 max
-        [2.0**-120 * v for v in r],                                     # scale exponent near -127
-        [2.0**-140 * v for v in r],                                     # below the smallest scale
-        r[:5] + [INF] + r[6:],                                          # +inf
-        r[:7] + [-INF] + r[8:],                                         # -inf
-        r[:3] + [NAN] + r[4:],                                          # NaN
-        [vmax * 2.0**k for k in range(-16, 16)],                        # exact powers of the max
+        mids,  # round-half-to-even ties
+        [-m * 2.0**-5 for m in mids],  # the same, negative and scaled
+        [vmax, -vmax, vmax * 2.0**10, 1.0] * 8,  # element max (and a scaled max)
+        [above, 7.9, -7.5, 1.0] * 8,  # above max: FLOOR saturates
+        [1e6, -1e-6, 3.0, 1e-30] * 8,  # mixed magnitudes
+        [3.4e38, -3e38, 1e38, 1.0] * 8,  # near float32 max
+        [2.0**-120 * v for v in r],  # scale exponent near -127
+        [2.0**-140 * v for v in r],  # below the smallest scale
+        r[:5] + [INF] + r[6:],  # +inf
+        r[:7] + [-INF] + r[8:],  # -inf
+        r[:3] + [NAN] + r[4:],  # NaN
+        [vmax * 2.0**k for k in range(-16, 16)],  # exact powers of the max
     ]
     if len(blocks) % 2:
         blocks.append(r)
@@ -145,8 +145,12 @@ def test_matches_scalar_reference_bit_for_bit(elem, mode):
         assert scales[i].tolist() == want_scales, (i, row)
         assert codes[i].tolist() == want_codes, (i, row)
     deq = dequantize(codes, scales, elem)
-    want = torch.tensor([[scalar_dequantize(c, s, elem) for c, s in zip(crow, [sr for sr in srow for _ in range(32)])]
-                         for crow, srow in zip(codes.tolist(), scales.tolist())])
+    want = torch.tensor(
+        [
+            [scalar_dequantize(c, s, elem) for c, s in zip(crow, [sr for sr in srow for _ in range(32)])]
+            for crow, srow in zip(codes.tolist(), scales.tolist())
+        ]
+    )
     torch.testing.assert_close(deq, want, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(torch.signbit(deq), torch.signbit(want))  # signed zeros too
 

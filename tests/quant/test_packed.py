@@ -67,8 +67,14 @@ def test_quantization_config():
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == FORMAT
     (group,) = qc["config_groups"].values()
     w = group["weights"]
-    assert (w["num_bits"], w["type"], w["strategy"], w["group_size"], w["symmetric"], w["scale_dtype"]) == \
-        (4, "float", "group", 32, True, "uint8")
+    assert (w["num_bits"], w["type"], w["strategy"], w["group_size"], w["symmetric"], w["scale_dtype"]) == (
+        4,
+        "float",
+        "group",
+        32,
+        True,
+        "uint8",
+    )
     assert group["input_activations"] is None
     assert {"lm_head", r"re:.*shared_experts\..*", r"re:.*self_attn\..*"} <= set(qc["ignore"])
     assert json.loads(json.dumps(qc)) == qc
@@ -151,8 +157,11 @@ def test_refusals(tmp_path):
     save_pretrained(model, tmp_path / "q", quantize="mxfp4")
     cfg_path = tmp_path / "q" / "config.json"
     good = json.loads(cfg_path.read_text())
-    for change, message in ((("quant_method", "gptq"), "quant_method"), (("format", "nvfp4-pack-quantized"), "format"),
-                            (("format", "pack-quantized"), "not supported")):
+    for change, message in (
+        (("quant_method", "gptq"), "quant_method"),
+        (("format", "nvfp4-pack-quantized"), "format"),
+        (("format", "pack-quantized"), "not supported"),
+    ):
         bad = json.loads(json.dumps(good))
         bad["quantization_config"][change[0]] = change[1]
         cfg_path.write_text(json.dumps(bad))

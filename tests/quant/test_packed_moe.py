@@ -76,7 +76,7 @@ def test_packed_op_equals_dequantised_reference(reference_backend):
     assert nan_tokens.sum() == 4
     assert out[nan_tokens].isnan().all() and out[~nan_tokens].isfinite().all()
     # the extremes matter: 2^127 weights saturate the GLU, 2^-127 ones are (almost) zero
-    assert bank.w1[BIG_EXPERT, :, 0].float().eq(2.0 ** 126).all() and bank.w1[TINY_EXPERT, :4].abs().max() < 1e-37
+    assert bank.w1[BIG_EXPERT, :, 0].float().eq(2.0**126).all() and bank.w1[TINY_EXPERT, :4].abs().max() < 1e-37
     # within bf16 rounding of the same computation in fp32 (weights exact in fp32)
     bank32 = [w.float() for w in (bank.to(torch.float32).w1, bank.w2, bank.w3)]
     want32 = reference.moe_experts(x.float(), idx, weight, *bank32, glu)
@@ -151,8 +151,13 @@ def test_dequantisation_matches_torchao():
     for dtype in (torch.float32, torch.bfloat16):
         ours = mxfp4.dequantize_experts(packed, scale, torch.tensor([3, 0, 2]), dtype)
         sel = [3, 0, 2]
-        theirs = mx.to_dtype(packed[sel].reshape(-1, 16), scale[sel].reshape(-1, 1).view(torch.float8_e8m0fnu),
-                             torch.float4_e2m1fn_x2, 32, dtype).reshape(ours.shape)
+        theirs = mx.to_dtype(
+            packed[sel].reshape(-1, 16),
+            scale[sel].reshape(-1, 1).view(torch.float8_e8m0fnu),
+            torch.float4_e2m1fn_x2,
+            32,
+            dtype,
+        ).reshape(ours.shape)
         assert ours.dtype == theirs.dtype == dtype
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(ours.isnan(), (scale[sel] == 255).repeat_interleave(32, -1))
@@ -160,10 +165,16 @@ def test_dequantisation_matches_torchao():
 
 def test_packed_bytes_per_weight():
     """Codes + scales resident: 4.25 bits a routed-expert weight, for a CPU model and for k3-slice on meta."""
+
     def check(model, weights):
         use_packed_experts(model)
-        bufs = [b for m in model.modules() if isinstance(m, PackedExperts)
-                for n, b in m.named_buffers(recurse=False) if n.endswith(("_packed", "_scale"))]
+        bufs = [
+            b
+            for m in model.modules()
+            if isinstance(m, PackedExperts)
+            for n, b in m.named_buffers(recurse=False)
+            if n.endswith(("_packed", "_scale"))
+        ]
         assert all(b.dtype == torch.uint8 for b in bufs)
         assert not any(".experts." in n for n, _ in model.named_parameters())
         nbytes = sum(b.numel() * b.element_size() for b in bufs)

@@ -141,8 +141,19 @@ def test_train_cli_flags(tmp_path):
     from k3.cli.main import build_parser
     from k3.cli.train import config_from_args
 
-    args = build_parser().parse_args(["train", "--preset", "tiny", "--qat", "mxfp4-weights", "--qat-scale-mode",
-                                      "rceil", "--out", str(tmp_path / "r")])
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--qat",
+            "mxfp4-weights",
+            "--qat-scale-mode",
+            "rceil",
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
     cfg = config_from_args(args)
     assert (cfg.qat, cfg.qat_scale_mode) == ("mxfp4-weights", "rceil")
     assert config_from_args(build_parser().parse_args(["train", "--out", str(tmp_path / "r")])).qat is None
@@ -151,9 +162,22 @@ def test_train_cli_flags(tmp_path):
 
 
 def test_qat_training_run(tmp_path, caplog):
-    cfg = TrainConfig(preset="tiny", steps=10, batch_size=2, seq_len=48, vocab_size=400, lr=1e-2,
-                      tokenizer_train_bytes=200_000, max_tokens=30_000, eval_every=10, eval_rows=4, samples=0,
-                      out=str(tmp_path / "run"), seed=0, qat="mxfp4")
+    cfg = TrainConfig(
+        preset="tiny",
+        steps=10,
+        batch_size=2,
+        seq_len=48,
+        vocab_size=400,
+        lr=1e-2,
+        tokenizer_train_bytes=200_000,
+        max_tokens=30_000,
+        eval_every=10,
+        eval_rows=4,
+        samples=0,
+        out=str(tmp_path / "run"),
+        seed=0,
+        qat="mxfp4",
+    )
     with caplog.at_level(logging.INFO, logger="k3.train"):
         trainer = Trainer(cfg, progress=False)
     assert "checkpoints hold the high-precision masters" in caplog.text

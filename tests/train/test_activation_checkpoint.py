@@ -89,9 +89,24 @@ def test_no_grad_and_cached_passes_keep_the_plain_forward(monkeypatch):
 def test_trainer_flag_gives_the_same_run(tmp_path):
     """Two steps of the tiny preset with --activation-checkpointing: the same losses as without (fp32 on CPU;
     the recomputation repeats the forward's operations, so only reduction order inside a kernel could differ)."""
-    base = dict(preset="tiny", steps=2, batch_size=2, seq_len=48, vocab_size=400, tokenizer_train_bytes=200_000,
-                max_tokens=30_000, eval_every=2, eval_rows=4, samples=0, seed=0)
-    runs = [Trainer(TrainConfig(**base, out=str(tmp_path / str(flag)), activation_checkpointing=flag),
-                    progress=False).run()["history"] for flag in (False, True)]
+    base = dict(
+        preset="tiny",
+        steps=2,
+        batch_size=2,
+        seq_len=48,
+        vocab_size=400,
+        tokenizer_train_bytes=200_000,
+        max_tokens=30_000,
+        eval_every=2,
+        eval_rows=4,
+        samples=0,
+        seed=0,
+    )
+    runs = [
+        Trainer(
+            TrainConfig(**base, out=str(tmp_path / str(flag)), activation_checkpointing=flag), progress=False
+        ).run()["history"]
+        for flag in (False, True)
+    ]
     a, b = ([h["loss"] for h in r] for r in runs)
     assert len(a) == 2 and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b)), (a, b)

@@ -44,14 +44,25 @@ def test_train_step_reads_device_values_once(tmp_path, monkeypatch):
     record = trainer.train_step()
     assert reads == [], f"values read back inside the model's forward: {reads}"
     assert len(fetches) == 1, fetches
-    assert {"loss", "grad_norm", "aux_loss", "maxvio", "maxvio_micro", "maxvio_seq", "dead_experts",
-            "mla_max_logit"} <= set(record)
+    assert {
+        "loss",
+        "grad_norm",
+        "aux_loss",
+        "maxvio",
+        "maxvio_micro",
+        "maxvio_seq",
+        "dead_experts",
+        "mla_max_logit",
+    } <= set(record)
     assert set(trainer.recent_loads) == {1, 2, 3, 4}
 
 
 def test_to_host_is_exact():
-    parts = {"f32": torch.tensor([1 / 3, -2.5e-30, float("inf")]), "f64": torch.tensor(1 / 7, dtype=torch.float64),
-             "loads": torch.tensor([[0, 2 ** 40], [7, 3]])}
+    parts = {
+        "f32": torch.tensor([1 / 3, -2.5e-30, float("inf")]),
+        "f64": torch.tensor(1 / 7, dtype=torch.float64),
+        "loads": torch.tensor([[0, 2**40], [7, 3]]),
+    }
     host = to_host(parts, torch.device("cpu"))
     assert list(host) == list(parts)
     for k, t in parts.items():

@@ -19,8 +19,17 @@ from torch import nn
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
-from k3.train.optim import (K3Muon, clip_grad_norm, cosine_schedule, describe_groups, make_scheduler,
-                            mla_max_logits, newton_schulz, param_groups_for, qk_clip_)
+from k3.train.optim import (
+    K3Muon,
+    clip_grad_norm,
+    cosine_schedule,
+    describe_groups,
+    make_scheduler,
+    mla_max_logits,
+    newton_schulz,
+    param_groups_for,
+    qk_clip_,
+)
 
 LR, WD = 0.02, 0.1
 TOL = 1e-6
@@ -41,8 +50,9 @@ def run_pair(w0, ref_params, to_ref_grads, group_kw, steps=3, seed=0):
     """Step K3Muon on one parameter (init w0) and torch's optimiser on ref_params with the same grads."""
     p = nn.Parameter(w0.clone())
     opt = K3Muon([dict(params=[p], **group_kw)], lr=LR, weight_decay=WD)
-    ref = torch.optim.Muon(ref_params, lr=LR, weight_decay=WD, momentum=0.95, nesterov=True,
-                           adjust_lr_fn="match_rms_adamw")
+    ref = torch.optim.Muon(
+        ref_params, lr=LR, weight_decay=WD, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw"
+    )
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         g = torch.randn(w0.shape, generator=gen) + 0.5  # never zero, non-centred so momentum matters
@@ -57,9 +67,10 @@ def run_pair(w0, ref_params, to_ref_grads, group_kw, steps=3, seed=0):
 def test_per_head_muon_equals_torch_muon_per_head(ns_dtype):
     for heads, hd, d_in in [(4, 16, 48), (3, 32, 24)]:  # wide blocks, then tall blocks (NS on their transpose)
         w0 = torch.randn(heads * hd, d_in, generator=torch.Generator().manual_seed(1)) * 0.02
-        ref_params = [nn.Parameter(w0[h * hd:(h + 1) * hd].clone()) for h in range(heads)]
-        ours = run_pair(w0, ref_params, lambda g: g.split(hd, 0),
-                        dict(kind="muon_head", head_dim=hd, ns_dtype=ns_dtype))
+        ref_params = [nn.Parameter(w0[h * hd : (h + 1) * hd].clone()) for h in range(heads)]
+        ours = run_pair(
+            w0, ref_params, lambda g: g.split(hd, 0), dict(kind="muon_head", head_dim=hd, ns_dtype=ns_dtype)
+        )
         theirs = torch.cat([rp.detach() for rp in ref_params])
         err = rel(ours - w0, theirs - w0)
         print(f"muon_head {heads}x[{hd},{d_in}] ns={ns_dtype}: rel err {err:.2e}")
@@ -91,10 +102,17 @@ def test_adamw_groups_equal_torch_adamw():
     w_dec, w_nodec = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen) + 1.0
     a, b = nn.Parameter(w_dec.clone()), nn.Parameter(w_nodec.clone())
     ra, rb = nn.Parameter(w_dec.clone()), nn.Parameter(w_nodec.clone())
-    opt = K3Muon([dict(params=[a], kind="adamw"), dict(params=[b], kind="adamw", weight_decay=0.0)],
-                 lr=1e-2, weight_decay=WD)
-    ref = torch.optim.AdamW([dict(params=[ra]), dict(params=[rb], weight_decay=0.0)], lr=1e-2, betas=(0.9, 0.95),
-                            eps=1e-8, weight_decay=WD, foreach=False)
+    opt = K3Muon(
+        [dict(params=[a], kind="adamw"), dict(params=[b], kind="adamw", weight_decay=0.0)], lr=1e-2, weight_decay=WD
+    )
+    ref = torch.optim.AdamW(
+        [dict(params=[ra]), dict(params=[rb], weight_decay=0.0)],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=WD,
+        foreach=False,
+    )
     for _ in range(4):
         for p, rp in ((a, ra), (b, rb)):
             g = torch.randn(p.shape, generator=gen) + 0.3
@@ -139,6 +157,7 @@ def test_newton_schulz_properties():
 # ----------------------------------------------------------------------------------------------------------
 # parameter groups
 # ----------------------------------------------------------------------------------------------------------
+
 
 def kinds_by_name(groups):
     return {n: (g["kind"], g.get("head_dim"), g["weight_decay"]) for g in groups for n in g["param_names"]}
@@ -246,6 +265,7 @@ def test_state_dict_round_trip_is_bitwise():
 # schedule
 # ----------------------------------------------------------------------------------------------------------
 
+
 def test_cosine_schedule():
     total = 1000  # warmup = 10 steps
     f = [cosine_schedule(s, total) for s in range(total + 5)]
@@ -256,7 +276,8 @@ def test_cosine_schedule():
     assert f[total - 1] == pytest.approx(0.1) and f[total + 4] == pytest.approx(0.1)
     assert cosine_schedule(0, 5) == 1.0 and cosine_schedule(4, 5) == pytest.approx(0.1)  # warmup of one step
     assert cosine_schedule(3, 100, warmup_frac=0.0, min_ratio=0.0) == pytest.approx(
-        0.5 * (1 + math.cos(math.pi * 3 / 99)))
+        0.5 * (1 + math.cos(math.pi * 3 / 99))
+    )
 
     p = nn.Parameter(torch.ones(2))
     opt = K3Muon([dict(params=[p], kind="adamw")], lr=3e-3)
@@ -270,6 +291,7 @@ def test_cosine_schedule():
 # ----------------------------------------------------------------------------------------------------------
 # QK-Clip
 # ----------------------------------------------------------------------------------------------------------
+
 
 def make_mla(q_lora, rope):
     cfg = get_preset("tiny").replace(**{"mla.num_heads": 4, "mla.q_lora_rank": q_lora, "mla.rope_theta": rope})
@@ -285,19 +307,21 @@ def logits_from_forward(m, x, cu):
     """Per-head max causal logit from q / kv captured out of the module's own forward (NoPE only)."""
     got = {}
     qmod = m.q_proj if hasattr(m, "q_proj") else m.q_b_proj
-    hooks = [qmod.register_forward_hook(lambda mod, i, o: got.__setitem__("q", o)),
-             m.kv_b_proj.register_forward_hook(lambda mod, i, o: got.__setitem__("kv", o)),
-             m.kv_a_proj_with_mqa.register_forward_hook(lambda mod, i, o: got.__setitem__("a", o))]
+    hooks = [
+        qmod.register_forward_hook(lambda mod, i, o: got.__setitem__("q", o)),
+        m.kv_b_proj.register_forward_hook(lambda mod, i, o: got.__setitem__("kv", o)),
+        m.kv_a_proj_with_mqa.register_forward_hook(lambda mod, i, o: got.__setitem__("a", o)),
+    ]
     m(x, cu, absorb=False)
     for h in hooks:
         h.remove()
     n, h = x.shape[0], m.num_heads
     q = got["q"].view(n, h, -1)
-    k = torch.cat([got["kv"].view(n, h, -1)[..., :m.dn], got["a"][:, None, m.r:].expand(-1, h, -1)], -1)
+    k = torch.cat([got["kv"].view(n, h, -1)[..., : m.dn], got["a"][:, None, m.r :].expand(-1, h, -1)], -1)
     best = torch.full((h,), -math.inf)
     b = cu.tolist()
     for s in range(len(b) - 1):
-        sc = torch.einsum("ihd,jhd->hij", q[b[s]:b[s + 1]], k[b[s]:b[s + 1]]) * m.scale
+        sc = torch.einsum("ihd,jhd->hij", q[b[s] : b[s + 1]], k[b[s] : b[s + 1]]) * m.scale
         L = b[s + 1] - b[s]
         sc = sc.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -math.inf)
         best = torch.maximum(best, sc.amax((1, 2)))
@@ -322,7 +346,7 @@ def test_qk_clip(q_lora, rope):
     captured = []
     hook = m.o_proj.register_forward_pre_hook(lambda mod, args: captured.append(args[0].detach().clone()))
     m(x, cu)
-    kv_a, w_v = m.kv_a_proj_with_mqa.weight.clone(), m.kv_b_proj.weight.view(4, m.dn + m.dv, -1)[:, m.dn:].clone()
+    kv_a, w_v = m.kv_a_proj_with_mqa.weight.clone(), m.kv_b_proj.weight.view(4, m.dn + m.dv, -1)[:, m.dn :].clone()
     gamma = qk_clip_(m, s)
     m(x, cu)
     hook.remove()
@@ -337,7 +361,7 @@ def test_qk_clip(q_lora, rope):
     assert torch.allclose(after[:, keep], before[:, keep], rtol=1e-6, atol=1e-7)
     assert not torch.allclose(after[:, 1], before[:, 1])
     assert torch.equal(m.kv_a_proj_with_mqa.weight, kv_a)  # shared k_pe untouched
-    assert torch.equal(m.kv_b_proj.weight.view(4, m.dn + m.dv, -1)[:, m.dn:], w_v)  # v rows untouched
+    assert torch.equal(m.kv_b_proj.weight.view(4, m.dn + m.dv, -1)[:, m.dn :], w_v)  # v rows untouched
 
 
 def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):

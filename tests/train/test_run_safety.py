@@ -24,29 +24,42 @@ def all_finite(directory):
 
 
 def small_cfg(out, **kw):
-    return tiny_cfg(out, **{"tokenizer_train_bytes": 20_000, "max_tokens": 6_000, "seq_len": 32, "eval_rows": 2,
-                            "eval_every": 100, **kw})
+    return tiny_cfg(
+        out,
+        **{
+            "tokenizer_train_bytes": 20_000,
+            "max_tokens": 6_000,
+            "seq_len": 32,
+            "eval_rows": 2,
+            "eval_every": 100,
+            **kw,
+        },
+    )
 
 
 def test_exploding_lr_stops_with_a_finite_checkpoint(tmp_path):
     """lr 100 (the gradients turn NaN): the steps are skipped, the QB balancer does not crash on NaN router
     scores, and the stop leaves a finite checkpoint, loadable with its state."""
-    trainer = Trainer(small_cfg(tmp_path / "run", lr=100.0, steps=20, save_every=2, keep_checkpoints=1),
-                      progress=False)
+    trainer = Trainer(small_cfg(tmp_path / "run", lr=100.0, steps=20, save_every=2, keep_checkpoints=1), progress=False)
     with pytest.raises(TrainingDiverged, match="3 bad steps in a row"):
         trainer.run()
     steps = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert steps and all(all_finite(p) for p in steps)
     state = torch.load(latest_checkpoint(tmp_path / "run") / STATE_FILE, weights_only=True)
-    assert all(torch.isfinite(v).all() for s in state["optimizer"]["state"].values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.is_floating_point())
+    assert all(
+        torch.isfinite(v).all()
+        for s in state["optimizer"]["state"].values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
 
 
 def test_nonfinite_weights_after_an_update_roll_back(tmp_path, monkeypatch):
     """An update that makes the weights NaN (finite loss and gradients) is caught with the next step's numbers:
     the last saved state comes back, nothing non-finite is saved, and repeated failures stop the run."""
-    trainer = Trainer(small_cfg(tmp_path / "run", balance="none", steps=8, save_every=2, max_bad_steps=2),
-                      progress=False)
+    trainer = Trainer(
+        small_cfg(tmp_path / "run", balance="none", steps=8, save_every=2, max_bad_steps=2), progress=False
+    )
     real_step = trainer.optimizer.step
 
     def poisoned_step(*a, **k):
@@ -58,8 +71,14 @@ def test_nonfinite_weights_after_an_update_roll_back(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.optimizer, "step", poisoned_step)
     with pytest.raises(TrainingDiverged, match="2 bad steps in a row"):
         trainer.run()
-    assert [h.get("skipped") for h in trainer.history] == [None, None, None, "non-finite weights", None,
-                                                           "non-finite weights"]
+    assert [h.get("skipped") for h in trainer.history] == [
+        None,
+        None,
+        None,
+        "non-finite weights",
+        None,
+        "non-finite weights",
+    ]
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert [p.name for p in ckpts] == ["step-000002", "step-000004", "step-000006"]
     good = k3.from_pretrained(ckpts[0]).state_dict()
@@ -80,8 +99,9 @@ def test_nan_router_weights_skip_without_crashing_the_balancer(tmp_path):
     """NaN in a router (not from an update): the step is skipped, QB does not crash, and the checkpoint saved on
     stopping holds the last finite weights, not the NaN ones."""
     trainer = Trainer(small_cfg(tmp_path / "run", steps=6, save_every=0, max_bad_steps=2), progress=False)
-    gate = next(layer.block_sparse_moe.gate for layer in trainer.model.model.layers
-                if hasattr(layer, "block_sparse_moe"))
+    gate = next(
+        layer.block_sparse_moe.gate for layer in trainer.model.model.layers if hasattr(layer, "block_sparse_moe")
+    )
     with torch.no_grad():
         gate.weight.fill_(float("nan"))
     with pytest.raises(TrainingDiverged):
@@ -91,9 +111,33 @@ def test_nan_router_weights_skip_without_crashing_the_balancer(tmp_path):
 
 
 def cli_args(out, *extra):
-    return ["train", "--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--vocab-size",
-            "300", "--max-tokens", "20000", "--eval-every", "2", "--eval-rows", "2", "--samples", "1", "--out",
-            str(out), "--no-progress", "--save-every", "2", *extra]
+    return [
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--vocab-size",
+        "300",
+        "--max-tokens",
+        "20000",
+        "--eval-every",
+        "2",
+        "--eval-rows",
+        "2",
+        "--samples",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--save-every",
+        "2",
+        *extra,
+    ]
 
 
 def test_resume_is_explicit(tmp_path, capsys):
@@ -107,7 +151,7 @@ def test_resume_is_explicit(tmp_path, capsys):
         args = cli_args(b, "--resume")
         if flag in args:
             i = args.index(flag)
-            args = args[:i] + args[i + 2:]
+            args = args[:i] + args[i + 2 :]
         assert main(args + [flag, value]) == 2, flag
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err, err
@@ -146,6 +190,7 @@ def test_trainer_state_is_plain_data_under_checksums(tmp_path, monkeypatch):
     with open(ckpt / STATE_FILE, "wb") as f:
         pickle.dump({"step": Boom()}, f)
     from k3.convert.checkpoint import _sha256
+
     sums = json.loads((ckpt / CHECKSUMS).read_text())
     sums["sha256"][STATE_FILE] = _sha256(ckpt / STATE_FILE)
     (ckpt / CHECKSUMS).write_text(json.dumps(sums))

@@ -16,8 +16,21 @@ from k3.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 
 def tiny_cfg(out, **kw):
-    base = dict(preset="tiny", steps=6, batch_size=2, seq_len=48, vocab_size=400, tokenizer_train_bytes=200_000,
-                max_tokens=30_000, eval_every=3, eval_rows=4, save_every=3, samples=1, out=str(out), seed=0)
+    base = dict(
+        preset="tiny",
+        steps=6,
+        batch_size=2,
+        seq_len=48,
+        vocab_size=400,
+        tokenizer_train_bytes=200_000,
+        max_tokens=30_000,
+        eval_every=3,
+        eval_rows=4,
+        save_every=3,
+        samples=1,
+        out=str(out),
+        seed=0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -88,10 +101,19 @@ def test_packed_step_equals_per_document_step(perturb):
 
 
 def test_qb_balances_better_than_none(tmp_path, capsys):
-    kw = dict(steps=50, save_every=0, eval_every=50, batch_size=4, seq_len=64, max_tokens=60_000, lr=1e-2,
-              overrides={"moe.num_experts": 16, "moe.num_experts_per_token": 2})
-    runs = {m: Trainer(tiny_cfg(tmp_path / m, balance=m, **kw), progress=False).run()["history"]
-            for m in ("qb", "none")}
+    kw = dict(
+        steps=50,
+        save_every=0,
+        eval_every=50,
+        batch_size=4,
+        seq_len=64,
+        max_tokens=60_000,
+        lr=1e-2,
+        overrides={"moe.num_experts": 16, "moe.num_experts_per_token": 2},
+    )
+    runs = {
+        m: Trainer(tiny_cfg(tmp_path / m, balance=m, **kw), progress=False).run()["history"] for m in ("qb", "none")
+    }
     late = {m: sum(h["maxvio"] for h in hist[-10:]) / 10 for m, hist in runs.items()}
     with capsys.disabled():
         print(f"\nglobal-batch MaxVio, mean of steps 40-49: qb {late['qb']:.3f}, none {late['none']:.3f}")
@@ -125,9 +147,32 @@ def test_nan_steps_are_skipped_then_stop(tmp_path, monkeypatch):
 
 def test_cli_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "cli"
-    args = ["train", "--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
-            "--max-tokens", "20000", "--eval-every", "2", "--eval-rows", "2", "--samples", "1", "--out", str(out),
-            "--no-progress", "--set", "moe.num_experts=4"]
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--vocab-size",
+        "300",
+        "--max-tokens",
+        "20000",
+        "--eval-every",
+        "2",
+        "--eval-rows",
+        "2",
+        "--samples",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        "moe.num_experts=4",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "at start" in text and "checkpoint:" in text
@@ -148,16 +193,29 @@ def test_maxvio_three_forms(tmp_path, task, steps):
     router statistics with plain Python, and maxvio.png is written; the vision task's offsets span the router's
     tokens as the text task's do. With equal-sized micro-batches on one process the forms also obey
     global <= micro <= per-sequence (a merged load's maximum is at most the sum of the parts')."""
-    trainer = Trainer(tiny_cfg(tmp_path / "run", task=task, steps=steps, grad_accum=2, save_every=0, eval_every=2,
-                               eval_rows=1, seq_len=32, tokenizer_train_bytes=20_000, max_tokens=4_000),
-                      progress=False)
+    trainer = Trainer(
+        tiny_cfg(
+            tmp_path / "run",
+            task=task,
+            steps=steps,
+            grad_accum=2,
+            save_every=0,
+            eval_every=2,
+            eval_rows=1,
+            seq_len=32,
+            tokenizer_train_bytes=20_000,
+            max_tokens=4_000,
+        ),
+        progress=False,
+    )
     real, seen = trainer._forward_loss, {}
 
     def spy(batch, record=False):
         loss_sum, n, out = real(batch, record)
         if trainer.model.training:
             seen.setdefault(trainer.step, []).append(
-                (batch.cu_seqlens.tolist(), [(s.layer, s.topk_idx.tolist()) for s in out.router_stats]))
+                (batch.cu_seqlens.tolist(), [(s.layer, s.topk_idx.tolist()) for s in out.router_stats])
+            )
         return loss_sum, n, out
 
     trainer._forward_loss = spy

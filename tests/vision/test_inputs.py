@@ -73,8 +73,9 @@ def test_process_names_the_bad_image(proc):
 
 
 # ---------------------------------------------------------------------- sizing
-@pytest.mark.parametrize("size", [(640, 480), (1000, 37), (17, 3000), (28, 28), (5000, 4000), (3584, 3584),
-                                  (4000, 9), (1, 1)])
+@pytest.mark.parametrize(
+    "size", [(640, 480), (1000, 37), (17, 3000), (28, 28), (5000, 4000), (3584, 3584), (4000, 9), (1, 1)]
+)
 def test_target_size_keeps_aspect_and_rounds_to_28(proc, size):
     w, h = size
     nw, nh = proc.target_size(w, h)
@@ -104,7 +105,7 @@ def test_patch_layout_and_normalisation(proc):
     assert grid == (2, 4) and patches.shape == (8, 3 * 14 * 14)
     pixels = torch.from_numpy(np.array(img)).float() / 255 * 2 - 1  # [28, 56, 3] in [-1, 1]
     r, c = 1, 2  # patch (row 1, col 2) is patch 1 * 4 + 2 of the row-major grid
-    crop = pixels[14 * r:14 * r + 14, 14 * c:14 * c + 14].permute(2, 0, 1).reshape(-1)  # (c, y, x)
+    crop = pixels[14 * r : 14 * r + 14, 14 * c : 14 * c + 14].permute(2, 0, 1).reshape(-1)  # (c, y, x)
     assert torch.allclose(patches[r * 4 + c], crop, atol=1e-6)
     assert patches.min() >= -1 and patches.max() <= 1
 
@@ -161,9 +162,13 @@ def test_images_to_lm_tokens_end_to_end(proc):
     with torch.no_grad():
         feats = tower(patches, grids)
     counts = [merged_tokens(g, cfg.vision.merge_size) for g in grids.tolist()]
-    ids, pos = expand_placeholders([5, cfg.vision.media_placeholder_token_id, 6,
-                                    cfg.vision.media_placeholder_token_id],
-                                   counts, cfg.vision.media_placeholder_token_id, 3, 4)
+    ids, pos = expand_placeholders(
+        [5, cfg.vision.media_placeholder_token_id, 6, cfg.vision.media_placeholder_token_id],
+        counts,
+        cfg.vision.media_placeholder_token_id,
+        3,
+        4,
+    )
     assert feats.shape == (len(pos), cfg.hidden_size) == (2 + 9, 64) and torch.isfinite(feats).all()
     assert all(ids[p] == cfg.vision.media_placeholder_token_id for p in pos)
 
@@ -179,8 +184,9 @@ def test_k3_preset_wraps_each_image_in_media_begin_and_end():
     assert (v.media_begin_token_id, v.media_placeholder_token_id, v.media_end_token_id) == (163602, 163605, 163604)
     n = merged_tokens((6, 4), v.merge_size)  # 84 x 56 pixels, 14-pixel patches, 2 x 2 merge
     assert n == 6
-    ids, pos = expand_placeholders([7, 163605, 8], [n], v.media_placeholder_token_id, v.media_begin_token_id,
-                                   v.media_end_token_id)
+    ids, pos = expand_placeholders(
+        [7, 163605, 8], [n], v.media_placeholder_token_id, v.media_begin_token_id, v.media_end_token_id
+    )
     assert ids == [7, 163602] + [163605] * n + [163604, 8] and pos == list(range(2, 2 + n))
     prompt, media = Engine.prepare(SimpleNamespace(vision=v), [7, 163605, 8], [noise_image(56, 84)])
     assert prompt == ids and media.grids.tolist() == [[6, 4]]

@@ -33,9 +33,13 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def model(perturb):
     torch.manual_seed(0)
-    cfg = with_vision(get_preset("tiny")).replace(**{"vision.media_placeholder_token_id": PAD,
-                                                     "vision.media_begin_token_id": BEGIN,
-                                                     "vision.media_end_token_id": END})
+    cfg = with_vision(get_preset("tiny")).replace(
+        **{
+            "vision.media_placeholder_token_id": PAD,
+            "vision.media_begin_token_id": BEGIN,
+            "vision.media_end_token_id": END,
+        }
+    )
     m = perturb(K3ForConditionalGeneration(cfg).eval())
     with torch.no_grad():  # the tower's norms start at ones: make every weight random
         for p in m.vision_tower.parameters():
@@ -50,8 +54,7 @@ def images(n=2):
 def prompt_with(model, imgs, text_ids):
     patches, grids = ImageProcessor.from_config(model.config.vision).process(imgs)
     counts = [merged_tokens(g, 2) for g in grids.tolist()]
-    ids, _ = expand_placeholders([PAD] + text_ids[:3] + [PAD] * (len(imgs) - 1) + text_ids[3:], counts, PAD, BEGIN,
-                                 END)
+    ids, _ = expand_placeholders([PAD] + text_ids[:3] + [PAD] * (len(imgs) - 1) + text_ids[3:], counts, PAD, BEGIN, END)
     return torch.tensor([ids]), patches, grids
 
 
@@ -78,8 +81,9 @@ def test_packed_multimodal_examples_equal_separate(model):
     ids = torch.cat([a[0], b[0]], 1)
     cu = torch.tensor([0, a[0].shape[1], ids.shape[1]])
     with torch.no_grad():
-        packed = model(ids, cu_seqlens=cu, pixel_patches=torch.cat([a[1], b[1]]),
-                       grid_hws=torch.cat([a[2], b[2]])).logits[0]
+        packed = model(
+            ids, cu_seqlens=cu, pixel_patches=torch.cat([a[1], b[1]]), grid_hws=torch.cat([a[2], b[2]])
+        ).logits[0]
         alone = torch.cat([model(x[0], pixel_patches=x[1], grid_hws=x[2]).logits[0] for x in (a, b)])
     assert rel(packed, alone) <= 1e-5
 
@@ -139,8 +143,7 @@ def test_server_takes_image_url_data_uris():
 
     tok = task_tokenizer(400)
     torch.manual_seed(1)
-    cfg = with_vision(get_preset("tiny")).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
-                                                  **media_ids(tok))
+    cfg = with_vision(get_preset("tiny")).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, **media_ids(tok))
     engine = Engine(K3ForConditionalGeneration(cfg).eval(), tok, max_batch=4, max_context=256, cuda_graphs=False)
     server = LiveServer(create_app(AsyncEngine(engine), tok, "k3-vision", engine.max_context))
     try:
@@ -149,22 +152,30 @@ def test_server_takes_image_url_data_uris():
         images(1)[0].save(buf, format="PNG")
         uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
         content = [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": " how many shapes ?"}]
-        r = client.chat.completions.create(model="k3-vision", messages=[{"role": "user", "content": content}],
-                                           max_tokens=3, temperature=0)
+        r = client.chat.completions.create(
+            model="k3-vision", messages=[{"role": "user", "content": content}], max_tokens=3, temperature=0
+        )
         n_image = merged_tokens(ImageProcessor.from_config(cfg.vision).process(images(1))[1][0].tolist(), 2)
         assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > n_image
         # no max_tokens: the default fills the context left after the EXPANDED prompt (every image token counted)
-        r = client.chat.completions.create(model="k3-vision", messages=[{"role": "user", "content": content}],
-                                           temperature=0)
+        r = client.chat.completions.create(
+            model="k3-vision", messages=[{"role": "user", "content": content}], temperature=0
+        )
         assert r.choices and r.usage.prompt_tokens > n_image
-        for bad, match in (("http://example.com/x.png", "data: URI"), ("data:image/png;base64,@@@", "base64"),
-                           ("data:image/png;base64," + base64.b64encode(b"junk").decode(),
-                            "cannot decode .*not an image format")):
+        for bad, match in (
+            ("http://example.com/x.png", "data: URI"),
+            ("data:image/png;base64,@@@", "base64"),
+            ("data:image/png;base64," + base64.b64encode(b"junk").decode(), "cannot decode .*not an image format"),
+        ):
             with pytest.raises(openai.BadRequestError, match=match):
-                client.chat.completions.create(model="k3-vision", max_tokens=2, messages=[
-                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}}]}])
-        assert client.chat.completions.create(model="k3-vision", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=2).choices  # still serving
+                client.chat.completions.create(
+                    model="k3-vision",
+                    max_tokens=2,
+                    messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}}]}],
+                )
+        assert client.chat.completions.create(
+            model="k3-vision", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        ).choices  # still serving
     finally:
         server.stop()
 
@@ -176,9 +187,31 @@ def test_k3_train_vision_runs_end_to_end(tmp_path, capsys):
     assert "--vision-eval=0 must be a positive" in capsys.readouterr().err and not (tmp_path / "metrics.jsonl").exists()
 
     out = tmp_path / "run"
-    assert main(["train", "--task", "vision", "--preset", "tiny", "--steps", "3", "--batch-size", "4",
-                 "--eval-every", "3", "--eval-rows", "8", "--vision-eval", "8", "--out", str(out),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--task",
+                "vision",
+                "--preset",
+                "tiny",
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--eval-every",
+                "3",
+                "--eval-rows",
+                "8",
+                "--vision-eval",
+                "8",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "kernel plan on cpu (K3_BACKEND=" in capsys.readouterr().out  # printed once at start
     result = json.loads((out / "vision_eval.json").read_text())
     assert set(result) == {"examples", "count", "colour", "position", "text", "all"}
@@ -198,8 +231,19 @@ def test_k3_generate_with_an_image(tmp_path, capsys):
     tok.save(tmp_path / "mm")
     png = tmp_path / "q.png"
     images(1)[0].save(png)
-    args = ["generate", "--ckpt", str(tmp_path / "mm"), "--image", str(png), "--prompt", " how many shapes ?",
-            "--temperature", "0", "--max-tokens", "3"]
+    args = [
+        "generate",
+        "--ckpt",
+        str(tmp_path / "mm"),
+        "--image",
+        str(png),
+        "--prompt",
+        " how many shapes ?",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "3",
+    ]
     assert main(args) == 0
     stats = capsys.readouterr().err
     n_image = merged_tokens(ImageProcessor.from_config(cfg.vision).process([png])[1][0].tolist(), 2)

@@ -87,8 +87,14 @@ def test_colour_answer_matches_pixels():
 
 
 def test_bad_arguments_raise():
-    for kwargs in ({"index": -1}, {"index": 1.0}, {"index": True}, {"index": 0, "split": "test"},
-                   {"index": 0, "seed": "0"}, {"index": 0, "qtype": "size"}):
+    for kwargs in (
+        {"index": -1},
+        {"index": 1.0},
+        {"index": True},
+        {"index": 0, "split": "test"},
+        {"index": 0, "seed": "0"},
+        {"index": 0, "qtype": "size"},
+    ):
         with pytest.raises(ValueError):
             make_example(**kwargs)
     with pytest.raises(ValueError):
@@ -99,7 +105,11 @@ def test_bad_arguments_raise():
 
 def test_score():
     blank = Image.new("RGB", (56, 56), "white")
-    examples = [Example(blank, "q", "two", "count"), Example(blank, "q", "three", "count"),
-                Example(blank, "q", "top left", "position"), Example(blank, "q", WORDS[0], "text")]
+    examples = [
+        Example(blank, "q", "two", "count"),
+        Example(blank, "q", "three", "count"),
+        Example(blank, "q", "top left", "position"),
+        Example(blank, "q", WORDS[0], "text"),
+    ]
     result = score(["  Two ", "four", "top left\n", WORDS[1]], examples)
     assert result == {"count": 0.5, "position": 1.0, "text": 0.0, "all": 0.5}

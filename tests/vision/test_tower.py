@@ -10,8 +10,14 @@ from k3.audit.accounting import classify
 from k3.config import get_preset
 from k3.config.presets import VISION_PRESETS, with_vision
 from k3.model.norm import RMSNorm
-from k3.model.vision import (VisionTower, interpolate_pos_grid, merge_index, patch_positions, rope_2d,
-                             vision_param_counts)
+from k3.model.vision import (
+    VisionTower,
+    interpolate_pos_grid,
+    merge_index,
+    patch_positions,
+    rope_2d,
+    vision_param_counts,
+)
 
 
 def rel(a, b):
@@ -108,8 +114,11 @@ def test_patch_positions_and_merge_order():
     assert cols.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 0, 1, 0, 1, 0, 1]
     h, w = 4, 6
     idx = merge_index([(h, w), (2, 2)], 2).view(-1, 4)
-    expected = [[2 * r * w + 2 * c, 2 * r * w + 2 * c + 1, (2 * r + 1) * w + 2 * c, (2 * r + 1) * w + 2 * c + 1]
-                for r in range(h // 2) for c in range(w // 2)]
+    expected = [
+        [2 * r * w + 2 * c, 2 * r * w + 2 * c + 1, (2 * r + 1) * w + 2 * c, (2 * r + 1) * w + 2 * c + 1]
+        for r in range(h // 2)
+        for c in range(w // 2)
+    ]
     assert idx[:6].tolist() == expected  # row-major over the merged 2 x 3 grid, 2x2 window row-major inside
     assert idx[6].tolist() == [24, 25, 26, 27]
 

@@ -27,8 +27,11 @@ def _fast(x, weight, **kwargs):
     use_fla = _fla.available(x.device) and x.dtype in _fla.DTYPES
     if (x.device.type, use_fla) not in _named:
         _named.add((x.device.type, use_fla))
-        logging.getLogger("k3.ops").info("op causal_conv1d fast path on %s: %s", x.device.type,
-                                         "fla Triton kernel" if use_fla else "flat form (PyTorch)")
+        logging.getLogger("k3.ops").info(
+            "op causal_conv1d fast path on %s: %s",
+            x.device.type,
+            "fla Triton kernel" if use_fla else "flat form (PyTorch)",
+        )
     return (_fla.causal_conv1d if use_fla else causal_conv1d_flat)(x, weight, **kwargs)
 
 
@@ -38,20 +41,31 @@ backend.register("causal_conv1d", "fast", _fast, supports=lambda d: True)
 
 def causal_conv1d(x, weight, *, initial_state=None, output_final_state=False, cu_seqlens=None, activation="silu"):
     """See :func:`k3.ops.conv.reference.causal_conv1d`."""
-    return backend.dispatch("causal_conv1d", x.device, x, weight, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, activation=activation)
+    return backend.dispatch(
+        "causal_conv1d",
+        x.device,
+        x,
+        weight,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        activation=activation,
+    )
 
 
 def causal_conv1d_steps(xs, weights, *, states, slots, activation="silu"):
     """:func:`causal_conv1d_step` of three inputs: xs, weights, states lists of 3 ([N, C_i], [C_i, W],
     [S, C_i, W-1]) -> [y_i [N, C_i]], each state pool updated in place."""
-    return backend.dispatch("causal_conv1d_steps", xs[0].device, xs, weights, states=states, slots=slots,
-                            activation=activation)
+    return backend.dispatch(
+        "causal_conv1d_steps", xs[0].device, xs, weights, states=states, slots=slots, activation=activation
+    )
 
 
 def _steps_reference(xs, weights, *, states, slots, activation="silu"):
-    return [causal_conv1d_step(x, w, state=s, slots=slots, activation=activation)
-            for x, w, s in zip(xs, weights, states, strict=True)]
+    return [
+        causal_conv1d_step(x, w, state=s, slots=slots, activation=activation)
+        for x, w, s in zip(xs, weights, states, strict=True)
+    ]
 
 
 _steps_logged: set[str] = set()
@@ -61,6 +75,7 @@ def steps_kernel(xs, weights, states, activation) -> str:
     """'triton' where the kernel plan chose conv_step, no gradient is needed, there are three inputs
     with activation silu or None, none fp64, contiguous state pools and a width of at least 2; else 'torch'
     (:func:`k3.ops.backend.triton_or_torch`, logged once each)."""
+
     def why_not() -> str:
         if torch.is_grad_enabled() and any(t.requires_grad for t in [*xs, *weights]):
             return "a gradient is needed"
@@ -72,9 +87,13 @@ def steps_kernel(xs, weights, states, activation) -> str:
             return "the kernel takes contiguous state pools and widths of at least 2"
         return ""
 
-    return backend.triton_or_torch("conv_step", "causal_conv1d_steps:", why_not,
-                                   ("one Triton launch (k3.ops.conv.triton_step)", "three torch steps (reference)"),
-                                   _steps_logged)
+    return backend.triton_or_torch(
+        "conv_step",
+        "causal_conv1d_steps:",
+        why_not,
+        ("one Triton launch (k3.ops.conv.triton_step)", "three torch steps (reference)"),
+        _steps_logged,
+    )
 
 
 def _steps_fast(xs, weights, *, states, slots, activation="silu"):
@@ -86,7 +105,12 @@ def _steps_fast(xs, weights, *, states, slots, activation="silu"):
 
 
 backend.register("causal_conv1d_steps", "reference", _steps_reference, label="three torch steps")
-backend.register("causal_conv1d_steps", "fast", _steps_fast, lambda d: d.type == "cuda",
-                 label="kernel conv_step where no gradient is needed, else torch")
+backend.register(
+    "causal_conv1d_steps",
+    "fast",
+    _steps_fast,
+    lambda d: d.type == "cuda",
+    label="kernel conv_step where no gradient is needed, else torch",
+)
 
 __all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_steps"]

@@ -26,9 +26,15 @@ def available(device: torch.device) -> bool:
 
 
 @torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
-                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See :func:`k3.ops.conv.reference.causal_conv1d` (x [B, T, C], weight [C, W] -> y [B, T, C], state)."""
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
 
@@ -39,7 +45,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
     if initial_state is not None:
         state = torch.nn.functional.pad(initial_state.to(x.dtype), (1, 0)).contiguous()  # [N, C, W]
     cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
-    y, final = fla_causal_conv1d(x.contiguous(), weight, initial_state=state, output_final_state=output_final_state,
-                                 activation=activation, backend="triton", cu_seqlens=cu_seqlens,
-                                 cu_seqlens_cpu=cu_cpu)
+    y, final = fla_causal_conv1d(
+        x.contiguous(),
+        weight,
+        initial_state=state,
+        output_final_state=output_final_state,
+        activation=activation,
+        backend="triton",
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_cpu,
+    )
     return y, None if final is None else final[..., 1:]

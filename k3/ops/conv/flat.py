@@ -31,6 +31,7 @@ from k3.ops.segments import derived, to_device
 
 class _Boundary(NamedTuple):
     """The first W-1 tokens of every segment (K of them) and their lags j = 0..W-1, on the device."""
+
     t: torch.Tensor  # [K] flat position
     seg: torch.Tensor  # [K] its segment
     src: torch.Tensor  # [K, W] t - j, clamped to >= 0
@@ -53,9 +54,15 @@ def _boundary(lengths: list[int], W: int, device: torch.device) -> _Boundary:
     return _Boundary(*(to_device(part, device) for part in parts))
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch.Tensor | None = None,
-                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See :func:`k3.ops.conv.reference.causal_conv1d` (x [B, T, C], weight [C, W] -> y [B, T, C], state)."""
     B, T, C, W, lengths = check_arguments(x, weight, initial_state, cu_seqlens, activation)
     N = len(lengths)
@@ -68,8 +75,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, *, initial_state: torch
         w = weight.to(dtype)
         # [BT, C], reading x_{t-j} for every lag, across segment starts too
         y = F.conv1d(F.pad(flat.T.unsqueeze(0), (W - 1, 0)), w.unsqueeze(1), groups=C)[0].T
-        b = (_boundary(lengths, W, dev) if cu_seqlens is None  # the layers of a forward share the tables
-             else derived(cu_seqlens, ("conv", W, str(dev)), lambda: _boundary(lengths, W, dev)))
+        b = (
+            _boundary(lengths, W, dev)
+            if cu_seqlens is None  # the layers of a forward share the tables
+            else derived(cu_seqlens, ("conv", W, str(dev)), lambda: _boundary(lengths, W, dev))
+        )
         if b.t.numel():  # the first W-1 outputs of every segment, from their own inputs and history
             k = b.t.numel()
             lag_w = w.T.flip(0)  # [W, C]: row j is weight[:, W-1-j]

@@ -21,8 +21,13 @@ from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
 __all__ = ["causal_conv1d", "causal_conv1d_step"]
 
 
-def check_arguments(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
-                    cu_seqlens: torch.Tensor | None, activation: str | None) -> tuple[int, int, int, int, list[int]]:
+def check_arguments(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    activation: str | None,
+) -> tuple[int, int, int, int, list[int]]:
     """Validate :func:`causal_conv1d`'s arguments (one ValueError each); returns B, T, C, W and the N segment
     lengths (the B rows when ``cu_seqlens`` is None)."""
     if activation not in ("silu", None):

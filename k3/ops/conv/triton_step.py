@@ -27,8 +27,22 @@ BLOCK_C = 256  # channels per program
 
 
 @triton.jit
-def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr,
-         BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+def _one(
+    X,
+    Wt,
+    St,
+    Y,
+    slot,
+    n,
+    cb,
+    C,
+    stride_x,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Channel block ``cb`` of token ``n`` for one input: y and the state row's shift. The state row's taps and the
     weights are read before the wait (k3.ops.pdl: the kernel before this one does not write them), x after."""
     cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -54,9 +68,32 @@ def _one(X, Wt, St, Y, slot, n, cb, C, stride_x, WIDTH: tl.constexpr, BLOCK_W: t
 
 
 @triton.jit
-def _conv_steps_kernel(X0, X1, X2, W0, W1, W2, S0, S1, S2, Y0, Y1, Y2, SLOTS, C0, C1, C2, sx0, sx1, sx2,
-                       WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
-                       PDL: tl.constexpr):
+def _conv_steps_kernel(
+    X0,
+    X1,
+    X2,
+    W0,
+    W1,
+    W2,
+    S0,
+    S1,
+    S2,
+    Y0,
+    Y1,
+    Y2,
+    SLOTS,
+    C0,
+    C1,
+    C2,
+    sx0,
+    sx1,
+    sx2,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
+):
     n = tl.program_id(0)
     blk = tl.program_id(1)
     slot = tl.load(SLOTS + n).to(tl.int64)
@@ -71,8 +108,19 @@ def _conv_steps_kernel(X0, X1, X2, W0, W1, W2, S0, S1, S2, Y0, Y1, Y2, SLOTS, C0
 
 
 @torch.library.custom_op("k3::conv_steps", mutates_args=("s0", "s1", "s2"))
-def conv_steps(x0: Tensor, x1: Tensor, x2: Tensor, w0: Tensor, w1: Tensor, w2: Tensor, s0: Tensor, s1: Tensor,
-               s2: Tensor, slots: Tensor, silu: bool) -> tuple[Tensor, Tensor, Tensor]:
+def conv_steps(
+    x0: Tensor,
+    x1: Tensor,
+    x2: Tensor,
+    w0: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    s0: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+    slots: Tensor,
+    silu: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     """x_i [N, C_i], w_i [C_i, W], s_i [S, C_i, W-1] (updated in place), slots [N] distinct ints in [0, S) ->
     y_i [N, C_i] in x_i's dtype (the module docstring's equations). A custom op (``torch.ops.k3.conv_steps``) that
     mutates the three state pools: a compiled decode step keeps it inside its graph, on the cache's own tensors."""
@@ -82,10 +130,22 @@ def conv_steps(x0: Tensor, x1: Tensor, x2: Tensor, w0: Tensor, w1: Tensor, w2: T
     n, width = x0.shape[0], w0.shape[1]
     if n:
         blocks = sum(triton.cdiv(x.shape[1], BLOCK_C) for x in xs)
-        _conv_steps_kernel[(n, blocks)](*xs, *(w.contiguous() for w in (w0, w1, w2)), s0, s1, s2, *ys, slots,
-                                        *(x.shape[1] for x in xs), *(x.stride(0) for x in xs), WIDTH=width,
-                                        BLOCK_W=triton.next_power_of_2(width), SILU=silu, BLOCK_C=BLOCK_C,
-                                        **launch(x0.device))
+        _conv_steps_kernel[(n, blocks)](
+            *xs,
+            *(w.contiguous() for w in (w0, w1, w2)),
+            s0,
+            s1,
+            s2,
+            *ys,
+            slots,
+            *(x.shape[1] for x in xs),
+            *(x.stride(0) for x in xs),
+            WIDTH=width,
+            BLOCK_W=triton.next_power_of_2(width),
+            SILU=silu,
+            BLOCK_C=BLOCK_C,
+            **launch(x0.device),
+        )
     return tuple(ys)
 
 
@@ -102,6 +162,8 @@ def _check(xs: list[Tensor], ws: list[Tensor], ss: list[Tensor], slots: Tensor) 
         ok = ok and x.dim() == 2 and x.shape[0] == n and w.shape == (x.shape[1], width) and s.dim() == 3
         ok = ok and s.shape[1:] == (x.shape[1], width - 1) and s.is_contiguous() and x.device == w.device == s.device
     if not ok:
-        raise ValueError(f"conv_steps: inputs {[tuple(x.shape) for x in xs]}, weights {[tuple(w.shape) for w in ws]}, "
-                         f"states {[tuple(s.shape) for s in ss]} and slots {tuple(slots.shape)} (x_i [N, C_i], w_i "
-                         "[C_i, W], contiguous s_i [S, C_i, W-1], integer slots [N], W >= 2) do not match")
+        raise ValueError(
+            f"conv_steps: inputs {[tuple(x.shape) for x in xs]}, weights {[tuple(w.shape) for w in ws]}, "
+            f"states {[tuple(s.shape) for s in ss]} and slots {tuple(slots.shape)} (x_i [N, C_i], w_i "
+            "[C_i, W], contiguous s_i [S, C_i, W-1], integer slots [N], W >= 2) do not match"
+        )

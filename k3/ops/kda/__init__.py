@@ -38,25 +38,79 @@ backend.register("kda_decode_step", "reference", kda_decode_step_reference)
 backend.register("kda_decode_step", "fast", _fla.kda_decode_step, _fla.available)
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              chunk_size=64):
+def chunk_kda(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64
+):
     """See :func:`k3.ops.kda.reference.chunk_kda`."""
-    return backend.dispatch("chunk_kda", q.device, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    return backend.dispatch(
+        "chunk_kda",
+        q.device,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
 
 
-def chunk_kda_raw(q, k, v, f, b, *, A_log, dt_bias, lower_bound, l2norm_eps=1e-6, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, chunk_size=64):
+def chunk_kda_raw(
+    q,
+    k,
+    v,
+    f,
+    b,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    l2norm_eps=1e-6,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
+):
     """See :func:`k3.ops.kda.reference.chunk_kda_raw`."""
-    return backend.dispatch("chunk_kda_raw", q.device, q, k, v, f, b, A_log=A_log, dt_bias=dt_bias,
-                            lower_bound=lower_bound, l2norm_eps=l2norm_eps, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    return backend.dispatch(
+        "chunk_kda_raw",
+        q.device,
+        q,
+        k,
+        v,
+        f,
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        l2norm_eps=l2norm_eps,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
 
 
 def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     """See :func:`k3.ops.kda.reference.recurrent_kda`."""
-    return backend.dispatch("recurrent_kda", q.device, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return backend.dispatch(
+        "recurrent_kda",
+        q.device,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
 
 
 CORE_MAX_DIM = 128  # the one-launch core holds a head's [K, V] state in one program
@@ -71,6 +125,7 @@ def core_dims_supported(head_dim: int, v_head_dim: int) -> bool:
 def decode_core_kernel(x: torch.Tensor, state: torch.Tensor, inputs: list[torch.Tensor]) -> str:
     """'triton' or 'torch' for a KDA decode step on input x [N, d] with this state pool [S, H, K, V] and ``inputs``,
     every tensor the kernel would read (see the module docstring; :func:`k3.ops.backend.triton_or_torch`)."""
+
     def why_not() -> str:
         if backend.resolve("kda_decode_step", x.device)[0] != "fast":
             return "kda_decode_step runs its reference"
@@ -84,10 +139,16 @@ def decode_core_kernel(x: torch.Tensor, state: torch.Tensor, inputs: list[torch.
             return "a non-contiguous state pool"
         return ""
 
-    return backend.triton_or_torch("kda_decode_core", "kda decode step:", why_not,
-                                   ("one Triton launch for its gates, recurrence and output norm "
-                                    "(k3.ops.kda.triton_decode)", "f_b_proj, kda_decode_step, g_b_proj, the gated "
-                                    "norm"), _core_logged)
+    return backend.triton_or_torch(
+        "kda_decode_core",
+        "kda decode step:",
+        why_not,
+        (
+            "one Triton launch for its gates, recurrence and output norm (k3.ops.kda.triton_decode)",
+            "f_b_proj, kda_decode_step, g_b_proj, the gated norm",
+        ),
+        _core_logged,
+    )
 
 
 def kda_decode_core(*args):
@@ -100,31 +161,108 @@ def kda_decode_core(*args):
 
 def kda_decode_step(q, k, v, f, b, *, A_log, dt_bias, lower_bound, state, slots, l2norm_eps=1e-6, scale=None):
     """See :func:`k3.ops.kda.reference.kda_decode_step` (in-place state update, no host reads)."""
-    return backend.dispatch("kda_decode_step", q.device, q, k, v, f, b, A_log=A_log, dt_bias=dt_bias,
-                            lower_bound=lower_bound, state=state, slots=slots, l2norm_eps=l2norm_eps, scale=scale)
+    return backend.dispatch(
+        "kda_decode_step",
+        q.device,
+        q,
+        k,
+        v,
+        f,
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        state=state,
+        slots=slots,
+        l2norm_eps=l2norm_eps,
+        scale=scale,
+    )
 
 
-def kda_decode(q: Tensor, k: Tensor, v: Tensor, f_a: Tensor, b: Tensor, g: Tensor, *, f_b_weight: Tensor,
-               g_b_weight: Tensor | None, A_log: Tensor, dt_bias: Tensor, lower_bound: float | None,
-               norm_weight: Tensor, norm_eps: float, out_dtype: torch.dtype, state: Tensor, slots: Tensor,
-               l2norm_eps: float = 1e-6) -> Tensor:
+def kda_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f_a: Tensor,
+    b: Tensor,
+    g: Tensor,
+    *,
+    f_b_weight: Tensor,
+    g_b_weight: Tensor | None,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float | None,
+    norm_weight: Tensor,
+    norm_eps: float,
+    out_dtype: torch.dtype,
+    state: Tensor,
+    slots: Tensor,
+    l2norm_eps: float = 1e-6,
+) -> Tensor:
     """One decode token per sequence through a KDA layer's core (docs/architecture.md#kda): q, k [N, H*K] and
     v [N, H*V] after the short convs, f_a [N, r] (the forget gate's low-rank input), b [N, H] (beta's logits), g
     (the output gate [N, H*V], or its low-rank input [N, r] when ``g_b_weight`` [H*V, r] is given); f_b_weight
     [H*K, r]; the state pool [S, H, K, V] is updated in place at ``slots`` [N]. Returns o_proj's input
     y = RMSNorm(o) * norm_weight * sigmoid(gate) [N, H*V] in ``out_dtype``. Nothing is read back to the host."""
     n, (h, dk, dv) = q.shape[0], state.shape[1:]
-    inputs = [q, k, v, f_a, b, g, f_b_weight, *([] if g_b_weight is None else [g_b_weight]), A_log, dt_bias,
-              norm_weight]
+    inputs = [
+        q,
+        k,
+        v,
+        f_a,
+        b,
+        g,
+        f_b_weight,
+        *([] if g_b_weight is None else [g_b_weight]),
+        A_log,
+        dt_bias,
+        norm_weight,
+    ]
     if decode_core_kernel(q, state, inputs) == "triton":
-        return kda_decode_core(q, k, v, f_a, f_b_weight, b, g, g_b_weight, A_log, dt_bias, norm_weight, state, slots,
-                               lower_bound, l2norm_eps, norm_eps, out_dtype)
-    o = kda_decode_step(q.view(n, h, dk), k.view(n, h, dk), v.view(n, h, dv), F.linear(f_a, f_b_weight).view(n, h, dk),
-                        b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state=state, slots=slots,
-                        l2norm_eps=l2norm_eps)
+        return kda_decode_core(
+            q,
+            k,
+            v,
+            f_a,
+            f_b_weight,
+            b,
+            g,
+            g_b_weight,
+            A_log,
+            dt_bias,
+            norm_weight,
+            state,
+            slots,
+            lower_bound,
+            l2norm_eps,
+            norm_eps,
+            out_dtype,
+        )
+    o = kda_decode_step(
+        q.view(n, h, dk),
+        k.view(n, h, dk),
+        v.view(n, h, dv),
+        F.linear(f_a, f_b_weight).view(n, h, dk),
+        b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        state=state,
+        slots=slots,
+        l2norm_eps=l2norm_eps,
+    )
     gate = g if g_b_weight is None else F.linear(g, g_b_weight)
     return gated_rms_norm(o, gate.view(n, h, dv), norm_weight, norm_eps, out_dtype).reshape(n, h * dv)
 
 
-__all__ = ["chunk_kda", "chunk_kda_raw", "recurrent_kda", "kda_decode", "kda_decode_step", "kda_gate", "l2norm",
-           "decode_core_kernel", "kda_decode_core"]
+__all__ = [
+    "chunk_kda",
+    "chunk_kda_raw",
+    "recurrent_kda",
+    "kda_decode",
+    "kda_decode_step",
+    "kda_gate",
+    "l2norm",
+    "decode_core_kernel",
+    "kda_decode_core",
+]

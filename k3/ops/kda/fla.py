@@ -47,23 +47,57 @@ def _chunk(chunk_size: int) -> int:
     return chunk_size if chunk_size in (32, 64) else 64
 
 
-def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
-              initial_state: Tensor | None = None, output_final_state: bool = False,
-              cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`k3.ops.kda.reference.chunk_kda` (computed in v's dtype, state in fp32)."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
     cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
-    return fla_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_cpu, chunk_size=_chunk(chunk_size))
+    return fla_chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_cpu,
+        chunk_size=_chunk(chunk_size),
+    )
 
 
 @torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
-def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
-                  lower_bound: float | None, l2norm_eps: float = 1e-6, scale: float | None = None,
-                  initial_state: Tensor | None = None, output_final_state: bool = False,
-                  cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
+def chunk_kda_raw(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    b: Tensor,
+    *,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float | None,
+    l2norm_eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`k3.ops.kda.reference.chunk_kda_raw`, the way fla's own KDA layer calls its kernels:
     the L2 norms (when eps is the kernel's 1e-6), the gate (fused with its chunk cumsum; gradients for A_log and
     dt_bias included) and beta's sigmoid inside fla's autograd function; with K3's bounded gate, fla's
@@ -77,57 +111,128 @@ def chunk_kda_raw(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_lo
     state = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
     cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
     safe = lower_bound is not None and SAFE_GATE_BOUND <= lower_bound < 0  # fla rejects safe_gate below -5
-    o, final = fla_chunk_kda(q.to(dtype), k.to(dtype), v, f, b.to(dtype), A_log=A_log, dt_bias=dt_bias,
-                             scale=scale, initial_state=state, output_final_state=output_final_state,
-                             use_qk_l2norm_in_kernel=fused_norm, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=safe,
-                             lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu_seqlens,
-                             cu_seqlens_cpu=cu_cpu, chunk_size=_chunk(chunk_size))
+    o, final = fla_chunk_kda(
+        q.to(dtype),
+        k.to(dtype),
+        v,
+        f,
+        b.to(dtype),
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=fused_norm,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        safe_gate=safe,
+        lower_bound=lower_bound,
+        state_v_first=True,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_cpu,
+        chunk_size=_chunk(chunk_size),
+    )
     return o, None if final is None else final.transpose(-1, -2)
 
 
 @torch.compiler.disable  # fla's launch wrappers (autotuners, caches) stay out of traced graphs
-def recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
-                  initial_state: Tensor | None = None, output_final_state: bool = False,
-                  cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`k3.ops.kda.reference.recurrent_kda`; forward only (fla has no backward for it)."""
     from fla.ops.kda import fused_recurrent_kda
 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
         raise RuntimeError("fla's fused_recurrent_kda has no backward: use chunk_kda for training")
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
-    return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state,
-                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return fused_recurrent_kda(
+        q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state, cu_seqlens=cu_seqlens
+    )
 
 
-def kda_decode_step(q: Tensor, k: Tensor, v: Tensor, f: Tensor, b: Tensor, *, A_log: Tensor, dt_bias: Tensor,
-                    lower_bound: float | None, state: Tensor, slots: Tensor, l2norm_eps: float = 1e-6,
-                    scale: float | None = None) -> Tensor:
+def kda_decode_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    b: Tensor,
+    *,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float | None,
+    state: Tensor,
+    slots: Tensor,
+    l2norm_eps: float = 1e-6,
+    scale: float | None = None,
+) -> Tensor:
     """Same contract as :func:`k3.ops.kda.reference.kda_decode_step`: one fla kernel that normalises q and k,
     computes the gate and beta, reads each sequence's state from the pool by slot and writes it back in place.
     The inputs are laid out here, where a compiled decode step fuses the casts and copies into its own kernels."""
     dtype = v.dtype
     q, k, fused_norm = _norms_outside(q, k, l2norm_eps)
-    return _decode_launch(q[:, None].to(dtype).contiguous(), k[:, None].to(dtype).contiguous(),
-                          v[:, None].contiguous(), f[:, None].float().contiguous(), b[:, None].float().contiguous(),
-                          A_log.float(), dt_bias.float(), state, slots.to(torch.int32), fused_norm, lower_bound,
-                          scale)
+    return _decode_launch(
+        q[:, None].to(dtype).contiguous(),
+        k[:, None].to(dtype).contiguous(),
+        v[:, None].contiguous(),
+        f[:, None].float().contiguous(),
+        b[:, None].float().contiguous(),
+        A_log.float(),
+        dt_bias.float(),
+        state,
+        slots.to(torch.int32),
+        fused_norm,
+        lower_bound,
+        scale,
+    )
 
 
 @torch.library.custom_op("k3::kda_decode_launch", mutates_args=("state",))
-def _decode_launch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor, dt_bias: Tensor,
-                   state: Tensor, slots: Tensor, fused_norm: bool, lower_bound: float | None,
-                   scale: float | None) -> Tensor:
+def _decode_launch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    slots: Tensor,
+    fused_norm: bool,
+    lower_bound: float | None,
+    scale: float | None,
+) -> Tensor:
     """fla's fused recurrent KDA forward on [N, 1, H, *] inputs, the state pool updated in place -> o [N, H, dv].
     A custom op that mutates ``state``: a compiled decode step keeps it inside its graph (inductor calls it on
     the cache's own tensor, no copy), where a ``torch.compiler.disable``d launch cut the graph at every KDA layer."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     o, _ = fused_recurrent_kda_fwd(
-        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=state,
-        inplace_final_state=True, ssm_state_indices=slots, use_qk_l2norm_in_kernel=fused_norm,
-        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
-        out=torch.empty_like(v))  # every element is written: no zero fill
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=state,
+        inplace_final_state=True,
+        ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=fused_norm,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        lower_bound=lower_bound,
+        out=torch.empty_like(v),
+    )  # every element is written: no zero fill
     return o[:, 0]
 
 

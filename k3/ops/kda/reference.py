@@ -187,8 +187,16 @@ def kda_decode_step(
         the host, so it can be captured in a CUDA graph.
     """
     q, k, g, beta = _from_raw(q, k, f, b, A_log, dt_bias, lower_bound, l2norm_eps)
-    o, final = recurrent_kda(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=scale,
-                             initial_state=state[slots], output_final_state=True)
+    o, final = recurrent_kda(
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        g[:, None],
+        beta[:, None],
+        scale=scale,
+        initial_state=state[slots],
+        output_final_state=True,
+    )
     state.index_copy_(0, slots, final.to(state.dtype))
     return o[:, 0]
 
@@ -222,8 +230,18 @@ def chunk_kda_raw(
         As :func:`chunk_kda`; differentiable in every tensor argument, A_log and dt_bias included.
     """
     q, k, g, beta = _from_raw(q, k, f, b, A_log, dt_bias, lower_bound, l2norm_eps)
-    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    return chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,7 +305,7 @@ def _factored_scores(q, k, G):
     the sub-chunked form, which is safe for any g <= 0.
     """
     C = q.shape[-2]
-    Gm = G[..., C // 2: C // 2 + 1, :]
+    Gm = G[..., C // 2 : C // 2 + 1, :]
     right = (k * (Gm - G).exp()).transpose(-1, -2)  # [..., K, C]
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     A = ((k * (G - Gm).exp()) @ right) * incl.tril(-1)

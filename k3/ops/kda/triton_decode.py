@@ -30,11 +30,42 @@ from k3.ops.pdl import launch, wait_then_release
 
 
 @triton.jit
-def _kda_decode_kernel(Q, Kt, Vt, FA, WFB, Bt, G, WGB, A_LOG, DT_BIAS, NORM_W, STATE, SLOTS, Y,
-                       stride_q, stride_k, stride_v, stride_fa, stride_b, stride_g, stride_y, H,
-                       lower_bound, scale, eps_l2, eps_norm, K: tl.constexpr, V: tl.constexpr, RF: tl.constexpr,
-                       RG: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_RF: tl.constexpr, BLOCK_RG: tl.constexpr,
-                       PDL: tl.constexpr):
+def _kda_decode_kernel(
+    Q,
+    Kt,
+    Vt,
+    FA,
+    WFB,
+    Bt,
+    G,
+    WGB,
+    A_LOG,
+    DT_BIAS,
+    NORM_W,
+    STATE,
+    SLOTS,
+    Y,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_fa,
+    stride_b,
+    stride_g,
+    stride_y,
+    H,
+    lower_bound,
+    scale,
+    eps_l2,
+    eps_norm,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    RF: tl.constexpr,
+    RG: tl.constexpr,
+    BOUNDED: tl.constexpr,
+    BLOCK_RF: tl.constexpr,
+    BLOCK_RG: tl.constexpr,
+    PDL: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ks = tl.arange(0, K)
@@ -93,10 +124,25 @@ def _rows(t: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("k3::kda_decode_core", mutates_args=("state",))
-def kda_decode_core(q: Tensor, k: Tensor, v: Tensor, f_a: Tensor, w_fb: Tensor, b: Tensor, gate_in: Tensor,
-                    w_gb: Tensor | None, A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor, state: Tensor,
-                    slots: Tensor, lower_bound: float | None, l2norm_eps: float, norm_eps: float,
-                    out_dtype: torch.dtype) -> Tensor:
+def kda_decode_core(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f_a: Tensor,
+    w_fb: Tensor,
+    b: Tensor,
+    gate_in: Tensor,
+    w_gb: Tensor | None,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    state: Tensor,
+    slots: Tensor,
+    lower_bound: float | None,
+    l2norm_eps: float,
+    norm_eps: float,
+    out_dtype: torch.dtype,
+) -> Tensor:
     """q, k [N, H*K], v [N, H*V] (after the short convs), f_a [N, R_f] and w_fb [H*K, R_f] (the forget gate's
     maps), b [N, H] (beta logits), gate_in [N, R_g] with w_gb [H*V, R_g] (a low-rank output gate) or [N, H*V] with
     w_gb None (full rank), A_log [H], dt_bias [H*K], norm_weight [V], state [S, H, K, V] (updated in place), slots
@@ -110,18 +156,65 @@ def kda_decode_core(q: Tensor, k: Tensor, v: Tensor, f_a: Tensor, w_fb: Tensor, 
         rf = w_fb.shape[1]
         rg = 0 if w_gb is None else w_gb.shape[1]
         _kda_decode_kernel[(n, h)](
-            q, k, v, f_a, w_fb.contiguous(), b, gate_in, w_fb if w_gb is None else w_gb.contiguous(), A_log,
-            dt_bias, norm_weight, state, slots, y, q.stride(0), k.stride(0), v.stride(0), f_a.stride(0), b.stride(0),
-            gate_in.stride(0), y.stride(0), h, 0.0 if lower_bound is None else lower_bound, kd ** -0.5,
-            l2norm_eps, norm_eps, K=kd, V=vd, RF=rf, RG=rg, BOUNDED=lower_bound is not None,
-            BLOCK_RF=triton.next_power_of_2(rf), BLOCK_RG=triton.next_power_of_2(max(rg, 1)),
-            num_warps=_warps(kd * vd, n * h, q.device), **launch(q.device))
+            q,
+            k,
+            v,
+            f_a,
+            w_fb.contiguous(),
+            b,
+            gate_in,
+            w_fb if w_gb is None else w_gb.contiguous(),
+            A_log,
+            dt_bias,
+            norm_weight,
+            state,
+            slots,
+            y,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            f_a.stride(0),
+            b.stride(0),
+            gate_in.stride(0),
+            y.stride(0),
+            h,
+            0.0 if lower_bound is None else lower_bound,
+            kd**-0.5,
+            l2norm_eps,
+            norm_eps,
+            K=kd,
+            V=vd,
+            RF=rf,
+            RG=rg,
+            BOUNDED=lower_bound is not None,
+            BLOCK_RF=triton.next_power_of_2(rf),
+            BLOCK_RG=triton.next_power_of_2(max(rg, 1)),
+            num_warps=_warps(kd * vd, n * h, q.device),
+            **launch(q.device),
+        )
     return y
 
 
 @kda_decode_core.register_fake
-def _(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_weight, state, slots, lower_bound, l2norm_eps,
-      norm_eps, out_dtype):
+def _(
+    q,
+    k,
+    v,
+    f_a,
+    w_fb,
+    b,
+    gate_in,
+    w_gb,
+    A_log,
+    dt_bias,
+    norm_weight,
+    state,
+    slots,
+    lower_bound,
+    l2norm_eps,
+    norm_eps,
+    out_dtype,
+):
     _check(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_weight, state, slots)
     return q.new_empty(q.shape[0], state.shape[1] * state.shape[3], dtype=out_dtype)
 
@@ -130,15 +223,27 @@ def _check(q, k, v, f_a, w_fb, b, gate_in, w_gb, A_log, dt_bias, norm_weight, st
     ok = state.dim() == 4 and state.is_contiguous() and supported(*state.shape[2:])
     if ok:
         n, (_, h, kd, vd) = q.shape[0], state.shape
-        ok = (q.shape == k.shape == (n, h * kd) and v.shape == (n, h * vd) and f_a.dim() == 2 and f_a.shape[0] == n
-              and w_fb.shape == (h * kd, f_a.shape[1]) and b.shape == (n, h) and A_log.shape == (h,)
-              and dt_bias.shape == (h * kd,) and norm_weight.shape == (vd,) and slots.shape == (n,)
-              and not slots.is_floating_point() and gate_in.dim() == 2 and gate_in.shape[0] == n
-              and (gate_in.shape[1] == h * vd if w_gb is None else w_gb.shape == (h * vd, gate_in.shape[1])))
+        ok = (
+            q.shape == k.shape == (n, h * kd)
+            and v.shape == (n, h * vd)
+            and f_a.dim() == 2
+            and f_a.shape[0] == n
+            and w_fb.shape == (h * kd, f_a.shape[1])
+            and b.shape == (n, h)
+            and A_log.shape == (h,)
+            and dt_bias.shape == (h * kd,)
+            and norm_weight.shape == (vd,)
+            and slots.shape == (n,)
+            and not slots.is_floating_point()
+            and gate_in.dim() == 2
+            and gate_in.shape[0] == n
+            and (gate_in.shape[1] == h * vd if w_gb is None else w_gb.shape == (h * vd, gate_in.shape[1]))
+        )
     if not ok:
-        raise ValueError(f"kda_decode_core: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, f_a "
-                         f"{tuple(f_a.shape)}, w_fb {tuple(w_fb.shape)}, b {tuple(b.shape)}, gate_in "
-                         f"{tuple(gate_in.shape)}, w_gb {None if w_gb is None else tuple(w_gb.shape)}, state "
-                         f"{tuple(state.shape)} (contiguous [S, H, K, V], K and V powers of two in 16..{MAX_DIM}) and "
-                         f"slots {tuple(slots.shape)} do not match")
-
+        raise ValueError(
+            f"kda_decode_core: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, f_a "
+            f"{tuple(f_a.shape)}, w_fb {tuple(w_fb.shape)}, b {tuple(b.shape)}, gate_in "
+            f"{tuple(gate_in.shape)}, w_gb {None if w_gb is None else tuple(w_gb.shape)}, state "
+            f"{tuple(state.shape)} (contiguous [S, H, K, V], K and V powers of two in 16..{MAX_DIM}) and "
+            f"slots {tuple(slots.shape)} do not match"
+        )

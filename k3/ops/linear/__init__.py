@@ -30,8 +30,10 @@ from k3.ops.linear.reference import multi_linear as multi_linear_reference
 MAX_WEIGHTS = 8  # the kernel's weight slots
 MAX_ROWS = 256  # decode batches; bigger ones are GEMMs, where cuBLAS is the better choice
 _logged: set[str] = set()
-TORCH_FORM = ("torch: one linear over the stacked weights where a gradient is needed (k3.ops.linear.concatenated), "
-              "else one linear per weight (k3.ops.linear.reference)")
+TORCH_FORM = (
+    "torch: one linear over the stacked weights where a gradient is needed (k3.ops.linear.concatenated), "
+    "else one linear per weight (k3.ops.linear.reference)"
+)
 
 
 def multi_linear(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
@@ -52,6 +54,7 @@ def kernel(x: Tensor, weights: list[Tensor], fp32: int = 0) -> str:
     is needed, x is 2-D bf16 / fp16 with at most MAX_ROWS rows and 1..MAX_WEIGHTS weights of its width and dtype
     (the last ``fp32`` ones: its dtype or fp32); else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once
     each, with the reason)."""
+
     def why_not() -> str:
         if _needs_grad(x, weights):
             return "a gradient is needed"
@@ -63,8 +66,13 @@ def kernel(x: Tensor, weights: list[Tensor], fp32: int = 0) -> str:
             return f"the kernel takes 1..{MAX_WEIGHTS} [N, K] weights of the input's dtype (fp32 ones: also fp32)"
         return ""
 
-    return backend.triton_or_torch("multi_linear", "multi_linear:", why_not,
-                                   ("one Triton launch (k3.ops.linear.triton_multi)", TORCH_FORM), _logged)
+    return backend.triton_or_torch(
+        "multi_linear",
+        "multi_linear:",
+        why_not,
+        ("one Triton launch (k3.ops.linear.triton_multi)", TORCH_FORM),
+        _logged,
+    )
 
 
 def weights_fit(x: Tensor, weights: list[Tensor], fp32: int) -> bool:
@@ -72,7 +80,8 @@ def weights_fit(x: Tensor, weights: list[Tensor], fp32: int) -> bool:
     n = len(weights) - fp32
     return 0 <= fp32 <= len(weights) and all(
         w.dim() == 2 and w.shape[1] == x.shape[1] and (w.dtype == x.dtype or (i >= n and w.dtype == torch.float32))
-        for i, w in enumerate(weights))
+        for i, w in enumerate(weights)
+    )
 
 
 def concatenated(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
@@ -99,5 +108,10 @@ def _multi_linear_fast(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[
 
 
 backend.register("multi_linear", "reference", multi_linear_reference, label="one torch linear per weight")
-backend.register("multi_linear", "fast", _multi_linear_fast, _fast_supported,
-                 label="kernel multi_linear where no gradient is needed, else torch (stacked where one is)")
+backend.register(
+    "multi_linear",
+    "fast",
+    _multi_linear_fast,
+    _fast_supported,
+    label="kernel multi_linear where no gradient is needed, else torch (stacked where one is)",
+)

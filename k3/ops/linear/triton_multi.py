@@ -37,8 +37,9 @@ _fewer_stages: set[bool] = set()  # logged once: the rule's stages did not fit a
 
 
 @triton.jit
-def _mm_block(X, w, y, n, blk, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+def _mm_block(
+    X, w, y, n, blk, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """y[:, cols] = x @ w[cols, :]^T for this program's BLOCK_N columns (w [n, K] and y [M, n] row-major)."""
     cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     for m0 in range(0, M, BLOCK_M):
@@ -46,21 +47,42 @@ def _mm_block(X, w, y, n, blk, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.conste
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                         mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-            wk = tl.load(w + cols[None, :].to(tl.int64) * K + ks[:, None],
-                         mask=(ks[:, None] < K) & (cols[None, :] < n), other=0.0)  # [BLOCK_K, BLOCK_N]
+            xk = tl.load(
+                X + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                mask=(rows[:, None] < M) & (ks[None, :] < K),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            wk = tl.load(
+                w + cols[None, :].to(tl.int64) * K + ks[:, None],
+                mask=(ks[:, None] < K) & (cols[None, :] < n),
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N]
             if wk.dtype == tl.float32:  # an fp32 weight (a router's): x upcast, fp32 products
                 acc = tl.dot(xk.to(tl.float32), wk, acc, input_precision="ieee")
             else:
                 acc = tl.dot(xk, wk, acc)
-        tl.store(y + rows[:, None].to(tl.int64) * n + cols[None, :], acc.to(y.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < n))
+        tl.store(
+            y + rows[:, None].to(tl.int64) * n + cols[None, :],
+            acc.to(y.dtype.element_ty),
+            mask=(rows[:, None] < M) & (cols[None, :] < n),
+        )
 
 
 @triton.jit
-def _slot(X, w, y, n, pid, start, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+def _slot(
+    X,
+    w,
+    y,
+    n,
+    pid,
+    start,
+    M,
+    stride_xm,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Weight slot whose programs are [start, end): run this program's block if it is one; -> end."""
     end = start + tl.cdiv(n, BLOCK_N)
     if (pid >= start) & (pid < end):
@@ -69,9 +91,41 @@ def _slot(X, w, y, n, pid, start, M, stride_xm, K: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit(do_not_specialize=["M"] + _SIZES)
-def _multi_linear_kernel(X, W0, W1, W2, W3, W4, W5, W6, W7, Y0, Y1, Y2, Y3, Y4, Y5, Y6, Y7,
-                         N0, N1, N2, N3, N4, N5, N6, N7, M, stride_xm, G: tl.constexpr, K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _multi_linear_kernel(
+    X,
+    W0,
+    W1,
+    W2,
+    W3,
+    W4,
+    W5,
+    W6,
+    W7,
+    Y0,
+    Y1,
+    Y2,
+    Y3,
+    Y4,
+    Y5,
+    Y6,
+    Y7,
+    N0,
+    N1,
+    N2,
+    N3,
+    N4,
+    N5,
+    N6,
+    N7,
+    M,
+    stride_xm,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_then_release(PDL)
     pid = tl.program_id(0)
     end = _slot(X, W0, Y0, N0, pid, 0, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -117,8 +171,9 @@ def multi_linear(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor
         except OutOfResources:  # a GPU with less shared memory per block than the rule's 4 stages need (~96 KB)
             if not _fewer_stages:
                 _fewer_stages.add(True)
-                logging.getLogger("k3.ops").warning("multi_linear: 4 stages do not fit this GPU's shared memory; "
-                                                    "launching with 2")
+                logging.getLogger("k3.ops").warning(
+                    "multi_linear: 4 stages do not fit this GPU's shared memory; launching with 2"
+                )
             _run(x, ws, ys, bm, **(config | {"num_stages": 2}))
     return ys
 
@@ -131,16 +186,24 @@ def _(x: Tensor, weights: list[Tensor], fp32: int = 0) -> list[Tensor]:
 
 def _outputs(x: Tensor, weights: list[Tensor], fp32: int) -> list[Tensor]:
     n = len(weights) - fp32
-    return [x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if i < n else torch.float32)
-            for i, w in enumerate(weights)]
+    return [
+        x.new_empty(x.shape[0], w.shape[0], dtype=x.dtype if i < n else torch.float32) for i, w in enumerate(weights)
+    ]
 
 
 def _check(x: Tensor, weights: list[Tensor], fp32: int) -> None:
-    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not 1 <= len(weights) <= MAX_WEIGHTS
-            or not weights_fit(x, weights, fp32) or any(w.device != x.device for w in weights)):
-        raise ValueError(f"multi_linear: x {tuple(x.shape)} {x.dtype} (bf16 / fp16 [M, K]) and weights "
-                         f"{[(tuple(w.shape), w.dtype) for w in weights]} with fp32={fp32} (1..{MAX_WEIGHTS} of "
-                         "[N, K], x's dtype, the last fp32 ones also fp32, and device) do not match")
+    if (
+        x.dim() != 2
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or not 1 <= len(weights) <= MAX_WEIGHTS
+        or not weights_fit(x, weights, fp32)
+        or any(w.device != x.device for w in weights)
+    ):
+        raise ValueError(
+            f"multi_linear: x {tuple(x.shape)} {x.dtype} (bf16 / fp16 [M, K]) and weights "
+            f"{[(tuple(w.shape), w.dtype) for w in weights]} with fp32={fp32} (1..{MAX_WEIGHTS} of "
+            "[N, K], x's dtype, the last fp32 ones also fp32, and device) do not match"
+        )
 
 
 def _run(x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, BLOCK_N: int, BLOCK_K: int, **launch) -> None:
@@ -152,5 +215,18 @@ def _run(x: Tensor, weights: list[Tensor], ys: list[Tensor], bm: int, BLOCK_N: i
     if x.stride(1) != 1:
         x = x.contiguous()
     grid = (sum(triton.cdiv(n, BLOCK_N) for n in sizes),)
-    _multi_linear_kernel[grid](x, *ws, *outs, *sizes, x.shape[0], x.stride(0), G=g, K=x.shape[1], BLOCK_M=bm,
-                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **launch, **pdl_launch(x.device))
+    _multi_linear_kernel[grid](
+        x,
+        *ws,
+        *outs,
+        *sizes,
+        x.shape[0],
+        x.stride(0),
+        G=g,
+        K=x.shape[1],
+        BLOCK_M=bm,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        **launch,
+        **pdl_launch(x.device),
+    )

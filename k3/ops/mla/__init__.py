@@ -20,11 +20,22 @@ backend.register("mla_latent_attention", "fast", _fast.latent_attention, _cuda)
 
 def attention(q, k, v, *, scale, cu_seqlens_q, cu_seqlens_k):
     """See :func:`k3.ops.mla.reference.attention` for shapes."""
-    return backend.dispatch("mla_attention", q.device, q, k, v, scale=scale, cu_seqlens_q=cu_seqlens_q,
-                            cu_seqlens_k=cu_seqlens_k)
+    return backend.dispatch(
+        "mla_attention", q.device, q, k, v, scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k
+    )
 
 
 def latent_attention(q, kv, *, seq_ids, lengths, cu_seqlens_q, scale, v_dim, max_length=None):
     """See :func:`k3.ops.mla.reference.latent_attention` for shapes."""
-    return backend.dispatch("mla_latent_attention", q.device, q, kv, seq_ids=seq_ids, lengths=lengths,
-                            cu_seqlens_q=cu_seqlens_q, scale=scale, v_dim=v_dim, max_length=max_length)
+    return backend.dispatch(
+        "mla_latent_attention",
+        q.device,
+        q,
+        kv,
+        seq_ids=seq_ids,
+        lengths=lengths,
+        cu_seqlens_q=cu_seqlens_q,
+        scale=scale,
+        v_dim=v_dim,
+        max_length=max_length,
+    )

@@ -34,8 +34,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     kh, vh = kh.to(qh.dtype), vh.to(qh.dtype)
     mask = None if lq == lk else causal_lower_right(lq, lk)
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=lq == lk, scale=scale,
-                                       enable_gqa=kh.shape[1] != qh.shape[1])
+    o = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=lq == lk, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
+    )
     return o[0].transpose(0, 1)
 
 
@@ -108,12 +109,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Te
     _log_once(logging.INFO, f"MLA prefill attention: SDPA per segment ({why})")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for s in range(len(bq) - 1):
-        out[bq[s]:bq[s + 1]] = _sdpa(q[bq[s]:bq[s + 1]], k[bk[s]:bk[s + 1]], v[bk[s]:bk[s + 1]], scale)
+        out[bq[s] : bq[s + 1]] = _sdpa(q[bq[s] : bq[s + 1]], k[bk[s] : bk[s + 1]], v[bk[s] : bk[s + 1]], scale)
     return out
 
 
-def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor, cu_seqlens_q: Tensor, scale: float,
-                     v_dim: int, max_length: int | None = None) -> Tensor:
+def latent_attention(
+    q: Tensor,
+    kv: Tensor,
+    *,
+    seq_ids: Tensor,
+    lengths: Tensor,
+    cu_seqlens_q: Tensor,
+    scale: float,
+    v_dim: int,
+    max_length: int | None = None,
+) -> Tensor:
     """Same contract as :func:`k3.ops.mla.reference.latent_attention`; one-token segments (decode) run the
     Triton split-K kernel, longer ones (chunked prefill on a cache) one SDPA call each."""
     if q.shape[0] == seq_ids.numel():
@@ -121,12 +131,15 @@ def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor,
 
         if supported(v_dim, q.shape[-1] - v_dim):
             return mla_decode(q, kv, seq_ids, lengths, scale, v_dim, max_length)
-        _log_once(logging.WARNING, f"MLA decode: r={v_dim}, dr={q.shape[-1] - v_dim} do not fit the Triton kernel "
-                  "(powers of two, dr >= 16); running masked dense attention over the whole cache capacity instead")
+        _log_once(
+            logging.WARNING,
+            f"MLA decode: r={v_dim}, dr={q.shape[-1] - v_dim} do not fit the Triton kernel "
+            "(powers of two, dr >= 16); running masked dense attention over the whole cache capacity instead",
+        )
         return masked_decode(q, kv, seq_ids, lengths, scale, v_dim)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
     bq = host_list(cu_seqlens_q)
     for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):
         rows = kv[slot, :length].unsqueeze(1)
-        out[bq[s]:bq[s + 1]] = _sdpa(q[bq[s]:bq[s + 1]], rows, rows[..., :v_dim], scale)
+        out[bq[s] : bq[s + 1]] = _sdpa(q[bq[s] : bq[s + 1]], rows, rows[..., :v_dim], scale)
     return out

@@ -31,17 +31,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Te
     has Lq queries and Lk >= Lq keys (see :func:`segment_attention`). Returns o [N, H, Dv] in q.dtype.
     """
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
-                         "differ")
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} differ"
+        )
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
     for s in range(len(bq) - 1):
-        out[bq[s]:bq[s + 1]] = segment_attention(q[bq[s]:bq[s + 1]], k[bk[s]:bk[s + 1]], v[bk[s]:bk[s + 1]], scale)
+        out[bq[s] : bq[s + 1]] = segment_attention(
+            q[bq[s] : bq[s + 1]], k[bk[s] : bk[s + 1]], v[bk[s] : bk[s + 1]], scale
+        )
     return out
 
 
-def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor, cu_seqlens_q: Tensor, scale: float,
-                     v_dim: int, max_length: int | None = None) -> Tensor:
+def latent_attention(
+    q: Tensor,
+    kv: Tensor,
+    *,
+    seq_ids: Tensor,
+    lengths: Tensor,
+    cu_seqlens_q: Tensor,
+    scale: float,
+    v_dim: int,
+    max_length: int | None = None,
+) -> Tensor:
     """Absorbed-MLA attention straight over a latent cache (one shared key/value head).
 
     q [N, H, D] (D = r + dr: the absorbed q_nope and q_pe); kv [slots, capacity, D] cache rows; segment s of the
@@ -53,5 +65,5 @@ def latent_attention(q: Tensor, kv: Tensor, *, seq_ids: Tensor, lengths: Tensor,
     bq = host_list(cu_seqlens_q)
     for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):
         rows = kv[slot, :length].unsqueeze(1)  # [L, 1, D]
-        out[bq[s]:bq[s + 1]] = segment_attention(q[bq[s]:bq[s + 1]], rows, rows[..., :v_dim], scale)
+        out[bq[s] : bq[s + 1]] = segment_attention(q[bq[s] : bq[s + 1]], rows, rows[..., :v_dim], scale)
     return out

@@ -13,8 +13,9 @@ backend.register("moe_experts", "reference", moe_experts_reference)
 backend.register("moe_experts", "fast", _grouped.moe_experts, _grouped.available)
 
 
-def moe_inputs(x: Tensor, router_weight: Tensor, down_weight: Tensor | None = None,
-               shared_weights: tuple[Tensor, ...] = ()) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+def moe_inputs(
+    x: Tensor, router_weight: Tensor, down_weight: Tensor | None = None, shared_weights: tuple[Tensor, ...] = ()
+) -> tuple[Tensor, Tensor | None, list[Tensor]]:
     """A MoE layer's maps of its input x [N, d]: the router's logits [N, E] in fp32 (also under autocast), the
     latent down-projection z [N, l] (None without ``down_weight``) and the shared experts' maps (their gate and up,
     [N, I_s] each). One op so that a decode step reads x once for all of them: k3.ops.linear's kernel where the plan

@@ -36,10 +36,10 @@ def _pad(t: Tensor, pad: tuple[int, ...]) -> Tensor:
 
 class _Routing(NamedTuple):
     """Where each token-expert pair's row is in the padded, expert-sorted buffer, and back."""
+
     pair_rows: Tensor  # [N, k] int64: the buffer row of pair (token n, choice j)
     src_pair: Tensor  # [R] int64: the pair n*k + j a buffer row holds, -1 for padding rows
     offs: Tensor  # [E] int32: each expert's end row (grouped_mm's offsets)
-
 
 
 def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
@@ -84,6 +84,7 @@ def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
     """What :func:`_route` runs: 'triton' (k3.ops.moe.triton_route, one program) where the kernel plan chose
     moe_route, the pairs are on a GPU and there are at most COUNT_PAIRS of them and ROUTE_MAX_EXPERTS experts,
     else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
+
     def why_not() -> str:
         if not _kernel_device(topk_idx.device):
             return "the routing is not on a GPU"
@@ -93,8 +94,13 @@ def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
             return f"more than the kernel's {ROUTE_MAX_EXPERTS} experts"
         return ""
 
-    return backend.triton_or_torch("moe_route", "moe_experts: routing by", why_not,
-                                   ("one Triton program (k3.ops.moe.triton_route)", "torch"), _route_logged)
+    return backend.triton_or_torch(
+        "moe_route",
+        "moe_experts: routing by",
+        why_not,
+        ("one Triton program (k3.ops.moe.triton_route)", "torch"),
+        _route_logged,
+    )
 
 
 # Moving rows between tokens and the buffer. Every direction is a gather (no atomics, no sort, deterministic):
@@ -184,8 +190,11 @@ def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     why = f" ({why})" if choice == "grouped_mm" and not needs_grad else ""
     if kernel + why not in _logged:
         _logged.add(kernel + why)
-        backend.log.info("moe_experts: expert matmuls by %s%s", "Triton small-groups kernel (k3.ops.moe.small_groups)"
-                         if kernel == "triton" else "torch._grouped_mm", why)
+        backend.log.info(
+            "moe_experts: expert matmuls by %s%s",
+            "Triton small-groups kernel (k3.ops.moe.small_groups)" if kernel == "triton" else "torch._grouped_mm",
+            why,
+        )
     return kernel
 
 
@@ -198,6 +207,7 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
     chose moe_up_glu, the experts are on a GPU (or in Triton's interpreter) and ``glu`` names its form (a
     k3.model.activation.GLU), else 'torch' (they run apart). Chosen and logged by
     :func:`k3.ops.backend.triton_or_torch`."""
+
     def why_not() -> str:
         if not _kernel_device(device):
             return "the experts are not on a GPU"
@@ -205,9 +215,16 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
             return "the GLU is not a named form (k3.model.activation.GLU), e.g. QAT's quantised one"
         return ""
 
-    return backend.triton_or_torch("moe_up_glu", "moe_experts: up-projection and GLU by", why_not,
-                                   ("one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
-                                    "the row gather, two matmuls and the GLU apart"), _glu_logged)
+    return backend.triton_or_torch(
+        "moe_up_glu",
+        "moe_experts: up-projection and GLU by",
+        why_not,
+        (
+            "one Triton launch (k3.ops.moe.small_groups.small_groups_glu)",
+            "the row gather, two matmuls and the GLU apart",
+        ),
+        _glu_logged,
+    )
 
 
 def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -219,8 +236,15 @@ def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 
-def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-                glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def moe_experts(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weight: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    glu: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
     """Same contract as :func:`k3.ops.moe.reference.moe_experts`. Under QAT the weights, inputs and GLU output
     arrive fake-quantised (k3.ops.moe.moe_experts composes them), so this is the emulated MX path:
     dequantised values through bf16 grouped GEMMs, with no host synchronisation."""
@@ -238,8 +262,9 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     if kernel == "triton" and up_glu_kernel(glu, x.device) == "triton":  # gather, w1, w3 and the GLU in one launch
         from k3.ops.moe.small_groups import small_groups_glu  # Triton: imported on use (GPUs only)
 
-        h = small_groups_glu(xb, route.src_pair, topk_idx.shape[1], w1b, w3b, route.offs, glu.kind, glu.beta,
-                             glu.linear_beta)
+        h = small_groups_glu(
+            xb, route.src_pair, topk_idx.shape[1], w1b, w3b, route.offs, glu.kind, glu.beta, glu.linear_beta
+        )
     else:
         xs = _Dispatch.apply(xb, route)  # [R, D+pd]
         h = glu(_matmul(kernel, xs, w1b, route.offs), _matmul(kernel, xs, w3b, route.offs))

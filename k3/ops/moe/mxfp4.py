@@ -47,11 +47,19 @@ def _bank(experts) -> tuple[Tensor, ...]:
     out = tuple(getattr(experts, f"{w}_{part}") for w in WEIGHTS for part in ("packed", "scale"))
     e = out[0].shape[0]
     for w, (p, s) in zip(WEIGHTS, zip(out[0::2], out[1::2])):
-        if (p.dtype != torch.uint8 or s.dtype != torch.uint8 or p.dim() != 3 or p.shape[0] != e
-                or tuple(s.shape) != (e, p.shape[1], 2 * p.shape[2] // GROUP) or (2 * p.shape[2]) % GROUP):
-            raise ValueError(f"moe_experts_packed: {w}_packed {tuple(p.shape)} {p.dtype} and {w}_scale "
-                             f"{tuple(s.shape)} {s.dtype} are not an MXFP4 bank (uint8 [E, out, in / 2] and "
-                             f"[E, out, in / {GROUP}])")
+        if (
+            p.dtype != torch.uint8
+            or s.dtype != torch.uint8
+            or p.dim() != 3
+            or p.shape[0] != e
+            or tuple(s.shape) != (e, p.shape[1], 2 * p.shape[2] // GROUP)
+            or (2 * p.shape[2]) % GROUP
+        ):
+            raise ValueError(
+                f"moe_experts_packed: {w}_packed {tuple(p.shape)} {p.dtype} and {w}_scale "
+                f"{tuple(s.shape)} {s.dtype} are not an MXFP4 bank (uint8 [E, out, in / 2] and "
+                f"[E, out, in / {GROUP}])"
+            )
     return out
 
 
@@ -64,8 +72,9 @@ def _selected(bank: tuple[Tensor, ...], chosen: Tensor, dtype: torch.dtype) -> t
     return tuple(dequantize_experts(bank[2 * i], bank[2 * i + 1], chosen, dtype) for i in range(3))
 
 
-def moe_experts_reference(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts,
-                          glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def moe_experts_reference(
+    x: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts, glu: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
     """x [N, D], topk_idx [N, k] int64, topk_weight [N, k] fp32, packed experts -> [N, D] in x.dtype: the batch's
     unique experts dequantised (one host sync), then the per-expert loop of k3.ops.moe.reference."""
     bank = _bank(experts)
@@ -91,6 +100,7 @@ def mxfp4_kernel(x: Tensor, topk_idx: Tensor, needs_grad: bool) -> str:
     """'triton' (k3.ops.moe.triton_mxfp4) where the kernel plan chose moe_mxfp4, no gradient is needed, the batch
     is on a GPU and has at most COUNT_PAIRS pairs; else 'torch' (selected experts dequantised to bf16). Chosen and
     logged once each by :func:`k3.ops.backend.triton_or_torch`."""
+
     def why_not() -> str:
         if not _kernel_device(x.device):
             return "the batch is not on a GPU"
@@ -100,13 +110,21 @@ def mxfp4_kernel(x: Tensor, topk_idx: Tensor, needs_grad: bool) -> str:
             return f"more than {COUNT_PAIRS} token-expert pairs"
         return ""
 
-    return backend.triton_or_torch("moe_mxfp4", "moe_experts_packed: MXFP4 experts by", why_not,
-                                   ("one Triton matmul per weight reading codes and scales (k3.ops.moe.triton_mxfp4)",
-                                    "the selected experts dequantised to bf16, then moe_experts"), _logged)
+    return backend.triton_or_torch(
+        "moe_mxfp4",
+        "moe_experts_packed: MXFP4 experts by",
+        why_not,
+        (
+            "one Triton matmul per weight reading codes and scales (k3.ops.moe.triton_mxfp4)",
+            "the selected experts dequantised to bf16, then moe_experts",
+        ),
+        _logged,
+    )
 
 
-def moe_experts_fast(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts,
-                     glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def moe_experts_fast(
+    x: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts, glu: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
     """Same contract as :func:`moe_experts_reference`; see the module docstring for what runs."""
     bank = _bank(experts)
     n, k = topk_idx.shape
@@ -133,8 +151,9 @@ backend.register("moe_experts_packed", "reference", moe_experts_reference)
 backend.register("moe_experts_packed", "fast", moe_experts_fast, available)
 
 
-def moe_experts_packed(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts,
-                       glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def moe_experts_packed(
+    x: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts, glu: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
     """y_t = sum_j p_tj E_j(x_t) with the routed experts kept packed (see the module docstring).
 
     x [N, D]; topk_idx [N, k] int64; topk_weight [N, k] fp32; experts: PackedExperts-like (uint8 codes and E8M0

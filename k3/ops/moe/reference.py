@@ -9,8 +9,15 @@ from torch import Tensor
 from k3.ops.dtypes import upcast
 
 
-def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
-                glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def moe_experts(
+    x: Tensor,
+    topk_idx: Tensor,
+    topk_weight: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    glu: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
     """y_t = sum_j p_tj * E_j(x_t) with E_j(x) = w2_j glu(w1_j x, w3_j x).
 
     x [N, D] (D = latent width for LatentMoE, hidden width otherwise); topk_idx [N, k] int64;
@@ -27,8 +34,11 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w2
     # unbound once, so their backward is one stack (indexing w[e] per expert made each expert's weight gradient a
     # zero-filled [E, ...] tensor, summed E times: 55% of this loop's fwd + bwd on 2 CPU cores at E=32)
     w1s, w2s, w3s = w1.unbind(0), w2.unbind(0), w3.unbind(0)
-    outs = [glu(xe @ w1s[e].t(), xe @ w3s[e].t()) @ w2s[e].t()
-            for e, xe in enumerate(x.index_select(0, tokens).split(counts)) if counts[e]]
+    outs = [
+        glu(xe @ w1s[e].t(), xe @ w3s[e].t()) @ w2s[e].t()
+        for e, xe in enumerate(x.index_select(0, tokens).split(counts))
+        if counts[e]
+    ]
     weight = upcast(topk_weight.reshape(-1).index_select(0, order)).unsqueeze(-1)
     y = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
     y = y.index_add(0, tokens, upcast(torch.cat(outs)) * weight) if outs else y

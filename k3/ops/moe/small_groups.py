@@ -31,14 +31,32 @@ from torch import Tensor
 from k3.ops.moe.layout import ALIGN, GLU_ACTS
 from k3.ops.pdl import launch, wait_then_release
 
-_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
-            for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
+_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=s, num_warps=4)
+    for n in (32, 64, 128)
+    for k in (64, 128, 256)
+    for s in (3, 4)
+]
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M"])
 @triton.jit
-def _small_groups_kernel(X, W, OFFS, Y, stride_xr, stride_we, stride_wn, stride_yr, N: tl.constexpr, K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _small_groups_kernel(
+    X,
+    W,
+    OFFS,
+    Y,
+    stride_xr,
+    stride_we,
+    stride_wn,
+    stride_yr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_then_release(PDL)
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,18 +69,25 @@ def _small_groups_kernel(X, W, OFFS, Y, stride_xr, stride_we, stride_wn, stride_
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + rows[:, None].to(tl.int64) * stride_xr + ks[None, :],
-                        mask=(rows[:, None] < end) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            x = tl.load(
+                X + rows[:, None].to(tl.int64) * stride_xr + ks[None, :],
+                mask=(rows[:, None] < end) & (ks[None, :] < K),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
             w = tl.load(w_base + ks[:, None], mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)  # [BK, BN]
             acc = tl.dot(x, w, acc)
-        tl.store(Y + rows[:, None].to(tl.int64) * stride_yr + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rows[:, None] < end) & (cols[None, :] < N))
+        tl.store(
+            Y + rows[:, None].to(tl.int64) * stride_yr + cols[None, :],
+            acc.to(Y.dtype.element_ty),
+            mask=(rows[:, None] < end) & (cols[None, :] < N),
+        )
         m0 += BLOCK_M
 
 
 # one num_stages: other values measured the same (Triton does pipeline the K loop: cp.async at 2-4 stages for sm_90a)
-_GLU_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4)
-                for n in (32, 64, 128) for k in (64, 128)]
+_GLU_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4) for n in (32, 64, 128) for k in (64, 128)
+]
 
 
 @triton.jit
@@ -74,10 +99,28 @@ def _tanh(x):
 
 @triton.autotune(configs=_GLU_CONFIGS, key=["N", "K", "BLOCK_M", "SITU"])
 @triton.jit
-def _small_groups_glu_kernel(X, SRC, W1, W3, OFFS, H, stride_xr, stride_we, stride_wn, stride_hr, pairs_per_token,
-                             beta, linear_beta, N: tl.constexpr, K: tl.constexpr, SITU: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PDL: tl.constexpr):
+def _small_groups_glu_kernel(
+    X,
+    SRC,
+    W1,
+    W3,
+    OFFS,
+    H,
+    stride_xr,
+    stride_we,
+    stride_wn,
+    stride_hr,
+    pairs_per_token,
+    beta,
+    linear_beta,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    SITU: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """h[r] = act(w1[e] @ x[token(r)], w3[e] @ x[token(r)]) for the rows r of group e, token(r) = SRC[r] // k;
     padding rows (SRC = -1) read zeros. Each product is rounded to h's dtype before the activation, as when the
     matmuls and the GLU run apart."""
@@ -96,8 +139,11 @@ def _small_groups_glu_kernel(X, SRC, W1, W3, OFFS, H, stride_xr, stride_we, stri
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + token[:, None].to(tl.int64) * stride_xr + ks[None, :],
-                        mask=(src[:, None] >= 0) & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            x = tl.load(
+                X + token[:, None].to(tl.int64) * stride_xr + ks[None, :],
+                mask=(src[:, None] >= 0) & (ks[None, :] < K),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
             w_mask = (ks[:, None] < K) & (cols[None, :] < N)
             acc1 = tl.dot(x, tl.load(W1 + w_off + ks[:, None], mask=w_mask, other=0.0), acc1)
             acc3 = tl.dot(x, tl.load(W3 + w_off + ks[:, None], mask=w_mask, other=0.0), acc3)
@@ -107,8 +153,11 @@ def _small_groups_glu_kernel(X, SRC, W1, W3, OFFS, H, stride_xr, stride_we, stri
             h = beta * _tanh(g / beta) * tl.sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
         else:
             h = g * tl.sigmoid(g) * u
-        tl.store(H + rows[:, None].to(tl.int64) * stride_hr + cols[None, :], h.to(H.dtype.element_ty),
-                 mask=(rows[:, None] < end) & (cols[None, :] < N))
+        tl.store(
+            H + rows[:, None].to(tl.int64) * stride_hr + cols[None, :],
+            h.to(H.dtype.element_ty),
+            mask=(rows[:, None] < end) & (cols[None, :] < N),
+        )
         m0 += BLOCK_M
 
 
@@ -121,7 +170,7 @@ def block_m(rows: int, groups: int) -> int:
     layer took two passes (B=64 / 32K: ~2.95 -> 2.91 ms per step with the reads before the PDL wait,
     docs/decisions.md). B=16 and B=1 keep 16."""
     mu = max(rows / max(groups, 1) - ALIGN, 0.0)
-    large = -(-(mu + 4 * mu ** 0.5) // ALIGN) * ALIGN
+    large = -(-(mu + 4 * mu**0.5) // ALIGN) * ALIGN
     return min(64, max(16, triton.next_power_of_2(int(large))))
 
 
@@ -147,8 +196,17 @@ def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("k3::small_groups_glu", mutates_args=())
-def small_groups_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor,
-                     act: str, beta: float, linear_beta: float) -> Tensor:
+def small_groups_glu(
+    x: Tensor,
+    src_pair: Tensor,
+    pairs_per_token: int,
+    w1: Tensor,
+    w3: Tensor,
+    offs: Tensor,
+    act: str,
+    beta: float,
+    linear_beta: float,
+) -> Tensor:
     """The experts' up-projection and GLU in one launch, rows gathered on the fly: x [N, K] (the tokens), src_pair
     [R] int64 (the pair a buffer row holds, -1 for padding; pair // pairs_per_token is its token), w1 / w3
     [E, I, K], offs [E] int32 group ends -> h [R, I] = act(w1[e] x[token], w3[e] x[token]) for the rows of group e,
@@ -162,34 +220,77 @@ def small_groups_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tens
     h = torch.empty(src_pair.shape[0], N, device=x.device, dtype=x.dtype)
     bm = block_m(src_pair.shape[0], E)
     grid = lambda m: (E, triton.cdiv(N, m["BLOCK_N"]))  # noqa: E731
-    _small_groups_glu_kernel[grid](x, src_pair, w1, w3, offs.to(torch.int32), h, x.stride(0), w1.stride(0),
-                                   w1.stride(1), h.stride(0), pairs_per_token, beta, linear_beta, N=N, K=K,
-                                   SITU=act == "situ", BLOCK_M=bm, **launch(x.device))
+    _small_groups_glu_kernel[grid](
+        x,
+        src_pair,
+        w1,
+        w3,
+        offs.to(torch.int32),
+        h,
+        x.stride(0),
+        w1.stride(0),
+        w1.stride(1),
+        h.stride(0),
+        pairs_per_token,
+        beta,
+        linear_beta,
+        N=N,
+        K=K,
+        SITU=act == "situ",
+        BLOCK_M=bm,
+        **launch(x.device),
+    )
     return h
 
 
 @small_groups_glu.register_fake
-def _(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor, act: str, beta: float,
-      linear_beta: float) -> Tensor:
+def _(
+    x: Tensor,
+    src_pair: Tensor,
+    pairs_per_token: int,
+    w1: Tensor,
+    w3: Tensor,
+    offs: Tensor,
+    act: str,
+    beta: float,
+    linear_beta: float,
+) -> Tensor:
     _check_glu(x, src_pair, pairs_per_token, w1, w3, offs, act)
     return x.new_empty(src_pair.shape[0], w1.shape[1])
 
 
-def _check_glu(x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor,
-               act: str) -> None:
+def _check_glu(
+    x: Tensor, src_pair: Tensor, pairs_per_token: int, w1: Tensor, w3: Tensor, offs: Tensor, act: str
+) -> None:
     _check(x, w1, offs, "small_groups_glu")
-    if (w1.shape != w3.shape or w1.dtype != w3.dtype or act not in GLU_ACTS or src_pair.dim() != 1
-            or src_pair.dtype != torch.int64 or pairs_per_token < 1):
-        raise ValueError(f"small_groups_glu: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, src_pair "
-                         f"{tuple(src_pair.shape)} {src_pair.dtype} (int64 [R]), pairs_per_token={pairs_per_token} "
-                         f"and act={act!r} (one of {GLU_ACTS}) do not match")
+    if (
+        w1.shape != w3.shape
+        or w1.dtype != w3.dtype
+        or act not in GLU_ACTS
+        or src_pair.dim() != 1
+        or src_pair.dtype != torch.int64
+        or pairs_per_token < 1
+    ):
+        raise ValueError(
+            f"small_groups_glu: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, src_pair "
+            f"{tuple(src_pair.shape)} {src_pair.dtype} (int64 [R]), pairs_per_token={pairs_per_token} "
+            f"and act={act!r} (one of {GLU_ACTS}) do not match"
+        )
 
 
 def _check(x: Tensor, w: Tensor, offs: Tensor, op: str = "small_groups_mm") -> None:
-    if (x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or tuple(offs.shape) != (w.shape[0],)
-            or x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"{op}: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} and offs "
-                         f"{tuple(offs.shape)} do not match")
+    if (
+        x.dim() != 2
+        or w.dim() != 3
+        or w.shape[2] != x.shape[1]
+        or tuple(offs.shape) != (w.shape[0],)
+        or x.dtype != w.dtype
+        or x.dtype not in (torch.bfloat16, torch.float16)
+    ):
+        raise ValueError(
+            f"{op}: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype} and offs "
+            f"{tuple(offs.shape)} do not match"
+        )
 
 
 def _run(kernel, x: Tensor, w: Tensor, offs: Tensor, y: Tensor, bm: int, **meta) -> None:
@@ -199,5 +300,18 @@ def _run(kernel, x: Tensor, w: Tensor, offs: Tensor, y: Tensor, bm: int, **meta)
     def grid(m):
         return E, triton.cdiv(N, m["BLOCK_N"])
 
-    kernel[grid](x, w, offs, y, x.stride(0), w.stride(0), w.stride(1), y.stride(0), N=N, K=K, BLOCK_M=bm, **meta,
-                 **launch(x.device))
+    kernel[grid](
+        x,
+        w,
+        offs,
+        y,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        y.stride(0),
+        N=N,
+        K=K,
+        BLOCK_M=bm,
+        **meta,
+        **launch(x.device),
+    )

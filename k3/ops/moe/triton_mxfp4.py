@@ -34,8 +34,9 @@ from k3.ops.moe.small_groups import block_m
 from k3.ops.pdl import launch, wait_then_release
 
 GROUP = 32
-_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4)
-            for n in (32, 64, 128) for k in (64, 128)]
+_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4) for n in (32, 64, 128) for k in (64, 128)
+]
 
 
 @triton.jit
@@ -59,9 +60,28 @@ def _e8m0(s):
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "GATHER"])
 @triton.jit
-def _mxfp4_groups_kernel(X, SRC, P, S, OFFS, Y, stride_xr, stride_pe, stride_pn, stride_se, stride_sn, stride_yr,
-                         pairs_per_token, N: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _mxfp4_groups_kernel(
+    X,
+    SRC,
+    P,
+    S,
+    OFFS,
+    Y,
+    stride_xr,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    stride_yr,
+    pairs_per_token,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """y[r] = W_e x[r] for the rows r of group e, W_e = e2m1(P[e]) * e8m0(S[e]) [N, K]. GATHER: x[r] is the token
     row X[SRC[r] // pairs_per_token] (zeros where SRC[r] = -1), else X[r]."""
     wait_then_release(PDL)
@@ -84,36 +104,55 @@ def _mxfp4_groups_kernel(X, SRC, P, S, OFFS, Y, stride_xr, stride_pe, stride_pn,
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + x_rows[:, None].to(tl.int64) * stride_xr + ks[None, :],
-                        mask=x_ok[:, None] & (ks[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            x = tl.load(
+                X + x_rows[:, None].to(tl.int64) * stride_xr + ks[None, :],
+                mask=x_ok[:, None] & (ks[None, :] < K),
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
             w_mask = (ks[:, None] < K) & (cols[None, :] < N)  # [BLOCK_K, BLOCK_N]
             byte = tl.load(p_base + ks[:, None] // 2, mask=w_mask, other=0).to(tl.int32)
             code = (byte >> ((ks[:, None] % 2) * 4)) & 0xF  # even column: low nibble
             scale = tl.load(s_base + ks[:, None] // 32, mask=w_mask, other=127).to(tl.int32)
             w = (_e2m1(code) * _e8m0(scale)).to(X.dtype.element_ty)  # [BLOCK_K, BLOCK_N]
             acc = tl.dot(x, w, acc)
-        tl.store(Y + rows[:, None].to(tl.int64) * stride_yr + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rows[:, None] < end) & (cols[None, :] < N))
+        tl.store(
+            Y + rows[:, None].to(tl.int64) * stride_yr + cols[None, :],
+            acc.to(Y.dtype.element_ty),
+            mask=(rows[:, None] < end) & (cols[None, :] < N),
+        )
         m0 += BLOCK_M
 
 
-def _check(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor,
-           offs: Tensor) -> None:
+def _check(
+    x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor, offs: Tensor
+) -> None:
     e, n, half = packed.shape if packed.dim() == 3 else (0, 0, 0)
-    if (x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or packed.dtype != torch.uint8
-            or scale.dtype != torch.uint8 or packed.dim() != 3 or x.shape[1] != 2 * half or (2 * half) % GROUP
-            or tuple(scale.shape) != (e, n, 2 * half // GROUP) or tuple(offs.shape) != (e,) or pairs_per_token < 1
-            or (src_pair is not None and (src_pair.dim() != 1 or src_pair.dtype != torch.int64))):
-        raise ValueError(f"mxfp4_groups_mm: x {tuple(x.shape)} {x.dtype} (bf16 / fp16), packed {tuple(packed.shape)} "
-                         f"{packed.dtype}, scale {tuple(scale.shape)} {scale.dtype} (uint8 [E, N, K / 2] and "
-                         f"[E, N, K / {GROUP}]), offs {tuple(offs.shape)}, src_pair "
-                         f"{None if src_pair is None else (tuple(src_pair.shape), src_pair.dtype)} and "
-                         f"pairs_per_token={pairs_per_token} do not match")
+    if (
+        x.dim() != 2
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or packed.dtype != torch.uint8
+        or scale.dtype != torch.uint8
+        or packed.dim() != 3
+        or x.shape[1] != 2 * half
+        or (2 * half) % GROUP
+        or tuple(scale.shape) != (e, n, 2 * half // GROUP)
+        or tuple(offs.shape) != (e,)
+        or pairs_per_token < 1
+        or (src_pair is not None and (src_pair.dim() != 1 or src_pair.dtype != torch.int64))
+    ):
+        raise ValueError(
+            f"mxfp4_groups_mm: x {tuple(x.shape)} {x.dtype} (bf16 / fp16), packed {tuple(packed.shape)} "
+            f"{packed.dtype}, scale {tuple(scale.shape)} {scale.dtype} (uint8 [E, N, K / 2] and "
+            f"[E, N, K / {GROUP}]), offs {tuple(offs.shape)}, src_pair "
+            f"{None if src_pair is None else (tuple(src_pair.shape), src_pair.dtype)} and "
+            f"pairs_per_token={pairs_per_token} do not match"
+        )
 
 
 @torch.library.custom_op("k3::mxfp4_groups_mm", mutates_args=())
-def mxfp4_groups_mm(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor,
-                    offs: Tensor) -> Tensor:
+def mxfp4_groups_mm(
+    x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor, offs: Tensor
+) -> Tensor:
     """Grouped matmul with packed MXFP4 weights: packed uint8 [E, N, K / 2], scale uint8 [E, N, K / 32], offs [E]
     int32 group ends. With src_pair [R] int64: x [T, K] are the tokens and row r of the result reads token
     src_pair[r] // pairs_per_token (zeros for -1), R = len(src_pair); without: x [R, K] are the rows. Returns
@@ -127,21 +166,40 @@ def mxfp4_groups_mm(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int,
     e, n, _ = packed.shape
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
     grid = lambda m: (e, triton.cdiv(n, m["BLOCK_N"]))  # noqa: E731
-    _mxfp4_groups_kernel[grid](x, src, packed, scale, offs.to(torch.int32), y, x.stride(0), packed.stride(0),
-                               packed.stride(1), scale.stride(0), scale.stride(1), y.stride(0), pairs_per_token,
-                               N=n, K=x.shape[1], GATHER=gather, BLOCK_M=block_m(rows, e), **launch(x.device))
+    _mxfp4_groups_kernel[grid](
+        x,
+        src,
+        packed,
+        scale,
+        offs.to(torch.int32),
+        y,
+        x.stride(0),
+        packed.stride(0),
+        packed.stride(1),
+        scale.stride(0),
+        scale.stride(1),
+        y.stride(0),
+        pairs_per_token,
+        N=n,
+        K=x.shape[1],
+        GATHER=gather,
+        BLOCK_M=block_m(rows, e),
+        **launch(x.device),
+    )
     return y
 
 
 @mxfp4_groups_mm.register_fake
-def _(x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor,
-      offs: Tensor) -> Tensor:
+def _(
+    x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor, offs: Tensor
+) -> Tensor:
     _check(x, src_pair, pairs_per_token, packed, scale, offs)
     return x.new_empty(src_pair.shape[0] if src_pair is not None else x.shape[0], packed.shape[1])
 
 
-def moe_mxfp4(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, bank: tuple[Tensor, ...],
-              glu: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+def moe_mxfp4(
+    x: Tensor, topk_idx: Tensor, topk_weight: Tensor, bank: tuple[Tensor, ...], glu: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
     """The routed experts on packed MXFP4 weights, no gradient: x [N, D], topk_idx [N, k] int64, topk_weight [N, k],
     bank (w1_packed, w1_scale, w2_packed, w2_scale, w3_packed, w3_scale) with w1 / w3 [E, I, D / 2] and
     [E, I, D / 32], w2 [E, D, I / 2] and [E, D, I / 32] -> [N, D] in x.dtype. Three launches (w1, w3, w2) and

@@ -29,8 +29,20 @@ from k3.ops.pdl import launch, wait_then_release
 
 
 @triton.jit
-def _route_kernel(IDX, PAIR_ROWS, SRC_PAIR, OFFS, P, E, R, ALIGN: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+def _route_kernel(
+    IDX,
+    PAIR_ROWS,
+    SRC_PAIR,
+    OFFS,
+    P,
+    E,
+    R,
+    ALIGN: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_then_release(PDL)
     lanes = tl.arange(0, BLOCK_P)
     live = lanes < P
@@ -67,9 +79,21 @@ def moe_route(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     src_pair = torch.empty(p + ALIGN * num_experts, dtype=torch.int64, device=topk_idx.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
     block_p = triton.next_power_of_2(max(p, 1))
-    _route_kernel[(1,)](topk_idx.contiguous(), pair_rows, src_pair, offs, p, num_experts, src_pair.numel(),
-                        ALIGN=ALIGN, BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_R=1024,
-                        num_warps=8 if block_p > 512 else 4, **launch(topk_idx.device))
+    _route_kernel[(1,)](
+        topk_idx.contiguous(),
+        pair_rows,
+        src_pair,
+        offs,
+        p,
+        num_experts,
+        src_pair.numel(),
+        ALIGN=ALIGN,
+        BLOCK_P=block_p,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_R=1024,
+        num_warps=8 if block_p > 512 else 4,
+        **launch(topk_idx.device),
+    )
     return pair_rows, src_pair, offs
 
 
@@ -77,12 +101,21 @@ def moe_route(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
 def _(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     _check(topk_idx, num_experts)
     n, k = topk_idx.shape
-    return (topk_idx.new_empty(n, k), topk_idx.new_empty(n * k + ALIGN * num_experts),
-            topk_idx.new_empty(num_experts, dtype=torch.int32))
+    return (
+        topk_idx.new_empty(n, k),
+        topk_idx.new_empty(n * k + ALIGN * num_experts),
+        topk_idx.new_empty(num_experts, dtype=torch.int32),
+    )
 
 
 def _check(topk_idx: Tensor, num_experts: int) -> None:
-    if (topk_idx.dim() != 2 or topk_idx.dtype != torch.int64 or topk_idx.numel() > COUNT_PAIRS
-            or not 1 <= num_experts <= MAX_EXPERTS):
-        raise ValueError(f"moe_route: topk_idx {tuple(topk_idx.shape)} {topk_idx.dtype} (int64 [N, k], N*k <= "
-                         f"{COUNT_PAIRS}) and num_experts={num_experts} (1..{MAX_EXPERTS}) do not match")
+    if (
+        topk_idx.dim() != 2
+        or topk_idx.dtype != torch.int64
+        or topk_idx.numel() > COUNT_PAIRS
+        or not 1 <= num_experts <= MAX_EXPERTS
+    ):
+        raise ValueError(
+            f"moe_route: topk_idx {tuple(topk_idx.shape)} {topk_idx.dtype} (int64 [N, k], N*k <= "
+            f"{COUNT_PAIRS}) and num_experts={num_experts} (1..{MAX_EXPERTS}) do not match"
+        )

@@ -22,8 +22,7 @@ MAX_EXPERTS = 4096  # the kernel holds a row's E scores in one block of lanes
 _logged: set[str] = set()
 
 
-def route(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
-          ) -> tuple[Tensor, Tensor, Tensor]:
+def route(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
     """See :func:`k3.ops.router.reference.route` for shapes."""
     return backend.dispatch("router", logits.device, logits, bias, top_k, renormalize, scaling)
 
@@ -36,6 +35,7 @@ def topk_kernel(logits: Tensor, bias: Tensor) -> str:
     """Which form the fast backend runs: 'triton' where the kernel plan chose router_topk, no gradient
     is needed, logits and bias are fp32 and E <= MAX_EXPERTS, else 'torch' (:func:`k3.ops.backend.triton_or_torch`:
     logged once each, with the reason)."""
+
     def why_not() -> str:
         if torch.is_grad_enabled() and logits.requires_grad:
             return "a gradient is needed"
@@ -45,13 +45,18 @@ def topk_kernel(logits: Tensor, bias: Tensor) -> str:
             return f"{logits.shape[-1]} experts, more than the kernel's {MAX_EXPERTS}"
         return ""
 
-    return backend.triton_or_torch("router_topk", "router: top-k by", why_not,
-                                   ("the Triton kernel (k3.ops.router.triton_topk)", "torch (k3.ops.router.reference)"),
-                                   _logged)
+    return backend.triton_or_torch(
+        "router_topk",
+        "router: top-k by",
+        why_not,
+        ("the Triton kernel (k3.ops.router.triton_topk)", "torch (k3.ops.router.reference)"),
+        _logged,
+    )
 
 
-def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
+def _route_fast(
+    logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+) -> tuple[Tensor, Tensor, Tensor]:
     if topk_kernel(logits, bias) == "triton":
         from k3.ops.router.triton_topk import router_topk  # Triton: imported on use (GPUs only)
 
@@ -60,5 +65,6 @@ def _route_fast(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
 
 
 backend.register("router", "reference", route_reference, label="torch")
-backend.register("router", "fast", _route_fast, _fast_supported,
-                 label="kernel router_topk where no gradient is needed, else torch")
+backend.register(
+    "router", "fast", _route_fast, _fast_supported, label="kernel router_topk where no gradient is needed, else torch"
+)

@@ -7,8 +7,7 @@ import torch
 from torch import Tensor
 
 
-def route(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
-          ) -> tuple[Tensor, Tensor, Tensor]:
+def route(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
     """logits [N, E] (fp32, or fp64 for gradchecks), bias [E] (the e_score_correction_bias, same dtype) ->
     scores [N, E] = sigmoid(logits); topk_idx [N, k] int64: the k experts of largest score + bias (the bias
     selects only: no gradient flows through the selection), in no particular order; topk_weight [N, k]: their

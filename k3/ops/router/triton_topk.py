@@ -24,8 +24,20 @@ from k3.ops.pdl import launch, wait_then_release
 
 
 @triton.jit
-def _router_topk_kernel(LOGITS, BIAS, SCORES, IDX, WEIGHT, E, scaling, K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _router_topk_kernel(
+    LOGITS,
+    BIAS,
+    SCORES,
+    IDX,
+    WEIGHT,
+    E,
+    scaling,
+    K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -51,8 +63,9 @@ def _router_topk_kernel(LOGITS, BIAS, SCORES, IDX, WEIGHT, E, scaling, K: tl.con
 
 
 @torch.library.custom_op("k3::router_topk", mutates_args=())
-def router_topk(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
+def router_topk(
+    logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """logits [N, E] fp32, bias [E] fp32 -> scores [N, E] fp32, topk_idx [N, k] int64 (in descending order of
     score + bias, ties to the lowest index), topk_weight [N, k] fp32: the contract of
     :func:`k3.ops.router.reference.route` (E <= MAX_EXPERTS). A custom op (``torch.ops.k3.router_topk``): a
@@ -65,9 +78,21 @@ def router_topk(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, sca
     weight = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     if n:
         block_e = triton.next_power_of_2(e)
-        _router_topk_kernel[(n,)](logits, bias, scores, idx, weight, e, scaling, K=top_k, RENORMALIZE=renormalize,
-                                  BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-                                  num_warps=min(8, max(1, block_e // 256)), **launch(logits.device))
+        _router_topk_kernel[(n,)](
+            logits,
+            bias,
+            scores,
+            idx,
+            weight,
+            e,
+            scaling,
+            K=top_k,
+            RENORMALIZE=renormalize,
+            BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=min(8, max(1, block_e // 256)),
+            **launch(logits.device),
+        )
     return scores, idx, weight
 
 
@@ -80,9 +105,17 @@ def _(logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: floa
 
 def _check(logits: Tensor, bias: Tensor, top_k: int) -> None:
     e = logits.shape[-1] if logits.dim() else 0
-    if (logits.dim() != 2 or logits.dtype != torch.float32 or bias.dtype != torch.float32
-            or tuple(bias.shape) != (e,) or bias.device != logits.device or not 1 <= top_k <= e
-            or e > MAX_EXPERTS):
-        raise ValueError(f"router_topk: logits {tuple(logits.shape)} {logits.dtype} (fp32 [N, E], E <= "
-                         f"{MAX_EXPERTS}), bias {tuple(bias.shape)} {bias.dtype} (fp32 [E], same device) and "
-                         f"top_k={top_k} (1 <= k <= E) do not match")
+    if (
+        logits.dim() != 2
+        or logits.dtype != torch.float32
+        or bias.dtype != torch.float32
+        or tuple(bias.shape) != (e,)
+        or bias.device != logits.device
+        or not 1 <= top_k <= e
+        or e > MAX_EXPERTS
+    ):
+        raise ValueError(
+            f"router_topk: logits {tuple(logits.shape)} {logits.dtype} (fp32 [N, E], E <= "
+            f"{MAX_EXPERTS}), bias {tuple(bias.shape)} {bias.dtype} (fp32 [E], same device) and "
+            f"top_k={top_k} (1 <= k <= E) do not match"
+        )
