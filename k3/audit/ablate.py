@@ -170,8 +170,11 @@ def params_of(config: K3Config) -> dict:
     """Total and activated parameters (meta device; activated excludes the input embedding)."""
     r = accounting.report(config)
     act = r["params_activated_by_path"]
-    return {"params_total": int(r["params_total"]), "params_activated": float(r["params_activated"]),
-            "params_moe_activated": float(act["routed_experts"] + act["latent_proj"] + act["shared_experts"])}
+    return {
+        "params_total": int(r["params_total"]),
+        "params_activated": float(r["params_activated"]),
+        "params_moe_activated": float(act["routed_experts"] + act["latent_proj"] + act["shared_experts"]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- grids
@@ -207,32 +210,82 @@ class Grid:
 
 ARCH_REMOVALS = ("no_kda", "no_mla", "no_attnres", "no_latent")
 ALL_VARIANTS = ("full",) + ARCH_REMOVALS + ("bias_sign", "aux", "none")
-PAIRS = tuple(f"{a}+{b}" for i, a in enumerate(ARCH_REMOVALS) for b in ARCH_REMOVALS[i + 1:]
-              if {a, b} != {"no_kda", "no_mla"})
+PAIRS = tuple(
+    f"{a}+{b}" for i, a in enumerate(ARCH_REMOVALS) for b in ARCH_REMOVALS[i + 1 :] if {a, b} != {"no_kda", "no_mla"}
+)
 
 GRIDS: dict[str, Grid] = {
     "micro": Grid(
-        name="micro", description="tests only: seconds on a CPU",
-        preset="tiny", variants=("full", "no_kda", "bias_sign"), seeds=(0, 1),
-        train=dict(steps=3, batch_size=2, seq_len=32, vocab_size=300, tokenizer_train_bytes=100_000,
-                   max_tokens=20_000, eval_every=3, eval_rows=4),
-        mqar=MQARSettings(variants=("full", "no_mla"), num_pairs=(2,), num_keys=4, num_values=4, steps=3,
-                          batch_size=4, eval_size=16),
-        run_plots=False),
+        name="micro",
+        description="tests only: seconds on a CPU",
+        preset="tiny",
+        variants=("full", "no_kda", "bias_sign"),
+        seeds=(0, 1),
+        train=dict(
+            steps=3,
+            batch_size=2,
+            seq_len=32,
+            vocab_size=300,
+            tokenizer_train_bytes=100_000,
+            max_tokens=20_000,
+            eval_every=3,
+            eval_rows=4,
+        ),
+        mqar=MQARSettings(
+            variants=("full", "no_mla"), num_pairs=(2,), num_keys=4, num_values=4, steps=3, batch_size=4, eval_size=16
+        ),
+        run_plots=False,
+    ),
     "smoke": Grid(
-        name="smoke", description="every variant kind on the tiny preset, 2 seeds; ~10 minutes on a 2-core CPU",
-        preset="tiny", variants=ALL_VARIANTS + ("no_kda+no_attnres",), seeds=(0, 1),
-        train=dict(steps=150, batch_size=8, seq_len=128, vocab_size=1024, tokenizer_train_bytes=1_000_000,
-                   max_tokens=300_000, eval_every=30, eval_rows=32, lr=3e-3),
-        mqar=MQARSettings(variants=("full", "no_kda", "no_mla"), num_pairs=(8,), num_keys=16, num_values=16,
-                          steps=250, batch_size=32)),
+        name="smoke",
+        description="every variant kind on the tiny preset, 2 seeds; ~10 minutes on a 2-core CPU",
+        preset="tiny",
+        variants=ALL_VARIANTS + ("no_kda+no_attnres",),
+        seeds=(0, 1),
+        train=dict(
+            steps=150,
+            batch_size=8,
+            seq_len=128,
+            vocab_size=1024,
+            tokenizer_train_bytes=1_000_000,
+            max_tokens=300_000,
+            eval_every=30,
+            eval_rows=32,
+            lr=3e-3,
+        ),
+        mqar=MQARSettings(
+            variants=("full", "no_kda", "no_mla"), num_pairs=(8,), num_keys=16, num_values=16, steps=250, batch_size=32
+        ),
+    ),
     "default": Grid(
-        name="default", description="small preset, every variant and pair of removals, 2 seeds (GPU)",
-        preset="small", variants=ALL_VARIANTS + PAIRS, seeds=(0, 1),
-        train=dict(steps=200, batch_size=16, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
-                   max_tokens=None, eval_every=50, eval_rows=128, save_every=100, lr=3e-3),
-        mqar=MQARSettings(variants=("full", "no_kda", "no_mla", "no_attnres"), num_pairs=(16, 64),
-                          num_keys=256, num_values=256, steps=800, batch_size=64, eval_size=1024, seeds=(0,))),
+        name="default",
+        description="small preset, every variant and pair of removals, 2 seeds (GPU)",
+        preset="small",
+        variants=ALL_VARIANTS + PAIRS,
+        seeds=(0, 1),
+        train=dict(
+            steps=200,
+            batch_size=16,
+            seq_len=512,
+            vocab_size=8192,
+            tokenizer_train_bytes=4_000_000,
+            max_tokens=None,
+            eval_every=50,
+            eval_rows=128,
+            save_every=100,
+            lr=3e-3,
+        ),
+        mqar=MQARSettings(
+            variants=("full", "no_kda", "no_mla", "no_attnres"),
+            num_pairs=(16, 64),
+            num_keys=256,
+            num_values=256,
+            steps=800,
+            batch_size=64,
+            eval_size=1024,
+            seeds=(0,),
+        ),
+    ),
 }
 
 
@@ -361,10 +414,15 @@ def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict
             status = "diverged"
         wall = before + time.perf_counter() - t0
     history = read_metrics(run_dir)
-    summary = {**meta, **summarise_history(history), "steps": cfg.steps, "status": status,
-               "checkpoint_step": _checkpoint_step(run_dir),
-               "wall_s": wall if wall is not None else float(sum(h.get("step_time", 0.0) for h in history)),
-               "run_dir": str(run_dir)}
+    summary = {
+        **meta,
+        **summarise_history(history),
+        "steps": cfg.steps,
+        "status": status,
+        "checkpoint_step": _checkpoint_step(run_dir),
+        "wall_s": wall if wall is not None else float(sum(h.get("step_time", 0.0) for h in history)),
+        "run_dir": str(run_dir),
+    }
     if wall is not None:
         summary["hardware"] = hardware(cfg.device)
     if "params_activated" in meta and summary["tokens"]:
@@ -397,8 +455,14 @@ def check_jobs(jobs) -> None:
         raise ValueError(f"--jobs={jobs!r} must be a positive integer")
 
 
-def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None = None,
-             warm_first: bool = True, labels: list[str] | None = None) -> list:
+def run_jobs(
+    fn: Callable,
+    jobs: list,
+    workers: int = 1,
+    done: Callable | None = None,
+    warm_first: bool = True,
+    labels: list[str] | None = None,
+) -> list:
     """``[fn(job) for job in jobs]``, in order; ``done(i, result)`` is called as each one finishes.
 
     ``workers > 1``: the first job runs alone in this process (it fills the Triton compile and autotune caches
@@ -429,8 +493,9 @@ def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None =
     workers = min(workers, len(jobs) - serial)
     threads = max(1, (os.cpu_count() or 1) // workers)
     log.info("running %d jobs in %d worker processes (%d CPU threads each)", len(jobs) - serial, workers, threads)
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-                                initargs=(threads,)) as pool:
+    with cf.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init, initargs=(threads,)
+    ) as pool:
         futures = {pool.submit(fn, jobs[i]): i for i in range(serial, len(jobs))}
         failed = []
         for fut in cf.as_completed(futures):
@@ -444,9 +509,10 @@ def run_jobs(fn: Callable, jobs: list, workers: int = 1, done: Callable | None =
             if done:
                 done(i, results[i])
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed (the others finished and are kept): "
-                           + "; ".join(f"{labels[i]}: {type(e).__name__}: {e}"
-                                       for i, e in sorted(failed, key=lambda f: f[0])))
+        raise RuntimeError(
+            f"{len(failed)} of {len(jobs)} jobs failed (the others finished and are kept): "
+            + "; ".join(f"{labels[i]}: {type(e).__name__}: {e}" for i, e in sorted(failed, key=lambda f: f[0]))
+        )
     return results
 
 
@@ -454,12 +520,31 @@ def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokeni
     from k3.train.trainer import TrainConfig
 
     overrides = {**grid.overrides, **variant.overrides, "name": variant.name}
-    return TrainConfig(preset=grid.preset, overrides=overrides, data=data, tokenizer=str(tokenizer),
-                       balance=variant.balance, out=str(run_dir), seed=seed, device=device, samples=0, **grid.train)
+    return TrainConfig(
+        preset=grid.preset,
+        overrides=overrides,
+        data=data,
+        tokenizer=str(tokenizer),
+        balance=variant.balance,
+        out=str(run_dir),
+        seed=seed,
+        device=device,
+        samples=0,
+        **grid.train,
+    )
 
 
-def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str = "auto", progress: bool = False,
-             mqar: bool = True, jobs: int = 1, report_only: bool = False, warm_first: bool = True) -> dict:
+def run_grid(
+    grid: Grid,
+    out: str | Path,
+    data: str | None = None,
+    device: str = "auto",
+    progress: bool = False,
+    mqar: bool = True,
+    jobs: int = 1,
+    report_only: bool = False,
+    warm_first: bool = True,
+) -> dict:
     """Run (or resume) every run of ``grid`` under ``out``, then MQAR, then write the report. Returns results.
 
     ``jobs``: runs side by side (:func:`run_jobs`). ``report_only``: train nothing; report the finished runs on
@@ -475,8 +560,9 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
     variants = [make_variant(v, base) for v in grid.variants]  # validate every variant before any training
     mqar_plan = mqar_runs(grid, base) if grid.mqar and mqar else []  # validated before any training
     (out / "grid.json").write_text(json.dumps({**dataclasses.asdict(grid), "data": data}, indent=2, default=str))
-    tok_path = ensure_tokenizer(out, data, grid.train.get("vocab_size", 8192),
-                                grid.train.get("tokenizer_train_bytes", 4_000_000))
+    tok_path = ensure_tokenizer(
+        out, data, grid.train.get("vocab_size", 8192), grid.train.get("tokenizer_train_bytes", 4_000_000)
+    )
     from k3.data.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tok_path)
@@ -487,8 +573,15 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
         for seed in grid.seeds:
             run_dir = out / "runs" / f"{v.name}-s{seed}"
             cfg = _train_config(grid, v, seed, run_dir, tok_path, data, device)
-            meta = {"variant": v.name, "label": v.name, "seed": seed, "balance": v.balance,
-                    "description": v.description, "overrides": v.overrides, **meta_params}
+            meta = {
+                "variant": v.name,
+                "label": v.name,
+                "seed": seed,
+                "balance": v.balance,
+                "description": v.description,
+                "overrides": v.overrides,
+                **meta_params,
+            }
             plan.append((cfg, meta, grid.run_plots))
     missing: list[str] = []
     mqar_results, mqar_todo = mqar_jobs(grid, mqar_plan, out, device, report_only, missing) if mqar_plan else ([], [])
@@ -501,27 +594,50 @@ def run_grid(grid: Grid, out: str | Path, data: str | None = None, device: str =
             else:
                 summaries.append(s)
     else:
+
         def done(i: int, r: dict) -> None:
             if i < len(mqar_todo):
-                log.info("MQAR %s pairs %d seed %d: accuracy %.3f (chance %.3f, %.0fs)", r["variant"],
-                         r["task"]["num_pairs"], r["seed"], r["accuracy"], r["chance"], r["train_s"])
+                log.info(
+                    "MQAR %s pairs %d seed %d: accuracy %.3f (chance %.3f, %.0fs)",
+                    r["variant"],
+                    r["task"]["num_pairs"],
+                    r["seed"],
+                    r["accuracy"],
+                    r["chance"],
+                    r["train_s"],
+                )
             else:
-                log.info("[%d/%d] %s seed %d: %s val loss %s (%.0fs)", i - len(mqar_todo) + 1, len(plan),
-                         r["variant"], r["seed"], "skipped," if r.get("skipped") else "", _fmt(r.get("val_loss")),
-                         r.get("wall_s") or 0)
+                log.info(
+                    "[%d/%d] %s seed %d: %s val loss %s (%.0fs)",
+                    i - len(mqar_todo) + 1,
+                    len(plan),
+                    r["variant"],
+                    r["seed"],
+                    "skipped," if r.get("skipped") else "",
+                    _fmt(r.get("val_loss")),
+                    r.get("wall_s") or 0,
+                )
 
         # the MQAR runs go first: single long runs that would otherwise finish last, alone
         work = [("mqar", j) for j in mqar_todo] + [("train", j) for j in plan]
         labels = [f"MQAR {j[-1].stem}" for j in mqar_todo] + [f"run {Path(j[0].out).name}" for j in plan]
-        out_all = run_jobs(functools.partial(_run_tagged, progress=progress and jobs == 1), work, jobs, done,
-                           warm_first, labels)
-        mqar_results += out_all[:len(mqar_todo)]
-        summaries = out_all[len(mqar_todo):]
+        out_all = run_jobs(
+            functools.partial(_run_tagged, progress=progress and jobs == 1), work, jobs, done, warm_first, labels
+        )
+        mqar_results += out_all[: len(mqar_todo)]
+        summaries = out_all[len(mqar_todo) :]
     if missing:
         log.warning("%d runs are not finished (report written without them): %s", len(missing), ", ".join(missing))
     results = aggregate(summaries)
-    report = {"grid": grid.name, "out": str(out), "runs": summaries, "variants": results, "mqar": mqar_results,
-              "missing": missing, "wall_s_this_invocation": time.perf_counter() - t_start}
+    report = {
+        "grid": grid.name,
+        "out": str(out),
+        "runs": summaries,
+        "variants": results,
+        "mqar": mqar_results,
+        "missing": missing,
+        "wall_s_this_invocation": time.perf_counter() - t_start,
+    }
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
     write_report(out, grid, summaries, results, mqar_results, data, missing)
     return report
@@ -546,8 +662,9 @@ def mqar_runs(grid: Grid, base: K3Config) -> list[tuple[Variant, MQARTask, K3Con
             mbase = mqar_config(base, task, st.layers)
             v = make_variant(name, mbase)
             if v.balance != BASE_BALANCE or any(k.startswith("moe.") for k in v.overrides):
-                raise ValueError(f"MQAR variant {name!r}: the MQAR models are dense (no router); use mixer / "
-                                 "AttnRes variants")
+                raise ValueError(
+                    f"MQAR variant {name!r}: the MQAR models are dense (no router); use mixer / AttnRes variants"
+                )
             plan += [(v, task, variant_config(mbase, v), seed) for seed in st.seeds]
     return plan
 
@@ -560,8 +677,9 @@ def _run_mqar_job(job: tuple) -> dict:
     return r
 
 
-def mqar_jobs(grid: Grid, plan: list, out: Path, device: str, report_only: bool = False,
-              missing: list | None = None) -> tuple[list[dict], list[tuple]]:
+def mqar_jobs(
+    grid: Grid, plan: list, out: Path, device: str, report_only: bool = False, missing: list | None = None
+) -> tuple[list[dict], list[tuple]]:
     """(results already in ``OUT/mqar``, jobs for :func:`_run_mqar_job` still to run) for the MQAR ``plan``;
     with ``report_only`` nothing is to run and the unfinished ones are named in ``missing``."""
     from k3.infer.load import resolve_device
@@ -582,7 +700,8 @@ def mqar_jobs(grid: Grid, plan: list, out: Path, device: str, report_only: bool 
             if missing is not None:
                 missing.append(f"mqar/{path.stem}")
             continue
-        tcfg = MQARTrainConfig(steps=st.steps, batch_size=st.batch_size, lr=st.lr, eval_size=st.eval_size,
-                               seed=seed, device=dev)
+        tcfg = MQARTrainConfig(
+            steps=st.steps, batch_size=st.batch_size, lr=st.lr, eval_size=st.eval_size, seed=seed, device=dev
+        )
         todo.append((v.name, task, cfg, tcfg, path))
     return results, todo

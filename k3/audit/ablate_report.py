@@ -18,9 +18,11 @@ from k3.train.trainer import read_metrics  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------- report
 
+
 def finite(x) -> bool:
     """A real number (not a bool, NaN or inf): what a metrics record holds when its value can be averaged."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
 
 def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     xs = [x for x in xs if finite(x)]
@@ -36,11 +38,18 @@ def aggregate(summaries: list[dict]) -> list[dict]:
         order.setdefault(s["variant"], []).append(s)
     rows = []
     for name, runs in order.items():
-        row = {"variant": name, "seeds": [r["seed"] for r in runs], "balance": runs[0].get("balance"),
-               "model_overrides": runs[0].get("overrides", {}), "description": runs[0].get("description", ""),
-               "params_total": runs[0].get("params_total"), "params_activated": runs[0].get("params_activated"),
-               "params_moe_activated": runs[0].get("params_moe_activated"), "tokens": runs[0].get("tokens"),
-               "diverged": sum(1 for r in runs if r.get("status") == "diverged")}
+        row = {
+            "variant": name,
+            "seeds": [r["seed"] for r in runs],
+            "balance": runs[0].get("balance"),
+            "model_overrides": runs[0].get("overrides", {}),
+            "description": runs[0].get("description", ""),
+            "params_total": runs[0].get("params_total"),
+            "params_activated": runs[0].get("params_activated"),
+            "params_moe_activated": runs[0].get("params_moe_activated"),
+            "tokens": runs[0].get("tokens"),
+            "diverged": sum(1 for r in runs if r.get("status") == "diverged"),
+        }
         for key in ("val_loss", "val_bpb", "maxvio", "dead_experts", "wall_s", "train_loss_tail"):
             row[f"{key}_mean"], row[f"{key}_std"] = _mean_std([r.get(key) for r in runs])
         rows.append(row)
@@ -48,8 +57,11 @@ def aggregate(summaries: list[dict]) -> list[dict]:
     # variant, so the paired spread is much smaller than the spread of either)
     full = {r["seed"]: r.get("val_loss") for r in order.get("full", [])}
     for row in rows:
-        deltas = [r["val_loss"] - full[r["seed"]] for r in order[row["variant"]]
-                  if finite(r.get("val_loss")) and finite(full.get(r["seed"]))]
+        deltas = [
+            r["val_loss"] - full[r["seed"]]
+            for r in order[row["variant"]]
+            if finite(r.get("val_loss")) and finite(full.get(r["seed"]))
+        ]
         row["delta_vs_full_mean"], row["delta_vs_full_std"] = _mean_std(deltas) if full else (None, None)
     return rows
 
@@ -77,15 +89,33 @@ def _mqar_rows(mqar_results: list[dict]) -> list[dict]:
     rows = []
     for (variant, pairs), rs in groups.items():
         acc, acc_std = _mean_std([r["accuracy"] for r in rs])
-        rows.append({"variant": variant, "num_pairs": pairs, "accuracy_mean": acc, "accuracy_std": acc_std,
-                     "seeds": len(rs), "chance": rs[0]["chance"], "steps": rs[0]["steps"], "params": rs[0]["params"],
-                     "layers": rs[0]["layers"], "task": rs[0]["task"],
-                     "train_s": float(np.mean([r["train_s"] for r in rs]))})
+        rows.append(
+            {
+                "variant": variant,
+                "num_pairs": pairs,
+                "accuracy_mean": acc,
+                "accuracy_std": acc_std,
+                "seeds": len(rs),
+                "chance": rs[0]["chance"],
+                "steps": rs[0]["steps"],
+                "params": rs[0]["params"],
+                "layers": rs[0]["layers"],
+                "task": rs[0]["task"],
+                "train_s": float(np.mean([r["train_s"] for r in rs])),
+            }
+        )
     return rows
 
 
-def write_report(out: Path, grid, summaries: list[dict], rows: list[dict], mqar_results: list[dict],
-                 data: str | None = None, missing: list[str] | None = None) -> Path:
+def write_report(
+    out: Path,
+    grid,
+    summaries: list[dict],
+    rows: list[dict],
+    mqar_results: list[dict],
+    data: str | None = None,
+    missing: list[str] | None = None,
+) -> Path:
     """Write the report of ``grid`` (a k3.audit.ablate.Grid) under ``out``; returns report.md's path."""
     out = Path(out)
     plot_val_loss(rows, out / "val_loss.png")
@@ -104,9 +134,9 @@ def write_report(out: Path, grid, summaries: list[dict], rows: list[dict], mqar_
         f"{grid.description}. Base model: preset `{grid.preset}`"
         + (f" with {json.dumps(grid.overrides)}" if grid.overrides else "")
         + f"; data: {data or 'the Python standard library sources'}; one shared BPE tokenizer "
-          f"(vocab {t.get('vocab_size')}). Every run: {t.get('steps')} steps of {t.get('batch_size')} x "
-          f"{t.get('seq_len')} tokens ({tokens:,} tokens), lr {t.get('lr', 3e-3)}, seeds "
-          f"{', '.join(map(str, grid.seeds))}.",
+        f"(vocab {t.get('vocab_size')}). Every run: {t.get('steps')} steps of {t.get('batch_size')} x "
+        f"{t.get('seq_len')} tokens ({tokens:,} tokens), lr {t.get('lr', 3e-3)}, seeds "
+        f"{', '.join(map(str, grid.seeds))}.",
         "",
         "Validation loss (nats/token) and bits/byte are the final evaluation; MaxVio is the global-batch MaxVio "
         "(max load / mean load - 1, mean over MoE layers) averaged over the last steps; dead = experts with no "
@@ -120,8 +150,12 @@ def write_report(out: Path, grid, summaries: list[dict], rows: list[dict], mqar_
     if hw:
         lines += [f"Trained on: {'; '.join(hw)}.", ""]
     if missing:
-        lines += [f"**Not finished yet ({len(missing)}; left out of every table):** "
-                  + ", ".join(f"`{m}`" for m in missing) + ".", ""]
+        lines += [
+            f"**Not finished yet ({len(missing)}; left out of every table):** "
+            + ", ".join(f"`{m}`" for m in missing)
+            + ".",
+            "",
+        ]
     lines += [
         "| variant | balance | val loss | Δ vs full | bits/byte | MaxVio | dead | total params | activated | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -129,47 +163,72 @@ def write_report(out: Path, grid, summaries: list[dict], rows: list[dict], mqar_
     for r in rows:
         flag = f" ({r['diverged']} diverged)" if r["diverged"] else ""
         delta = r.get("delta_vs_full_mean")
-        delta_s = "—" if delta is None else (f"{delta:+.3f}" + (f" ± {r['delta_vs_full_std']:.3f}"
-                                                                if r["delta_vs_full_std"] is not None else ""))
+        delta_s = (
+            "—"
+            if delta is None
+            else (f"{delta:+.3f}" + (f" ± {r['delta_vs_full_std']:.3f}" if r["delta_vs_full_std"] is not None else ""))
+        )
         lines.append(
             f"| `{r['variant']}`{flag} | {r['balance']} | {_pm(r['val_loss_mean'], r['val_loss_std'])} | "
             f"{delta_s} | {_pm(r['val_bpb_mean'], r['val_bpb_std'])} | "
             f"{_pm(r['maxvio_mean'], r['maxvio_std'], 2)} | {_fmt(r['dead_experts_mean'], 1)} | "
-            f"{_count(r['params_total'])} | {_count(r['params_activated'])} | {_fmt(r['wall_s_mean'], 0)} |")
-    lines += ["", "Variants (`no_latent` keeps the experts and top-k and picks the plain expert width that matches "
-              "the activated parameters of the MoE blocks; see `k3/audit/ablate.py`):", ""]
+            f"{_count(r['params_total'])} | {_count(r['params_activated'])} | {_fmt(r['wall_s_mean'], 0)} |"
+        )
+    lines += [
+        "",
+        "Variants (`no_latent` keeps the experts and top-k and picks the plain expert width that matches "
+        "the activated parameters of the MoE blocks; see `k3/audit/ablate.py`):",
+        "",
+    ]
     for r in rows:
         ov = json.dumps(r["model_overrides"]) if r["model_overrides"] else "no model change"
-        lines.append(f"- `{r['variant']}`: {r['description']} ({ov}; balance {r['balance']}; MoE-block activated "
-                     f"params {_count(r['params_moe_activated'])} over all MoE layers)")
+        lines.append(
+            f"- `{r['variant']}`: {r['description']} ({ov}; balance {r['balance']}; MoE-block activated "
+            f"params {_count(r['params_moe_activated'])} over all MoE layers)"
+        )
     lines += ["", "![validation loss](val_loss.png)", ""]
     if frontier:
-        lines += ["## Router frontier", "",
-                  "Validation loss against global-batch MaxVio for the variants that differ from `full` only in "
-                  "load balancing (points: seeds; crosses: mean ± std).", "",
-                  "![router frontier](router_frontier.png)", ""]
+        lines += [
+            "## Router frontier",
+            "",
+            "Validation loss against global-batch MaxVio for the variants that differ from `full` only in "
+            "load balancing (points: seeds; crosses: mean ± std).",
+            "",
+            "![router frontier](router_frontier.png)",
+            "",
+        ]
     lines += ["## Loss curves", "", "![loss curves](loss_curves.png)", ""]
     if mrows:
         m = grid.mqar
         lines += [
-            "## Multi-query associative recall (MQAR)", "",
+            "## Multi-query associative recall (MQAR)",
+            "",
             f"{m.layers}-layer models of the base width with dense FFNs, trained {m.steps} steps of {m.batch_size} "
             f"sequences (AdamW, lr {m.lr}); {m.num_keys} keys, {m.num_values} values, every key of the context "
-            f"queried; accuracy over {m.eval_size} held-out sequences.", "",
+            f"queried; accuracy over {m.eval_size} held-out sequences.",
+            "",
             "| variant | layers | kv pairs | seq len | accuracy | chance | params | train s |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in mrows:
-            lines.append(f"| `{r['variant']}` | {'/'.join(r['layers'])} | {r['num_pairs']} | {4 * r['num_pairs']} | "
-                         f"{_pm(r['accuracy_mean'], r['accuracy_std'])} | {r['chance']:.3f} | {_count(r['params'])} | "
-                         f"{r['train_s']:.0f} |")
+            lines.append(
+                f"| `{r['variant']}` | {'/'.join(r['layers'])} | {r['num_pairs']} | {4 * r['num_pairs']} | "
+                f"{_pm(r['accuracy_mean'], r['accuracy_std'])} | {r['chance']:.3f} | {_count(r['params'])} | "
+                f"{r['train_s']:.0f} |"
+            )
         lines += ["", "![MQAR accuracy](mqar.png)", ""]
-    lines += ["## Runs", "", "| run | val loss | bits/byte | MaxVio | steps | status | wall s |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Runs",
+        "",
+        "| run | val loss | bits/byte | MaxVio | steps | status | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in summaries:
-        lines.append(f"| {Path(s['run_dir']).name} | {_fmt(s.get('val_loss'))} | {_fmt(s.get('val_bpb'))} | "
-                     f"{_fmt(s.get('maxvio'), 2)} | {s.get('steps_done')} | {s.get('status')} | "
-                     f"{_fmt(s.get('wall_s'), 0)} |")
+        lines.append(
+            f"| {Path(s['run_dir']).name} | {_fmt(s.get('val_loss'))} | {_fmt(s.get('val_bpb'))} | "
+            f"{_fmt(s.get('maxvio'), 2)} | {s.get('steps_done')} | {s.get('status')} | "
+            f"{_fmt(s.get('wall_s'), 0)} |"
+        )
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -182,8 +241,7 @@ def plot_val_loss(rows: list[dict], path: Path) -> None:
     if not rows:
         return
     paired = any(r.get("delta_vs_full_mean") is not None for r in rows)
-    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(11 if paired else 7, 1.2 + 0.4 * len(rows)),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(11 if paired else 7, 1.2 + 0.4 * len(rows)), squeeze=False)
     y = np.arange(len(rows))
     colors = ["C3" if r["variant"] == "full" else ("C1" if not r["model_overrides"] else "C0") for r in rows]
     panels = [("val_loss_mean", "val_loss_std", "validation loss (nats/token), mean ± std over seeds")]
@@ -199,14 +257,22 @@ def plot_val_loss(rows: list[dict], path: Path) -> None:
             lo, hi = min(lo, 0.0), max(hi, 0.0)
         pad = max(0.05 * (hi - lo), 0.005)
         ax.set_xlim(lo - 4 * pad, hi + 4 * pad)
-        ref = 0.0 if mkey.startswith("delta") else next((r["val_loss_mean"] for r in rows if r["variant"] == "full"),
-                                                        None)
+        ref = (
+            0.0
+            if mkey.startswith("delta")
+            else next((r["val_loss_mean"] for r in rows if r["variant"] == "full"), None)
+        )
         if ref is not None:
             ax.axvline(ref, color="C3", ls="--", lw=1)
         for yi, m, sd in zip(y, means, stds):
             if np.isfinite(m):
-                ax.annotate(f"{m:+.3f}" if mkey.startswith("delta") else f"{m:.3f}", (max(m + sd, m), yi),
-                            textcoords="offset points", xytext=(6, -3), fontsize=7)
+                ax.annotate(
+                    f"{m:+.3f}" if mkey.startswith("delta") else f"{m:.3f}",
+                    (max(m + sd, m), yi),
+                    textcoords="offset points",
+                    xytext=(6, -3),
+                    fontsize=7,
+                )
         ax.set_yticks(y, [r["variant"] for r in rows])
         ax.invert_yaxis()
         ax.set_xlabel(xlabel)
@@ -220,14 +286,26 @@ def plot_val_loss(rows: list[dict], path: Path) -> None:
 def plot_router_frontier(summaries: list[dict], rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for i, r in enumerate(rows):
-        runs = [s for s in summaries if s["variant"] == r["variant"] and finite(s.get("maxvio"))
-                and finite(s.get("val_loss"))]
+        runs = [
+            s
+            for s in summaries
+            if s["variant"] == r["variant"] and finite(s.get("maxvio")) and finite(s.get("val_loss"))
+        ]
         if not runs:
             continue
         color = f"C{i % 10}"
         ax.scatter([s["maxvio"] for s in runs], [s["val_loss"] for s in runs], color=color, alpha=0.4, s=18)
-        ax.errorbar(r["maxvio_mean"], r["val_loss_mean"], xerr=r["maxvio_std"] or 0, yerr=r["val_loss_std"] or 0,
-                    fmt="x", color=color, capsize=3, ms=8, label=f"{r['variant']} ({r['balance']})")
+        ax.errorbar(
+            r["maxvio_mean"],
+            r["val_loss_mean"],
+            xerr=r["maxvio_std"] or 0,
+            yerr=r["val_loss_std"] or 0,
+            fmt="x",
+            color=color,
+            capsize=3,
+            ms=8,
+            label=f"{r['variant']} ({r['balance']})",
+        )
     ax.set_xlabel("global-batch MaxVio (mean of the last steps)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("router frontier: quality vs balance (lower-left is better)", fontsize=9)
@@ -287,10 +365,13 @@ def plot_mqar(rows: list[dict], path: Path) -> None:
     width = 0.8 / max(len(variants), 1)
     x = np.arange(len(pairs))
     for i, v in enumerate(variants):
-        acc = [next((r["accuracy_mean"] for r in rows if r["variant"] == v and r["num_pairs"] == p), np.nan)
-               for p in pairs]
-        err = [next((r["accuracy_std"] or 0.0 for r in rows if r["variant"] == v and r["num_pairs"] == p), 0.0)
-               for p in pairs]
+        acc = [
+            next((r["accuracy_mean"] for r in rows if r["variant"] == v and r["num_pairs"] == p), np.nan) for p in pairs
+        ]
+        err = [
+            next((r["accuracy_std"] or 0.0 for r in rows if r["variant"] == v and r["num_pairs"] == p), 0.0)
+            for p in pairs
+        ]
         ax.bar(x + (i - (len(variants) - 1) / 2) * width, acc, width, yerr=err, capsize=3, label=v)
     ax.axhline(rows[0]["chance"], color="k", ls=":", lw=1, label="chance")
     ax.set_xticks(x, [f"{p} pairs" for p in pairs])

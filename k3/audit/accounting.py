@@ -16,8 +16,20 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import cache_bytes_per_sequence
 
-PATHS = ("embedding", "lm_head", "kda", "mla", "dense_ffn", "shared_experts", "routed_experts", "latent_proj",
-         "router", "attn_res", "norms", "vision")
+PATHS = (
+    "embedding",
+    "lm_head",
+    "kda",
+    "mla",
+    "dense_ffn",
+    "shared_experts",
+    "routed_experts",
+    "latent_proj",
+    "router",
+    "attn_res",
+    "norms",
+    "vision",
+)
 
 
 def classify(name: str, config: K3Config) -> str:
@@ -90,8 +102,10 @@ def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: 
     activated = sum(active.values()) - active["embedding"]
     matmul_active = activated - active["norms"] - active["attn_res"]
     attn = attention_flops_per_token(config, context)
-    layers = [{"index": i, "mixer": config.mixer(i), "ffn": config.ffn(i), "attn_res_block": config.attn_res_block(i)}
-              for i in range(config.num_hidden_layers)]
+    layers = [
+        {"index": i, "mixer": config.mixer(i), "ffn": config.ffn(i), "attn_res_block": config.attn_res_block(i)}
+        for i in range(config.num_hidden_layers)
+    ]
     vision = {}  # the tower is counted apart from the text model's totals (docs/architecture.md#vision, #accounting)
     if config.vision is not None and counts["vision"] == 0:
         from k3.model.vision import vision_param_counts

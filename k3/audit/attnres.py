@@ -12,6 +12,9 @@ with 1-wide dummy vectors), so the counts follow the model's own bookkeeping:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -20,6 +23,8 @@ from k3.model.attn_res import ResidualStream
 from k3.model.norm import RMSNorm
 
 MODES = ("none", "snapshot", "block_sum", "full")
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+GPU_FILES = (RESULTS / "model-attn_res.json", RESULTS / "model-attn_res_compiled.json")
 assert set(MODES) == set(ATTN_RES_MODES)
 
 
@@ -82,3 +87,40 @@ def attn_res_costs(config: K3Config, stages: tuple[int, ...] = (4, 8, 16), act_b
 def mix_flops_per_token(config: K3Config) -> float:
     """Depth-mix FLOPs per token of the config's own AttnRes mode (0 for none)."""
     return float(attn_res_costs(config, stages=())[config.attn_res.mode]["flops_per_token"])
+
+
+def measured_attn_res(paths: tuple[Path, ...] = GPU_FILES) -> dict:
+    """The GPU AttnRes rows of ``k3 bench model --cases attn_res`` (training step, peak memory, CUDA-graph decode
+    step) and ``attn_res_compiled`` (the decode step compiled), one row per mode with the file each value came from;
+    every file is listed with its meta or why it was not read."""
+    files, modes = [], {}
+    for path in paths:
+        if not path.is_file():
+            files.append({"name": path.name, "read": False, "why": "not found"})
+            continue
+        try:
+            raw = json.loads(path.read_text())
+            rows = list(raw.get("rows", []))
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            files.append({"name": path.name, "read": False, "why": f"unreadable ({type(e).__name__})"})
+            continue
+        meta = raw.get("meta") or {}
+        files.append(
+            {"name": path.name, "read": True, "device": meta.get("device", "?"), "time": meta.get("time", "?")}
+        )
+        compiled = "compiled" in path.stem
+        for r in rows:
+            words = str(r.get("case", "")).split()
+            if len(words) < 2 or words[0] != "AttnRes" or words[1] not in MODES:
+                continue
+            m = modes.setdefault(words[1], {"mode": words[1]})
+            fields = (("decode_ms", "decode_ms_compiled"), ("decode_overhead", "decode_overhead_compiled"))
+            if compiled:
+                for src, dst in fields:
+                    if isinstance(r.get(src), (int, float)):
+                        m[dst], m[dst + "_source"] = r[src], path.name
+            else:
+                for key in ("ms", "peak_GiB", "decode_ms", "train_overhead", "decode_overhead"):
+                    if isinstance(r.get(key), (int, float)):
+                        m[key], m[key + "_source"] = r[key], path.name
+    return {"files": files, "rows": [modes[m] for m in MODES if m in modes]}

@@ -1,6 +1,7 @@
 """Audit question 6 (analytic part): KV + state bytes per sequence against context for the hybrid model and its
-two attention-only twins, the crossovers, the decode bytes a step must move, and the measured GPU decode
-rows from ``benchmarks/results/decode.json`` when that file exists.
+two attention-only twins, the crossovers, the decode bytes a step must move, and the measured GPU decode rows:
+``benchmarks/results/decode-targets.json`` (the current target cases) first, ``decode.json`` (an older full grid)
+only for cases the first lacks; every row keeps the name of its file.
 
 Twins (same d, same MLA dims, every layer attention):
 - full-MLA: every layer MLA, caching one latent row (kv_lora_rank + qk_rope_head_dim, bf16) per token;
@@ -12,6 +13,7 @@ The hybrid's KDA layers hold a constant fp32 recurrent state and bf16 conv state
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -22,7 +24,8 @@ from k3.config import K3Config
 from k3.model.cache import cache_bytes_per_sequence
 
 DEFAULT_CONTEXTS = (4096, 32768, 131072, 1048576)
-DECODE_JSON = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "decode.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+DECODE_FILES = (RESULTS / "decode-targets.json", RESULTS / "decode.json")  # current first, then the fallback
 
 
 def full_mla_twin(config: K3Config) -> K3Config:
@@ -55,10 +58,14 @@ def crossovers(config: K3Config) -> dict:
     n_kda, n_mla, n = len(config.kda_layers), len(config.mla_layers), config.num_hidden_layers
     const = n_kda * kda["total"]
     mha_tok = mha_bytes_per_token_per_layer(config)
-    out = {"kda_state_per_layer": kda["state"], "kda_conv_per_layer": kda["conv"], "mla_bytes_per_token": tok,
-           "layer_state_vs_latent": kda["state"] / tok,
-           "layer_state_conv_vs_latent": kda["total"] / tok,
-           "decode_traffic_layer": 2 * kda["state"] / tok}
+    out = {
+        "kda_state_per_layer": kda["state"],
+        "kda_conv_per_layer": kda["conv"],
+        "mla_bytes_per_token": tok,
+        "layer_state_vs_latent": kda["state"] / tok,
+        "layer_state_conv_vs_latent": kda["total"] / tok,
+        "decode_traffic_layer": 2 * kda["state"] / tok,
+    }
     # hybrid(c) = const + n_mla tok c; full-MLA(c) = n tok c; full-MHA(c) = n mha_tok c
     out["hybrid_vs_full_mla"] = const / ((n - n_mla) * tok) if n > n_mla and n_kda else math.inf
     out["hybrid_vs_full_mha"] = const / (n * mha_tok - n_mla * tok) if n * mha_tok > n_mla * tok else math.inf
@@ -79,33 +86,146 @@ def decode_step_bytes(config: K3Config, rep: dict, batch: int, context: int, wei
     c = cache_bytes_per_sequence(config, context)
     per_seq = 2 * c["kda_state_bytes"] + c["conv_state_bytes"] + c["mla_cache_bytes"]
     total = dense + experts + batch * per_seq + batch * config.hidden_size * weight_bytes
-    return {"batch": batch, "context": context, "dense_weights": dense, "experts": experts,
-            "states": batch * per_seq, "total": total, "per_token": total / batch}
+    return {
+        "batch": batch,
+        "context": context,
+        "dense_weights": dense,
+        "experts": experts,
+        "states": batch * per_seq,
+        "total": total,
+        "per_token": total / batch,
+    }
 
 
-def measured_decode(path: Path = DECODE_JSON) -> dict | None:
-    """The GPU decode benchmark rows, if the file exists; rows with a non-positive time or rate are invalid."""
+def _family(model: str) -> str:
+    """The model a decode row measures, whatever way it ran (graph, eager, compiled): the key rows merge on."""
+    for family in ("hybrid", "full-MLA twin", "transformers"):
+        if model.startswith(family):
+            return family
+    return model
+
+
+def _mode(row: dict) -> str:
+    """How a decode row ran: its ``mode`` field, or (older files) the suffix ``k3 bench decode`` gives its name."""
+    name = row.get("model", "")
+    return row.get("mode") or ("eager" if "eager" in name else "compiled" if "compiled" in name else "graph")
+
+
+def _read_results(path: Path) -> tuple[dict | None, str | None]:
+    """(the parsed results file, None) or (None, why it could not be read)."""
     if not path.is_file():
-        return None
+        return None, "not found"
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    meta = raw.get("meta", {})
-    rows = []
-    for r in raw.get("rows", []):
-        timing = [r.get(k) for k in ("tokens_per_s", "ms_per_step")]
-        rows.append({**r, "valid": all(isinstance(v, (int, float)) and v > 0 for v in timing)})
-    return {"path": str(path), "device": meta.get("device", "?"), "time": meta.get("time", "?"),
-            "backend": meta.get("backend", ""), "copy_bandwidth_TBps": meta.get("copy_bandwidth_TBps"),
-            "rows": rows}
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"unreadable ({type(e).__name__})"
+    if not isinstance(raw, dict) or not isinstance(raw.get("rows", []), list):
+        return None, "not a results file (no rows list)"
+    return raw, None
+
+
+def bench_model_label(meta: dict) -> dict:
+    """What model the decode rows measure: the file's own record when its meta names a config, otherwise the config
+    ``k3 bench decode`` builds (``k3.bench.decode.peer_config``), named and counted from the code."""
+    for key in ("config", "preset", "model"):
+        if meta.get(key):
+            return {"name": str(meta[key]), "from": f"the file's meta ({key})"}
+    return dict(_bench_decode_config())
+
+
+@functools.cache
+def _bench_decode_config() -> tuple:
+    try:
+        from k3.audit.accounting import report
+        from k3.bench.decode import peer_config
+
+        cfg = peer_config()
+        rep = report(cfg)
+    except Exception as e:  # the label is a courtesy: an unimportable bench module must not stop the audit
+        return (("name", None), ("from", f"not recorded; k3.bench.decode not importable ({type(e).__name__})"))
+    return tuple(
+        {
+            "name": cfg.name,
+            "from": "not recorded in the file; the config `k3 bench decode` builds now (k3.bench.decode.peer_config)",
+            "params_total": rep["params_total"],
+            "params_activated": rep["params_activated"],
+            "layers": cfg.num_hidden_layers,
+            "mla_layers": len(cfg.mla_layers),
+            "hidden_size": cfg.hidden_size,
+        }.items()
+    )
+
+
+def measured_decode(paths: tuple[Path, ...] = DECODE_FILES) -> dict:
+    """The GPU decode rows of ``paths``, earlier files first: a later file adds only the (model family, batch,
+    context) cases no earlier file has a valid row for. Rows with a non-positive time or rate are invalid (listed,
+    never merged). Every file is listed with its meta, or with why it was not read."""
+    files, rows, seen = [], [], set()
+    for path in paths:
+        raw, why = _read_results(path)
+        if raw is None:
+            files.append({"name": path.name, "path": str(path), "read": False, "why": why})
+            continue
+        meta = raw.get("meta") or {}
+        used = 0
+        for r in raw.get("rows", []):
+            if not isinstance(r, dict) or "model" not in r:
+                continue
+            timing = [r.get(k) for k in ("tokens_per_s", "ms_per_step")]
+            valid = all(isinstance(v, (int, float)) and v > 0 for v in timing)
+            key = (_family(r["model"]), r.get("batch"), r.get("context"))
+            if valid and key in seen:
+                continue  # an earlier (current) file measured this case
+            if valid:
+                seen.add(key)
+            rows.append({**r, "valid": valid, "source": path.name})
+            used += 1
+        files.append(
+            {
+                "name": path.name,
+                "path": str(path),
+                "read": True,
+                "rows_used": used,
+                "device": meta.get("device", "?"),
+                "time": meta.get("time", "?"),
+                "backend": meta.get("backend", ""),
+                "copy_bandwidth_TBps": meta.get("copy_bandwidth_TBps"),
+                "read_bandwidth_TBps": meta.get("read_bandwidth_TBps"),
+                "model": bench_model_label(meta),
+            }
+        )
+    # hybrid_speedup is the twin's step time over the hybrid's of the same file and mode: kept only where that
+    # hybrid row is shown too, so a superseded row never stands behind a ratio in the report
+    shown = {(_family(r["model"]), _mode(r), r["batch"], r["context"], r["source"]) for r in rows if r["valid"]}
+    speedups = []
+    for r in rows:
+        if not (r["valid"] and isinstance(r.get("hybrid_speedup"), (int, float))):
+            continue
+        if ("hybrid", _mode(r), r["batch"], r["context"], r["source"]) not in shown:
+            r["hybrid_speedup_hidden"] = r.pop("hybrid_speedup")
+            continue
+        speedups.append(
+            {
+                "batch": r["batch"],
+                "context": r["context"],
+                "mode": _mode(r),
+                "hybrid_speedup": r["hybrid_speedup"],
+                "source": r["source"],
+            }
+        )
+    return {"files": files, "rows": rows, "speedups": speedups}
 
 
 def long_context(config: K3Config, rep: dict, contexts=DEFAULT_CONTEXTS) -> dict:
     grid = [int(round(2 ** (10 + i / 4))) for i in range(0, 41)]  # 1K .. 1M, 4 points per octave
     decode = [decode_step_bytes(config, rep, b, c) for c in contexts for b in (1, 16, 64)]
     label = "hybrid" if config.kda_layers and config.mla_layers else "this config"
-    return {"label": label, "contexts": list(contexts), "table": cache_curves(config, contexts),
-            "curve": cache_curves(config, grid),
-            "crossovers": crossovers(config) if config.kda_layers and config.mla_layers else None,
-            "decode_bytes": decode, "measured_gpu": measured_decode()}
+    return {
+        "label": label,
+        "contexts": list(contexts),
+        "table": cache_curves(config, contexts),
+        "curve": cache_curves(config, grid),
+        "crossovers": crossovers(config) if config.kda_layers and config.mla_layers else None,
+        "decode_bytes": decode,
+        "measured_gpu": measured_decode(DECODE_FILES),  # read at call time: tests point it elsewhere
+    }

@@ -41,8 +41,7 @@ def _model(config: K3Config, seed: int = 0):
 
 
 def environment() -> dict:
-    return {"device": "CPU", "torch": torch.__version__, "dtype": "float32",
-            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {"device": "CPU", "torch": torch.__version__, "dtype": "float32", "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _prompt(config: K3Config, n: int, seed: int) -> list[int]:
@@ -69,8 +68,13 @@ def _decode_run(model, cfg: K3Config, batch: int, prompt_len: int, decode_steps:
     from k3.infer.engine import Engine
     from k3.infer.sampling import SamplingParams
 
-    eng = Engine(model, _IdTokenizer(), max_batch=batch, prefill_chunk=prompt_len * batch,
-                 max_context=prompt_len + decode_steps + 2)
+    eng = Engine(
+        model,
+        _IdTokenizer(),
+        max_batch=batch,
+        prefill_chunk=prompt_len * batch,
+        max_context=prompt_len + decode_steps + 2,
+    )
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     for i in range(batch):
         eng.add(_prompt(cfg, prompt_len, i), params)
@@ -85,8 +89,15 @@ def _decode_run(model, cfg: K3Config, batch: int, prompt_len: int, decode_steps:
     return t1 - t0, time.perf_counter() - t1
 
 
-def serving(config: K3Config, prompt_len: int = 512, batches: tuple[int, ...] = (1, 4), decode_steps: int = 8,
-            block: int = 64, repeats: int = 3, threads: int = 1) -> dict:
+def serving(
+    config: K3Config,
+    prompt_len: int = 512,
+    batches: tuple[int, ...] = (1, 4),
+    decode_steps: int = 8,
+    block: int = 64,
+    repeats: int = 3,
+    threads: int = 1,
+) -> dict:
     """Prefill tokens/s, decode tokens/s per batch for the model and its full-MLA twin, and a prefix-cache
     miss vs hit (two prompts sharing all but their last block) through ``k3.infer.engine.Engine``.
     Best of ``repeats`` fresh runs each."""
@@ -101,29 +112,51 @@ def serving(config: K3Config, prompt_len: int = 512, batches: tuple[int, ...] = 
             for b in batches:
                 runs = [_decode_run(model, cfg, b, prompt_len, decode_steps) for _ in range(repeats)]
                 pre, dec = min(r[0] for r in runs), min(r[1] for r in runs)
-                rows.append({"model": label, "batch": b, "prompt": prompt_len,
-                             "prefill_tokens_per_s": b * prompt_len / pre,
-                             "decode_tokens_per_s": b * decode_steps / dec,
-                             "decode_ms_per_step": 1e3 * dec / decode_steps})
+                rows.append(
+                    {
+                        "model": label,
+                        "batch": b,
+                        "prompt": prompt_len,
+                        "prefill_tokens_per_s": b * prompt_len / pre,
+                        "decode_tokens_per_s": b * decode_steps / dec,
+                        "decode_ms_per_step": 1e3 * dec / decode_steps,
+                    }
+                )
         shared = (prompt_len // block - 1) * block
         model = _model(config)
         head = _prompt(config, shared, 99)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         best: dict[str, dict] = {}
         for _ in range(repeats):
-            eng = Engine(model, _IdTokenizer(), max_batch=1, prefill_chunk=max(shared, block), block_size=block,
-                         prefix_cache_bytes=1 << 30, max_context=prompt_len + 4)
+            eng = Engine(
+                model,
+                _IdTokenizer(),
+                max_batch=1,
+                prefill_chunk=max(shared, block),
+                block_size=block,
+                prefix_cache_bytes=1 << 30,
+                max_context=prompt_len + 4,
+            )
             for attempt, seed in (("miss (cold cache)", 100), ("hit (shared prefix cached)", 101)):
                 prompt = head + _prompt(config, prompt_len - shared, seed)
                 t0 = time.perf_counter()
                 out = eng.generate([prompt], params)[0]
-                row = {"request": attempt, "prompt": prompt_len, "seconds": time.perf_counter() - t0,
-                       "cached_tokens": out.get("cached_tokens", 0)}
+                row = {
+                    "request": attempt,
+                    "prompt": prompt_len,
+                    "seconds": time.perf_counter() - t0,
+                    "cached_tokens": out.get("cached_tokens", 0),
+                }
                 if attempt not in best or row["seconds"] < best[attempt]["seconds"]:
                     best[attempt] = row
-    return {"rows": rows, "prefix_cache": list(best.values()), "prompt": prompt_len, "threads": threads,
-            "decode_steps": decode_steps,
-            "repeats": repeats}
+    return {
+        "rows": rows,
+        "prefix_cache": list(best.values()),
+        "prompt": prompt_len,
+        "threads": threads,
+        "decode_steps": decode_steps,
+        "repeats": repeats,
+    }
 
 
 def attn_res_latency(config: K3Config, tokens: int = 256, repeats: int = 5, threads: int = 1) -> list[dict]:
@@ -142,9 +175,128 @@ def attn_res_latency(config: K3Config, tokens: int = 256, repeats: int = 5, thre
                 t0 = time.perf_counter()
                 model(x)
                 times[mode].append(time.perf_counter() - t0)
-    rows = [{"mode": m, "tokens": tokens, "ms": 1e3 * min(t), "ms_median": 1e3 * statistics.median(t)}
-            for m, t in times.items()]
+    rows = [
+        {"mode": m, "tokens": tokens, "ms": 1e3 * min(t), "ms_median": 1e3 * statistics.median(t)}
+        for m, t in times.items()
+    ]
     base = next(r["ms"] for r in rows if r["mode"] == "none")
     for r in rows:
         r["vs_none"] = r["ms"] / base
     return rows
+
+
+def depth_config(config: K3Config, hidden: int = 256) -> K3Config:
+    """``config`` at its own depth, schedule (KDA / MLA, dense / MoE) and AttnRes blocks, but narrow enough to
+    run forward and backward on a CPU in seconds: width ``hidden``, 2 heads per mixer, 8 experts top-2, one shared
+    expert (if the config has any), a 512-token vocabulary. AttnRes costs scale with depth and width, so this keeps
+    the depth that sets their size and lets the width be read off as a factor."""
+    moe = config.moe
+    return config.replace(
+        **{
+            "name": f"{config.name}-depth-narrow",
+            "vision": None,
+            "vocab_size": 512,
+            "hidden_size": hidden,
+            "intermediate_size": 2 * hidden,
+            "kda.num_heads": 2,
+            "kda.head_dim": 64,
+            "kda.v_head_dim": 64,
+            "kda.forget_gate_rank": 32,
+            "kda.output_gate_rank": 32,
+            "mla.num_heads": 2,
+            "mla.q_lora_rank": None if config.mla.q_lora_rank is None else hidden // 4,
+            "mla.kv_lora_rank": hidden // 4,
+            "mla.qk_nope_head_dim": 32,
+            "mla.qk_rope_head_dim": 16,
+            "mla.v_head_dim": 32,
+            "moe.num_experts": 8,
+            "moe.num_experts_per_token": 2,
+            "moe.num_shared_experts": min(moe.num_shared_experts, 1),
+            "moe.moe_intermediate_size": hidden // 4,
+            "moe.latent_size": None if moe.latent_size is None else hidden // 2,
+        }
+    )
+
+
+def saved_tensor_bytes(model, x: torch.Tensor) -> tuple[int, float]:
+    """(bytes autograd saves for the backward pass of one forward + backward, seconds of that pass): every saved
+    tensor's storage counted once, parameters (and views of them) excluded: the activation memory of the step."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        return t
+
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values()), seconds
+
+
+def attn_res_depth(
+    config: K3Config,
+    tokens: int = 64,
+    repeats: int = 2,
+    threads: int = 1,
+    hidden: int = 256,
+    modes: tuple[str, ...] = ("none", "snapshot", "block_sum", "full"),
+) -> dict:
+    """AttnRes at ``config``'s depth (``depth_config``): per mode, the activation bytes autograd saves for one
+    forward + backward of [1, tokens] (measured), the analytic mix FLOPs and bytes (k3.audit.attnres, fp32 to
+    match the run) against the model's forward FLOPs (k3.audit.accounting), and the CPU time of forward + backward
+    (min and median of ``repeats`` after the measuring pass, modes interleaved)."""
+    from k3.audit.accounting import report
+    from k3.audit.attnres import attn_res_costs
+
+    base = depth_config(config, hidden)
+    rep = report(base.replace(**{"attn_res.mode": "none"}), context=tokens)
+    costs = attn_res_costs(base, stages=(), act_bytes=4)
+    x = torch.tensor([_prompt(base, tokens, 11)])
+    models = {mode: _model(base.replace(**{"attn_res.mode": mode})).train() for mode in modes}
+    saved, times = {}, {mode: [] for mode in modes}
+    with _Threads(threads):
+        for mode, model in models.items():
+            saved[mode], _ = saved_tensor_bytes(model, x)  # also the warm-up
+        for _ in range(repeats):
+            for mode, model in models.items():
+                times[mode].append(saved_tensor_bytes(model, x)[1])
+    rows = []
+    for mode in modes:
+        c = costs[mode]
+        rows.append(
+            {
+                "mode": mode,
+                "saved_bytes": saved[mode],
+                "saved_bytes_per_token": saved[mode] / tokens,
+                "stacked_bytes_per_token": c["stacked_bytes_per_token"],
+                "live_bytes_per_token": c["live_bytes_per_token"],
+                "mix_flops_per_token": c["flops_per_token"],
+                "mix_flops_share": c["flops_per_token"] / rep["flops_per_token_forward"],
+                "ms": 1e3 * min(times[mode]),
+                "ms_median": 1e3 * statistics.median(times[mode]),
+            }
+        )
+    none = next((r for r in rows if r["mode"] == "none"), None)
+    for r in rows:
+        if none:
+            r["saved_vs_none"] = r["saved_bytes"] / none["saved_bytes"]
+            r["ms_vs_none"] = r["ms"] / none["ms"]
+    return {
+        "config": base.name,
+        "layers": base.num_hidden_layers,
+        "hidden_size": hidden,
+        "block_size": base.attn_res.block_size,
+        "params_total": rep["params_total"],
+        "forward_flops_per_token": rep["flops_per_token_forward"],
+        "tokens": tokens,
+        "threads": threads,
+        "repeats": repeats,
+        "dtype": "float32",
+        "rows": rows,
+    }

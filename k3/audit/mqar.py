@@ -92,7 +92,7 @@ def generate(task: MQARTask, batch: int, generator: torch.Generator) -> tuple[Te
     queries = torch.stack([task.key_ids(q_keys), task.value_ids(q_values)], dim=2).reshape(batch, 2 * m)
     inputs = torch.cat([context, queries], dim=1)
     targets = torch.full_like(inputs, IGNORE_INDEX)
-    targets[:, 2 * n::2] = task.value_ids(q_values)  # at each query key: its value
+    targets[:, 2 * n :: 2] = task.value_ids(q_values)  # at each query key: its value
     return inputs, targets
 
 
@@ -103,10 +103,17 @@ def k3_mla_layers(num_layers: int) -> list[int]:
 
 def mqar_config(base: K3Config, task: MQARTask, num_layers: int = 2) -> K3Config:
     """The MQAR model before any ablation: ``base``'s widths, ``num_layers`` layers in K3's schedule, dense FFNs."""
-    return base.replace(vocab_size=task.vocab_size, num_hidden_layers=num_layers,
-                        mla_layers=k3_mla_layers(num_layers), first_k_dense_replace=num_layers,
-                        max_position_embeddings=max(base.max_position_embeddings, task.seq_len),
-                        bos_token_id=None, eos_token_id=None, pad_token_id=None, name="mqar")
+    return base.replace(
+        vocab_size=task.vocab_size,
+        num_hidden_layers=num_layers,
+        mla_layers=k3_mla_layers(num_layers),
+        first_k_dense_replace=num_layers,
+        max_position_embeddings=max(base.max_position_embeddings, task.seq_len),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        name="mqar",
+    )
 
 
 @dataclass
@@ -136,7 +143,7 @@ def evaluate(model, inputs: Tensor, targets: Tensor, batch_size: int = 256) -> d
     correct = total = 0
     loss_sum = 0.0
     for start in range(0, inputs.shape[0], batch_size):
-        x, y = inputs[start:start + batch_size], targets[start:start + batch_size]
+        x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
         logits = model(x).logits.float()
         mask = y != IGNORE_INDEX
         correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
@@ -157,8 +164,11 @@ def train_mqar(config: K3Config, task: MQARTask, cfg: MQARTrainConfig) -> dict:
     model = K3ForCausalLM(config).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
     train_gen = torch.Generator().manual_seed(cfg.seed)
     eval_gen = torch.Generator().manual_seed(1_000_003 + cfg.seed)  # disjoint stream from the training batches
     eval_x, eval_y = (t.to(device) for t in generate(task, cfg.eval_size, eval_gen))
@@ -178,8 +188,14 @@ def train_mqar(config: K3Config, task: MQARTask, cfg: MQARTrainConfig) -> dict:
         losses.append(float(loss.detach()))
     train_s = time.perf_counter() - t0
     result = evaluate(model, eval_x, eval_y)
-    result.update(train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])), steps=cfg.steps, seed=cfg.seed,
-                  train_s=train_s, chance=task.chance, task=dataclasses.asdict(task),
-                  params=sum(p.numel() for p in model.parameters()), layers=[config.mixer(i) for i in
-                                                                             range(config.num_hidden_layers)])
+    result.update(
+        train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
+        steps=cfg.steps,
+        seed=cfg.seed,
+        train_s=train_s,
+        chance=task.chance,
+        task=dataclasses.asdict(task),
+        params=sum(p.numel() for p in model.parameters()),
+        layers=[config.mixer(i) for i in range(config.num_hidden_layers)],
+    )
     return result

@@ -39,8 +39,15 @@ SPEC_TOLERANCE = 0.005  # the spec: an accounting tool not within 0.5% of 2.78T 
 
 def is_k3_shaped(config: K3Config) -> bool:
     """True when the text model has the released K3 shape (names, token ids and vision aside)."""
-    ignore = ("name", "vision", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-              "max_position_embeddings")
+    ignore = (
+        "name",
+        "vision",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "initializer_range",
+        "max_position_embeddings",
+    )
     a, b = config.to_dict(), get_preset("k3").to_dict()
     return all(a[k] == b[k] for k in a if k not in ignore)
 
@@ -62,12 +69,20 @@ def by_path(config: K3Config, rep: dict, context: int, weight_bytes: int = 2) ->
         else:
             flops = 2.0 * active[path]
         ctx = attn["mla_attention"] if path == "mla" else attn["kda_state"] if path == "kda" else 0.0
-        rows[path] = {"total": counts[path], "activated": active[path], "weight_bytes": read * weight_bytes,
-                      "flops_matmul": flops, "flops_context": ctx, "flops": flops + ctx}
-    total = {"total": sum(r["total"] for r in rows.values()),
-             "activated": rep["params_activated"],  # input embedding excluded, as reported
-             "weight_bytes": sum(r["weight_bytes"] for r in rows.values()),
-             "flops": sum(r["flops"] for r in rows.values())}
+        rows[path] = {
+            "total": counts[path],
+            "activated": active[path],
+            "weight_bytes": read * weight_bytes,
+            "flops_matmul": flops,
+            "flops_context": ctx,
+            "flops": flops + ctx,
+        }
+    total = {
+        "total": sum(r["total"] for r in rows.values()),
+        "activated": rep["params_activated"],  # input embedding excluded, as reported
+        "weight_bytes": sum(r["weight_bytes"] for r in rows.values()),
+        "flops": sum(r["flops"] for r in rows.values()),
+    }
     return {"context": context, "weight_bytes_dtype_size": weight_bytes, "rows": rows, "total": total}
 
 
@@ -77,10 +92,14 @@ def spec_check(rep: dict, layer_rows: list[dict]) -> list[dict]:
     (the larger of 0.5% and the rounding of the quoted figure)."""
     counts, active = rep["params_by_path"], rep["params_activated_by_path"]
     mixer = {m: [r["params_mixer"] for r in layer_rows if r["mixer"] == m] for m in ("kda", "mla")}
-    ours = {"total": rep["params_total"], "activated": rep["params_activated"],
-            "routed_activated": active["routed_experts"],
-            "mla_per_layer": sum(mixer["mla"]) / max(len(mixer["mla"]), 1),
-            "kda_per_layer": sum(mixer["kda"]) / max(len(mixer["kda"]), 1), **counts}
+    ours = {
+        "total": rep["params_total"],
+        "activated": rep["params_activated"],
+        "routed_activated": active["routed_experts"],
+        "mla_per_layer": sum(mixer["mla"]) / max(len(mixer["mla"]), 1),
+        "kda_per_layer": sum(mixer["kda"]) / max(len(mixer["kda"]), 1),
+        **counts,
+    }
     out = []
     for label, key, quoted in SPEC_FIGURES:
         number = quoted[:-1]
@@ -88,9 +107,19 @@ def spec_check(rep: dict, layer_rows: list[dict]) -> list[dict]:
         decimals = len(number.split(".")[1]) if "." in number else 0
         got = float(ours[key])
         rel = got / value - 1
-        tol = max(SPEC_TOLERANCE, 0.5 * 10 ** -decimals / float(number))
-        out.append({"figure": label, "key": key, "quoted": quoted, "spec": value, "ours": got, "rel_err": rel,
-                    "tolerance": tol, "ok": abs(rel) <= tol})
+        tol = max(SPEC_TOLERANCE, 0.5 * 10**-decimals / float(number))
+        out.append(
+            {
+                "figure": label,
+                "key": key,
+                "quoted": quoted,
+                "spec": value,
+                "ours": got,
+                "rel_err": rel,
+                "tolerance": tol,
+                "ok": abs(rel) <= tol,
+            }
+        )
     return out
 
 
@@ -113,12 +142,18 @@ def expert_stream(config: K3Config, rep: dict, batches: tuple[int, ...]) -> dict
     for b in batches:
         hit = distinct_experts(moe.num_experts, moe.num_experts_per_token, b)
         params = hit * per_expert * n_moe
-        rows.append({"batch": b, "distinct_per_layer": hit, "fraction_of_experts": hit / moe.num_experts,
-                     "bytes_bf16": params * 2, "bytes_mxfp4": params * MXFP4_BYTES_PER_WEIGHT,
-                     "bytes_bf16_per_token": params * 2 / b})
-    return {"moe_layers": n_moe, "params_per_expert": per_expert, "rows": rows,
-            "all_experts_bytes_bf16": routed * 2}
+        rows.append(
+            {
+                "batch": b,
+                "distinct_per_layer": hit,
+                "fraction_of_experts": hit / moe.num_experts,
+                "bytes_bf16": params * 2,
+                "bytes_mxfp4": params * MXFP4_BYTES_PER_WEIGHT,
+                "bytes_bf16_per_token": params * 2 / b,
+            }
+        )
+    return {"moe_layers": n_moe, "params_per_expert": per_expert, "rows": rows, "all_experts_bytes_bf16": routed * 2}
 
 
 def default_batches(limit: int = 1024) -> tuple[int, ...]:
-    return tuple(2 ** i for i in range(int(math.log2(limit)) + 1))
+    return tuple(2**i for i in range(int(math.log2(limit)) + 1))

@@ -37,9 +37,15 @@ def recipe_strip(recipe: dict, title: str, path: Path) -> None:
     step = max(1, n // 24)
     ax.set_xticks([i + 0.46 for i in range(0, n, step)], [str(i) for i in range(0, n, step)], fontsize=7)
     ax.set_xlabel("layer (0-indexed); dashed: AttnRes block boundaries" if recipe["attn_res_blocks"] else "layer")
-    ax.legend(handles=[Patch(color=c, label=k.upper()) for k, c in MIXER_COLOURS.items()]
-              + [Patch(color=c, label=k) for k, c in FFN_COLOURS.items()],
-              loc="upper center", bbox_to_anchor=(0.5, 1.45), ncol=4, fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(color=c, label=k.upper()) for k, c in MIXER_COLOURS.items()]
+        + [Patch(color=c, label=k) for k, c in FFN_COLOURS.items()],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 1.45),
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(title, fontsize=9, pad=22)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -47,24 +53,51 @@ def recipe_strip(recipe: dict, title: str, path: Path) -> None:
 
 
 def params_by_path(paths: dict, title: str, path: Path) -> None:
+    """Three panels, one unit each: parameters (total vs activated), weight GiB read per token, GFLOP per token.
+    Every value is counted (none extrapolated), so nothing is shaded."""
     rows = {k: v for k, v in paths["rows"].items() if v["total"] > 0}
     names = list(rows)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    y = range(len(names))
-    a1.barh([i + 0.2 for i in y], [rows[k]["total"] for k in names], height=0.4, label="total")
-    a1.barh([i - 0.2 for i in y], [max(rows[k]["activated"], 1) for k in names], height=0.4, label="activated / token")
+    y = list(range(len(names)))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    a1.barh([i + 0.2 for i in y], [rows[k]["total"] for k in names], height=0.4, color="C0", label="total")
+    a1.barh(
+        [i - 0.2 for i in y],
+        [max(rows[k]["activated"], 1) for k in names],
+        height=0.4,
+        color="C1",
+        hatch="//",
+        label="activated per token",
+    )
     a1.set_xscale("log")
-    a1.set_yticks(list(y), names)
-    a1.set_xlabel("parameters")
-    a1.legend(fontsize=8)
-    a1.grid(axis="x", alpha=0.3)
-    a2.barh([i + 0.2 for i in y], [rows[k]["weight_bytes"] / GiB for k in names], height=0.4,
-            label="weight GiB read / token (bf16, batch 1)")
-    a2.barh([i - 0.2 for i in y], [rows[k]["flops"] / 1e9 for k in names], height=0.4,
-            label=f"GFLOP / token (context {paths['context']})")
-    a2.set_yticks(list(y), names)
-    a2.legend(fontsize=8, loc="lower right")
-    a2.grid(axis="x", alpha=0.3)
+    a1.set_xlabel("parameters (log scale)")
+    a1.set_title("parameters", fontsize=9)
+    a2.barh(y, [rows[k]["weight_bytes"] / GiB for k in names], height=0.6, color="C2", label="bf16, batch 1")
+    a2.set_xlabel("weight GiB read per token")
+    a2.set_title("weights read per token", fontsize=9)
+    a3.barh(
+        y,
+        [rows[k]["flops_matmul"] / 1e9 for k in names],
+        height=0.6,
+        color="C3",
+        label="matmuls (2 per activated weight)",
+    )
+    a3.barh(
+        y,
+        [rows[k]["flops_context"] / 1e9 for k in names],
+        left=[rows[k]["flops_matmul"] / 1e9 for k in names],
+        height=0.6,
+        color="C4",
+        hatch="..",
+        label=f"attention / KDA state at context {paths['context']}",
+    )
+    a3.set_xlim(0, 1.08 * max(rows[k]["flops"] / 1e9 for k in names))
+    a3.set_xlabel("forward GFLOP per token")
+    a3.set_title("forward FLOPs per token", fontsize=9)
+    a1.set_yticks(y, names)
+    a1.set_ylabel("path")
+    for a in (a1, a2, a3):
+        a.legend(fontsize=8, loc="lower right")
+        a.grid(axis="x", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
 
@@ -77,8 +110,13 @@ def experts_per_step(stream: dict, num_experts: int, k: int, title: str, path: P
     a1.axhline(num_experts, color="grey", ls=":", label=f"all {num_experts} experts")
     for r in rows:
         if r["batch"] in (1, 4, 16, 64):
-            a1.annotate(f"{r['distinct_per_layer']:.0f}", (r["batch"], r["distinct_per_layer"]),
-                        textcoords="offset points", xytext=(-10, 6), fontsize=8)
+            a1.annotate(
+                f"{r['distinct_per_layer']:.0f}",
+                (r["batch"], r["distinct_per_layer"]),
+                textcoords="offset points",
+                xytext=(-10, 6),
+                fontsize=8,
+            )
     a1.set_xscale("log", base=2)
     a1.set_xlabel("decode batch B (tokens per step)")
     a1.set_ylabel("distinct experts per MoE layer")
@@ -109,8 +147,14 @@ def router(frontier: dict, title: str, path: Path) -> None:
     for i, m in enumerate(models[1:]):
         rs = [r for r in sim if r["model"] == m]
         for cf, ls in (("1", "-"), ("1.25", "--")):
-            a.plot([r["tokens"] for r in rs], [max(r[f"overflow_cf{cf}"], 1e-9) for r in rs], ls, marker="o",
-                   color=f"C{i + 1}", label=f"{m}, cf {cf} (sim)")
+            a.plot(
+                [r["tokens"] for r in rs],
+                [max(r[f"overflow_cf{cf}"], 1e-9) for r in rs],
+                ls,
+                marker="o",
+                color=f"C{i + 1}",
+                label=f"{m}, cf {cf} (sim)",
+            )
     a.set_xscale("log", base=2)
     a.set_yscale("log")
     a.set_ylim(1e-6, 1)
@@ -132,8 +176,14 @@ def router(frontier: dict, title: str, path: Path) -> None:
     a.bar([i - 0.2 for i in x], [r["bytes_x"] / 1024 for r in a2a], width=0.4, label="dispatch x (d wide)")
     a.bar([i + 0.2 for i in x], [r["bytes_z"] / 1024 for r in a2a], width=0.4, label="dispatch z (latent l wide)")
     for i, r in zip(x, a2a):
-        a.annotate(f"{r['distinct_ranks']:.2f} ranks", (i, r["bytes_x"] / 1024), ha="center",
-                   textcoords="offset points", xytext=(0, 3), fontsize=8)
+        a.annotate(
+            f"{r['distinct_ranks']:.2f} ranks",
+            (i, r["bytes_x"] / 1024),
+            ha="center",
+            textcoords="offset points",
+            xytext=(0, 3),
+            fontsize=8,
+        )
     a.set_xticks(list(x), [f"EP={r['ep']}" for r in a2a])
     a.set_ylabel("KiB per token per MoE layer (dispatch + combine, bf16)")
     a.legend(fontsize=8)
@@ -144,11 +194,24 @@ def router(frontier: dict, title: str, path: Path) -> None:
         for ep, ls in (("8", "-"), ("64", "--")):
             key = f"imbalance_ep{ep}"
             if key in rs[0]:
-                a.plot([r["tokens"] for r in rs], [r[key] for r in rs], ls, marker="o", color=f"C{i}" if i else "k",
-                       label=f"{m}, EP {ep}")
+                a.plot(
+                    [r["tokens"] for r in rs],
+                    [r[key] for r in rs],
+                    ls,
+                    marker="o",
+                    color=f"C{i}" if i else "k",
+                    label=f"{m}, EP {ep}",
+                )
             if f"{key}_random_placement" in rs[0]:
-                a.plot([r["tokens"] for r in rs], [r[f"{key}_random_placement"] for r in rs], ls, marker="x",
-                       color=f"C{i}", alpha=0.5, label=f"{m}, EP {ep}, random placement")
+                a.plot(
+                    [r["tokens"] for r in rs],
+                    [r[f"{key}_random_placement"] for r in rs],
+                    ls,
+                    marker="x",
+                    color=f"C{i}",
+                    alpha=0.5,
+                    label=f"{m}, EP {ep}, random placement",
+                )
     a.set_xscale("log", base=2)
     a.set_yscale("log")
     a.set_xlabel("tokens per step")
@@ -162,18 +225,26 @@ def router(frontier: dict, title: str, path: Path) -> None:
 def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> None:
     curve = lc["curve"]
     measured = lc.get("measured_gpu")
+    measured = measured if measured and any(r["valid"] for r in measured["rows"]) else None
     panels = 1 + bool(measured) + bool(cpu)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
     a = axes[0, 0]
-    for key, label in (("hybrid", f"{lc['label']} (KDA state + MLA latents)"), ("full_mla", "full-MLA twin"),
-                       ("full_mha", "full-MHA twin")):
+    for key, label in (
+        ("hybrid", f"{lc['label']} (KDA state + MLA latents)"),
+        ("full_mla", "full-MLA twin"),
+        ("full_mha", "full-MHA twin"),
+    ):
         a.plot(curve["context"], [v / GiB for v in curve[key]], label=label)
     x = lc.get("crossovers")
     if x and x["hybrid_vs_full_mla"] < 2**21:
         a.axvline(x["hybrid_vs_full_mla"], color="grey", ls=":")
-        a.annotate(f"hybrid < full-MLA above {x['hybrid_vs_full_mla'] / 1000:.1f}K",
-                   (x["hybrid_vs_full_mla"], min(curve["hybrid"]) / GiB),
-                   textcoords="offset points", xytext=(4, 4), fontsize=8)
+        a.annotate(
+            f"hybrid < full-MLA above {x['hybrid_vs_full_mla'] / 1000:.1f}K",
+            (x["hybrid_vs_full_mla"], min(curve["hybrid"]) / GiB),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=8,
+        )
     a.set_xscale("log", base=2)
     a.set_yscale("log")
     a.set_xlabel("context (tokens)")
@@ -185,19 +256,29 @@ def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> N
         a = axes[0, col]
         col += 1
         rows = [r for r in measured["rows"] if r["valid"] and "context" in r and "tokens_per_s" in r]
-        groups = sorted({(r["model"], r["batch"]) for r in rows})
-        batches = sorted({b for _, b in groups})
-        for model, b in groups:
-            rs = sorted((r for r in rows if r["model"] == model and r["batch"] == b), key=lambda r: r["context"])
-            if len(rs) > 1:
-                a.plot([r["context"] for r in rs], [r["tokens_per_s"] for r in rs],
-                       "o-" if "hybrid" in model else "s--", color=f"C{batches.index(b)}", label=f"{model}, B={b}")
+        groups = sorted({(r["model"], r["batch"], r["source"]) for r in rows})
+        batches = sorted({b for _, b, _ in groups})
+        sources = sorted({s for _, _, s in groups})
+        for model, b, src in groups:
+            rs = sorted(
+                (r for r in rows if (r["model"], r["batch"], r["source"]) == (model, b, src)),
+                key=lambda r: r["context"],
+            )
+            a.plot(
+                [r["context"] for r in rs],
+                [r["tokens_per_s"] for r in rs],
+                ("o" if "hybrid" in model else "s" if "MLA" in model else "x") + ("-" if "hybrid" in model else "--"),
+                color=f"C{batches.index(b)}",
+                markersize=8 if src == sources[0] else 5,
+                fillstyle="full" if src == measured["files"][0]["name"] else "none",
+                label=f"{model}, B={b} ({src})",
+            )
         a.set_xscale("log", base=2)
         a.set_yscale("log")
         a.set_xlabel("context (tokens)")
-        a.set_ylabel("decode tokens/s")
-        a.set_title(f"measured on {measured['device']} ({measured['time']})", fontsize=9)
-        a.legend(fontsize=7)
+        a.set_ylabel("decode tokens/s (log scale)")
+        a.set_title("measured on a GPU (filled markers: the current file)", fontsize=9)
+        a.legend(fontsize=5.5)
         a.grid(alpha=0.3)
     if cpu:
         a = axes[0, col]
@@ -205,6 +286,7 @@ def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> N
         labels = [f"{r['model']}\nB={r['batch']}" for r in rows]
         a.bar(range(len(rows)), [r["decode_tokens_per_s"] for r in rows])
         a.set_xticks(range(len(rows)), labels, fontsize=7)
+        a.set_xlabel("model, decode batch B")
         a.set_ylabel("decode tokens/s")
         a.set_title(f"measured on CPU ({cpu['config_name']}, prompt {cpu['prompt']})", fontsize=9)
         a.grid(axis="y", alpha=0.3)
@@ -212,38 +294,92 @@ def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> N
     _save(fig, path)
 
 
-def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = None) -> None:
-    panels = 2 + bool(latency)
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = None, depth: dict | None = None) -> None:
+    """One unit per panel: depth sources per mix; bytes per token (live, stage boundary); mix FLOPs per token;
+    with CPU measurements, forward ms per mode and, at the config's depth, saved activation bytes per token.
+    All values are counted or measured (none extrapolated), so nothing is shaded."""
+    panels = 3 + bool(latency) + bool(depth)
+    grid_rows = 1 if panels <= 3 else 2
+    fig, grid = plt.subplots(grid_rows, 3, figsize=(15, 4.3 * grid_rows), squeeze=False)
+    axes = list(grid.flat)
+    for a in axes[panels:]:
+        a.set_visible(False)
+    modes = list(costs)
+    styles = {m: s for m, s in zip(modes, (("k", "-", "o"), ("C0", "--", "s"), ("C1", ":", "^"), ("C3", "-.", "D")))}
     a = axes[0]
     for mode, c in costs.items():
-        a.plot(range(len(c["sources_per_mix"])), c["sources_per_mix"], label=mode)
+        colour, ls, marker = styles[mode]
+        n = len(c["sources_per_mix"])
+        a.plot(
+            range(n), c["sources_per_mix"], color=colour, ls=ls, marker=marker, markevery=max(1, n // 12), label=mode
+        )
     a.set_yscale("log")
     a.set_xlabel("mix index (2 per layer: attention, FFN; then the output mix)")
-    a.set_ylabel("depth sources S")
-    a.legend(fontsize=8)
+    a.set_ylabel("depth sources S per mix (log scale)")
+    a.set_title("sources per mix", fontsize=9)
+    a.legend(fontsize=8, title="mode", title_fontsize=8)
     a.grid(alpha=0.3)
+    x = list(range(len(modes)))
     a = axes[1]
-    modes = list(costs)
-    x = range(len(modes))
-    a.bar([i - 0.27 for i in x], [costs[m]["live_bytes_per_token"] / 1024 for m in modes], width=0.27,
-          label="live sources, KiB / token")
     pp = max(next(iter(costs.values()))["pipeline"] or [0])
+    width = 0.4 if pp else 0.6
+    a.bar(
+        [i - width / 2 if pp else i for i in x],
+        [costs[m]["live_bytes_per_token"] / 1024 for m in modes],
+        width=width,
+        color="C0",
+        label="live sources (inference)",
+    )
     if pp:
-        a.bar([i for i in x], [costs[m]["pipeline"][pp]["max_bytes_per_token"] / 1024 for m in modes], width=0.27,
-              label=f"max stage-boundary KiB / token (PP={pp})")
-    a.bar([i + 0.27 for i in x], [costs[m]["flops_per_token"] / 1e6 for m in modes], width=0.27,
-          label="mix MFLOP / token")
+        a.bar(
+            [i + width / 2 for i in x],
+            [costs[m]["pipeline"][pp]["max_bytes_per_token"] / 1024 for m in modes],
+            width=width,
+            color="C2",
+            hatch="//",
+            label=f"worst stage boundary, PP={pp}",
+        )
     a.set_yscale("log")
-    a.set_ylim(bottom=1)
-    a.set_xticks(list(x), modes)
+    a.set_xticks(x, modes)
+    a.set_xlabel("AttnRes mode")
+    a.set_ylabel("KiB per token (bf16, log scale)")
+    a.set_title("bytes per token", fontsize=9)
     a.legend(fontsize=7)
     a.grid(axis="y", alpha=0.3)
+    a = axes[2]
+    a.bar(x, [costs[m]["flops_per_token"] / 1e6 for m in modes], width=0.6, color="C3", label="4 S d per mix, summed")
+    a.set_xticks(x, modes)
+    a.set_xlabel("AttnRes mode")
+    a.set_ylabel("mix MFLOP per token (forward)")
+    a.set_title("mix FLOPs per token", fontsize=9)
+    a.legend(fontsize=7)
+    a.grid(axis="y", alpha=0.3)
+    col = 3
     if latency:
-        a = axes[2]
-        a.bar(range(len(latency)), [r["ms"] for r in latency])
+        a = axes[col]
+        col += 1
+        a.bar(range(len(latency)), [r["ms"] for r in latency], color="C5", label="min of runs")
+        a.plot(range(len(latency)), [r["ms_median"] for r in latency], "kD", ls="none", label="median")
         a.set_xticks(range(len(latency)), [r["mode"] for r in latency])
-        a.set_ylabel(f"CPU forward ms ([1, {latency[0]['tokens']}] tokens, best of runs)")
+        a.set_xlabel("AttnRes mode")
+        a.set_ylabel(f"CPU forward ms, [1, {latency[0]['tokens']}] tokens")
+        a.set_title("CPU forward (measured config)", fontsize=9)
+        a.legend(fontsize=7)
+        a.grid(axis="y", alpha=0.3)
+    if depth:
+        a = axes[col]
+        rows = depth["rows"]
+        a.bar(
+            range(len(rows)),
+            [r["saved_bytes_per_token"] / 2**20 for r in rows],
+            color="C6",
+            label="saved for backward (measured)",
+        )
+        a.set_xticks(range(len(rows)), [r["mode"] for r in rows])
+        a.set_xlabel("AttnRes mode")
+        a.set_ylabel("MiB per token (fp32)")
+        a.set_title(f"{depth['layers']} layers, d = {depth['hidden_size']} (CPU)", fontsize=9)
+        a.legend(fontsize=7)
         a.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     _save(fig, path)

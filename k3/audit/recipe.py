@@ -38,8 +38,13 @@ def layer_params(config: K3Config, model: nn.Module) -> list[dict[str, float]]:
         i = int(name.split(".")[2])
         path = classify(name, config)
         n = p.numel()
-        part = "mixer" if path in ("kda", "mla") else "ffn" if path in (
-            "dense_ffn", "shared_experts", "routed_experts", "latent_proj", "router") else "other"
+        part = (
+            "mixer"
+            if path in ("kda", "mla")
+            else "ffn"
+            if path in ("dense_ffn", "shared_experts", "routed_experts", "latent_proj", "router")
+            else "other"
+        )
         rows[i][part] += n
         rows[i]["total"] += n
         rows[i]["activated"] += n * frac if path == "routed_experts" else n
@@ -52,17 +57,17 @@ def _compress(seq: list[str]) -> list[str]:
     best = (0, 1, 0)  # (covered layers, period, start)
     for period in range(1, min(8, len(seq) // 2) + 1):
         for start in range(0, len(seq) - 2 * period + 1):
-            pattern = seq[start:start + period]
+            pattern = seq[start : start + period]
             reps = 1
-            while seq[start + reps * period:start + (reps + 1) * period] == pattern:
+            while seq[start + reps * period : start + (reps + 1) * period] == pattern:
                 reps += 1
             if reps >= 2 and reps * period > best[0]:
                 best = (reps * period, period, start)
     covered, period, start = best
     if covered == 0:
         return list(seq)
-    middle = f"{covered // period} x [{', '.join(seq[start:start + period])}]"
-    return _compress(seq[:start]) + [middle] + _compress(seq[start + covered:])
+    middle = f"{covered // period} x [{', '.join(seq[start : start + period])}]"
+    return _compress(seq[:start]) + [middle] + _compress(seq[start + covered :])
 
 
 def schedule_summary(config: K3Config) -> str:
@@ -85,21 +90,38 @@ def recipe(config: K3Config, model: nn.Module) -> dict:
             state = {"kda_state_bytes_per_seq": kda_bytes["total"], "mla_bytes_per_token": 0}
         else:
             q = "none" if mla.q_lora_rank is None else mla.q_lora_rank
-            mixer_width = (f"{mla.num_heads} h, q {q}, kv {mla.kv_lora_rank}, "
-                           f"{mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}/{mla.v_head_dim}")
+            mixer_width = (
+                f"{mla.num_heads} h, q {q}, kv {mla.kv_lora_rank}, "
+                f"{mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}/{mla.v_head_dim}"
+            )
             state = {"kda_state_bytes_per_seq": 0, "mla_bytes_per_token": mla_tok}
         if ffn == "dense":
             ffn_width, latent, ratio = f"dense {config.intermediate_size}", None, None
         else:
             latent = moe.latent_size
             ratio = None if latent is None else d / latent
-            ffn_width = (f"{moe.num_experts} x {moe.moe_intermediate_size} top-{moe.num_experts_per_token}"
-                         f" + {moe.num_shared_experts} shared")
-        rows.append({"index": i, "mixer": mixer, "ffn": ffn, "attn_res_block": config.attn_res_block(i),
-                     "d": d, "mixer_width": mixer_width, "ffn_width": ffn_width, "latent": latent,
-                     "latent_ratio": ratio, **state, "params": params[i].get("total", 0.0),
-                     "params_activated": params[i].get("activated", 0.0),
-                     "params_mixer": params[i].get("mixer", 0.0), "params_ffn": params[i].get("ffn", 0.0)})
+            ffn_width = (
+                f"{moe.num_experts} x {moe.moe_intermediate_size} top-{moe.num_experts_per_token}"
+                f" + {moe.num_shared_experts} shared"
+            )
+        rows.append(
+            {
+                "index": i,
+                "mixer": mixer,
+                "ffn": ffn,
+                "attn_res_block": config.attn_res_block(i),
+                "d": d,
+                "mixer_width": mixer_width,
+                "ffn_width": ffn_width,
+                "latent": latent,
+                "latent_ratio": ratio,
+                **state,
+                "params": params[i].get("total", 0.0),
+                "params_activated": params[i].get("activated", 0.0),
+                "params_mixer": params[i].get("mixer", 0.0),
+                "params_ffn": params[i].get("ffn", 0.0),
+            }
+        )
     blocks = sorted({r["attn_res_block"] for r in rows if r["attn_res_block"] is not None})
     block_spans = [[r["index"] for r in rows if r["attn_res_block"] == b] for b in blocks]
     return {

@@ -42,8 +42,7 @@ def _binomial_window(n: int, p: float, lo: int = 0, hi: int | None = None) -> tu
     b = min(n, max(hi or 0, int(mean + 14 * sd + 2)))
     x = np.arange(a, b + 1, dtype=np.float64)
     lgamma = np.vectorize(math.lgamma)
-    logpmf = (math.lgamma(n + 1) - lgamma(x + 1) - lgamma(n - x + 1) + x * math.log(p)
-              + (n - x) * math.log1p(-p))
+    logpmf = math.lgamma(n + 1) - lgamma(x + 1) - lgamma(n - x + 1) + x * math.log(p) + (n - x) * math.log1p(-p)
     return x, np.exp(logpmf)
 
 
@@ -85,9 +84,16 @@ def all_to_all(config: K3Config, ranks: int, act_bytes: int = 2) -> dict:
     remote = ranks_hit * (ranks - 1) / ranks
     full = 2 * remote * d * act_bytes
     lat = 2 * remote * latent * act_bytes
-    return {"ep": ranks, "experts_per_rank": moe.num_experts / ranks, "distinct_ranks": ranks_hit,
-            "remote_ranks": remote, "bytes_x": full, "bytes_z": lat, "ratio_z_over_x": lat / full,
-            "bytes_x_no_dedup": 2 * moe.num_experts_per_token * (ranks - 1) / ranks * d * act_bytes}
+    return {
+        "ep": ranks,
+        "experts_per_rank": moe.num_experts / ranks,
+        "distinct_ranks": ranks_hit,
+        "remote_ranks": remote,
+        "bytes_x": full,
+        "bytes_z": lat,
+        "ratio_z_over_x": lat / full,
+        "bytes_x_no_dedup": 2 * moe.num_experts_per_token * (ranks - 1) / ranks * d * act_bytes,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- simulation
@@ -95,8 +101,9 @@ def zipf_logits(num_experts: int, s: float) -> torch.Tensor:
     return -s * torch.log(torch.arange(1, num_experts + 1, dtype=torch.float64)).float()
 
 
-def simulate_routes(tokens: int, num_experts: int, k: int, s: float, gen: torch.Generator,
-                    chunk: int = 8192) -> torch.Tensor:
+def simulate_routes(
+    tokens: int, num_experts: int, k: int, s: float, gen: torch.Generator, chunk: int = 8192
+) -> torch.Tensor:
     """[T, k] expert ids: top-k of log w + Gumbel (s = 0: uniform k-subsets)."""
     logw = zipf_logits(num_experts, s)
     out = []
@@ -115,8 +122,9 @@ def rank_imbalance(loads: torch.Tensor, ranks: int, perm: torch.Tensor | None = 
     return float(per_rank.max() / per_rank.mean())
 
 
-def simulate(config: K3Config, zipf: tuple[float, ...], tokens: tuple[int, ...] = SIM_TOKENS,
-             seed: int = 0) -> list[dict]:
+def simulate(
+    config: K3Config, zipf: tuple[float, ...], tokens: tuple[int, ...] = SIM_TOKENS, seed: int = 0
+) -> list[dict]:
     """Per routing model and tokens-per-step: overflow at each capacity factor, padding, per-rank imbalance."""
     moe = config.moe
     e, k = moe.num_experts, moe.num_experts_per_token
@@ -126,8 +134,12 @@ def simulate(config: K3Config, zipf: tuple[float, ...], tokens: tuple[int, ...] 
     for s in (0.0, *zipf):
         for t in tokens:
             loads = expert_loads(simulate_routes(t, e, k, s, gen), e)
-            row = {"model": "uniform" if s == 0 else f"zipf s={s:g}", "s": s, "tokens": t,
-                   "max_load_over_mean": float(loads.max()) / (t * k / e)}
+            row = {
+                "model": "uniform" if s == 0 else f"zipf s={s:g}",
+                "s": s,
+                "tokens": t,
+                "max_load_over_mean": float(loads.max()) / (t * k / e),
+            }
             for cf in CAPACITY_FACTORS:
                 row[f"overflow_cf{cf:g}"] = float(drop_fraction(loads, k, t, cf))
             for m in PAD_MULTIPLES:
@@ -155,7 +167,10 @@ def router_frontier(config: K3Config, zipf: tuple[float, ...] = (0.5, 1.0), seed
             row[f"padding_{m}"] = uniform_padding(t, e, k, m)
         exact.append(row)
     return {
-        "num_experts": e, "k": k, "zipf": list(zipf), "seed": seed,
+        "num_experts": e,
+        "k": k,
+        "zipf": list(zipf),
+        "seed": seed,
         "uniform_exact": exact,
         "all_to_all": [all_to_all(config, r) for r in EP_SIZES if r <= e],
         "simulated": simulate(config, zipf, seed=seed),

@@ -56,7 +56,7 @@ class PowerLawFit:
 
     @property
     def a(self) -> float:
-        return self.a_n * self.c0 ** self.b
+        return self.a_n * self.c0**self.b
 
     def loss(self, c) -> np.ndarray:
         return self.e + self.a_n * (np.asarray(c, dtype=float) / self.c0) ** -self.b
@@ -70,8 +70,16 @@ class PowerLawFit:
         return np.where((ratio > 0) & (self.b != 0), out, np.nan)
 
     def to_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "e": self.e, "c0": self.c0, "a_normalised": self.a_n,
-                "irreducible": self.irreducible, "n": self.n, "rss_log": self.rss}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "e": self.e,
+            "c0": self.c0,
+            "a_normalised": self.a_n,
+            "irreducible": self.irreducible,
+            "n": self.n,
+            "rss_log": self.rss,
+        }
 
 
 def _check_points(c, loss, need: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,8 +156,17 @@ def loss_overlap(loss_a, loss_b) -> tuple[float, float, bool]:
     return (lo, hi, True) if lo <= hi else (hi, lo, False)
 
 
-def bootstrap_multiplier(c_a, loss_a, c_b, loss_b, at_loss: float, irreducible: bool = False,
-                         n_boot: int = 1000, seed: int = 0, level: float = 0.90) -> dict:
+def bootstrap_multiplier(
+    c_a,
+    loss_a,
+    c_b,
+    loss_b,
+    at_loss: float,
+    irreducible: bool = False,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.90,
+) -> dict:
     """Seeded bootstrap of m(at_loss) = C_b / C_a, resampling runs within each family; percentile interval."""
     c_a, loss_a = np.asarray(c_a, float), np.asarray(loss_a, float)
     c_b, loss_b = np.asarray(c_b, float), np.asarray(loss_b, float)
@@ -182,8 +199,7 @@ def bootstrap_multiplier(c_a, loss_a, c_b, loss_b, at_loss: float, irreducible: 
     return out
 
 
-def bootstrap_fit(c, loss, irreducible: bool = False, n_boot: int = 1000, seed: int = 0,
-                  level: float = 0.90) -> dict:
+def bootstrap_fit(c, loss, irreducible: bool = False, n_boot: int = 1000, seed: int = 0, level: float = 0.90) -> dict:
     """Percentile intervals of b (and E) from a seeded bootstrap over runs."""
     c, loss = np.asarray(c, float), np.asarray(loss, float)
     need = 3 if irreducible else 2
@@ -221,8 +237,9 @@ def _activated_params(train_config: dict, run_dir: Path) -> float:
     from k3.data.tokenizer import Tokenizer
 
     tok = Tokenizer.load(run_dir)
-    config = get_preset(train_config["preset"]).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
-                                                        bos_token_id=tok.bos_id, **train_config.get("overrides", {}))
+    config = get_preset(train_config["preset"]).replace(
+        vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id, **train_config.get("overrides", {})
+    )
     return float(accounting.report(config)["params_activated"])
 
 
@@ -242,8 +259,13 @@ def load_run(run_dir: Path, group_by: str | None = None, metric: str = "val_loss
         if label is None:
             raise ValueError(f"{run_dir}: --group-by {group_by!r} is in neither summary.json nor train_config.json")
     else:
-        label = (summary.get("label") or tc.get("label") or tc.get("overrides", {}).get("label")
-                 or tc.get("overrides", {}).get("name") or tc.get("preset"))
+        label = (
+            summary.get("label")
+            or tc.get("label")
+            or tc.get("overrides", {}).get("label")
+            or tc.get("overrides", {}).get("name")
+            or tc.get("preset")
+        )
     tokens = records[-1].get("tokens") or summary.get("tokens")
     if summary.get("compute") and summary.get("tokens") == tokens:
         compute = float(summary["compute"])
@@ -253,8 +275,16 @@ def load_run(run_dir: Path, group_by: str | None = None, metric: str = "val_loss
     else:
         params = summary.get("params_activated") or _activated_params(tc, run_dir)
         compute = 6.0 * params * tokens
-    return {"run_dir": str(run_dir), "label": str(label), "compute": compute, "loss": float(evals[-1][metric]),
-            "tokens": tokens, "params_activated": params, "seed": tc.get("seed"), "step": evals[-1]["step"]}
+    return {
+        "run_dir": str(run_dir),
+        "label": str(label),
+        "compute": compute,
+        "loss": float(evals[-1][metric]),
+        "tokens": tokens,
+        "params_activated": params,
+        "seed": tc.get("seed"),
+        "step": evals[-1]["step"],
+    }
 
 
 def load_runs(runs_dir: str | Path, group_by: str | None = None, metric: str = "val_loss") -> list[dict]:
@@ -274,8 +304,9 @@ def load_runs(runs_dir: str | Path, group_by: str | None = None, metric: str = "
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
-def analyse(runs: list[dict], baseline: str | None = None, irreducible: bool = False, n_boot: int = 1000,
-            seed: int = 0) -> dict:
+def analyse(
+    runs: list[dict], baseline: str | None = None, irreducible: bool = False, n_boot: int = 1000, seed: int = 0
+) -> dict:
     """Fit every architecture and the compute multiplier of each over the baseline."""
     groups: dict[str, list[dict]] = {}
     for r in runs:
@@ -289,8 +320,12 @@ def analyse(runs: list[dict], baseline: str | None = None, irreducible: bool = F
             continue
         loss = np.array([r["loss"] for r in rs])
         f = fit_power_law(c, loss, irreducible)
-        fits[label] = {**f.to_dict(), "bootstrap": bootstrap_fit(c, loss, irreducible, n_boot, seed),
-                       "runs": len(rs), "sizes": int(np.unique(c).size)}
+        fits[label] = {
+            **f.to_dict(),
+            "bootstrap": bootstrap_fit(c, loss, irreducible, n_boot, seed),
+            "runs": len(rs),
+            "sizes": int(np.unique(c).size),
+        }
     if baseline is None:
         baseline = "baseline" if "baseline" in fits else (sorted(fits)[0] if fits else None)
     if baseline is not None and baseline not in groups:
@@ -308,15 +343,34 @@ def analyse(runs: list[dict], baseline: str | None = None, irreducible: bool = F
             ref = math.sqrt(lo * hi)
             grid = np.geomspace(lo, hi, 9) if hi > lo else np.array([lo])
             mult = compute_multiplier(fa, fb, grid)
-            boot = bootstrap_multiplier([r["compute"] for r in ra], [r["loss"] for r in ra],
-                                        [r["compute"] for r in rb], [r["loss"] for r in rb], ref, irreducible,
-                                        n_boot, seed)
-            multipliers[label] = {"baseline": baseline, "at_loss": ref,
-                                  "multiplier": float(compute_multiplier(fa, fb, ref)), "loss_range": [lo, hi],
-                                  "overlap": overlap, "interval90": [boot.get("low"), boot.get("high")],
-                                  "bootstrap": boot, "curve": {"loss": grid.tolist(), "multiplier": mult.tolist()}}
-    return {"fits": fits, "skipped": skipped, "baseline": baseline, "multipliers": multipliers,
-            "irreducible": irreducible, "runs": runs}
+            boot = bootstrap_multiplier(
+                [r["compute"] for r in ra],
+                [r["loss"] for r in ra],
+                [r["compute"] for r in rb],
+                [r["loss"] for r in rb],
+                ref,
+                irreducible,
+                n_boot,
+                seed,
+            )
+            multipliers[label] = {
+                "baseline": baseline,
+                "at_loss": ref,
+                "multiplier": float(compute_multiplier(fa, fb, ref)),
+                "loss_range": [lo, hi],
+                "overlap": overlap,
+                "interval90": [boot.get("low"), boot.get("high")],
+                "bootstrap": boot,
+                "curve": {"loss": grid.tolist(), "multiplier": mult.tolist()},
+            }
+    return {
+        "fits": fits,
+        "skipped": skipped,
+        "baseline": baseline,
+        "multipliers": multipliers,
+        "irreducible": irreducible,
+        "runs": runs,
+    }
 
 
 def _fit_from(d: dict) -> PowerLawFit:
@@ -333,35 +387,56 @@ def write_outputs(result: dict, out: str | Path) -> Path:
     (out / "scaling.json").write_text(json.dumps(result, indent=2))
     plot_scaling(result, out / "scaling.png")
     form = "L = E + a C^-b" if result["irreducible"] else "L = a C^-b"
-    lines = [f"# Scaling: {form}", "",
-             "C = training compute in FLOPs (6 x activated parameters x tokens unless the run records its own); "
-             "L = final validation loss (nats/token). 90% intervals from a seeded bootstrap over runs.", "",
-             "| architecture | runs | sizes | a | b (90% CI) | E | rss(log L) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Scaling: {form}",
+        "",
+        "C = training compute in FLOPs (6 x activated parameters x tokens unless the run records its own); "
+        "L = final validation loss (nats/token). 90% intervals from a seeded bootstrap over runs.",
+        "",
+        "| architecture | runs | sizes | a | b (90% CI) | E | rss(log L) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, f in result["fits"].items():
         ci = f["bootstrap"].get("b")
         ci_s = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-        lines.append(f"| `{label}` | {f['runs']} | {f['sizes']} | {_sci(f['a'])} | {f['b']:.4f}{ci_s} | "
-                     f"{f['e']:.3f} | {f['rss_log']:.2e} |")
+        lines.append(
+            f"| `{label}` | {f['runs']} | {f['sizes']} | {_sci(f['a'])} | {f['b']:.4f}{ci_s} | "
+            f"{f['e']:.3f} | {f['rss_log']:.2e} |"
+        )
     for label, why in result["skipped"].items():
         lines.append(f"| `{label}` | — | — | — | not fitted: {why} | — | — |")
     if result["multipliers"]:
-        lines += ["", f"Compute multiplier over `{result['baseline']}` (C_baseline(L) / C_arch(L); > 1: the "
-                      "architecture reaches the loss with less compute), at the geometric middle of the losses "
-                      "both reach:", "",
-                  "| architecture | at loss | multiplier | 90% interval | over the loss range | losses overlap |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Compute multiplier over `{result['baseline']}` (C_baseline(L) / C_arch(L); > 1: the "
+            "architecture reaches the loss with less compute), at the geometric middle of the losses "
+            "both reach:",
+            "",
+            "| architecture | at loss | multiplier | 90% interval | over the loss range | losses overlap |",
+            "|---|---|---|---|---|---|",
+        ]
         for label, m in result["multipliers"].items():
             iv = m["interval90"]
             iv_s = f"[{iv[0]:.3f}, {iv[1]:.3f}]" if iv[0] is not None else "—"
             curve = [v for v in m["curve"]["multiplier"] if v is not None and np.isfinite(v)]
             rng = f"{min(curve):.3f} .. {max(curve):.3f}" if curve else "—"
-            lines.append(f"| `{label}` | {m['at_loss']:.3f} | {m['multiplier']:.3f} | {iv_s} | {rng} | "
-                         f"{'yes' if m['overlap'] else 'no (extrapolated)'} |")
-    lines += ["", "![scaling](scaling.png)", "", "Runs:", "", "| run | architecture | compute | loss | tokens |",
-              "|---|---|---|---|---|"]
+            lines.append(
+                f"| `{label}` | {m['at_loss']:.3f} | {m['multiplier']:.3f} | {iv_s} | {rng} | "
+                f"{'yes' if m['overlap'] else 'no (extrapolated)'} |"
+            )
+    lines += [
+        "",
+        "![scaling](scaling.png)",
+        "",
+        "Runs:",
+        "",
+        "| run | architecture | compute | loss | tokens |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["runs"]:
-        lines.append(f"| {Path(r['run_dir']).name} | `{r['label']}` | {r['compute']:.3g} | {r['loss']:.4f} | "
-                     f"{r['tokens']:,} |")
+        lines.append(
+            f"| {Path(r['run_dir']).name} | `{r['label']}` | {r['compute']:.3g} | {r['loss']:.4f} | {r['tokens']:,} |"
+        )
     path = out / "scaling.md"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -390,8 +465,13 @@ def plot_scaling(result: dict, path: Path) -> None:
         if label in result["fits"]:
             f = _fit_from(result["fits"][label])
             cs = np.geomspace(c.min() / 1.5, c.max() * 1.5, 100)
-            ax.plot(cs, f.loss(cs), color=color, lw=1.3,
-                    label=f"{label}: b={f.b:.3f}" + (f", E={f.e:.2f}" if f.irreducible else ""))
+            ax.plot(
+                cs,
+                f.loss(cs),
+                color=color,
+                lw=1.3,
+                label=f"{label}: b={f.b:.3f}" + (f", E={f.e:.2f}" if f.irreducible else ""),
+            )
         else:
             ax.plot([], [], color=color, label=f"{label} (not fitted)")
     ax.set_xscale("log")
@@ -432,13 +512,25 @@ def size_overrides(width: int, layers: int, head_dim: int) -> dict:
     if width % head_dim or width % 2:
         raise ValueError(f"width={width} must be even and a multiple of head_dim={head_dim}")
     heads = width // head_dim
-    return {"hidden_size": width, "num_hidden_layers": layers, "mla_layers": k3_mla_layers(layers),
-            "intermediate_size": 3 * width,
-            "kda.num_heads": heads, "kda.head_dim": head_dim, "kda.v_head_dim": head_dim,
-            "kda.forget_gate_rank": head_dim, "kda.output_gate_rank": head_dim,
-            "mla.num_heads": heads, "mla.q_lora_rank": width // 2, "mla.kv_lora_rank": width // 2,
-            "mla.qk_nope_head_dim": head_dim, "mla.qk_rope_head_dim": head_dim // 2, "mla.v_head_dim": head_dim,
-            "moe.moe_intermediate_size": width, "moe.latent_size": width // 2}
+    return {
+        "hidden_size": width,
+        "num_hidden_layers": layers,
+        "mla_layers": k3_mla_layers(layers),
+        "intermediate_size": 3 * width,
+        "kda.num_heads": heads,
+        "kda.head_dim": head_dim,
+        "kda.v_head_dim": head_dim,
+        "kda.forget_gate_rank": head_dim,
+        "kda.output_gate_rank": head_dim,
+        "mla.num_heads": heads,
+        "mla.q_lora_rank": width // 2,
+        "mla.kv_lora_rank": width // 2,
+        "mla.qk_nope_head_dim": head_dim,
+        "mla.qk_rope_head_dim": head_dim // 2,
+        "mla.v_head_dim": head_dim,
+        "moe.moe_intermediate_size": width,
+        "moe.latent_size": width // 2,
+    }
 
 
 @dataclass
@@ -460,21 +552,64 @@ class Sweep:
 BASELINE = "no_kda+no_attnres+no_latent+bias_sign"  # K2-style: all MLA, plain residual, plain MoE, sign bias
 SWEEPS: dict[str, Sweep] = {
     "micro": Sweep(
-        name="micro", description="tests only: 4 tiny sizes x 2 architectures, a few steps", preset="tiny",
-        sizes=((16, 2), (24, 2), (32, 2), (48, 2)), head_dim=8, archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,), train=dict(steps=2, batch_size=2, seq_len=32, vocab_size=300, tokenizer_train_bytes=100_000,
-                               max_tokens=20_000, eval_every=2, eval_rows=4)),
+        name="micro",
+        description="tests only: 4 tiny sizes x 2 architectures, a few steps",
+        preset="tiny",
+        sizes=((16, 2), (24, 2), (32, 2), (48, 2)),
+        head_dim=8,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        train=dict(
+            steps=2,
+            batch_size=2,
+            seq_len=32,
+            vocab_size=300,
+            tokenizer_train_bytes=100_000,
+            max_tokens=20_000,
+            eval_every=2,
+            eval_rows=4,
+        ),
+    ),
     "cpu": Sweep(
-        name="cpu", description="4 small sizes x 2 architectures on a CPU (~1.5 minutes)", preset="tiny",
-        sizes=((32, 4), (48, 4), (64, 4), (96, 4)), head_dim=16, archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,), train=dict(steps=60, batch_size=8, seq_len=128, vocab_size=1024,
-                               tokenizer_train_bytes=1_000_000, max_tokens=300_000, eval_every=30, eval_rows=32)),
+        name="cpu",
+        description="4 small sizes x 2 architectures on a CPU (~1.5 minutes)",
+        preset="tiny",
+        sizes=((32, 4), (48, 4), (64, 4), (96, 4)),
+        head_dim=16,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        train=dict(
+            steps=60,
+            batch_size=8,
+            seq_len=128,
+            vocab_size=1024,
+            tokenizer_train_bytes=1_000_000,
+            max_tokens=300_000,
+            eval_every=30,
+            eval_rows=32,
+        ),
+    ),
     "gpu": Sweep(
-        name="gpu", description="4 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
-        preset="small", sizes=((128, 4), (192, 4), (256, 6), (384, 8)), head_dim=64,
-        archs={"k3": "full", "baseline": BASELINE}, seeds=(0,),
-        train=dict(steps=300, batch_size=16, seq_len=512, vocab_size=8192, tokenizer_train_bytes=4_000_000,
-                   max_tokens=None, eval_every=100, eval_rows=128, save_every=150, lr=3e-3)),
+        name="gpu",
+        description="4 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
+        preset="small",
+        sizes=((128, 4), (192, 4), (256, 6), (384, 8)),
+        head_dim=64,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        train=dict(
+            steps=300,
+            batch_size=16,
+            seq_len=512,
+            vocab_size=8192,
+            tokenizer_train_bytes=4_000_000,
+            max_tokens=None,
+            eval_every=100,
+            eval_rows=128,
+            save_every=150,
+            lr=3e-3,
+        ),
+    ),
 }
 
 
@@ -485,13 +620,27 @@ def get_sweep(name: str) -> Sweep:
         raise ValueError(f"unknown sweep {name!r}; choose one of: {', '.join(SWEEPS)}") from None
 
 
-def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: str = "auto",
-              progress: bool = False, jobs: int = 1, warm_first: bool = True) -> list[dict]:
+def run_sweep(
+    sweep: Sweep,
+    out: str | Path,
+    data: str | None = None,
+    device: str = "auto",
+    progress: bool = False,
+    jobs: int = 1,
+    warm_first: bool = True,
+) -> list[dict]:
     """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
 
     ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.ablate.run_jobs`)."""
-    from k3.audit.ablate import (_run_job, check_jobs, ensure_tokenizer, make_variant, params_of, run_jobs,
-                                 variant_config)
+    from k3.audit.ablate import (
+        _run_job,
+        check_jobs,
+        ensure_tokenizer,
+        make_variant,
+        params_of,
+        run_jobs,
+        variant_config,
+    )
     from k3.config import get_preset
     from k3.data.tokenizer import Tokenizer
     from k3.train.trainer import TrainConfig
@@ -500,8 +649,9 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({**dataclasses.asdict(sweep), "data": data}, indent=2))
-    tok_path = ensure_tokenizer(out, data, sweep.train.get("vocab_size", 8192),
-                                sweep.train.get("tokenizer_train_bytes", 4_000_000))
+    tok_path = ensure_tokenizer(
+        out, data, sweep.train.get("vocab_size", 8192), sweep.train.get("tokenizer_train_bytes", 4_000_000)
+    )
     tok = Tokenizer.load(tok_path)
     plan = []
     for width, layers in sweep.sizes:  # validate everything before training anything
@@ -522,16 +672,47 @@ def run_sweep(sweep: Sweep, out: str | Path, data: str | None = None, device: st
         run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
         train = {**sweep.train, "steps": steps}
         train["eval_every"] = min(train.get("eval_every", 20), steps)
-        cfg = TrainConfig(preset=sweep.preset, overrides={**sized_ov, **v.overrides, "name": label}, data=data,
-                          tokenizer=str(tok_path), balance=v.balance, out=str(run_dir), seed=seed, device=device,
-                          samples=0, **train)
-        meta = {"label": label, "variant": v.name, "width": width, "layers": layers, "seed": seed,
-                "balance": v.balance, **params}
+        cfg = TrainConfig(
+            preset=sweep.preset,
+            overrides={**sized_ov, **v.overrides, "name": label},
+            data=data,
+            tokenizer=str(tok_path),
+            balance=v.balance,
+            out=str(run_dir),
+            seed=seed,
+            device=device,
+            samples=0,
+            **train,
+        )
+        meta = {
+            "label": label,
+            "variant": v.name,
+            "width": width,
+            "layers": layers,
+            "seed": seed,
+            "balance": v.balance,
+            **params,
+        }
         work.append((cfg, meta, sweep.run_plots))
 
     def done(i: int, s: dict) -> None:
-        log.info("[%d/%d] %s w%d l%d seed %d: %sval loss %s", i + 1, len(work), s["label"], s["width"], s["layers"],
-                 s["seed"], "skipped, " if s.get("skipped") else "", s.get("val_loss"))
+        log.info(
+            "[%d/%d] %s w%d l%d seed %d: %sval loss %s",
+            i + 1,
+            len(work),
+            s["label"],
+            s["width"],
+            s["layers"],
+            s["seed"],
+            "skipped, " if s.get("skipped") else "",
+            s.get("val_loss"),
+        )
 
-    return run_jobs(functools.partial(_run_job, progress=progress and jobs == 1), work, jobs, done, warm_first,
-                    [f"run {Path(cfg.out).name}" for cfg, _, _ in work])
+    return run_jobs(
+        functools.partial(_run_job, progress=progress and jobs == 1),
+        work,
+        jobs,
+        done,
+        warm_first,
+        [f"run {Path(cfg.out).name}" for cfg, _, _ in work],
+    )

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from k3.audit import ablate
-from k3.audit.ablate import (ALL_VARIANTS, PAIRS, get_grid, make_variant, params_of, run_grid, run_one,
-                             variant_config)
+from k3.audit.ablate import ALL_VARIANTS, PAIRS, get_grid, make_variant, params_of, run_grid, run_one, variant_config
 from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
 from k3.cli.main import main
 from k3.config import get_preset
@@ -56,14 +55,20 @@ def test_variant_transforms(preset):
     assert nl["params_moe_activated"] == pytest.approx(full["params_moe_activated"], rel=0.03)
     assert nl["params_activated"] == pytest.approx(full["params_activated"], rel=0.03)
     assert nl["params_total"] > full["params_total"]
-    assert ablate.moe_block_activated(base) * (base.num_hidden_layers - base.first_k_dense_replace) == \
-        pytest.approx(full["params_moe_activated"])
+    assert ablate.moe_block_activated(base) * (base.num_hidden_layers - base.first_k_dense_replace) == pytest.approx(
+        full["params_moe_activated"]
+    )
 
 
 def test_variant_errors():
     base = get_preset("tiny")
-    for bad, msg in [("no_kda+no_mla", "conflicts"), ("aux+none", "two balancing"), ("full+aux", "does not compose"),
-                     ("no_kda+no_kda", "repeats"), ("nope", "unknown variant")]:
+    for bad, msg in [
+        ("no_kda+no_mla", "conflicts"),
+        ("aux+none", "two balancing"),
+        ("full+aux", "does not compose"),
+        ("no_kda+no_kda", "repeats"),
+        ("nope", "unknown variant"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             make_variant(bad, base)
     with pytest.raises(ValueError, match="plain"):
@@ -80,7 +85,7 @@ def test_mqar_generator_targets_are_the_associated_values():
     assert x.shape == y.shape == (64, task.seq_len) and task.seq_len == 2 * (10 + 6)
     n = task.num_pairs
     for row, tgt in zip(x.tolist(), y.tolist()):
-        keys, values = row[0:2 * n:2], row[1:2 * n:2]
+        keys, values = row[0 : 2 * n : 2], row[1 : 2 * n : 2]
         assert all(1 <= k <= task.num_keys for k in keys) and len(set(keys)) == n  # distinct keys
         assert all(task.num_keys < v < task.vocab_size for v in values)
         binding = dict(zip(keys, values))
@@ -113,8 +118,15 @@ def test_micro_grid_end_to_end_and_resumable(tmp_path, small_data):
     first = run_grid(grid, out, data=small_data, device="cpu")
     assert not any(s["skipped"] for s in first["runs"])
     assert len(first["runs"]) == len(grid.variants) * len(grid.seeds)
-    for name in ("report.md", "results.json", "val_loss.png", "router_frontier.png", "loss_curves.png", "mqar.png",
-                 "tokenizer.json"):
+    for name in (
+        "report.md",
+        "results.json",
+        "val_loss.png",
+        "router_frontier.png",
+        "loss_curves.png",
+        "mqar.png",
+        "tokenizer.json",
+    ):
         assert (out / name).is_file(), name
     report = (out / "report.md").read_text()
     for v in grid.variants:
@@ -123,8 +135,11 @@ def test_micro_grid_end_to_end_and_resumable(tmp_path, small_data):
     rows = {r["variant"]: r for r in first["variants"]}
     assert rows["full"]["val_loss_std"] is not None and rows["full"]["params_activated"] > 0
     # one tokenizer for every run
-    cfgs = [json.loads((out / "runs" / f"{v}-s{s}" / "train_config.json").read_text())
-            for v in grid.variants for s in grid.seeds]
+    cfgs = [
+        json.loads((out / "runs" / f"{v}-s{s}" / "train_config.json").read_text())
+        for v in grid.variants
+        for s in grid.seeds
+    ]
     assert {c["tokenizer"] for c in cfgs} == {str(out / "tokenizer.json")}
     assert json.loads((out / "runs" / "bias_sign-s1" / "train_config.json").read_text())["balance"] == "sign"
 

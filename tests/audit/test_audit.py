@@ -111,13 +111,16 @@ def test_ckpt_audit_and_measure(tmp_path):
     assert hit["cached_tokens"] == 64 and all(r["decode_tokens_per_s"] > 0 for r in m["rows"])
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--preset", "nope"], "unknown preset 'nope'"),
-    (["--preset", "tiny", "--contexts", "0,abc"], "--contexts"),
-    (["--preset", "tiny", "--context", "-1"], "--context=-1"),
-    (["--preset", "tiny", "--zipf", "x"], "--zipf"),
-    (["--ckpt", "/nonexistent/dir"], "neither a checkpoint"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (["--preset", "tiny", "--contexts", "0,abc"], "--contexts"),
+        (["--preset", "tiny", "--context", "-1"], "--context=-1"),
+        (["--preset", "tiny", "--zipf", "x"], "--zipf"),
+        (["--ckpt", "/nonexistent/dir"], "neither a checkpoint"),
+    ],
+)
 def test_bad_arguments_give_one_clear_error(tmp_path, capsys, argv, needle):
     assert main(["audit", *argv, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()

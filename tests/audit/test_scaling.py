@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from k3.audit.ablate import make_variant, params_of, variant_config
-from k3.audit.scaling import (SWEEPS, analyse, bootstrap_multiplier, compute_multiplier, fit_power_law, get_sweep,
-                              load_run, size_overrides)
+from k3.audit.scaling import (
+    SWEEPS,
+    analyse,
+    bootstrap_multiplier,
+    compute_multiplier,
+    fit_power_law,
+    get_sweep,
+    load_run,
+    size_overrides,
+)
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.data.text import stdlib_corpus
@@ -25,7 +33,7 @@ def one_thread():
 
 def synthetic(a, b, c, noise, seed, e=0.0):
     rng = np.random.default_rng(seed)
-    return e + a * c ** -b * np.exp(rng.normal(0.0, noise, c.size))
+    return e + a * c**-b * np.exp(rng.normal(0.0, noise, c.size))
 
 
 def test_fit_recovers_a_and_b():
@@ -34,8 +42,9 @@ def test_fit_recovers_a_and_b():
     assert f.b == pytest.approx(0.09, rel=0.05) and f.a == pytest.approx(45.0, rel=0.25)
     exact = fit_power_law(c, synthetic(45.0, 0.09, c, 0.0, 0))
     assert exact.b == pytest.approx(0.09, rel=1e-9) and exact.a == pytest.approx(45.0, rel=1e-6)
-    assert exact.loss(1e16) == pytest.approx(45.0 * 1e16 ** -0.09) and exact.compute(exact.loss(3e17)) == \
-        pytest.approx(3e17)
+    assert exact.loss(1e16) == pytest.approx(45.0 * 1e16**-0.09) and exact.compute(exact.loss(3e17)) == pytest.approx(
+        3e17
+    )
     # with an irreducible term: E + a C^-b
     f3 = fit_power_law(c, synthetic(300.0, 0.15, c, 0.002, 1, e=1.5), irreducible=True)
     assert f3.e == pytest.approx(1.5, abs=0.05) and f3.b == pytest.approx(0.15, rel=0.1)
@@ -58,10 +67,14 @@ def test_compute_multiplier_and_bootstrap_interval():
     loss_a = synthetic(40.0, 0.08, k * c, 0.003, 3)
     fa, fb = fit_power_law(c, loss_a), fit_power_law(c, loss_b)
     assert float(compute_multiplier(fa, fb, 2.0)) == pytest.approx(k, rel=0.1)
-    runs = [{"label": "k3", "compute": ci, "loss": li, "run_dir": f"a{i}", "tokens": 1}
-            for i, (ci, li) in enumerate(zip(c, loss_a))]
-    runs += [{"label": "baseline", "compute": ci, "loss": li, "run_dir": f"b{i}", "tokens": 1}
-             for i, (ci, li) in enumerate(zip(c, loss_b))]
+    runs = [
+        {"label": "k3", "compute": ci, "loss": li, "run_dir": f"a{i}", "tokens": 1}
+        for i, (ci, li) in enumerate(zip(c, loss_a))
+    ]
+    runs += [
+        {"label": "baseline", "compute": ci, "loss": li, "run_dir": f"b{i}", "tokens": 1}
+        for i, (ci, li) in enumerate(zip(c, loss_b))
+    ]
     r = analyse(runs, n_boot=400, seed=0)
     m = r["multipliers"]["k3"]
     assert r["baseline"] == "baseline" and m["overlap"]
@@ -95,8 +108,24 @@ def test_micro_sweep_end_to_end(tmp_path):
     for i, doc in enumerate(stdlib_corpus("all")[:60]):
         (data / f"doc{i:03d}.py").write_text(doc.text)
     out = tmp_path / "sweep"
-    assert main(["scaling", "--sweep", "micro", "--out", str(out), "--data", str(data), "--device", "cpu",
-                 "--bootstrap", "50"]) == 0
+    assert (
+        main(
+            [
+                "scaling",
+                "--sweep",
+                "micro",
+                "--out",
+                str(out),
+                "--data",
+                str(data),
+                "--device",
+                "cpu",
+                "--bootstrap",
+                "50",
+            ]
+        )
+        == 0
+    )
     for name in ("scaling.md", "scaling.json", "scaling.png"):
         assert (out / name).is_file()
     result = json.loads((out / "scaling.json").read_text())
@@ -116,13 +145,27 @@ def test_micro_sweep_end_to_end(tmp_path):
     assert bare["compute"] == pytest.approx(with_summary["compute"], rel=1e-9)
     assert bare["label"] == "k3"  # from overrides.name
     assert load_run(run, group_by="variant")["label"] == "full"
-    assert main(["scaling", "--runs", str(out / "runs"), "--out", str(tmp_path / "fit"), "--group-by", "seed",
-                 "--bootstrap", "20"]) == 0  # one group: a fit, no multiplier
+    assert (
+        main(
+            [
+                "scaling",
+                "--runs",
+                str(out / "runs"),
+                "--out",
+                str(tmp_path / "fit"),
+                "--group-by",
+                "seed",
+                "--bootstrap",
+                "20",
+            ]
+        )
+        == 0
+    )  # one group: a fit, no multiplier
     assert list(json.loads((tmp_path / "fit" / "scaling.json").read_text())["fits"]) == ["0"]
 
 
 def test_groups_too_small_are_reported_not_fitted():
-    runs = [{"label": "k3", "compute": c, "loss": 5 * c ** -0.05, "run_dir": "x", "tokens": 1} for c in (1e15, 1e16)]
+    runs = [{"label": "k3", "compute": c, "loss": 5 * c**-0.05, "run_dir": "x", "tokens": 1} for c in (1e15, 1e16)]
     runs.append({"label": "baseline", "compute": 1e15, "loss": 3.0, "run_dir": "y", "tokens": 1})
     r = analyse(runs, n_boot=10)
     assert "baseline" in r["skipped"] and "k3" in r["fits"] and r["multipliers"] == {}
