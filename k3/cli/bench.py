@@ -1,4 +1,4 @@
-"""``k3 bench NAME [--out DIR] [--quick] [--cases ...]``: GPU benchmarks (decode, kernels, model); tables +
+"""``k3 bench NAME [--out DIR] [--quick] [--cases ...]``: GPU benchmarks (decode, kernels, model, slice); tables +
 JSON/markdown."""
 
 from __future__ import annotations
@@ -6,18 +6,21 @@ from __future__ import annotations
 import argparse
 import importlib
 
-NAMES = ("decode", "kernels", "model")
+NAMES = ("decode", "kernels", "model", "slice")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="GPU benchmarks: decode, kernels, model (writes benchmarks/results/)")
+    p = sub.add_parser("bench", help="GPU benchmarks: decode, kernels, model, slice (writes benchmarks/results/)")
     p.add_argument("name", choices=NAMES)
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
-    p.add_argument("--cases", default=None,
-                   help="model: comma-separated subset of train,train_ac,peer,floor,attn_res,attn_res_compiled,prefill "
-                        "(default all); decode: targets (only the performance targets' compiled rows, "
-                        "no transformers peer)")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="model: comma-separated subset of train,train_ac,peer,floor,attn_res,attn_res_compiled,prefill "
+        "(default all); decode: targets (only the performance targets' compiled rows, "
+        "no transformers peer)",
+    )
     p.set_defaults(func=run)
 
 
