@@ -21,7 +21,8 @@ import time
 import torch
 
 from k3.bench.common import copy_bandwidth
-from k3.bench.decode import ours, peer_config, step_bytes
+from k3.bench.decode import ours, step_bytes
+from k3.config.presets import kimi_linear_1p3b
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
 
@@ -37,7 +38,7 @@ def main() -> None:
     backend.set_backend("fast")
     bw = copy_bandwidth()
     torch.manual_seed(0)
-    model = K3ForCausalLM(peer_config()).cuda().to(torch.bfloat16).eval()
+    model = K3ForCausalLM(kimi_linear_1p3b()).cuda().to(torch.bfloat16).eval()
     times: dict[tuple[str, int, int], list[float]] = {}
     for r in range(a.rounds):
         for v in list(variants) if r % 2 == 0 else list(variants)[::-1]:

@@ -36,7 +36,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from k3.bench.common import busy_seconds, copy_bandwidth, cuda_time, device_activity, write_profile
-from k3.bench.decode import fill_cache, peer_config, step_bytes
+from k3.bench.decode import fill_cache, step_bytes
+from k3.config.presets import kimi_linear_1p3b
 from k3.config import get_preset
 from k3.infer.graphs import COMPILE_OPTIONS, GraphedDecoder
 from k3.model.attn_res import ResidualStream
@@ -86,7 +87,7 @@ def main() -> None:
     a = p.parse_args()
     backend.set_backend("fast")
     bw = copy_bandwidth()
-    config = peer_config() if a.preset is None else get_preset(a.preset)
+    config = kimi_linear_1p3b() if a.preset is None else get_preset(a.preset)
     if a.attn_res is not None:
         config = config.replace(**{"attn_res.mode": a.attn_res})
     model = K3ForCausalLM(config).cuda().to(torch.bfloat16).eval()

@@ -20,55 +20,11 @@ import torch
 
 from k3.audit.accounting import classify
 from k3.bench.common import copy_bandwidth, cuda_time, environment, read_bandwidth, write_results
-from k3.config import K3Config, KDAConfig, MLAConfig, MoEConfig
-from k3.config.config import AttnResConfig
+from k3.config.presets import kimi_linear_1p3b
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend, pdl
 from k3.ops.plan import plan
-
-
-def peer_config(full_mla: bool = False) -> K3Config:
-    layers = 12
-    return K3Config(
-        name="kimi-linear-1.3b" + ("-full-mla" if full_mla else ""),
-        vocab_size=32768,
-        hidden_size=1024,
-        num_hidden_layers=layers,
-        mla_layers=tuple(range(layers)) if full_mla else (3, 7, 11),
-        first_k_dense_replace=1,
-        intermediate_size=4096,
-        hidden_act="silu",
-        max_position_embeddings=1 << 20,
-        kda=KDAConfig(
-            num_heads=16,
-            head_dim=64,
-            v_head_dim=64,
-            gate_lower_bound=None,
-            full_rank_output_gate=False,
-            forget_gate_rank=64,
-            output_gate_rank=64,
-        ),
-        mla=MLAConfig(
-            num_heads=16,
-            q_lora_rank=None,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            output_gate=False,
-        ),
-        moe=MoEConfig(
-            num_experts=64,
-            num_experts_per_token=8,
-            num_shared_experts=1,
-            moe_intermediate_size=512,
-            latent_size=None,
-            latent_norm=False,
-            routed_scaling_factor=2.446,
-        ),
-        attn_res=AttnResConfig(mode="none", block_size=1),
-    )
 
 
 def step_bytes(model: K3ForCausalLM, batch: int, context: int) -> float:
@@ -137,7 +93,7 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
         from transformers import KimiLinearConfig, KimiLinearForCausalLM
     except ImportError:
         return None
-    c = peer_config()
+    c = kimi_linear_1p3b()
     hf = KimiLinearConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -255,7 +211,7 @@ def run(out_dir: str | None = None, quick: bool = False, peer_budget_s: float = 
             )
             print(rows[-1], flush=True)
     for full in (False, True):
-        model = K3ForCausalLM(peer_config(full)).cuda().to(torch.bfloat16).eval()
+        model = K3ForCausalLM(kimi_linear_1p3b(full)).cuda().to(torch.bfloat16).eval()
         for batch, context in cases:
             limit = step_bytes(model, batch, context) / bw
             name = "full-MLA twin" if full else "hybrid 3:1"

@@ -21,8 +21,8 @@ Phases (each guarded: a failure is recorded in its row and the next phase still 
   expert-parallel share (B k rows over the E / 64 experts one of 64 GPUs holds).
 - extrapolation to K3's 93 layers on 64 GPUs (expert parallel, attention data parallel): per GPU and step, the
   measured rest (embedding, dense layer, lm_head) + 68 KDA-MoE and 24 MLA-MoE layer times, each with its local-batch
-  expert time swapped for the expert-parallel share's, + two all-to-alls per MoE layer of the latent rows
-  (k3.plan.cost.all_to_all_time, the 64-GPU profile). An estimate, not a measurement.
+  expert time swapped for the expert-parallel share's; the two all-to-alls per MoE layer are not included (``k3 plan
+  --preset k3 --gpus 64`` estimates them with its fabric model). An estimate, not a measurement.
 
 ``smoke=True`` runs the same code on the CPU with the tiny preset in the slice's layout (eager steps instead of
 CUDA graphs), for tests. About 7 minutes on an H200 (estimate).
@@ -52,7 +52,7 @@ from k3.quant.packed import PackedExperts, use_packed_experts
 
 GB, GIB = 1e9, 2**30
 BATCHES, CONTEXTS, PREFILL = (1, 8, 64), (4096, 32768, 131072), 32768
-EP_GPUS, EP_PROFILE = 64, "h200-64x-ib"
+EP_GPUS = 64
 SCALES = (119, 122)  # E8M0 exponents drawn from [119, 122): 2^-8 .. 2^-6
 MARGIN = 8 * GIB  # free memory a decode case keeps beyond its cache (graph pool, workspace)
 COLUMNS = [
@@ -518,17 +518,12 @@ def bf16_phase(model, rows, batches, context: int, steps: int, bw, read_bw) -> N
 def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP_GPUS) -> tuple[list[dict], list[str]]:
     """Per-GPU decode step of K3 (93 layers) on ``gpus`` GPUs, expert parallel, from the slice's per-layer times
     (see the module docstring). Returns rows for the JSON and one findings line per case."""
-    from k3.plan.cluster import cluster
-    from k3.plan.cost import all_to_all_time
-
     k3 = get_preset("k3")
     moe_layers = [i for i in range(k3.num_hidden_layers) if k3.ffn(i) == "moe"]
     n_kda = sum(k3.mixer(i) == "kda" for i in moe_layers)
     n_mla = len(moe_layers) - n_kda
     n_slice_kda = sum(config.mixer(i) == "kda" and config.ffn(i) == "moe" for i in range(config.num_hidden_layers))
     n_slice_mla = sum(config.mixer(i) == "mla" and config.ffn(i) == "moe" for i in range(config.num_hidden_layers))
-    c = cluster(EP_PROFILE)
-    width = config.moe.latent_size or config.hidden_size
     out, lines = [], []
     for (batch, context), t in sorted(per_layer.items()):
         if "KDA-MoE" not in t or "MLA-MoE" not in t:
@@ -536,9 +531,7 @@ def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP
         local, ep = experts.get((batch, "local")), experts.get((batch, "ep"))
         swap = (ep - local) if local is not None and ep is not None else 0.0
         rest = t["full_s"] - n_slice_kda * t["KDA-MoE"] - n_slice_mla * t["MLA-MoE"]
-        a2a = 2 * len(moe_layers) * all_to_all_time(batch * config.moe.num_experts_per_token * 2 * width, c)
-        compute = rest + n_kda * (t["KDA-MoE"] + swap) + n_mla * (t["MLA-MoE"] + swap)
-        step = compute + a2a
+        step = rest + n_kda * (t["KDA-MoE"] + swap) + n_mla * (t["MLA-MoE"] + swap)  # all-to-alls: k3 plan
         row = {
             "batch_per_gpu": batch,
             "context": context,
@@ -547,7 +540,6 @@ def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP
             "mla_moe_layer_ms": t["MLA-MoE"] * 1e3,
             "rest_ms": rest * 1e3,
             "expert_share_minus_local_ms": swap * 1e3,
-            "all_to_all_ms": a2a * 1e3,
             "step_ms": step * 1e3,
             "tokens_per_s_per_gpu": batch / step,
             "tokens_per_s_cluster": gpus * batch / step,
@@ -558,8 +550,8 @@ def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP
             f"{step * 1e3:.2f} ms per step = rest {rest * 1e3:.2f} + {n_kda} KDA-MoE x "
             f"{(t['KDA-MoE'] + swap) * 1e3:.3f} + {n_mla} MLA-MoE x {(t['MLA-MoE'] + swap) * 1e3:.3f} "
             f"(measured layers {t['KDA-MoE'] * 1e3:.3f} / {t['MLA-MoE'] * 1e3:.3f} ms with their local-batch "
-            f"experts swapped for the expert-parallel share, {swap * 1e3:+.3f} ms) + all-to-all "
-            f"{a2a * 1e3:.2f} ({EP_PROFILE}); {batch / step:,.0f} tokens/s per GPU, {gpus * batch / step:,.0f} "
+            f"experts swapped for the expert-parallel share, {swap * 1e3:+.3f} ms), all-to-alls not included "
+            f"(k3 plan); {batch / step:,.0f} tokens/s per GPU, {gpus * batch / step:,.0f} "
             "in all"
         )
     return out, lines

@@ -121,6 +121,51 @@ def kimi_linear_48b() -> K3Config:
     )
 
 
+def kimi_linear_1p3b(full_mla: bool = False) -> K3Config:
+    """The decode benchmark's model (k3.bench.decode): Kimi-Linear-shaped, 1.27B parameters in 12 layers (3 MLA);
+    ``full_mla``: its twin with MLA in every layer."""
+    layers = 12
+    return K3Config(
+        name="kimi-linear-1.3b" + ("-full-mla" if full_mla else ""),
+        vocab_size=32768,
+        hidden_size=1024,
+        num_hidden_layers=layers,
+        mla_layers=tuple(range(layers)) if full_mla else (3, 7, 11),
+        first_k_dense_replace=1,
+        intermediate_size=4096,
+        hidden_act="silu",
+        max_position_embeddings=1 << 20,
+        kda=KDAConfig(
+            num_heads=16,
+            head_dim=64,
+            v_head_dim=64,
+            gate_lower_bound=None,
+            full_rank_output_gate=False,
+            forget_gate_rank=64,
+            output_gate_rank=64,
+        ),
+        mla=MLAConfig(
+            num_heads=16,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            output_gate=False,
+        ),
+        moe=MoEConfig(
+            num_experts=64,
+            num_experts_per_token=8,
+            num_shared_experts=1,
+            moe_intermediate_size=512,
+            latent_size=None,
+            latent_norm=False,
+            routed_scaling_factor=2.446,
+        ),
+        attn_res=AttnResConfig(mode="none", block_size=1),
+    )
+
+
 def k2() -> K3Config:
     """Kimi K2 (docs/architecture.md#layer-schedule): 61 MLA layers with RoPE, 384 experts top-8, 1 shared, SwiGLU;
     1.04T / 32.6B."""

@@ -77,11 +77,11 @@ def validate() -> list[dict]:
     rows: list[dict] = []
     targets = _read("decode-targets.json")
     if targets:
-        from k3.bench.decode import peer_config
+        from k3.config.presets import kimi_linear_1p3b
 
         bw = targets["meta"]["copy_bandwidth_TBps"] * 1e12
         for r in targets["rows"]:
-            cfg = peer_config(full_mla=r["model"].startswith("full-MLA"))
+            cfg = kimi_linear_1p3b(full_mla=r["model"].startswith("full-MLA"))
             shape = cost.model_shape(cfg)
             c = make_cluster(gpus=1, hbm_bytes_per_s=bw, hbm_gib=1e6)
             work = Serving(concurrency=r["batch"], contexts=((r["context"], 1.0),))

@@ -104,9 +104,10 @@ def test_single_gpu_decode_bytes_match_the_decode_benchmark(batch, context):
     """The planner's single-GPU decode bytes against k3.bench.decode.step_bytes, counted independently from the
     model's parameters (the router's fp32 weight aside: <0.1%)."""
     from k3.audit.accounting import build_meta
-    from k3.bench.decode import peer_config, step_bytes
+    from k3.bench.decode import step_bytes
+    from k3.config.presets import kimi_linear_1p3b
 
-    cfg = peer_config()
+    cfg = kimi_linear_1p3b()
     shape = cost.model_shape(cfg)
     c = cluster(gpus=1, hbm_bytes_per_s=1.0, hbm_gib=1e6)
     work = Serving(concurrency=batch, contexts=((context, 1.0),))
