@@ -86,15 +86,13 @@ def ours(model: K3ForCausalLM, batch: int, context: int, steps: int = 32, mode: 
     return cuda_time(step, warmup=2, iters=steps)
 
 
-@torch.no_grad()
-def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
-    """Seconds per decode step of transformers' KimiLinearForCausalLM.generate (prefill subtracted)."""
-    try:
-        from transformers import KimiLinearConfig, KimiLinearForCausalLM
-    except ImportError:
-        return None
+def hf_peer_config():
+    """transformers' KimiLinearConfig of :func:`k3.config.presets.kimi_linear_1p3b`'s shapes: the peer that the
+    decode and training benchmarks run in the same process."""
+    from transformers import KimiLinearConfig
+
     c = kimi_linear_1p3b()
-    hf = KimiLinearConfig(
+    return KimiLinearConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -126,6 +124,17 @@ def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
             "short_conv_kernel_size": 4,
         },
     )
+
+
+@torch.no_grad()
+def transformers_peer(batch: int, context: int, new: int = 16) -> float | None:
+    """Seconds per decode step of transformers' KimiLinearForCausalLM.generate (prefill subtracted)."""
+    try:
+        from transformers import KimiLinearForCausalLM
+    except ImportError:
+        return None
+    c = kimi_linear_1p3b()
+    hf = hf_peer_config()
     model = KimiLinearForCausalLM(hf).cuda().to(torch.bfloat16).eval()
     ids = torch.randint(3, c.vocab_size, (batch, context), device="cuda")
     model.generate(ids[:, :64], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up (kernels, autotune)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.bench.common import cuda_time, device_time, environment, matmul_flops, write_results
-from k3.bench.decode import fill_cache
+from k3.bench.decode import fill_cache, hf_peer_config
 from k3.bench.floor import floor_parts
 from k3.infer.graphs import GraphedDecoder
 from k3.config import get_preset
@@ -50,41 +50,10 @@ def activated_matmul_params(model) -> float:
 
 def hf_peer_train(batch: int, seq: int) -> float | None:
     try:
-        from transformers import KimiLinearConfig, KimiLinearForCausalLM
+        from transformers import KimiLinearForCausalLM
     except ImportError:
         return None
-    hf = KimiLinearConfig(
-        vocab_size=32768,
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        head_dim=64,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mla_use_nope=True,
-        num_experts=64,
-        num_experts_per_token=8,
-        moe_intermediate_size=512,
-        num_shared_experts=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.446,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        linear_attn_config={
-            "kda_layers": [i for i in range(1, 13) if i % 4],
-            "full_attn_layers": [4, 8, 12],
-            "num_heads": 16,
-            "head_dim": 64,
-            "short_conv_kernel_size": 4,
-        },
-    )
+    hf = hf_peer_config()
     try:
         hf._experts_implementation = "grouped_mm"
     except Exception:

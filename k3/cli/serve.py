@@ -15,7 +15,8 @@ import threading
 
 from k3.infer.async_engine import AsyncEngine
 from k3.infer.engine import Engine
-from k3.infer.load import DTYPE_CHOICES, load_for_inference
+from k3.cli.generate import add_model_args
+from k3.infer.load import load_for_inference
 
 log = logging.getLogger("k3.serve")
 GIB = 2**30
@@ -23,7 +24,7 @@ GIB = 2**30
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
-    p.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory (latest)")
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="k3", help="the model id clients pass (default k3)")
@@ -37,15 +38,6 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory for running requests")
     p.add_argument("--prefix-cache-gb", type=float, default=0.0, help="memory for cached prompt prefixes (0: off)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the checkpoint's own")
-    p.add_argument(
-        "--packed",
-        choices=("keep", "dequantize"),
-        default="keep",
-        help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
-        "or dequantise them once at load",
-    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
     p.add_argument(
         "--compile-decode",

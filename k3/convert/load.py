@@ -21,7 +21,7 @@ from torch import Tensor
 
 from k3.config import K3Config
 from k3.convert.names import from_files, map_tensor, vision_layout
-from k3.quant.packed import PACKED, SCALE, read_quantization, unpack_weight, use_packed_experts
+from k3.quant.packed import PACKED, SCALE, map_packed_pairs, read_quantization, unpack_weight, use_packed_experts
 
 from k3.convert.checkpoint import (
     CHECKSUMS,
@@ -163,32 +163,10 @@ def _main_dtype(specs: dict[str, Tensor]) -> torch.dtype:
 
 def _dequantized_specs(specs: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """Header specs with each packed pair ``X.weight_packed`` + ``X.weight_scale`` replaced by ``X.weight`` in
-    ``dtype`` (shapes only); ValueError for a half pair or shapes that do not match."""
-    from k3.quant.packed import GROUP
-
-    out: dict[str, Tensor] = {}
-    for name, t in specs.items():
-        if name.endswith("." + SCALE):
-            if name[: -len(SCALE)] + PACKED not in specs:
-                raise ValueError(f"checkpoint has {name} without its {PACKED}")
-            continue
-        if not name.endswith("." + PACKED):
-            out[name] = t
-            continue
-        base = name[: -len(PACKED) - 1]
-        scale = specs.get(f"{base}.{SCALE}")
-        if scale is None:
-            raise ValueError(f"checkpoint has {name} without its {SCALE}")
-        if t.dtype != torch.uint8:
-            raise ValueError(f"{name}: expected uint8, got {t.dtype}")
-        want = (*t.shape[:-1], 2 * t.shape[-1] // GROUP) if t.dim() else None
-        if t.dim() == 0 or (2 * t.shape[-1]) % GROUP or tuple(scale.shape) != want:
-            raise ValueError(
-                f"{name} {tuple(t.shape)} and its {SCALE} {tuple(scale.shape)} do not match "
-                f"(expected scales {want} for groups of {GROUP})"
-            )
-        out[f"{base}.weight"] = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=dtype, device="meta")
-    return out
+    ``dtype`` (shapes only; the pairs checked by k3.quant.packed.map_packed_pairs)."""
+    return map_packed_pairs(
+        specs, lambda packed, scale: torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=dtype, device="meta")
+    )
 
 
 @dataclass

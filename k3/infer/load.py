@@ -97,10 +97,8 @@ def load_for_inference(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    if packed not in ("keep", "dequantize"):
-        raise ValueError(f"packed={packed!r} must be 'keep' or 'dequantize'")
-    if read_quantization(json.loads((path / "config.json").read_text())) is None:
-        packed = "dequantize"  # nothing packed to keep
+    if packed == "keep" and read_quantization(json.loads((path / "config.json").read_text())) is None:
+        packed = "dequantize"  # nothing packed to keep (from_pretrained checks any other value)
     model = from_pretrained(path, dtype=dt, device=dev, packed=packed).eval()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

@@ -93,25 +93,16 @@ class MoE(nn.Module):
         )
         scores, topk_idx, topk_weight = self.gate.route(logits)
         z = x if z is None else z
-        packed = getattr(self.experts, "packed", False)  # MXFP4 bytes (k3.quant.packed), never dequantised whole
-        w1, w2, w3 = (None,) * 3 if packed else (self.experts.w1, self.experts.w2, self.experts.w3)
+        e = self.experts
         if self.expert_dispatch is not None:
             y = self.expert_dispatch(self, z, topk_idx, topk_weight)
-        elif packed:  # only the experts this batch selects are dequantised (docs/architecture.md#mx)
-            y = moe_experts_packed(z, topk_idx, topk_weight, self.experts, self.glu)
+        elif getattr(e, "packed", False):  # MXFP4 bytes: only the experts this batch selects are dequantised
+            y = moe_experts_packed(z, topk_idx, topk_weight, e, self.glu)
         elif self.qat is None:
-            y = moe_experts(z, topk_idx, topk_weight, w1, w2, w3, self.glu)
+            y = moe_experts(z, topk_idx, topk_weight, e.w1, e.w2, e.w3, self.glu)
         else:  # fake-quantised expert weights and matmul inputs, straight-through gradients
-            y = moe_experts(
-                z,
-                topk_idx,
-                topk_weight,
-                self.qat.weight(w1),
-                self.qat.weight(w2),
-                self.qat.weight(w3),
-                self.glu,
-                act_quant=self.qat.act_quant,
-            )
+            q = self.qat.weight
+            y = moe_experts(z, topk_idx, topk_weight, q(e.w1), q(e.w2), q(e.w3), self.glu, act_quant=self.qat.act_quant)
         if latent:
             if hasattr(self, "routed_expert_norm"):
                 y = self.routed_expert_norm(y)

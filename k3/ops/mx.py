@@ -233,9 +233,12 @@ def unpack_fp4(packed: Tensor) -> Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+MXFP4_ELEM, MXFP4_GROUP = "e2m1", 32  # MXFP4: E2M1 elements, one E8M0 scale per 32
+
+
 def unpack_weight(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """An MXFP4 weight as checkpoints store it (weight_packed [..., out, in / 2] uint8, two E2M1 codes a byte;
     weight_scale [..., out, in / 32] E8M0) -> W [..., out, in] in ``dtype``."""
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
         scale = scale.view(torch.uint8)
-    return dequantize(unpack_fp4(packed), scale, "e2m1", 32, dtype)
+    return dequantize(unpack_fp4(packed), scale, MXFP4_ELEM, MXFP4_GROUP, dtype)

@@ -22,17 +22,18 @@ forward runs k3.ops.moe.mxfp4.moe_experts_packed on them, which dequantises only
 from __future__ import annotations
 
 import logging
+from typing import Callable
 import re
 
 import torch
 from torch import Tensor, nn
 
-from k3.ops.mx import pack_fp4, quantize, unpack_weight
+from k3.ops.mx import MXFP4_ELEM, MXFP4_GROUP, pack_fp4, quantize, unpack_weight
 
 log = logging.getLogger("k3.quant")
 
 FORMAT = "mxfp4-pack-quantized"
-ELEM, GROUP = "e2m1", 32
+ELEM, GROUP = MXFP4_ELEM, MXFP4_GROUP
 PACKED, SCALE = "weight_packed", "weight_scale"
 EXPERT_TARGET = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
 IGNORE = [
@@ -147,9 +148,10 @@ def pack_expert_tensors(tensors: dict[str, Tensor], mode: str = "floor") -> dict
     return out
 
 
-def unpack_expert_tensors(tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """Inverse of :func:`pack_expert_tensors`: every ``X.weight_packed`` + ``X.weight_scale`` pair becomes a
-    dequantised ``X.weight`` in ``dtype``. ValueError for a half pair, a wrong dtype or mismatched shapes."""
+def map_packed_pairs(tensors: dict[str, Tensor], fn: Callable[[Tensor, Tensor], Tensor]) -> dict[str, Tensor]:
+    """Every ``X.weight_packed`` + ``X.weight_scale`` pair of ``tensors`` (real or meta) checked and replaced by
+    ``X.weight = fn(packed, scale)``; other tensors passed through (order kept). ValueError for a half pair, a
+    wrong dtype or mismatched shapes."""
     out: dict[str, Tensor] = {}
     for name, t in tensors.items():
         if name.endswith("." + SCALE):
@@ -171,8 +173,14 @@ def unpack_expert_tensors(tensors: dict[str, Tensor], dtype: torch.dtype = torch
                 f"{name} {tuple(t.shape)} and its {SCALE} {tuple(scale.shape)} do not match "
                 f"(expected scales {want} for groups of {GROUP})"
             )
-        out[f"{base}.weight"] = unpack_weight(t, scale, dtype)
+        out[f"{base}.weight"] = fn(t, scale)
     return out
+
+
+def unpack_expert_tensors(tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """Inverse of :func:`pack_expert_tensors`: every ``X.weight_packed`` + ``X.weight_scale`` pair becomes a
+    dequantised ``X.weight`` in ``dtype`` (:func:`map_packed_pairs` checks the pairs)."""
+    return map_packed_pairs(tensors, lambda packed, scale: unpack_weight(packed, scale, dtype))
 
 
 class PackedExperts(nn.Module):

@@ -75,7 +75,7 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
 _route_logged: set[str] = set()
 
 
-def _kernel_device(device: torch.device) -> bool:
+def kernel_device(device: torch.device) -> bool:
     """Where a Triton kernel of this module runs: CUDA tensors, or any under Triton's CPU interpreter."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -86,7 +86,7 @@ def route_kernel(topk_idx: Tensor, num_experts: int) -> str:
     else 'torch' (:func:`k3.ops.backend.triton_or_torch`: logged once each, with the reason)."""
 
     def why_not() -> str:
-        if not _kernel_device(topk_idx.device):
+        if not kernel_device(topk_idx.device):
             return "the routing is not on a GPU"
         if topk_idx.numel() > COUNT_PAIRS:
             return f"more than {COUNT_PAIRS} token-expert pairs"
@@ -209,7 +209,7 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
     :func:`k3.ops.backend.triton_or_torch`."""
 
     def why_not() -> str:
-        if not _kernel_device(device):
+        if not kernel_device(device):
             return "the experts are not on a GPU"
         if getattr(glu, "kind", None) not in GLU_ACTS:
             return "the GLU is not a named form (k3.model.activation.GLU), e.g. QAT's quantised one"

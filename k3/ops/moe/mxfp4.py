@@ -20,7 +20,6 @@ optionally ``dtype`` (what the weights are dequantised to, default x.dtype), as 
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -29,10 +28,11 @@ from torch import Tensor
 from k3.ops import backend
 from k3.ops.moe import reference
 from k3.ops.moe.layout import COUNT_PAIRS
-from k3.ops.mx import unpack_weight
+from k3.ops.moe.grouped import kernel_device
+from k3.ops.mx import MXFP4_GROUP, unpack_weight
 
 WEIGHTS = ("w1", "w2", "w3")
-GROUP = 32  # elements per E8M0 scale
+GROUP = MXFP4_GROUP
 
 
 def dequantize_experts(packed: Tensor, scale: Tensor, experts: Tensor, dtype: torch.dtype) -> Tensor:
@@ -92,17 +92,13 @@ def available(device: torch.device) -> bool:
 _logged: set[str] = set()
 
 
-def _kernel_device(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def mxfp4_kernel(x: Tensor, topk_idx: Tensor, needs_grad: bool) -> str:
     """'triton' (k3.ops.moe.triton_mxfp4) where the kernel plan chose moe_mxfp4, no gradient is needed, the batch
     is on a GPU and has at most COUNT_PAIRS pairs; else 'torch' (selected experts dequantised to bf16). Chosen and
     logged once each by :func:`k3.ops.backend.triton_or_torch`."""
 
     def why_not() -> str:
-        if not _kernel_device(x.device):
+        if not kernel_device(x.device):
             return "the batch is not on a GPU"
         if needs_grad:
             return "a gradient is needed"
