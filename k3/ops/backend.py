@@ -49,7 +49,7 @@ KERNELS: dict[str, Kernel] = {
     "moe_route": Kernel("triton", "torch", "ordering a decode batch's token-expert pairs by expert, one program"),
     "moe_small_groups": Kernel("triton", "grouped_mm", "the expert matmuls of decode batches"),
     "moe_up_glu": Kernel("triton", "torch", "the experts' row gather, w1, w3 and GLU in one launch (decode)"),
-    "moe_mxfp4": Kernel("triton", "torch", "packed MXFP4 experts' matmuls, dequantised in registers (decode)"),
+    "moe_mxfp4": Kernel("triton", "torch", "packed MXFP4 experts' matmuls by tl.dot_scaled, decode and prefill"),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }
 

@@ -41,12 +41,15 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Same non-finite positions; finite rows equal within bf16 rounding (relative to each row's norm)."""
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     ok = want.isfinite().all(-1)
+    if not ok.any():  # e.g. one token routed to the NaN block
+        return
     err = (got[ok].float() - want[ok].float()).norm(dim=-1) / want[ok].float().norm(dim=-1).clamp(min=1e-30)
     assert err.max() < 1e-2, err.max()
 
 
 @pytest.mark.parametrize(
-    "n,k,e,d,i", [(1, 16, 896, 512, 384), (8, 16, 896, 512, 384), (64, 8, 64, 256, 128), (5, 2, 4, 96, 160)]
+    "n,k,e,d,i",
+    [(1, 16, 896, 512, 384), (8, 16, 896, 512, 384), (64, 8, 64, 256, 128), (5, 2, 4, 96, 160), (600, 8, 16, 256, 128)],
 )
 @pytest.mark.parametrize("extremes", [False, True])
 @pytest.mark.parametrize("act", ["situ", "silu"])

@@ -10,12 +10,13 @@ optionally ``dtype`` (what the weights are dequantised to, default x.dtype), as 
 - reference (any device): the unique experts of the batch are dequantised (:func:`dequantize_experts`, exactly
   k3.ops.mx's values, rounded once to the dtype) and the per-expert loop of k3.ops.moe.reference runs on them.
   Its output equals the loop on the whole dequantised bank bit for bit (same experts, same order).
-- fast (CUDA): no-grad batches of at most COUNT_PAIRS pairs go to k3.ops.moe.triton_mxfp4 where the kernel plan
-  chose kernel ``moe_mxfp4`` (codes and scales read in the matmul and dequantised in registers, no bf16 copy of
-  any expert). Otherwise the selected experts are dequantised (to bf16 where ``moe_experts`` runs grouped_mm,
-  else to the model's dtype) and the op ``moe_experts`` runs on them: without a host sync, a copy of its expert
-  for each token-expert pair when there are fewer pairs than experts (duplicates included); else the batch's
-  unique experts (one host sync) or, under CUDA-graph capture or compilation, the whole bank.
+- fast (CUDA): no-grad batches go to k3.ops.moe.triton_mxfp4 where the kernel plan chose kernel ``moe_mxfp4`` (codes
+  and scales read in the matmul and dequantised in registers, no bf16 copy of any expert), decode and prefill alike:
+  the kernel is a grouped matmul over any number of rows per expert. Otherwise the selected experts are dequantised
+  (to bf16 where ``moe_experts`` runs grouped_mm, else to the model's dtype) and the op ``moe_experts`` runs on
+  them: without a host sync, a copy of its expert for each token-expert pair when there are fewer pairs than experts
+  (duplicates included); else the batch's unique experts (one host sync) or, under CUDA-graph capture or
+  compilation, the whole bank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from torch import Tensor
 
 from k3.ops import backend
 from k3.ops.moe import reference
-from k3.ops.moe.layout import COUNT_PAIRS
 from k3.ops.moe.grouped import kernel_device
 from k3.ops.mx import MXFP4_GROUP, unpack_weight
 
@@ -94,7 +94,7 @@ _logged: set[str] = set()
 
 def mxfp4_kernel(x: Tensor, topk_idx: Tensor, needs_grad: bool) -> str:
     """'triton' (k3.ops.moe.triton_mxfp4) where the kernel plan chose moe_mxfp4, no gradient is needed, the batch
-    is on a GPU and has at most COUNT_PAIRS pairs; else 'torch' (selected experts dequantised to bf16). Chosen and
+    is on a GPU; else 'torch' (selected experts dequantised to bf16). Chosen and
     logged once each by :func:`k3.ops.backend.triton_or_torch`."""
 
     def why_not() -> str:
@@ -102,8 +102,6 @@ def mxfp4_kernel(x: Tensor, topk_idx: Tensor, needs_grad: bool) -> str:
             return "the batch is not on a GPU"
         if needs_grad:
             return "a gradient is needed"
-        if topk_idx.numel() > COUNT_PAIRS:
-            return f"more than {COUNT_PAIRS} token-expert pairs"
         return ""
 
     return backend.triton_or_torch(
