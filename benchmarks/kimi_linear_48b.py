@@ -17,9 +17,10 @@ phase on a tiny config (CPU works) to check the code path.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,15 +32,10 @@ import torch
 from k3.bench.common import environment, read_bandwidth, write_results
 from k3.config import get_preset
 from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained
 from k3.model.decoder import K3ForCausalLM
 
 COLUMNS = ["phase", "case", "value", "unit", "detail", "error"]
 PER_LAYER_BYTES = 3.8e9  # one bf16 MoE layer of the 48B config (256 experts x 3 x 2304 x 1024, + attention)
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def sync(device: torch.device) -> None:
@@ -95,40 +91,90 @@ def phase_checkpoint(rows, cfg, device, layers: int, shard_gb: float, workdir: P
     del model
     torch.cuda.empty_cache() if device.type == "cuda" else None
     drop_page_cache(path)
-    rss0 = peak_rss()
+    child = load_in_child(path, device)
+    detail = f"{nbytes / 1e9:.1f} GB in {child['load_s']:.1f}s in a fresh process; SHA-256 verified while reading"
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    loaded = from_pretrained(path, device=device)
-    sync(device)
-    load_s = time.perf_counter() - t0
-    detail = (
-        f"{nbytes / 1e9:.1f} GB in {load_s:.1f}s; peak host RSS {peak_rss() / 2**30:.2f} GiB (before "
-        f"{rss0 / 2**30:.2f} GiB; bound largest shard + 1 GiB above it); SHA-256 verified while reading"
-    )
-    if device.type == "cuda":
-        detail += f"; GPU peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
-    same = all(abs(v.float().sum().item() - reference[k]) == 0 for k, v in loaded.state_dict().items())
-    rows.append(
+        detail += f"; GPU peak {child['gpu_peak'] / 2**30:.1f} GiB"
+    same = child["sums"] == reference
+    bound = f"bound: largest shard {largest / 2**30:.2f} GiB + 1 GiB"
+    rows += [
         {
             "phase": "checkpoint",
             "case": f"stream-load {layers} layers",
-            "value": nbytes / 1e9 / load_s,
+            "value": nbytes / 1e9 / child["load_s"],
             "unit": "GB/s",
             "detail": detail + ("; same tensors" if same else "; TENSORS DIFFER"),
-        }
-    )
-    rows.append(
+        },
         {
             "phase": "checkpoint",
-            "case": "peak host RSS",
-            "value": peak_rss() / 2**30,
+            "case": "host memory while loading",
+            "value": (child["rss_peak"] - child["rss_before"]) / 2**30,
             "unit": "GiB",
-            "detail": f"largest shard {largest / 2**30:.2f} GiB",
-        }
-    )
-    del loaded
+            "detail": f"resident set sampled every 2 ms, above its {child['rss_before'] / 2**30:.2f} GiB before the "
+            f"load (torch, CUDA context); {bound}",
+        },
+        {
+            "phase": "checkpoint",
+            "case": "peak host RSS of the loading process",
+            "value": child["max_rss"] / 2**30,
+            "unit": "GiB",
+            "detail": f"the whole process (ru_maxrss: torch, CUDA context and the load); {bound}",
+        },
+    ]
     shutil.rmtree(path, ignore_errors=True)
+
+
+_CHILD = """
+import json, resource, sys, threading, time
+import torch
+from k3.convert.load import from_pretrained
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+device = torch.device(sys.argv[2])
+if device.type == "cuda":
+    torch.zeros(1, device=device)  # the CUDA context, before the baseline
+before, peak, done = rss(), [0], threading.Event()
+
+def sample():  # the resident set every 2 ms while loading
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+
+watcher = threading.Thread(target=sample)
+watcher.start()
+t0 = time.perf_counter()
+model = from_pretrained(sys.argv[1], device=device)
+if device.type == "cuda":
+    torch.cuda.synchronize(device)
+load_s = time.perf_counter() - t0
+done.set()
+watcher.join()
+out = {
+    "load_s": load_s,
+    "rss_before": before,
+    "rss_peak": max(peak[0], rss()),
+    "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+    "sums": {k: v.float().sum().item() for k, v in model.state_dict().items()},
+}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def load_in_child(path: Path, device: torch.device) -> dict:
+    """Stream-load ``path`` onto ``device`` in a fresh Python process (its peak RSS is the loader's alone):
+    seconds, host RSS before and at peak, GPU peak, and every tensor's sum."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1])] + sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), str(device)], capture_output=True, text=True, env=env, check=False
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"the loading process failed ({done.returncode}): {done.stderr[-500:]}")
+    return json.loads(line[len("RESULT ") :])
 
 
 @torch.no_grad()
@@ -218,8 +264,9 @@ def phase_decode_prefill(rows, cfg, device, cases, prefill_tokens: int, steps: i
 
 
 @torch.no_grad()
-def phase_peer(rows, cfg, device, cases, steps: int) -> None:
-    """transformers' KimiLinearForCausalLM from our config (kimi_linear format), bf16 on the device."""
+def phase_peer(rows, cfg, device, cases, steps: int, save=lambda: None) -> None:
+    """transformers' KimiLinearForCausalLM from our config (kimi_linear format), bf16 on the device; ``save`` after
+    each row (its B=64 / 32K prompt is one 2M-token prefill through transformers' code, which may not finish)."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     from k3.config.hf import to_hf_config
@@ -257,6 +304,7 @@ def phase_peer(rows, cfg, device, cases, steps: int) -> None:
             rows.append({"phase": "peer", "case": f"B={batch} ctx={context}", "error": repr(e)[:300]})
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        save()
 
 
 def main(argv=None) -> int:
@@ -295,13 +343,25 @@ def main(argv=None) -> int:
         layers = max(1, min(cfg.num_hidden_layers, int((0.8 * free - emb) // per_layer)))
     rows: list[dict] = []
     t_start = time.perf_counter()
+    meta = {**environment(), "config": cfg.name, "smoke": args.smoke, "checkpoint_layers": layers}
+    notes = (
+        "Checkpoint phase: the same config with fewer layers (disk), pages dropped from the page cache before "
+        "the load (best effort, posix_fadvise). Decode: k3.bench.decode.ours (CUDA graph); the limit is "
+        "step_bytes / read bandwidth. Peer: transformers' KimiLinearForCausalLM in bf16; an error row when it "
+        "does not fit or fails."
+    )
+
+    def save() -> None:  # after every phase and peer row: a run cut short keeps what it measured
+        meta["seconds"] = round(time.perf_counter() - t_start, 1)
+        write_results(name, rows, COLUMNS, meta, notes, out_dir=args.out)
+
     phases = [
         (
             "checkpoint",
             lambda: phase_checkpoint(rows, cfg, device, layers, args.shard_gb if not args.smoke else 0.002, workdir),
         ),
         ("decode", lambda: phase_decode_prefill(rows, cfg, device, cases, prefill_tokens, steps)),
-        ("peer", lambda: phase_peer(rows, cfg, device, cases, steps)),
+        ("peer", lambda: phase_peer(rows, cfg, device, cases, steps, save)),
     ]
     for phase, fn in phases:
         if phase in args.skip:
@@ -315,20 +375,7 @@ def main(argv=None) -> int:
         print(f"[{phase}] {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    meta = {
-        **environment(),
-        "config": cfg.name,
-        "smoke": args.smoke,
-        "checkpoint_layers": layers,
-        "seconds": round(time.perf_counter() - t_start, 1),
-    }
-    notes = (
-        "Checkpoint phase: the same config with fewer layers (disk), pages dropped from the page cache before "
-        "the load (best effort, posix_fadvise). Decode: k3.bench.decode.ours (CUDA graph); the limit is "
-        "step_bytes / read bandwidth. Peer: transformers' KimiLinearForCausalLM in bf16; an error row when it "
-        "does not fit or fails."
-    )
-    write_results(name, rows, COLUMNS, meta, notes, out_dir=args.out)
+        save()
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -11,18 +11,18 @@ Phases (each guarded: a failure is recorded in its row and the next phase still 
 - decode: ms per step at B = 1, 8, 64 and 4K / 32K / 128K, the step replayed from a CUDA graph
   (k3.bench.decode.ours), against the bytes a step must read: dense weights once, the packed bytes of the distinct
   experts the batch selects (counted in one eager step; E (1 - (1 - k/E)^B) expected), KDA states read and written,
-  conv states, every cached MLA latent. The same step with the KDA-MoE or the MLA-MoE layers skipped gives the
-  per-layer times by difference.
-- prefill: one 32K sequence in chunks of COUNT_PAIRS / k tokens (128 for K3), the most the packed-experts kernel
-  takes; a larger chunk dequantises whole expert banks (~40 GB in fp32 a weight) and does not fit.
+  conv states, every cached MLA latent. The same step with the routed experts replaced by zeros, then also the
+  KDA-MoE layers skipped, then every MoE layer skipped, gives the per-layer parts (:func:`layer_times`).
+- prefill: one 32K sequence in chunks of PREFILL_CHUNK tokens through the cache; the packed-experts kernel reads
+  codes and scales at any number of rows (no expert is dequantised to memory).
 - bf16: one KDA-MoE layer's experts in bf16 (59 GB) in place of its packed bank (freed): that MoE layer alone at
   B = 1 / 8 / 64 both ways, and the decode step at B=64 / 32K (~118 GB held).
 - experts: the packed-experts op on one layer's bank at a local batch (B tokens over all experts) and at an
   expert-parallel share (B k rows over the E / 64 experts one of 64 GPUs holds).
 - extrapolation to K3's 93 layers on 64 GPUs (expert parallel, attention data parallel): per GPU and step, the
-  measured rest (embedding, dense layer, lm_head) + 68 KDA-MoE and 24 MLA-MoE layer times, each with its local-batch
-  expert time swapped for the expert-parallel share's; the two all-to-alls per MoE layer are not included (``k3 plan
-  --preset k3 --gpus 64`` estimates them with its fabric model). An estimate, not a measurement.
+  measured rest (embedding, dense layer, lm_head) + 68 KDA-MoE and 24 MLA-MoE layers without routed experts + 92
+  times the packed-experts op on one GPU's expert-parallel share; the two all-to-alls per MoE layer are not included
+  (``k3 plan --preset k3 --gpus 64`` estimates them with its fabric model). An estimate, not a measurement.
 
 ``smoke=True`` runs the same code on the CPU with the tiny preset in the slice's layout (eager steps instead of
 CUDA graphs), for tests. About 7 minutes on an H200 (estimate).
@@ -46,12 +46,11 @@ from k3.model.decoder import K3ForCausalLM
 from k3.model.moe import MoE, RoutedExperts, Router
 from k3.model.norm import RMSNorm
 from k3.ops import backend
-from k3.ops.moe.layout import COUNT_PAIRS
 from k3.ops.moe.mxfp4 import moe_experts_packed
 from k3.quant.packed import PackedExperts, use_packed_experts
 
 GB, GIB = 1e9, 2**30
-BATCHES, CONTEXTS, PREFILL = (1, 8, 64), (4096, 32768, 131072), 32768
+BATCHES, CONTEXTS, PREFILL, PREFILL_CHUNK = (1, 8, 64), (4096, 32768, 131072), 32768, 4096
 EP_GPUS = 64
 SCALES = (119, 122)  # E8M0 exponents drawn from [119, 122): 2^-8 .. 2^-6
 MARGIN = 8 * GIB  # free memory a decode case keeps beyond its cache (graph pool, workspace)
@@ -261,14 +260,25 @@ def experts_hit(model: K3ForCausalLM, batch: int, context: int) -> list[int]:
 
 
 def skip_layers(model: K3ForCausalLM, layers: list[int]) -> None:
-    """Make decoder layers ``layers`` no-ops (undone by :func:`unskip_layers`): per-layer times by difference."""
+    """Make decoder layers ``layers`` no-ops (undone by :func:`unskip`)."""
     for i in layers:
         model.model.layers[i].forward = types.MethodType(lambda self, *a, **k: None, model.model.layers[i])
 
 
-def unskip_layers(model: K3ForCausalLM) -> None:
+def skip_routed_experts(model: K3ForCausalLM) -> None:
+    """Replace every MoE layer's routed experts by zeros (one memset; router, latent projections, norm and shared
+    experts still run), through the layer's ``expert_dispatch`` hook (undone by :func:`unskip`)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.expert_dispatch = lambda _moe, z, _idx, _w: torch.zeros_like(z)
+
+
+def unskip(model: K3ForCausalLM) -> None:
     for layer in model.model.layers:
         layer.__dict__.pop("forward", None)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.expert_dispatch = None
 
 
 def graph_seconds(fn, iters: int = 20) -> float:
@@ -365,11 +375,13 @@ def _fits(model: K3ForCausalLM, batch: int, context: int) -> tuple[bool, str]:
 
 
 def decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer: dict) -> None:
-    """Decode rows (and per-layer times by difference into ``per_layer[(B, context)]``)."""
+    """Decode rows, and the same step with parts skipped into ``per_layer[(B, context)]`` (seconds): ``full``,
+    ``no_experts`` (routed experts replaced by zeros), ``mla_only`` (that, and the KDA-MoE layers skipped) and
+    ``rest`` (every MoE layer skipped). Differences of steps without routed experts are small against the expert
+    times, so per-layer attention and MoE-overhead times come out of them without subtracting two large numbers."""
     cfg = model.config
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.ffn(i) == "moe"]
     kda_moe = [i for i in moe_layers if cfg.mixer(i) == "kda"]
-    mla_moe = [i for i in moe_layers if cfg.mixer(i) == "mla"]
     hits: dict[int, list[int]] = {}
     for context in contexts:
         for batch in batches:
@@ -404,28 +416,25 @@ def decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer: 
             row = _guard(rows, base, case)
             if "ms" not in row:
                 continue
-            for label, layers in (("KDA-MoE", kda_moe), ("MLA-MoE", mla_moe)):
+            parts = per_layer.setdefault((batch, context), {"full": row["ms"] / 1e3})
+            for key, label, experts_off, layers in (
+                ("no_experts", "routed experts skipped", True, []),
+                ("mla_only", "routed experts and the KDA-MoE layers skipped", True, kda_moe),
+                ("rest", "all MoE layers skipped (embedding, dense layer, head)", False, moe_layers),
+            ):
 
-                def skipped(r, layers=layers, batch=batch, context=context, n=len(layers), label=label):
+                def without(r, key=key, experts_off=experts_off, layers=layers, batch=batch, context=context):
+                    if experts_off:
+                        skip_routed_experts(model)
                     skip_layers(model, layers)
                     try:
                         t = decode_seconds(model, batch, context, steps)
                     finally:
-                        unskip_layers(model)
-                    full = row["ms"] / 1e3
+                        unskip(model)
                     r |= {"ms": t * 1e3, "tokens_per_s": batch / t}
-                    per_layer.setdefault((batch, context), {"full_s": full})[label] = (full - t) / n
+                    parts[key] = t
 
-                _guard(
-                    rows,
-                    {
-                        "phase": "decode per layer",
-                        "case": f"without the {len(layers)} {label} layers (per layer: the difference / {len(layers)})",
-                        "batch": batch,
-                        "context": context,
-                    },
-                    skipped,
-                )
+                _guard(rows, {"phase": "decode parts", "case": label, "batch": batch, "context": context}, without)
 
 
 def experts_phase(model, rows, batches, ep_experts: int, per_layer_experts: dict) -> None:
@@ -515,31 +524,46 @@ def bf16_phase(model, rows, batches, context: int, steps: int, bw, read_bw) -> N
     )
 
 
+def layer_times(config: K3Config, parts: dict) -> dict | None:
+    """Per-layer seconds from one case's step times (see :func:`decode_phase`): ``kda`` and ``mla`` (a MoE layer
+    without its routed experts), ``experts`` (a layer's routed experts in the model, averaged), ``rest``."""
+    if not {"full", "no_experts", "mla_only", "rest"} <= parts.keys():
+        return None
+    moe = [i for i in range(config.num_hidden_layers) if config.ffn(i) == "moe"]
+    n_kda = sum(config.mixer(i) == "kda" for i in moe)
+    n_mla = len(moe) - n_kda
+    return {
+        "kda": (parts["no_experts"] - parts["mla_only"]) / n_kda,
+        "mla": (parts["mla_only"] - parts["rest"]) / n_mla,
+        "experts": (parts["full"] - parts["no_experts"]) / len(moe),
+        "rest": parts["rest"],
+    }
+
+
 def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP_GPUS) -> tuple[list[dict], list[str]]:
-    """Per-GPU decode step of K3 (93 layers) on ``gpus`` GPUs, expert parallel, from the slice's per-layer times
-    (see the module docstring). Returns rows for the JSON and one findings line per case."""
+    """Per-GPU decode step of K3 (93 layers) on ``gpus`` GPUs, expert parallel, attention data parallel, from the
+    slice's measured parts: rest + 68 KDA-MoE and 24 MLA-MoE layers without routed experts + 92 x the packed-experts
+    op on one GPU's expert-parallel share (``experts[(B, "ep")]``). All-to-alls are not included (``k3 plan``).
+    Returns rows for the JSON and one findings line per case."""
     k3 = get_preset("k3")
     moe_layers = [i for i in range(k3.num_hidden_layers) if k3.ffn(i) == "moe"]
     n_kda = sum(k3.mixer(i) == "kda" for i in moe_layers)
     n_mla = len(moe_layers) - n_kda
-    n_slice_kda = sum(config.mixer(i) == "kda" and config.ffn(i) == "moe" for i in range(config.num_hidden_layers))
-    n_slice_mla = sum(config.mixer(i) == "mla" and config.ffn(i) == "moe" for i in range(config.num_hidden_layers))
     out, lines = [], []
-    for (batch, context), t in sorted(per_layer.items()):
-        if "KDA-MoE" not in t or "MLA-MoE" not in t:
+    for (batch, context), parts in sorted(per_layer.items()):
+        t, ep = layer_times(config, parts), experts.get((batch, "ep"))
+        if t is None or ep is None:
             continue
-        local, ep = experts.get((batch, "local")), experts.get((batch, "ep"))
-        swap = (ep - local) if local is not None and ep is not None else 0.0
-        rest = t["full_s"] - n_slice_kda * t["KDA-MoE"] - n_slice_mla * t["MLA-MoE"]
-        step = rest + n_kda * (t["KDA-MoE"] + swap) + n_mla * (t["MLA-MoE"] + swap)  # all-to-alls: k3 plan
+        step = t["rest"] + n_kda * t["kda"] + n_mla * t["mla"] + len(moe_layers) * ep
         row = {
             "batch_per_gpu": batch,
             "context": context,
             "gpus": gpus,
-            "kda_moe_layer_ms": t["KDA-MoE"] * 1e3,
-            "mla_moe_layer_ms": t["MLA-MoE"] * 1e3,
-            "rest_ms": rest * 1e3,
-            "expert_share_minus_local_ms": swap * 1e3,
+            "rest_ms": t["rest"] * 1e3,
+            "kda_moe_layer_without_experts_ms": t["kda"] * 1e3,
+            "mla_moe_layer_without_experts_ms": t["mla"] * 1e3,
+            "experts_per_layer_local_ms": t["experts"] * 1e3,
+            "experts_per_layer_ep_share_ms": ep * 1e3,
             "step_ms": step * 1e3,
             "tokens_per_s_per_gpu": batch / step,
             "tokens_per_s_cluster": gpus * batch / step,
@@ -547,12 +571,12 @@ def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP
         out.append(row)
         lines.append(
             f"- extrapolation (not measured), K3 on {gpus} H200s expert parallel, B={batch} per GPU at {context}: "
-            f"{step * 1e3:.2f} ms per step = rest {rest * 1e3:.2f} + {n_kda} KDA-MoE x "
-            f"{(t['KDA-MoE'] + swap) * 1e3:.3f} + {n_mla} MLA-MoE x {(t['MLA-MoE'] + swap) * 1e3:.3f} "
-            f"(measured layers {t['KDA-MoE'] * 1e3:.3f} / {t['MLA-MoE'] * 1e3:.3f} ms with their local-batch "
-            f"experts swapped for the expert-parallel share, {swap * 1e3:+.3f} ms), all-to-alls not included "
-            f"(k3 plan); {batch / step:,.0f} tokens/s per GPU, {gpus * batch / step:,.0f} "
-            "in all"
+            f"{step * 1e3:.1f} ms per step = rest {t['rest'] * 1e3:.2f} + {n_kda} x {t['kda'] * 1e3:.3f} (KDA-MoE "
+            f"layer without routed experts) + {n_mla} x {t['mla'] * 1e3:.3f} (MLA-MoE) + {len(moe_layers)} x "
+            f"{ep * 1e3:.3f} (packed experts on {batch * k3.moe.num_experts_per_token} rows over "
+            f"{math.ceil(k3.moe.num_experts / gpus)} experts; {t['experts'] * 1e3:.3f} ms a layer at the local batch "
+            f"over all experts); all-to-alls not included (k3 plan); {batch / step:,.0f} tokens/s per GPU, "
+            f"{gpus * batch / step:,.0f} in all"
         )
     return out, lines
 
@@ -579,8 +603,7 @@ def run(out_dir: str | None = None, quick: bool = False, smoke: bool = False) ->
     else:
         config, device = smoke_config(), torch.device("cpu")
         batches, contexts, steps, prefill_len = (1, 4), (32, 96), 2, 64
-    chunk = max(1, COUNT_PAIRS // config.moe.num_experts_per_token)
-    chunk = chunk if cuda else 16
+    chunk = PREFILL_CHUNK if cuda else 16
     save = lambda: write_results("slice", rows, COLUMNS, meta, "\n".join(notes), out_dir=out_dir)  # noqa: E731
     try:
         bw, read_bw = (copy_bandwidth(), read_bandwidth()) if cuda else (50e9, 50e9)

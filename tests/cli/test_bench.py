@@ -188,3 +188,24 @@ def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers(monkeypatch)
     assert len(runs) == 4
     kda = next(m for m in model.modules() if isinstance(m, floor.KimiDeltaAttention))
     assert kda.A_log.grad is not None and kda.q_conv1d.weight.grad is not None  # the backward ran
+
+
+def test_kimi_linear_48b_smoke_checkpoint_phase(tmp_path):
+    """benchmarks/kimi_linear_48b.py --smoke, checkpoint phase: written sharded, stream-loaded back in a fresh
+    process to the same tensors, with the loader's host memory measured there."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "kimi_linear_48b.py"
+    spec = importlib.util.spec_from_file_location("kimi_linear_48b", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = ["--smoke", "--device", "cpu", "--skip", "decode", "peer", "--workdir", str(tmp_path / "w")]
+    assert module.main([*args, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kimi-linear-48b-smoke.json").read_text())["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    by_case = {r["case"]: r for r in rows}
+    assert by_case["stream-load 4 layers"]["detail"].endswith("same tensors")
+    assert 0 <= by_case["host memory while loading"]["value"] < 1.0  # GiB: a few MB of shards
+    assert by_case["peak host RSS of the loading process"]["value"] > 0

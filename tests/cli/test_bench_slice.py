@@ -24,7 +24,7 @@ def test_smoke_run_writes_results(tmp_path):
     rows = data["rows"]
     assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
     phases = {r["phase"] for r in rows}
-    assert {"build", "decode", "decode per layer", "experts op", "prefill", "bf16 vs packed"} <= phases
+    assert {"build", "decode", "decode parts", "experts op", "prefill", "bf16 vs packed"} <= phases
     for r in rows:
         for c in bench_slice.COLUMNS:
             v = r.get(c)
@@ -38,6 +38,19 @@ def test_smoke_run_writes_results(tmp_path):
     assert data["meta"]["routed_expert_bytes_per_weight"] == 4.25 / 8
     assert len(data["meta"]["extrapolation"]) == 4
     assert "extrapolation (not measured)" in data["notes"]
+
+
+def test_layer_times_and_extrapolation():
+    """Per-layer parts from the step times with parts skipped, and K3's per-GPU step from them (68 KDA-MoE and 24
+    MLA-MoE layers, 92 expert-parallel shares)."""
+    cfg = get_preset("k3-slice")  # 3 KDA-MoE + 1 MLA-MoE layers
+    parts = {"full": 10.0, "no_experts": 6.0, "mla_only": 3.0, "rest": 1.0}
+    assert bench_slice.layer_times(cfg, parts) == {"kda": 1.0, "mla": 2.0, "experts": 1.0, "rest": 1.0}
+    assert bench_slice.layer_times(cfg, {"full": 1.0}) is None
+    rows, lines = bench_slice.extrapolate(cfg, {(8, 4096): parts}, {(8, "ep"): 0.5})
+    assert rows[0]["step_ms"] == (1 + 68 * 1 + 24 * 2 + 92 * 0.5) * 1e3
+    assert "128 rows over 14 experts" in lines[0] and "not measured" in lines[0]
+    assert bench_slice.extrapolate(cfg, {(8, 4096): parts}, {}) == ([], [])
 
 
 def test_k3_slice_byte_accounting_on_meta():
