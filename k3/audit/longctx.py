@@ -22,6 +22,7 @@ from k3.audit.paths import distinct_experts
 from k3.audit.recipe import kda_state_bytes, mla_bytes_per_token
 from k3.config import K3Config
 from k3.model.cache import cache_bytes_per_sequence
+from k3.ops.mx import MXFP4_BYTES_PER_WEIGHT
 
 DEFAULT_CONTEXTS = (4096, 32768, 131072, 1048576)
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -76,13 +77,15 @@ def decode_step_bytes(config: K3Config, rep: dict, batch: int, context: int, wei
     """The lower bound (docs/architecture.md#accounting) on what one decode step moves: dense weights (all but the
     routed experts and the
     embedding table) + the distinct experts hit + per sequence KDA state read and write, conv state and the
-    MLA latents of the whole context, + the B embedding rows."""
+    MLA latents of the whole context, + the B embedding rows. ``*_mxfp4``: the same with the routed experts
+    packed in MXFP4 (4.25 bits a weight), as released."""
     counts = rep["params_by_path"]
     moe = config.moe
     dense = (sum(counts.values()) - counts["routed_experts"] - counts["embedding"] - counts["vision"]) * weight_bytes
     n_moe = sum(1 for i in range(config.num_hidden_layers) if config.ffn(i) == "moe")
     hit = distinct_experts(moe.num_experts, moe.num_experts_per_token, batch) if n_moe else 0.0
     experts = counts["routed_experts"] / moe.num_experts * hit * weight_bytes
+    experts_mxfp4 = experts / weight_bytes * MXFP4_BYTES_PER_WEIGHT
     c = cache_bytes_per_sequence(config, context)
     per_seq = 2 * c["kda_state_bytes"] + c["conv_state_bytes"] + c["mla_cache_bytes"]
     total = dense + experts + batch * per_seq + batch * config.hidden_size * weight_bytes
@@ -94,6 +97,8 @@ def decode_step_bytes(config: K3Config, rep: dict, batch: int, context: int, wei
         "states": batch * per_seq,
         "total": total,
         "per_token": total / batch,
+        "experts_mxfp4": experts_mxfp4,
+        "total_mxfp4": total - experts + experts_mxfp4,
     }
 
 

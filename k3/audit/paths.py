@@ -15,6 +15,7 @@ import math
 from k3.audit.accounting import PATHS, attention_flops_per_token
 from k3.audit.attnres import mix_flops_per_token
 from k3.config import K3Config, get_preset
+from k3.ops.mx import MXFP4_BYTES_PER_WEIGHT
 
 # K3's published figures (docs/architecture.md#accounting): (label, key, figure).
 SPEC_FIGURES = (
@@ -127,9 +128,6 @@ def distinct_experts(num_experts: int, k: int, batch: int) -> float:
     """Expected distinct experts one MoE layer reads for ``batch`` tokens under uniform routing:
     E (1 - (1 - k/E)^B) (each token picks k of E; an expert is missed by a token with probability 1 - k/E)."""
     return num_experts * (1.0 - (1.0 - k / num_experts) ** batch)
-
-
-MXFP4_BYTES_PER_WEIGHT = (4 + 8 / 32) / 8  # E2M1 element + one E8M0 scale per 32 elements
 
 
 def expert_stream(config: K3Config, rep: dict, batches: tuple[int, ...]) -> dict:

@@ -209,7 +209,8 @@ def _long(a: dict, config: K3Config) -> list[str]:
         "",
         "Dense weights (everything but the routed experts and the embedding table) + the distinct experts hit "
         "(uniform routing) + per sequence KDA state read and write, conv state and all latents of the context; "
-        "bf16 weights. Divide by the aggregate memory bandwidth for the lower bound on step time.",
+        "bf16 weights, and the last two columns with the routed experts in MXFP4 (4.25 bits a weight, as "
+        "released). Divide by the aggregate memory bandwidth for the lower bound on step time.",
         "",
     ]
     rows = [
@@ -221,11 +222,14 @@ def _long(a: dict, config: K3Config) -> list[str]:
             human_bytes(r["states"]),
             human_bytes(r["total"]),
             human_bytes(r["per_token"]),
+            human_bytes(r["experts_mxfp4"]),
+            human_bytes(r["total_mxfp4"]),
         ]
         for r in lc["decode_bytes"]
     ]
+    columns = ["B", "context", "dense weights", "experts", "states + latents", "total / step", "per token"]
     out += [
-        md_table(["B", "context", "dense weights", "experts", "states + latents", "total / step", "per token"], rows),
+        md_table(columns + ["experts MXFP4", "total / step MXFP4"], rows),
         "",
     ]
     out += _measured_decode(lc.get("measured_gpu"))

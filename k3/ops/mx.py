@@ -234,6 +234,7 @@ def unpack_fp4(packed: Tensor) -> Tensor:
 
 
 MXFP4_ELEM, MXFP4_GROUP = "e2m1", 32  # MXFP4: E2M1 elements, one E8M0 scale per 32
+MXFP4_BYTES_PER_WEIGHT = (4 + 8 / MXFP4_GROUP) / 8  # a 4-bit code + its share of the block's scale byte: 4.25 bits
 
 
 def unpack_weight(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass
 
 from k3.config import K3Config
+from k3.ops.mx import MXFP4_BYTES_PER_WEIGHT
 from k3.plan.cluster import Cluster
 
-EXPERT_BYTES_PER_PARAM = {"bf16": 2.0, "mxfp4": 4.25 / 8}  # MXFP4: 4-bit codes + one E8M0 byte per 32 weights
+EXPERT_BYTES_PER_PARAM = {"bf16": 2.0, "mxfp4": MXFP4_BYTES_PER_WEIGHT}
 
 # Measured on one H200 (benchmarks/results); each figure says where it comes from.
 LAYER_OVERHEAD_S = 41.5e-6  # per layer and decode step: the fixed part of decode-targets.json's B=1 / 4K row

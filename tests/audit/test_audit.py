@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3.audit.attnres import attn_res_costs
-from k3.audit.longctx import crossovers
+from k3.audit.longctx import crossovers, decode_step_bytes
 from k3.audit.paths import distinct_experts
 from k3.audit.report import FIGURES
 from k3.audit.router import all_to_all, distinct_ranks, simulate_routes, uniform_overflow, uniform_padding
@@ -53,6 +53,19 @@ def test_k3_report_matches_the_spec(k3_audit):
 def test_distinct_experts_per_decode_step():
     assert [round(distinct_experts(896, 16, b)) for b in (1, 4, 16, 64)] == [16, 62, 224, 613]
     assert distinct_experts(896, 16, 1024) == pytest.approx(896, abs=1e-3)
+
+
+def test_decode_step_bytes_with_mxfp4_experts():
+    """The bound's MXFP4 column: the routed experts hit at 4.25 bits a weight instead of bf16's 16, the rest as is."""
+    from k3.audit.accounting import report
+
+    cfg = get_preset("k3")
+    rep = report(cfg)
+    b = decode_step_bytes(cfg, rep, 64, 32768)
+    per_expert = rep["params_routed_experts"] / 896
+    assert b["experts"] == per_expert * distinct_experts(896, 16, 64) * 2
+    assert b["experts_mxfp4"] == b["experts"] * 4.25 / 16
+    assert b["total_mxfp4"] == pytest.approx(b["total"] - b["experts"] * (1 - 4.25 / 16))
 
 
 def test_kda_vs_mla_crossover_is_about_5_5k_tokens():
