@@ -1,36 +1,46 @@
 """Ablations (``k3 ablate``): named variants of a base preset, grids of matched runs, and their report.
 
-Variants are config transforms of the grid's base model (preset + the grid's overrides). Every variant keeps
-the number of layers and the width; a ``+`` composes transforms left to right (``no_kda+no_attnres``).
+Grids are in :mod:`k3.audit.grids`. Variants are config transforms of the grid's base model (preset + the grid's
+overrides). Every variant keeps the number of layers and the width; a ``+`` composes transforms left to right
+(``no_kda+no_attnres``).
 
     full         K3 as is: KDA + MLA, AttnRes, Stable LatentMoE, QB balancing
-    no_kda       every layer MLA (``mla_layers`` = all)
+    no_kda       every layer MLA (``mla_layers`` = all), NoPE as K3's MLA: no position signal left at all
+    no_kda_rope  every layer MLA with RoPE on its rope slice (``mla.rope_theta`` 10000): "no KDA" without also
+                 taking the model's only source of positions away
     no_mla       every layer KDA (``mla_layers`` = none)
     no_attnres   ``attn_res.mode = none`` (plain pre-norm residual stream)
     no_latent    plain MoE at matched activated cost (rule below)
+    swiglu       SwiGLU (``hidden_act`` silu) instead of SiTU-GLU, as K2
     bias_sign    same model, loss-free sign-bias balancing (``--balance sign``, DeepSeek-V3 / K2)
     aux          same model, Switch auxiliary loss (alpha 1e-2), no bias
     seqaux       same model, sign bias + sequence-wise auxiliary loss (DeepSeek-V3)
     none         same model, no balancing at all
 
 ``no_latent`` rule. Latent experts live in width l with a down/up projection (d x l each) and an RMSNorm (l)
-around the routed sum; a plain expert lives in width d. The shared experts use ``moe_intermediate_size`` too
-(their width is I * num_shared), so the routed and the shared path cannot be matched separately. The rule
-keeps the number of experts E and the top-k k (the routing and the balancing problem stay the same) and picks
-the one integer I' that best matches the activated parameters of the whole MoE block per token:
+around the routed sum; a plain expert lives in width d. The shared experts are left as they are (their width is
+pinned by ``moe.shared_intermediate_size``), and so are the number of experts E and the top-k k (the routing and
+the balancing problem stay the same); the one integer I' for the routed experts is the one that best matches the
+activated parameters of the routed path per token:
 
-    latent:  3 l I k + 2 d l + l [norm] + 3 d I s        (top-k routed experts + projections + shared)
-    plain:   3 d I' k + 3 d I' s          ->  I' = round(latent / (3 d (k + s)))
+    latent:  3 l I k + 2 d l + l [norm]      (top-k routed experts + projections + norm)
+    plain:   3 d I' k                        ->  I' = round(latent / (3 d k))
 
-so the model's activated parameters (and matmul FLOPs per token) match to within 1 / (2 I'); the total
-parameters differ (plain experts are d / l times wider). The report lists both counts for every variant.
+so the model's activated parameters (and matmul FLOPs per token) match to within 3 d k / 2 (half a unit of I'),
+and the shared path is the same model for model; the total parameters differ (plain experts are d / l times
+wider). The report lists both counts for every variant.
 
-A grid (:data:`GRIDS`) is a base model, a list of variants, seeds and shared training settings. Every run is
-a :class:`~k3.train.trainer.Trainer` run in ``OUT/runs/<variant>-s<seed>/`` with one tokenizer trained once
-into ``OUT/tokenizer.json``; a run whose final checkpoint exists is skipped, a run with a checkpoint short of
-the end is resumed, a run killed before its first checkpoint starts over. MQAR recall (:mod:`k3.audit.mqar`)
-runs next (``OUT/mqar/*.json``, skipped when present), then ``OUT/report.md``, ``OUT/results.json`` and the
-plots are written from whatever is on disk.
+A grid (:data:`k3.audit.grids.GRIDS`) is a base model, a list of variants, seeds and shared training settings. Every
+run is a :class:`~k3.train.trainer.Trainer` run in ``OUT/runs/<variant>-s<seed>/`` with one tokenizer trained once
+into ``OUT/tokenizer.json``; a run whose final checkpoint exists is skipped, a run with a checkpoint short of the
+end is resumed, a run killed before its first checkpoint starts over. A grid with ``lrs`` gives every variant its
+own learning rate: each variant runs at each of them with the first seed (``OUT/runs/<variant>-lr<lr>-s<seed>/``),
+the lowest final validation loss picks its rate, and the other seeds run at that rate. ``match="flops"`` trains
+every variant for the training FLOPs of ``full`` (attention counted, k3.audit.accounting) instead of the same number
+of tokens. The report gives each variant's difference to ``full`` with a paired bootstrap 95% interval over seeds,
+and for the 16 variants of :data:`FACTORIAL` the main effects and two-factor interactions (:mod:`k3.audit.stats`).
+MQAR recall (:mod:`k3.audit.mqar`) runs next (``OUT/mqar/*.json``, skipped when present), then ``OUT/report.md``,
+``OUT/results.json`` and the plots are written from whatever is on disk.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -49,8 +59,9 @@ import numpy as np
 
 from k3.audit import accounting
 from k3.audit.ablate_report import finite
+from k3.audit.grids import FACTORIAL, FACTORS, Grid
 from k3.audit.mqar import MQARTask, MQARTrainConfig, mqar_config, train_mqar
-from k3.config import K3Config, get_preset
+from k3.config import K3Config
 from k3.convert.checkpoint import latest_checkpoint
 from k3.train.trainer import read_metrics
 
@@ -64,6 +75,18 @@ def _no_kda(cfg: K3Config) -> dict:
     return {"mla_layers": list(range(cfg.num_hidden_layers))}
 
 
+def _no_kda_rope(cfg: K3Config) -> dict:
+    if cfg.mla.qk_rope_head_dim == 0:
+        raise ValueError("no_kda_rope: mla.qk_rope_head_dim is 0, there is no slice to rotate")
+    return _no_kda(cfg) | {"mla.rope_theta": cfg.mla.rope_theta or 10000.0}
+
+
+def _swiglu(cfg: K3Config) -> dict:
+    if cfg.hidden_act == "silu":
+        raise ValueError("swiglu: the base model already uses SwiGLU")
+    return {"hidden_act": "silu"}
+
+
 def _no_mla(cfg: K3Config) -> dict:
     return {"mla_layers": []}
 
@@ -74,28 +97,30 @@ def _no_attnres(cfg: K3Config) -> dict:
     return {"attn_res.mode": "none"}
 
 
-def moe_block_activated(cfg: K3Config) -> float:
-    """Activated parameters of one MoE block per token, router excluded (see the module docstring)."""
+def routed_activated(cfg: K3Config) -> float:
+    """Activated parameters of one MoE block's routed path per token, router excluded (see the module docstring)."""
     m, d = cfg.moe, cfg.hidden_size
-    k, s, i = m.num_experts_per_token, m.num_shared_experts, m.moe_intermediate_size
-    shared = 3 * d * i * s
+    k, i = m.num_experts_per_token, m.moe_intermediate_size
     if m.latent_size is None:
-        return 3 * d * i * k + shared
+        return 3 * d * i * k
     lat = m.latent_size
-    return 3 * lat * i * k + 2 * d * lat + (lat if m.latent_norm else 0) + shared
+    return 3 * lat * i * k + 2 * d * lat + (lat if m.latent_norm else 0)
 
 
 def matched_plain_intermediate(cfg: K3Config) -> int:
-    """The plain-MoE ``moe_intermediate_size`` whose activated MoE-block parameters best match ``cfg``'s."""
-    m = cfg.moe
-    per_unit = 3 * cfg.hidden_size * (m.num_experts_per_token + m.num_shared_experts)
-    return max(1, round(moe_block_activated(cfg) / per_unit))
+    """The plain-MoE routed ``moe_intermediate_size`` whose activated routed-path parameters best match ``cfg``'s."""
+    return max(1, round(routed_activated(cfg) / (3 * cfg.hidden_size * cfg.moe.num_experts_per_token)))
 
 
 def _no_latent(cfg: K3Config) -> dict:
     if cfg.moe.latent_size is None:
         raise ValueError("no_latent: the base model already has plain (non-latent) experts")
-    return {"moe.latent_size": None, "moe.moe_intermediate_size": matched_plain_intermediate(cfg)}
+    shared = cfg.moe.shared_intermediate_size or cfg.moe.moe_intermediate_size
+    return {
+        "moe.latent_size": None,
+        "moe.moe_intermediate_size": matched_plain_intermediate(cfg),
+        "moe.shared_intermediate_size": shared,
+    }
 
 
 @dataclass(frozen=True)
@@ -108,9 +133,11 @@ class Transform:
 TRANSFORMS: dict[str, Transform] = {
     "full": Transform("K3 as is: KDA + MLA, AttnRes, latent MoE, QB"),
     "no_kda": Transform("all layers MLA", _no_kda),
+    "no_kda_rope": Transform("all layers MLA with RoPE", _no_kda_rope),
     "no_mla": Transform("all layers KDA", _no_mla),
     "no_attnres": Transform("plain residual stream (attn_res.mode none)", _no_attnres),
     "no_latent": Transform("plain MoE at matched activated parameters", _no_latent),
+    "swiglu": Transform("SwiGLU instead of SiTU-GLU", _swiglu),
     "bias_sign": Transform("sign-bias balancing instead of QB", balance="sign"),
     "aux": Transform("auxiliary-loss balancing instead of QB", balance="aux"),
     "seqaux": Transform("sign bias + sequence-wise aux loss instead of QB", balance="seqaux"),
@@ -166,129 +193,20 @@ def variant_config(base: K3Config, variant: Variant) -> K3Config:
     return base.replace(**variant.overrides)
 
 
-def params_of(config: K3Config) -> dict:
-    """Total and activated parameters (meta device; activated excludes the input embedding)."""
-    r = accounting.report(config)
+def params_of(config: K3Config, context: int = 4096) -> dict:
+    """Total and activated parameters (meta device; activated excludes the input embedding) and the forward FLOPs
+    per token at ``context`` (matmuls and attention, k3.audit.accounting)."""
+    r = accounting.report(config, context=context)
     act = r["params_activated_by_path"]
     return {
         "params_total": int(r["params_total"]),
         "params_activated": float(r["params_activated"]),
         "params_moe_activated": float(act["routed_experts"] + act["latent_proj"] + act["shared_experts"]),
+        "flops_per_token": float(r["flops_per_token_forward"]),
     }
 
 
 # ---------------------------------------------------------------------------------------------------- grids
-@dataclass
-class MQARSettings:
-    variants: tuple[str, ...] = ("full", "no_kda", "no_mla")
-    num_pairs: tuple[int, ...] = (8,)
-    num_keys: int = 16
-    num_values: int = 16
-    layers: int = 2
-    steps: int = 250
-    batch_size: int = 32
-    lr: float = 3e-3
-    eval_size: int = 256
-    seeds: tuple[int, ...] = (0,)
-
-
-@dataclass
-class Grid:
-    name: str
-    description: str
-    preset: str
-    variants: tuple[str, ...]
-    seeds: tuple[int, ...]
-    train: dict  # TrainConfig fields shared by every run
-    overrides: dict = field(default_factory=dict)  # base model overrides on the preset
-    mqar: MQARSettings | None = None
-    run_plots: bool = True  # each run's own loss / expert-load / AttnRes plots
-
-    def base_config(self) -> K3Config:
-        return get_preset(self.preset).replace(**self.overrides)
-
-
-ARCH_REMOVALS = ("no_kda", "no_mla", "no_attnres", "no_latent")
-ALL_VARIANTS = ("full",) + ARCH_REMOVALS + ("bias_sign", "aux", "none")
-PAIRS = tuple(
-    f"{a}+{b}" for i, a in enumerate(ARCH_REMOVALS) for b in ARCH_REMOVALS[i + 1 :] if {a, b} != {"no_kda", "no_mla"}
-)
-
-GRIDS: dict[str, Grid] = {
-    "micro": Grid(
-        name="micro",
-        description="tests only: seconds on a CPU",
-        preset="tiny",
-        variants=("full", "no_kda", "bias_sign"),
-        seeds=(0, 1),
-        train=dict(
-            steps=3,
-            batch_size=2,
-            seq_len=32,
-            vocab_size=300,
-            tokenizer_train_bytes=100_000,
-            max_tokens=20_000,
-            eval_every=3,
-            eval_rows=4,
-        ),
-        mqar=MQARSettings(
-            variants=("full", "no_mla"), num_pairs=(2,), num_keys=4, num_values=4, steps=3, batch_size=4, eval_size=16
-        ),
-        run_plots=False,
-    ),
-    "smoke": Grid(
-        name="smoke",
-        description="every variant kind on the tiny preset, 2 seeds; ~10 minutes on a 2-core CPU",
-        preset="tiny",
-        variants=ALL_VARIANTS + ("no_kda+no_attnres",),
-        seeds=(0, 1),
-        train=dict(
-            steps=150,
-            batch_size=8,
-            seq_len=128,
-            vocab_size=1024,
-            tokenizer_train_bytes=1_000_000,
-            max_tokens=300_000,
-            eval_every=30,
-            eval_rows=32,
-            lr=3e-3,
-        ),
-        mqar=MQARSettings(
-            variants=("full", "no_kda", "no_mla"), num_pairs=(8,), num_keys=16, num_values=16, steps=250, batch_size=32
-        ),
-    ),
-    "default": Grid(
-        name="default",
-        description="small preset, every variant and pair of removals, 2 seeds (GPU)",
-        preset="small",
-        variants=ALL_VARIANTS + PAIRS,
-        seeds=(0, 1),
-        train=dict(
-            steps=200,
-            batch_size=16,
-            seq_len=512,
-            vocab_size=8192,
-            tokenizer_train_bytes=4_000_000,
-            max_tokens=None,
-            eval_every=50,
-            eval_rows=128,
-            save_every=100,
-            lr=3e-3,
-        ),
-        mqar=MQARSettings(
-            variants=("full", "no_kda", "no_mla", "no_attnres"),
-            num_pairs=(16, 64),
-            num_keys=256,
-            num_values=256,
-            steps=800,
-            batch_size=64,
-            eval_size=1024,
-            seeds=(0,),
-        ),
-    ),
-}
-
-
 def set_threads(n: int | None) -> None:
     """``torch.set_num_threads(n)`` when n is given (CLI ``--threads``)."""
     if n is None:
@@ -298,13 +216,6 @@ def set_threads(n: int | None) -> None:
     import torch
 
     torch.set_num_threads(n)
-
-
-def get_grid(name: str) -> Grid:
-    try:
-        return dataclasses.replace(GRIDS[name])
-    except KeyError:
-        raise ValueError(f"unknown grid {name!r}; choose one of: {', '.join(GRIDS)}") from None
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -425,7 +336,9 @@ def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict
     }
     if wall is not None:
         summary["hardware"] = hardware(cfg.device)
-    if "params_activated" in meta and summary["tokens"]:
+    if "flops_per_token" in meta and summary["tokens"]:  # forward + backward: 3x the forward, attention counted
+        summary["compute"] = 3.0 * meta["flops_per_token"] * summary["tokens"]
+    elif "params_activated" in meta and summary["tokens"]:
         summary["compute"] = 6.0 * meta["params_activated"] * summary["tokens"]
     summary_path.write_text(json.dumps(summary, indent=2))
     summary["skipped"] = False
@@ -516,7 +429,9 @@ def run_jobs(
     return results
 
 
-def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str):
+def _train_config(
+    grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str, lr: float, steps: int
+):
     from k3.train.trainer import TrainConfig
 
     overrides = {**grid.overrides, **variant.overrides, "name": variant.name}
@@ -530,8 +445,30 @@ def _train_config(grid: Grid, variant: Variant, seed: int, run_dir: Path, tokeni
         seed=seed,
         device=device,
         samples=0,
-        **grid.train,
+        **{**grid.train, "lr": lr, "steps": steps},
     )
+
+
+def variant_steps(grid: Grid, base: K3Config, variants: list[Variant]) -> dict[str, int]:
+    """Training steps per variant: grid.train's for ``match="tokens"``; for ``"flops"`` scaled by full's forward
+    FLOPs per token over the variant's (at the grid's sequence length, attention counted), rounded."""
+    steps = grid.train.get("steps", 1000)
+    if grid.match == "tokens":
+        return {v.name: steps for v in variants}
+    ctx = grid.train.get("seq_len", 512)
+    full = params_of(base, ctx)["flops_per_token"]
+    flops = {v.name: params_of(variant_config(base, v), ctx)["flops_per_token"] for v in variants}
+    return {name: max(1, round(steps * full / f)) for name, f in flops.items()}
+
+
+def best_lrs(sweep: list[dict]) -> dict[str, float]:
+    """Per variant, the swept learning rate whose run (first seed) ended with the lowest finite validation loss."""
+    best: dict[str, tuple[float, float]] = {}
+    for s in sweep:
+        loss = s.get("val_loss")
+        if s.get("status") == "done" and finite(loss) and (s["variant"] not in best or loss < best[s["variant"]][0]):
+            best[s["variant"]] = (loss, s["lr"])
+    return {v: lr for v, (_, lr) in best.items()}
 
 
 def run_grid(
@@ -550,7 +487,7 @@ def run_grid(
     ``jobs``: runs side by side (:func:`run_jobs`). ``report_only``: train nothing; report the finished runs on
     disk (the report lists the missing ones).
     """
-    from k3.audit.ablate_report import _fmt, aggregate, write_report
+    from k3.audit.ablate_report import _fmt, aggregate, ci_evidence, write_report
 
     check_jobs(jobs)
     out = Path(out)
@@ -567,33 +504,39 @@ def run_grid(
 
     tok = Tokenizer.load(tok_path)
     sized = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
-    plan = []
-    for v in variants:
-        meta_params = params_of(variant_config(sized, v))
-        for seed in grid.seeds:
-            run_dir = out / "runs" / f"{v.name}-s{seed}"
-            cfg = _train_config(grid, v, seed, run_dir, tok_path, data, device)
-            meta = {
-                "variant": v.name,
-                "label": v.name,
-                "seed": seed,
-                "balance": v.balance,
-                "description": v.description,
-                "overrides": v.overrides,
-                **meta_params,
-            }
-            plan.append((cfg, meta, grid.run_plots))
+    ctx = grid.train.get("seq_len", 512)
+    steps = variant_steps(grid, sized, variants)
+    counted = {v.name: params_of(variant_config(sized, v), ctx) for v in variants}
+
+    def job(v: Variant, seed: int, lr: float) -> tuple:
+        name = f"{v.name}-lr{lr:g}-s{seed}" if grid.lrs else f"{v.name}-s{seed}"
+        cfg = _train_config(grid, v, seed, out / "runs" / name, tok_path, data, device, lr, steps[v.name])
+        meta = {
+            "variant": v.name,
+            "label": v.name,
+            "seed": seed,
+            "lr": lr,
+            "balance": v.balance,
+            "description": v.description,
+            "overrides": v.overrides,
+            **counted[v.name],
+        }
+        return cfg, meta, grid.run_plots
+
     missing: list[str] = []
     mqar_results, mqar_todo = mqar_jobs(grid, mqar_plan, out, device, report_only, missing) if mqar_plan else ([], [])
-    if report_only:
-        summaries = []
-        for cfg, meta, _ in plan:
-            s = finished_summary(cfg)
-            if s is None:
-                missing.append(Path(cfg.out).name)
-            else:
-                summaries.append(s)
-    else:
+
+    def run_phase(plan: list, mqar_todo: list) -> tuple[list[dict], list[dict]]:
+        """(MQAR results, run summaries) of ``plan``: run now, or with ``report_only`` read from disk."""
+        if report_only:
+            summaries = []
+            for cfg, _meta, _ in plan:
+                s = finished_summary(cfg)
+                if s is None:
+                    missing.append(Path(cfg.out).name)
+                else:
+                    summaries.append(s)
+            return [], summaries
 
         def done(i: int, r: dict) -> None:
             if i < len(mqar_todo):
@@ -608,11 +551,12 @@ def run_grid(
                 )
             else:
                 log.info(
-                    "[%d/%d] %s seed %d: %s val loss %s (%.0fs)",
+                    "[%d/%d] %s seed %d lr %g: %s val loss %s (%.0fs)",
                     i - len(mqar_todo) + 1,
                     len(plan),
                     r["variant"],
                     r["seed"],
+                    r.get("lr", float("nan")),
                     "skipped," if r.get("skipped") else "",
                     _fmt(r.get("val_loss")),
                     r.get("wall_s") or 0,
@@ -624,22 +568,37 @@ def run_grid(
         out_all = run_jobs(
             functools.partial(_run_tagged, progress=progress and jobs == 1), work, jobs, done, warm_first, labels
         )
-        mqar_results += out_all[: len(mqar_todo)]
-        summaries = out_all[len(mqar_todo) :]
+        return out_all[: len(mqar_todo)], out_all[len(mqar_todo) :]
+
+    lr0 = grid.train.get("lr", 3e-3)
+    sweep: list[dict] = []
+    if grid.lrs:  # the first seed at every rate, then the other seeds at each variant's best
+        done_mqar, sweep = run_phase([job(v, grid.seeds[0], lr) for v in variants for lr in grid.lrs], mqar_todo)
+        lr_of = best_lrs(sweep)
+        rest = [job(v, seed, lr_of[v.name]) for v in variants if v.name in lr_of for seed in grid.seeds[1:]]
+        unpicked = [v.name for v in variants if v.name not in lr_of]
+        missing += [f"{name}-s{seed} (no learning rate chosen)" for name in unpicked for seed in grid.seeds[1:]]
+        summaries = [s for s in sweep if lr_of.get(s["variant"]) == s["lr"]] + run_phase(rest, [])[1]
+    else:
+        done_mqar, summaries = run_phase([job(v, seed, lr0) for v in variants for seed in grid.seeds], mqar_todo)
+    mqar_results += done_mqar
     if missing:
         log.warning("%d runs are not finished (report written without them): %s", len(missing), ", ".join(missing))
     results = aggregate(summaries)
+    evidence = ci_evidence(summaries, sweep, FACTORS if set(FACTORIAL) <= {v.name for v in variants} else ())
     report = {
         "grid": grid.name,
         "out": str(out),
         "runs": summaries,
         "variants": results,
+        "lr_sweep": sweep,
+        "evidence": evidence,
         "mqar": mqar_results,
         "missing": missing,
         "wall_s_this_invocation": time.perf_counter() - t_start,
     }
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    write_report(out, grid, summaries, results, mqar_results, data, missing)
+    write_report(out, grid, summaries, results, mqar_results, data, missing, evidence)
     return report
 
 

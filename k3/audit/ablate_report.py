@@ -66,6 +66,102 @@ def aggregate(summaries: list[dict]) -> list[dict]:
     return rows
 
 
+def ci_evidence(summaries: list[dict], sweep: list[dict], factors: tuple[str, ...] = ()) -> dict:
+    """The grid's interval estimates (k3.audit.stats): each variant's validation-loss difference to ``full``
+    (paired bootstrap over seeds, 95%), and with ``factors`` (a full 2^k grid of their removals) the main effects
+    and two-factor interactions; ``lr_sweep``: the learning-rate runs (variant, lr, seed, val loss)."""
+    from k3.audit.stats import factorial_effects, paired_difference
+
+    by: dict[str, dict] = {}
+    for s in summaries:
+        if s.get("status") == "done" and finite(s.get("val_loss")):
+            by.setdefault(s["variant"], {})[s["seed"]] = s["val_loss"]
+    diffs = {v: paired_difference(by["full"], seeds) for v, seeds in by.items() if v != "full"} if "full" in by else {}
+    effects: dict = {}
+    if factors:
+        cells = {frozenset(() if v == "full" else v.split("+")): seeds for v, seeds in by.items()}
+        try:
+            effects = factorial_effects({c: v for c, v in cells.items() if c <= set(factors)}, factors)
+        except ValueError as e:  # runs still missing: the report says which
+            effects = {"error": str(e)}
+    keys = ("variant", "lr", "seed", "val_loss", "status")
+    return {
+        "difference_vs_full": diffs,
+        "factorial": effects,
+        "lr_sweep": [{k: s.get(k) for k in keys} for s in sweep],
+    }
+
+
+def _ci(c: dict, digits: int = 3) -> str:
+    if c.get("lo") is None:
+        return "—"
+    return f"[{c['lo']:+.{digits}f}, {c['hi']:+.{digits}f}]"
+
+
+def _evidence_lines(ev: dict) -> list[str]:
+    lines: list[str] = []
+    diffs = ev.get("difference_vs_full") or {}
+    if diffs:
+        lines += [
+            "## Differences to `full` with 95% intervals",
+            "",
+            "Validation loss of the variant minus `full`'s, seed by seed; the interval is the percentile bootstrap "
+            "of the mean over the paired seeds (n of them: with 3 seeds a rough interval). An interval that "
+            "excludes 0 is a difference at this scale and budget.",
+            "",
+            "| variant | Δ val loss | 95% interval | n |",
+            "|---|---|---|---|",
+        ]
+        for v, c in diffs.items():
+            d = "—" if c["mean"] is None else f"{c['mean']:+.3f}"
+            lines.append(f"| `{v}` | {d} | {_ci(c)} | {c['n']} |")
+        lines.append("")
+    fx = ev.get("factorial") or {}
+    if fx:
+        lines += ["## Factorial effects (16 variants)", ""]
+        if "error" in fx:
+            lines += [f"Not computed yet: {fx['error']}.", ""]
+        else:
+            lines += [
+                "Main effect of a removal: mean validation loss of the 8 variants with it minus the 8 without; "
+                "interaction of two: mean of the variants with both or neither minus the mean with exactly one "
+                "(half the gap between removing both and the sum of removing each). Per seed, bootstrapped over "
+                "seeds (95%).",
+                "",
+                "| effect | estimate | 95% interval | n |",
+                "|---|---|---|---|",
+            ]
+            for name, c in fx.items():
+                lines.append(f"| {name} | {_fmt(c['mean'])} | {_ci(c)} | {c['n']} |")
+            lines.append("")
+    sweep = ev.get("lr_sweep") or []
+    if sweep:
+        lrs = sorted({r["lr"] for r in sweep})
+        table: dict[str, dict] = {}
+        for r in sweep:
+            table.setdefault(r["variant"], {})[r["lr"]] = r
+        lines += [
+            "## Learning rates",
+            "",
+            f"Every variant at each rate with seed {sweep[0]['seed']}; the lowest final validation loss (bold) is "
+            "the rate its other seeds ran at.",
+            "",
+            "| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+            "|---|" + "---|" * len(lrs),
+        ]
+        for v, row in table.items():
+            done = {lr: r["val_loss"] for lr, r in row.items() if r.get("status") == "done" and finite(r["val_loss"])}
+            best = min(done, key=done.get) if done else None
+            cells = []
+            for lr in lrs:
+                r = row.get(lr)
+                text = "—" if r is None else (_fmt(r["val_loss"]) if finite(r.get("val_loss")) else str(r["status"]))
+                cells.append(f"**{text}**" if lr == best else text)
+            lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def _fmt(x, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
@@ -115,8 +211,9 @@ def write_report(
     mqar_results: list[dict],
     data: str | None = None,
     missing: list[str] | None = None,
+    evidence: dict | None = None,
 ) -> Path:
-    """Write the report of ``grid`` (a k3.audit.ablate.Grid) under ``out``; returns report.md's path."""
+    """Write the report of ``grid`` (a k3.audit.grids.Grid) under ``out``; returns report.md's path."""
     out = Path(out)
     plot_val_loss(rows, out / "val_loss.png")
     frontier = [r for r in rows if not r["model_overrides"]]
@@ -135,8 +232,15 @@ def write_report(
         + (f" with {json.dumps(grid.overrides)}" if grid.overrides else "")
         + f"; data: {data or 'the Python standard library sources'}; one shared BPE tokenizer "
         f"(vocab {t.get('vocab_size')}). Every run: {t.get('steps')} steps of {t.get('batch_size')} x "
-        f"{t.get('seq_len')} tokens ({tokens:,} tokens), lr {t.get('lr', 3e-3)}, seeds "
-        f"{', '.join(map(str, grid.seeds))}.",
+        f"{t.get('seq_len')} tokens ({tokens:,} tokens), "
+        + (f"lr per variant from {', '.join(f'{x:g}' for x in grid.lrs)}" if grid.lrs else f"lr {t.get('lr', 3e-3)}")
+        + f", seeds {', '.join(map(str, grid.seeds))}"
+        + (
+            "; steps scaled per variant so every variant trains on full's FLOPs (attention counted)"
+            if grid.match == "flops"
+            else ""
+        )
+        + ".",
         "",
         "Validation loss (nats/token) and bits/byte are the final evaluation; MaxVio is the global-batch MaxVio "
         "(max load / mean load - 1, mean over MoE layers) averaged over the last steps; dead = experts with no "
@@ -176,8 +280,8 @@ def write_report(
         )
     lines += [
         "",
-        "Variants (`no_latent` keeps the experts and top-k and picks the plain expert width that matches "
-        "the activated parameters of the MoE blocks; see `k3/audit/ablate.py`):",
+        "Variants (`no_latent` keeps the experts, the top-k and the shared experts and picks the plain routed "
+        "expert width that matches the activated parameters of the routed path; see `k3/audit/ablate.py`):",
         "",
     ]
     for r in rows:
@@ -187,6 +291,7 @@ def write_report(
             f"params {_count(r['params_moe_activated'])} over all MoE layers)"
         )
     lines += ["", "![validation loss](val_loss.png)", ""]
+    lines += _evidence_lines(evidence or {})
     if frontier:
         lines += [
             "## Router frontier",

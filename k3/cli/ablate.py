@@ -13,7 +13,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from k3.audit.ablate import GRIDS, TRANSFORMS, get_grid, run_grid, set_threads
+from k3.audit.ablate import TRANSFORMS, run_grid, set_threads
+from k3.audit.grids import GRIDS, get_grid
 
 log = logging.getLogger("k3.ablate")
 
@@ -25,6 +26,16 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,1,2") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 1e-3,3e-3") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive numbers")
     return values
 
 
@@ -40,6 +51,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds instead of the grid's")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run instead of the grid's")
+    p.add_argument(
+        "--lrs", type=_float_list, default=None, help="learning rates to sweep per variant (first seed), e.g. 1e-3,3e-3"
+    )
+    p.add_argument(
+        "--match", choices=("tokens", "flops"), default=None, help="same tokens, or full's training FLOPs per variant"
+    )
     p.add_argument("--no-mqar", dest="mqar", action="store_false", help="skip the MQAR recall runs")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="per-run progress bars (only with --jobs 1)")
@@ -96,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
         grid = dataclasses.replace(grid, variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()))
     if args.seeds:
         grid = dataclasses.replace(grid, seeds=args.seeds)
+    if args.lrs:
+        grid = dataclasses.replace(grid, lrs=args.lrs)
+    if args.match:
+        grid = dataclasses.replace(grid, match=args.match)
     out = Path(args.out or f"runs/ablate-{grid.name}")
     result = run_grid(
         grid,

@@ -118,7 +118,8 @@ class MoEConfig:
     num_experts: int = 896
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
-    moe_intermediate_size: int = 3072  # per-expert GLU width (shared experts use it too)
+    moe_intermediate_size: int = 3072  # per-expert GLU width (shared experts too, unless the next is set)
+    shared_intermediate_size: int | None = None  # a shared expert's GLU width; None = moe_intermediate_size
     latent_size: int | None = 3584  # routed_expert_hidden_size; None = plain MoE (Kimi-Linear, K2)
     latent_norm: bool = True  # RMSNorm on the routed aggregate (Stable LatentMoE)
     routed_scaling_factor: float = 1.0
@@ -126,6 +127,11 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts' GLU width in all (they run as one wide GLU)."""
+        return (self.shared_intermediate_size or self.moe_intermediate_size) * self.num_shared_experts
 
     def validate(self, prefix: str = "moe.") -> None:
         _positive_int(self, prefix, "num_experts", "num_experts_per_token", "moe_intermediate_size")
@@ -137,6 +143,8 @@ class MoEConfig:
             )
         if self.latent_size is not None:
             _positive_int(self, prefix, "latent_size")
+        if self.shared_intermediate_size is not None:
+            _positive_int(self, prefix, "shared_intermediate_size")
         _positive_float(self, prefix, "routed_scaling_factor")
 
 

@@ -93,6 +93,8 @@ def kimi_linear_incompatibilities(cfg: K3Config) -> list[str]:
         why.append("kda.v_head_dim, forget_gate_rank and output_gate_rank must all equal kda.head_dim")
     if cfg.mla.norm_eps != 1e-6:
         why.append("mla.norm_eps must be 1e-6")
+    if cfg.moe.shared_intermediate_size not in (None, cfg.moe.moe_intermediate_size):
+        why.append("moe.shared_intermediate_size differs from moe_intermediate_size (Kimi-Linear has one width)")
     return why
 
 
@@ -218,6 +220,8 @@ def _add_k3_keys(d: dict[str, Any], cfg: K3Config) -> None:
         "kda_l2norm_eps": kda.l2norm_eps,
         "mla_norm_eps": mla.norm_eps,
     }
+    if moe.shared_intermediate_size is not None:
+        d["k3"]["shared_intermediate_size"] = moe.shared_intermediate_size
     if cfg.vision is not None:
         d["k3"]["vision"] = dataclasses.asdict(cfg.vision)
 
@@ -411,7 +415,7 @@ def _mla_config(d: dict, ext: dict) -> MLAConfig:
     )
 
 
-def _moe_config(d: dict) -> MoEConfig:
+def _moe_config(d: dict, ext: dict) -> MoEConfig:
     """MoE from the Kimi-Linear keys or their transformers / DeepSeek spellings; latent MoE when
     ``routed_expert_hidden_size`` is set (normed unless ``latent_moe_use_norm`` says otherwise)."""
     latent = _int(d, "routed_expert_hidden_size", default=None)
@@ -420,6 +424,7 @@ def _moe_config(d: dict) -> MoEConfig:
         num_experts_per_token=_int(d, "num_experts_per_token", "num_experts_per_tok"),
         num_shared_experts=_int(d, "num_shared_experts", "n_shared_experts", default=0),
         moe_intermediate_size=_int(d, "moe_intermediate_size"),
+        shared_intermediate_size=_int(ext, "shared_intermediate_size", default=None, prefix="k3."),
         latent_size=latent,
         latent_norm=bool(d.get("latent_moe_use_norm", latent is not None)),
         routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0),
@@ -456,7 +461,8 @@ def from_hf_config(d: dict[str, Any]) -> K3Config:
     _check_supported(d)
     n = _int(d, "num_hidden_layers")
     lac, ext = _dict(d, "linear_attn_config"), _dict(d, "k3")
-    kda, mla, moe, attn_res = _kda_config(d, lac, ext), _mla_config(d, ext), _moe_config(d), _attn_res_config(d, ext)
+    kda, mla, moe = _kda_config(d, lac, ext), _mla_config(d, ext), _moe_config(d, ext)
+    attn_res = _attn_res_config(d, ext)
     vocab = _int(d, "vocab_size")
     return K3Config(
         name=str(ext.get("name", "custom")),

@@ -75,7 +75,7 @@ class MoE(nn.Module):
                 self.routed_expert_norm = RMSNorm(c.latent_size, eps=config.rms_norm_eps)
             self.routed_expert_up_proj = nn.Linear(c.latent_size, d, bias=False)
         if c.num_shared_experts > 0:
-            self.shared_experts = GatedFFN(d, c.moe_intermediate_size * c.num_shared_experts, self.glu)
+            self.shared_experts = GatedFFN(d, c.shared_width, self.glu)
         self.qat = None  # k3.quant.qat.ExpertQAT while quantisation-aware training is on (enable_qat)
         # expert_dispatch(moe, z, topk_idx, topk_weight) -> y [N, D], replacing the local moe_experts call (QAT is
         # then the dispatcher's job); set by k3.distributed.expert_parallel.apply_expert_parallel, None = local

@@ -1,5 +1,6 @@
 """k3 ablate: variant transforms, the MQAR task, and the micro grid end to end (report, plots, resumability)."""
 
+import dataclasses
 import json
 import time
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from k3.audit import ablate
-from k3.audit.ablate import ALL_VARIANTS, PAIRS, get_grid, make_variant, params_of, run_grid, run_one, variant_config
+from k3.audit.ablate import make_variant, params_of, run_grid, run_one, variant_config
+from k3.audit.grids import ALL_VARIANTS, FACTORIAL, FACTORS, PAIRS, get_grid
 from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
 from k3.cli.main import main
 from k3.config import get_preset
@@ -49,15 +51,20 @@ def test_variant_transforms(preset):
         assert (cfg.moe.latent_size is None) == ("no_latent" in parts)
         assert v.balance == {"bias_sign": "sign", "aux": "aux", "none": "none"}.get(name, "qb")
         assert v.changes_model == (name not in ("full", "bias_sign", "aux", "none"))
-    # no_latent: the activated parameters of the MoE blocks (and of the whole model) match within a few %,
-    # counted on the meta device, while the total grows (plain experts are d / l times wider)
-    nl = params_of(variant_config(base, make_variant("no_latent", base)))
+    # no_latent: the shared experts stay as they are; the activated parameters of the MoE blocks (and of the
+    # whole model) match within a few %, counted on the meta device, while the total grows (plain experts are d / l
+    # times wider)
+    nl_cfg = variant_config(base, make_variant("no_latent", base))
+    assert nl_cfg.moe.shared_width == base.moe.shared_width
+    nl = params_of(nl_cfg)
     assert nl["params_moe_activated"] == pytest.approx(full["params_moe_activated"], rel=0.03)
     assert nl["params_activated"] == pytest.approx(full["params_activated"], rel=0.03)
     assert nl["params_total"] > full["params_total"]
-    assert ablate.moe_block_activated(base) * (base.num_hidden_layers - base.first_k_dense_replace) == pytest.approx(
-        full["params_moe_activated"]
-    )
+    moe_layers = base.num_hidden_layers - base.first_k_dense_replace
+    shared = 3 * base.hidden_size * base.moe.shared_width
+    assert (ablate.routed_activated(base) + shared) * moe_layers == pytest.approx(full["params_moe_activated"])
+    d, k = base.hidden_size, base.moe.num_experts_per_token
+    assert abs(ablate.routed_activated(nl_cfg) - ablate.routed_activated(base)) <= 3 * d * k / 2
 
 
 def test_variant_errors():
@@ -171,7 +178,7 @@ def test_micro_grid_end_to_end_and_resumable(tmp_path, small_data):
 
 
 def test_grid_settings_are_consistent():
-    for name in ("micro", "smoke", "default"):
+    for name in ("micro", "smoke", "default", "factorial", "balance896"):
         g = get_grid(name)
         base = g.base_config()
         for v in g.variants:
@@ -183,6 +190,83 @@ def test_grid_settings_are_consistent():
     assert any("+" in v for v in smoke.variants)
     default = get_grid("default")
     assert set(PAIRS) <= set(default.variants) and len(default.seeds) >= 2
+    fac = get_grid("factorial")
+    assert len(FACTORIAL) == 16 and set(FACTORIAL) <= set(fac.variants)
+    assert len(fac.seeds) >= 3 and len(fac.lrs) == 3 and fac.match == "flops"
+    b = get_grid("balance896").base_config()
+    assert (b.moe.num_experts, b.moe.num_experts_per_token) == (896, 16)
+
+
+def test_no_kda_in_two_forms():
+    """no_kda leaves NoPE MLA everywhere (no position signal); no_kda_rope rotates MLA's rope slice."""
+    base = get_preset("small")
+    nope = variant_config(base, make_variant("no_kda", base))
+    rope = variant_config(base, make_variant("no_kda_rope", base))
+    assert not nope.kda_layers and not rope.kda_layers
+    assert nope.mla.rope_theta is None and rope.mla.rope_theta == 10000.0
+    with pytest.raises(ValueError, match="conflicts"):
+        make_variant("no_kda+no_kda_rope", base)
+    flat = base.replace(**{"mla.qk_rope_head_dim": 0})
+    with pytest.raises(ValueError, match="no slice"):
+        make_variant("no_kda_rope", flat)
+
+
+def test_flops_matched_steps():
+    """match="flops": a variant with more FLOPs per token trains proportionally fewer steps (attention counted)."""
+    grid = dataclasses.replace(get_grid("factorial"), train={**get_grid("factorial").train, "steps": 1000})
+    base = grid.base_config()
+    vs = [make_variant(v, base) for v in ("full", "no_latent", "no_kda")]
+    steps = ablate.variant_steps(grid, base, vs)
+    assert steps["full"] == 1000
+    for v in vs[1:]:
+        ratio = params_of(base, 512)["flops_per_token"] / params_of(variant_config(base, v), 512)["flops_per_token"]
+        assert steps[v.name] == round(1000 * ratio)
+    assert ablate.variant_steps(dataclasses.replace(grid, match="tokens"), base, vs) == dict.fromkeys(steps, 1000)
+    with pytest.raises(ValueError, match="match"):
+        dataclasses.replace(grid, match="time")
+
+
+def test_factorial_evidence_from_summaries():
+    """ci_evidence on 16 variants x 3 seeds: differences to full with intervals, and the factorial effects."""
+    from k3.audit.ablate_report import ci_evidence
+
+    summaries = []
+    for v in FACTORIAL:
+        removed = set() if v == "full" else set(v.split("+"))
+        for seed in (0, 1, 2):
+            loss = 3.0 + 0.1 * ("no_kda" in removed) + 0.01 * seed
+            summaries.append({"variant": v, "seed": seed, "val_loss": loss, "status": "done"})
+    ev = ci_evidence(summaries, [], FACTORS)
+    assert ev["difference_vs_full"]["no_kda"]["mean"] == pytest.approx(0.1)
+    assert ev["difference_vs_full"]["no_attnres"]["mean"] == pytest.approx(0.0)
+    assert ev["factorial"]["no_kda"]["mean"] == pytest.approx(0.1)
+    assert ev["factorial"]["no_kda x bias_sign"]["mean"] == pytest.approx(0.0, abs=1e-12)
+    partial = ci_evidence(summaries[3:], [], FACTORS)  # full's runs missing
+    assert "error" in partial["factorial"] and partial["difference_vs_full"] == {}
+
+
+def test_lr_sweep_end_to_end(tmp_path, small_data):
+    """lrs: each variant at each rate with the first seed, the best rate chosen per variant, the other seeds at it;
+    the report has the learning-rate table and the intervals; a second call trains nothing."""
+    grid = dataclasses.replace(get_grid("micro"), variants=("full", "bias_sign"), seeds=(0, 1), lrs=(1e-3, 3e-3))
+    grid.mqar = None
+    r = run_grid(grid, tmp_path, data=small_data, device="cpu")
+    assert len(r["lr_sweep"]) == 4 and {s["lr"] for s in r["lr_sweep"]} == {1e-3, 3e-3}
+    chosen = ablate.best_lrs(r["lr_sweep"])
+    assert sorted((s["variant"], s["seed"]) for s in r["runs"]) == [
+        ("bias_sign", 0),
+        ("bias_sign", 1),
+        ("full", 0),
+        ("full", 1),
+    ]
+    assert all(s["lr"] == chosen[s["variant"]] for s in r["runs"])
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert f"full-lr{chosen['full']:g}-s1" in names and len(names) == 6
+    assert r["evidence"]["difference_vs_full"]["bias_sign"]["n"] == 2
+    md = (tmp_path / "report.md").read_text()
+    assert "## Learning rates" in md and "## Differences to `full` with 95% intervals" in md
+    again = run_grid(grid, tmp_path, data=small_data, device="cpu")
+    assert all(s.get("skipped") for s in again["runs"])
 
 
 def test_jobs_run_side_by_side_and_report_only(tmp_path, small_data):

@@ -34,6 +34,7 @@ BAD_FIELDS = {
     "moe.num_experts_per_token": st.integers(min_value=9, max_value=10**4) | non_positive,
     "moe.num_shared_experts": st.integers(max_value=-1),
     "moe.latent_size": st.integers(min_value=65, max_value=10**6) | non_positive,
+    "moe.shared_intermediate_size": non_positive,
     "moe.routed_scaling_factor": st.floats(max_value=0.0, allow_nan=False),
     "attn_res.mode": st.text(max_size=8).filter(lambda s: s not in ("snapshot", "block_sum", "full", "none")),
     "attn_res.block_size": non_positive,
@@ -73,6 +74,27 @@ def test_unknown_fields_and_presets():
 def test_round_trip(name):
     cfg = get_preset(name)
     assert K3Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_shared_expert_width_of_its_own():
+    """moe.shared_intermediate_size sets the shared experts' width apart from the routed ones'; the k3 config.json
+    carries it, a kimi_linear one cannot and says so."""
+    import torch
+
+    from k3.config.hf import from_hf_config, to_hf_config
+    from k3.model.moe import MoE
+
+    cfg = get_preset("tiny").replace(**{"moe.shared_intermediate_size": 48})
+    assert cfg.moe.shared_width == 48 * cfg.moe.num_shared_experts
+    assert get_preset("tiny").moe.shared_width == 32 * get_preset("tiny").moe.num_shared_experts
+    with torch.device("meta"):
+        moe = MoE(cfg, 1)
+    assert moe.shared_experts.gate_proj.weight.shape == (48, cfg.hidden_size)
+    assert moe.experts.w1.shape[1] == cfg.moe.moe_intermediate_size
+    assert from_hf_config(to_hf_config(cfg, "k3")) == cfg
+    plain = cfg.replace(**{"attn_res.mode": "none", "moe.latent_size": None, "hidden_act": "silu"})
+    with pytest.raises(ValueError, match="shared_intermediate_size"):
+        to_hf_config(plain, "kimi_linear")
 
 
 def test_k3_preset_is_the_released_config():
