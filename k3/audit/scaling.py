@@ -8,23 +8,22 @@ Fit. Per architecture, the final validation loss L of runs of >= 2 sizes against
 
 C is normalised by its geometric mean inside the fits (so a stays well conditioned) and reported in FLOPs.
 
-Compute. ``compute`` from a run's ``summary.json`` or its last metrics record when present, else
-C = 6 * N * D with N the activated parameters per token (input embedding excluded, counted on the meta device
-from the run's ``train_config.json`` and tokenizer) and D the tokens trained on.
+Compute. ``compute`` from a run's ``summary.json`` or its last metrics record when present (runs of a sweep or
+an ablation grid record 3 x the forward FLOPs per token at their sequence length, attention counted, x tokens),
+else the same, counted on the meta device from the run's ``train_config.json`` and tokenizer (older records may
+hold C = 6 N D, N the activated parameters).
 
 Compute multiplier of architecture A over a baseline B at loss L: m(L) = C_B(L) / C_A(L) (> 1: A reaches L
-with less compute), evaluated at the losses both reach (the overlap of their observed loss ranges; its
-geometric midpoint is the reference loss). 90% intervals: percentiles 5 / 95 of a seeded bootstrap that
+with less compute), evaluated only at the losses both reach (the overlap of their observed loss ranges; its
+geometric midpoint is the reference loss): where the ranges do not overlap, no multiplier is given, since it
+would be an extrapolation of one fit or both. 90% intervals: percentiles 5 / 95 of a seeded bootstrap that
 resamples runs with replacement within each architecture and refits both.
 
-Sweeps (:data:`SWEEPS`) run >= 4 sizes per architecture with :func:`k3.audit.ablate.run_one` (resumable,
-one shared tokenizer) into ``OUT/runs/<label>-w<width>-l<layers>-s<seed>/`` and then fit them.
+Sweeps (:mod:`k3.audit.sweeps`) train the runs these fits are made of.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import logging
 import math
@@ -231,7 +230,9 @@ def _lookup(d: dict, dotted: str):
     return cur
 
 
-def _activated_params(train_config: dict, run_dir: Path) -> float:
+def _counted(train_config: dict, run_dir: Path) -> tuple[float, float]:
+    """(activated parameters, forward FLOPs per token at the run's sequence length, attention counted) of a run's
+    model, built on the meta device from its ``train_config.json`` and tokenizer."""
     from k3.audit import accounting
     from k3.config import get_preset
     from k3.data.tokenizer import Tokenizer
@@ -240,7 +241,8 @@ def _activated_params(train_config: dict, run_dir: Path) -> float:
     config = get_preset(train_config["preset"]).replace(
         vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id, **train_config.get("overrides", {})
     )
-    return float(accounting.report(config)["params_activated"])
+    r = accounting.report(config, context=train_config.get("seq_len", 4096))
+    return float(r["params_activated"]), float(r["flops_per_token_forward"])
 
 
 def load_run(run_dir: Path, group_by: str | None = None, metric: str = "val_loss") -> dict | None:
@@ -272,9 +274,9 @@ def load_run(run_dir: Path, group_by: str | None = None, metric: str = "val_loss
         params = summary.get("params_activated")
     elif isinstance(records[-1].get("compute"), (int, float)):
         compute, params = float(records[-1]["compute"]), None
-    else:
-        params = summary.get("params_activated") or _activated_params(tc, run_dir)
-        compute = 6.0 * params * tokens
+    else:  # forward + backward = 3 x the forward FLOPs, as sweep and grid runs record it
+        params, flops = _counted(tc, run_dir)
+        compute = 3.0 * flops * tokens
     return {
         "run_dir": str(run_dir),
         "label": str(label),
@@ -284,6 +286,7 @@ def load_run(run_dir: Path, group_by: str | None = None, metric: str = "val_loss
         "params_activated": params,
         "seed": tc.get("seed"),
         "step": evals[-1]["step"],
+        "data": tc.get("data"),
     }
 
 
@@ -340,6 +343,18 @@ def analyse(
             fa = _fit_from(fits[label])
             ra = groups[label]
             lo, hi, overlap = loss_overlap([r["loss"] for r in ra], [r["loss"] for r in rb])
+            if not overlap:  # no loss both reach: a multiplier would extrapolate
+                multipliers[label] = {
+                    "baseline": baseline,
+                    "at_loss": None,
+                    "multiplier": None,
+                    "loss_range": [lo, hi],
+                    "overlap": False,
+                    "interval90": [None, None],
+                    "bootstrap": {},
+                    "curve": {"loss": [], "multiplier": []},
+                }
+                continue
             ref = math.sqrt(lo * hi)
             grid = np.geomspace(lo, hi, 9) if hi > lo else np.array([lo])
             mult = compute_multiplier(fa, fb, grid)
@@ -381,6 +396,19 @@ def _sci(x) -> str:
     return "—" if x is None or not np.isfinite(x) else f"{x:.3g}"
 
 
+def _data_names(runs: list[dict]) -> str:
+    """The runs' data sources, named for the report."""
+    from k3.data.text import MIXTURE
+
+    names = {
+        None: "the Python standard library's sources (code)",
+        MIXTURE: "`stdlib+pydoc-topics` (the standard library's sources, code, and Python's help topics, English "
+        "prose from `pydoc_data.topics`; each split on its own)",
+    }
+    found = sorted({r.get("data") for r in runs}, key=str)
+    return "; ".join(names.get(d, f"`{d}`") for d in found) or "the runs' data"
+
+
 def write_outputs(result: dict, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -390,8 +418,9 @@ def write_outputs(result: dict, out: str | Path) -> Path:
     lines = [
         f"# Scaling: {form}",
         "",
-        "C = training compute in FLOPs (6 x activated parameters x tokens unless the run records its own); "
-        "L = final validation loss (nats/token). 90% intervals from a seeded bootstrap over runs.",
+        "C = training compute in FLOPs (3 x the forward FLOPs per token, attention counted, x tokens); "
+        "L = final validation loss (nats/token) "
+        f"on the validation split of {_data_names(result['runs'])}. 90% intervals from a seeded bootstrap over runs.",
         "",
         "| architecture | runs | sizes | a | b (90% CI) | E | rss(log L) |",
         "|---|---|---|---|---|---|---|",
@@ -416,14 +445,17 @@ def write_outputs(result: dict, out: str | Path) -> Path:
             "|---|---|---|---|---|---|",
         ]
         for label, m in result["multipliers"].items():
+            if not m["overlap"]:
+                lo, hi = m["loss_range"]
+                lines.append(
+                    f"| `{label}` | — | none: the losses do not overlap (gap {lo:.3f} .. {hi:.3f}) | — | — | no |"
+                )
+                continue
             iv = m["interval90"]
             iv_s = f"[{iv[0]:.3f}, {iv[1]:.3f}]" if iv[0] is not None else "—"
             curve = [v for v in m["curve"]["multiplier"] if v is not None and np.isfinite(v)]
             rng = f"{min(curve):.3f} .. {max(curve):.3f}" if curve else "—"
-            lines.append(
-                f"| `{label}` | {m['at_loss']:.3f} | {m['multiplier']:.3f} | {iv_s} | {rng} | "
-                f"{'yes' if m['overlap'] else 'no (extrapolated)'} |"
-            )
+            lines.append(f"| `{label}` | {m['at_loss']:.3f} | {m['multiplier']:.3f} | {iv_s} | {rng} | yes |")
     lines += [
         "",
         "![scaling](scaling.png)",
@@ -453,7 +485,7 @@ def _log_y(ax) -> None:
 
 
 def plot_scaling(result: dict, path: Path) -> None:
-    has_mult = bool(result["multipliers"])
+    has_mult = any(m["overlap"] for m in result["multipliers"].values())
     fig, axes = plt.subplots(1, 2 if has_mult else 1, figsize=(12 if has_mult else 6.5, 4.5))
     ax = axes[0] if has_mult else axes
     labels = list(dict.fromkeys(r["label"] for r in result["runs"]))
@@ -485,6 +517,8 @@ def plot_scaling(result: dict, path: Path) -> None:
     if has_mult:
         ax = axes[1]
         for i, (label, m) in enumerate(result["multipliers"].items()):
+            if not m["overlap"]:
+                continue
             color = f"C{labels.index(label) % 10}"
             ax.plot(m["curve"]["loss"], m["curve"]["multiplier"], color=color, lw=1.3, label=label)
             iv = m["interval90"]
@@ -501,218 +535,3 @@ def plot_scaling(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------------- sweeps
-def size_overrides(width: int, layers: int, head_dim: int) -> dict:
-    """A K3-shaped model of ``width`` and ``layers``: the ``small`` preset's ratios (heads of ``head_dim``,
-    dense FFN 3d, expert width d, latent d/2, LoRA ranks d/2, rope slice head_dim/2, K3's mixer schedule)."""
-    from k3.audit.mqar import k3_mla_layers
-
-    if width % head_dim or width % 2:
-        raise ValueError(f"width={width} must be even and a multiple of head_dim={head_dim}")
-    heads = width // head_dim
-    return {
-        "hidden_size": width,
-        "num_hidden_layers": layers,
-        "mla_layers": k3_mla_layers(layers),
-        "intermediate_size": 3 * width,
-        "kda.num_heads": heads,
-        "kda.head_dim": head_dim,
-        "kda.v_head_dim": head_dim,
-        "kda.forget_gate_rank": head_dim,
-        "kda.output_gate_rank": head_dim,
-        "mla.num_heads": heads,
-        "mla.q_lora_rank": width // 2,
-        "mla.kv_lora_rank": width // 2,
-        "mla.qk_nope_head_dim": head_dim,
-        "mla.qk_rope_head_dim": head_dim // 2,
-        "mla.v_head_dim": head_dim,
-        "moe.moe_intermediate_size": width,
-        "moe.latent_size": width // 2,
-    }
-
-
-@dataclass
-class Sweep:
-    name: str
-    description: str
-    preset: str
-    sizes: tuple[tuple[int, int], ...]  # (width, layers)
-    head_dim: int
-    archs: dict  # label -> ablation variant of the sized K3 model
-    seeds: tuple[int, ...]
-    train: dict  # TrainConfig fields shared by every run
-    tokens_per_param: float | None = None  # None: train['steps'] for every size; else steps =
-    #                                        ceil(tokens_per_param * N_activated(k3 at that size) / tokens per step)
-    min_steps: int = 1
-    run_plots: bool = False
-
-
-BASELINE = "no_kda+no_attnres+no_latent+bias_sign"  # K2-style: all MLA, plain residual, plain MoE, sign bias
-SWEEPS: dict[str, Sweep] = {
-    "micro": Sweep(
-        name="micro",
-        description="tests only: 4 tiny sizes x 2 architectures, a few steps",
-        preset="tiny",
-        sizes=((16, 2), (24, 2), (32, 2), (48, 2)),
-        head_dim=8,
-        archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,),
-        train=dict(
-            steps=2,
-            batch_size=2,
-            seq_len=32,
-            vocab_size=300,
-            tokenizer_train_bytes=100_000,
-            max_tokens=20_000,
-            eval_every=2,
-            eval_rows=4,
-        ),
-    ),
-    "cpu": Sweep(
-        name="cpu",
-        description="4 small sizes x 2 architectures on a CPU (~1.5 minutes)",
-        preset="tiny",
-        sizes=((32, 4), (48, 4), (64, 4), (96, 4)),
-        head_dim=16,
-        archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,),
-        train=dict(
-            steps=60,
-            batch_size=8,
-            seq_len=128,
-            vocab_size=1024,
-            tokenizer_train_bytes=1_000_000,
-            max_tokens=300_000,
-            eval_every=30,
-            eval_rows=32,
-        ),
-    ),
-    "gpu": Sweep(
-        name="gpu",
-        description="4 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
-        preset="small",
-        sizes=((128, 4), (192, 4), (256, 6), (384, 8)),
-        head_dim=64,
-        archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,),
-        train=dict(
-            steps=300,
-            batch_size=16,
-            seq_len=512,
-            vocab_size=8192,
-            tokenizer_train_bytes=4_000_000,
-            max_tokens=None,
-            eval_every=100,
-            eval_rows=128,
-            save_every=150,
-            lr=3e-3,
-        ),
-    ),
-}
-
-
-def get_sweep(name: str) -> Sweep:
-    try:
-        return dataclasses.replace(SWEEPS[name])
-    except KeyError:
-        raise ValueError(f"unknown sweep {name!r}; choose one of: {', '.join(SWEEPS)}") from None
-
-
-def run_sweep(
-    sweep: Sweep,
-    out: str | Path,
-    data: str | None = None,
-    device: str = "auto",
-    progress: bool = False,
-    jobs: int = 1,
-    warm_first: bool = True,
-) -> list[dict]:
-    """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
-
-    ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.ablate.run_jobs`)."""
-    from k3.audit.ablate import (
-        _run_job,
-        check_jobs,
-        ensure_tokenizer,
-        make_variant,
-        params_of,
-        run_jobs,
-        variant_config,
-    )
-    from k3.config import get_preset
-    from k3.data.tokenizer import Tokenizer
-    from k3.train.trainer import TrainConfig
-
-    check_jobs(jobs)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({**dataclasses.asdict(sweep), "data": data}, indent=2))
-    tok_path = ensure_tokenizer(
-        out, data, sweep.train.get("vocab_size", 8192), sweep.train.get("tokenizer_train_bytes", 4_000_000)
-    )
-    tok = Tokenizer.load(tok_path)
-    plan = []
-    for width, layers in sweep.sizes:  # validate everything before training anything
-        sized_ov = size_overrides(width, layers, sweep.head_dim)
-        base = get_preset(sweep.preset).replace(**sized_ov)
-        full_vocab = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
-        steps = sweep.train.get("steps")
-        if sweep.tokens_per_param:
-            per_step = sweep.train["batch_size"] * sweep.train.get("grad_accum", 1) * sweep.train["seq_len"]
-            n_k3 = params_of(full_vocab)["params_activated"]
-            steps = max(sweep.min_steps, math.ceil(sweep.tokens_per_param * n_k3 / per_step))
-        for label, vname in sweep.archs.items():
-            v = make_variant(vname, base)
-            params = params_of(variant_config(full_vocab, v))
-            plan += [(label, v, sized_ov, width, layers, steps, seed, params) for seed in sweep.seeds]
-    work = []
-    for label, v, sized_ov, width, layers, steps, seed, params in plan:
-        run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
-        train = {**sweep.train, "steps": steps}
-        train["eval_every"] = min(train.get("eval_every", 20), steps)
-        cfg = TrainConfig(
-            preset=sweep.preset,
-            overrides={**sized_ov, **v.overrides, "name": label},
-            data=data,
-            tokenizer=str(tok_path),
-            balance=v.balance,
-            out=str(run_dir),
-            seed=seed,
-            device=device,
-            samples=0,
-            **train,
-        )
-        meta = {
-            "label": label,
-            "variant": v.name,
-            "width": width,
-            "layers": layers,
-            "seed": seed,
-            "balance": v.balance,
-            **params,
-        }
-        work.append((cfg, meta, sweep.run_plots))
-
-    def done(i: int, s: dict) -> None:
-        log.info(
-            "[%d/%d] %s w%d l%d seed %d: %sval loss %s",
-            i + 1,
-            len(work),
-            s["label"],
-            s["width"],
-            s["layers"],
-            s["seed"],
-            "skipped, " if s.get("skipped") else "",
-            s.get("val_loss"),
-        )
-
-    return run_jobs(
-        functools.partial(_run_job, progress=progress and jobs == 1),
-        work,
-        jobs,
-        done,
-        warm_first,
-        [f"run {Path(cfg.out).name}" for cfg, _, _ in work],
-    )

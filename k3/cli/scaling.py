@@ -11,7 +11,8 @@ import argparse
 from pathlib import Path
 
 from k3.audit.ablate import set_threads
-from k3.audit.scaling import SWEEPS, analyse, get_sweep, load_runs, run_sweep, write_outputs
+from k3.audit.scaling import analyse, load_runs, write_outputs
+from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep
 
 
 def add_parser(sub) -> None:
@@ -87,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     for label, why in result["skipped"].items():
         print(f"{label:<16} not fitted: {why}")
     for label, m in result["multipliers"].items():
+        if not m["overlap"]:
+            print(f"{label} vs {m['baseline']}: no compute multiplier (their losses do not overlap)")
+            continue
         iv = m["interval90"]
         iv_s = f" (90% interval {iv[0]:.3f} .. {iv[1]:.3f})" if iv[0] is not None else ""
         print(f"{label} vs {m['baseline']}: compute multiplier {m['multiplier']:.3f}{iv_s} at loss {m['at_loss']:.3f}")

@@ -2,8 +2,10 @@
 
 Documents
     A :class:`Document` is a name and a text. :func:`stdlib_corpus` gives the default corpus (the Python
-    standard library's own ``.py`` files, so training works with no download); :func:`load_documents` reads
-    user data (a text file, a directory, ``.jsonl`` or ``.parquet``).
+    standard library's own ``.py`` files, so training works with no download); ``--data stdlib+pydoc-topics``
+    (:data:`MIXTURE`) adds natural-language text shipped with Python, the help topics of ``pydoc_data.topics``
+    (~465 KB of English prose, split on their own so both kinds are in validation); :func:`load_documents`
+    reads user data (a text file, a directory, ``.jsonl`` or ``.parquet``).
 
 Split
     Train/validation is decided per document by a stable hash of its name (sha1, ~2% validation), so it never
@@ -140,6 +142,21 @@ def stdlib_corpus(split: str = "train", max_docs: int | None = None) -> list[Doc
     return docs if max_docs is None else docs[:max_docs]
 
 
+MIXTURE = "stdlib+pydoc-topics"  # code + prose, both shipped with Python
+
+
+def pydoc_topics_corpus(split: str = "train") -> list[Document]:
+    """Python's help topics (``pydoc_data.topics.topics``: the language reference's prose, one document per topic,
+    named ``pydoc_data/topics/NAME``), split by :func:`split_documents`."""
+    _check_split(split)
+    from pydoc_data.topics import topics
+
+    docs = [Document(f"pydoc_data/topics/{name}", text) for name, text in sorted(topics.items()) if text.strip()]
+    if len(docs) < 2:
+        raise ValueError("pydoc_data.topics holds fewer than 2 topics: no train/validation split")
+    return split_documents(docs, split)
+
+
 def _walk(root: Path, suffixes: Sequence[str], skip: frozenset[str] = frozenset()) -> list[str]:
     """Sorted POSIX paths relative to ``root`` of the files ending in ``suffixes``; hidden entries (".x") and
     directories named in ``skip`` are not entered."""
@@ -182,9 +199,14 @@ def load_documents(path: str | Path, split: str = "train") -> list[Document]:
 
 
 def load_corpus(source: str | Path | None, split: str = "train", max_docs: int | None = None) -> list[Document]:
-    """``source=None``: the stdlib corpus; otherwise :func:`load_documents` (first ``max_docs`` kept)."""
+    """``source=None``: the stdlib corpus; :data:`MIXTURE`: the stdlib corpus and the pydoc topics (each split on
+    its own); otherwise :func:`load_documents` (first ``max_docs`` kept)."""
     if source is None:
         return stdlib_corpus(split, max_docs=max_docs)
+    if source == MIXTURE:
+        docs = stdlib_corpus(split) + pydoc_topics_corpus(split)
+        _check_max(max_docs, "max_docs")
+        return docs if max_docs is None else docs[:max_docs]
     _check_max(max_docs, "max_docs")
     docs = load_documents(source, split)
     return docs if max_docs is None else docs[:max_docs]

@@ -9,15 +9,14 @@ import torch
 
 from k3.audit.ablate import make_variant, params_of, variant_config
 from k3.audit.scaling import (
-    SWEEPS,
     analyse,
     bootstrap_multiplier,
     compute_multiplier,
     fit_power_law,
-    get_sweep,
     load_run,
-    size_overrides,
+    write_outputs,
 )
+from k3.audit.sweeps import SWEEPS, get_sweep, size_overrides
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.data.text import stdlib_corpus
@@ -88,6 +87,38 @@ def test_compute_multiplier_and_bootstrap_interval():
     # the irreducible form finds the same multiplier on pure power laws
     r3 = analyse(runs, n_boot=50, irreducible=True)
     assert r3["multipliers"]["k3"]["multiplier"] == pytest.approx(k, rel=0.15)
+
+
+def test_no_multiplier_without_overlapping_losses(tmp_path):
+    """Arms whose loss ranges do not meet get no multiplier (it would be an extrapolation); the report says so."""
+    c = np.geomspace(1e15, 1e17, 4)
+    runs = [
+        {"label": "k3", "compute": ci, "loss": 2.0 - 0.1 * i, "run_dir": f"a{i}", "tokens": 1} for i, ci in enumerate(c)
+    ]
+    runs += [
+        {"label": "baseline", "compute": ci, "loss": 4.0 - 0.1 * i, "run_dir": f"b{i}", "tokens": 1}
+        for i, ci in enumerate(c)
+    ]
+    r = analyse(runs, n_boot=20)
+    m = r["multipliers"]["k3"]
+    assert not m["overlap"] and m["multiplier"] is None and m["interval90"] == [None, None]
+    write_outputs(r, tmp_path)
+    assert "none: the losses do not overlap" in (tmp_path / "scaling.md").read_text()
+
+
+def test_k2_like_baseline_and_the_gpu5_sweep():
+    """The baseline is K2-like (RoPE MLA everywhere, SwiGLU, plain MoE, plain residual, sign bias); gpu5 has 5 sizes,
+    3 seeds at its two smallest, code + prose data."""
+    from k3.audit.sweeps import BASELINE
+
+    base = get_preset("small")
+    v = make_variant(BASELINE, base)
+    cfg = variant_config(base, v)
+    assert not cfg.kda_layers and cfg.mla.rope_theta is not None and cfg.hidden_act == "silu"
+    assert cfg.moe.latent_size is None and cfg.attn_res.mode == "none" and v.balance == "sign"
+    g = get_sweep("gpu5")
+    assert len(g.sizes) >= 5 and len(g.seeds + g.extra_seeds) >= 3 and g.extra_seed_sizes >= 1
+    assert g.tokens_per_param and g.data == "stdlib+pydoc-topics"
 
 
 def test_sweep_definitions():

@@ -52,6 +52,21 @@ def test_stdlib_corpus_split():
         stdlib_corpus("train", max_docs=0)
 
 
+def test_code_and_prose_mixture():
+    """stdlib+pydoc-topics: the stdlib sources and Python's help topics, each split on its own, so validation holds
+    code and English prose."""
+    from k3.data.text import MIXTURE, pydoc_topics_corpus
+
+    val, train = load_corpus(MIXTURE, "validation"), load_corpus(MIXTURE, "train")
+    prose = [d for d in val if d.name.startswith("pydoc_data/topics/")]
+    assert prose and len(prose) < len(val)
+    assert not {d.name for d in val} & {d.name for d in train}
+    topics = pydoc_topics_corpus("all")
+    assert len(topics) > 50 and sum(len(d.text) for d in topics) > 300_000
+    assert len(load_corpus(MIXTURE, "train")) == len(stdlib_corpus("train")) + len(pydoc_topics_corpus("train"))
+    assert load_corpus(MIXTURE, "train", max_docs=3) == train[:3]
+
+
 def test_split_rule():
     docs = [Document(f"d{i}", "x") for i in range(1000)]
     val = split_documents(docs, "validation")

@@ -1,0 +1,264 @@
+"""Scaling sweeps (``k3 scaling --sweep NAME``): K3-style models against a K2-like baseline at >= 4 sizes, trained
+with :func:`k3.audit.ablate.run_one` (resumable, one shared tokenizer) into
+``OUT/runs/<label>-w<width>-l<layers>-s<seed>/``; :mod:`k3.audit.scaling` fits them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("k3.scaling")
+
+
+def size_overrides(width: int, layers: int, head_dim: int) -> dict:
+    """A K3-shaped model of ``width`` and ``layers``: the ``small`` preset's ratios (heads of ``head_dim``,
+    dense FFN 3d, expert width d, latent d/2, LoRA ranks d/2, rope slice head_dim/2, K3's mixer schedule)."""
+    from k3.audit.mqar import k3_mla_layers
+
+    if width % head_dim or width % 2:
+        raise ValueError(f"width={width} must be even and a multiple of head_dim={head_dim}")
+    heads = width // head_dim
+    return {
+        "hidden_size": width,
+        "num_hidden_layers": layers,
+        "mla_layers": k3_mla_layers(layers),
+        "intermediate_size": 3 * width,
+        "kda.num_heads": heads,
+        "kda.head_dim": head_dim,
+        "kda.v_head_dim": head_dim,
+        "kda.forget_gate_rank": head_dim,
+        "kda.output_gate_rank": head_dim,
+        "mla.num_heads": heads,
+        "mla.q_lora_rank": width // 2,
+        "mla.kv_lora_rank": width // 2,
+        "mla.qk_nope_head_dim": head_dim,
+        "mla.qk_rope_head_dim": head_dim // 2,
+        "mla.v_head_dim": head_dim,
+        "moe.moe_intermediate_size": width,
+        "moe.latent_size": width // 2,
+    }
+
+
+@dataclass
+class Sweep:
+    name: str
+    description: str
+    preset: str
+    sizes: tuple[tuple[int, int], ...]  # (width, layers)
+    head_dim: int
+    archs: dict  # label -> ablation variant of the sized K3 model
+    seeds: tuple[int, ...]
+    train: dict  # TrainConfig fields shared by every run
+    tokens_per_param: float | None = None  # None: train['steps'] for every size; else steps =
+    #                                        ceil(tokens_per_param * N_activated(k3 at that size) / tokens per step)
+    min_steps: int = 1
+    run_plots: bool = False
+    extra_seeds: tuple[int, ...] = ()  # more seeds for the first extra_seed_sizes sizes (the noisy small end)
+    extra_seed_sizes: int = 0
+    data: str | None = None  # training and validation data when the command gives none (None: stdlib)
+
+
+BASELINE = "no_kda_rope+no_attnres+no_latent+bias_sign+swiglu"  # K2-like: RoPE MLA, plain residual, SwiGLU,
+#                                                                  plain MoE, sign-bias balancing
+SWEEPS: dict[str, Sweep] = {
+    "micro": Sweep(
+        name="micro",
+        description="tests only: 4 tiny sizes x 2 architectures, a few steps",
+        preset="tiny",
+        sizes=((16, 2), (24, 2), (32, 2), (48, 2)),
+        head_dim=8,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        train=dict(
+            steps=2,
+            batch_size=2,
+            seq_len=32,
+            vocab_size=300,
+            tokenizer_train_bytes=100_000,
+            max_tokens=20_000,
+            eval_every=2,
+            eval_rows=4,
+        ),
+    ),
+    "cpu": Sweep(
+        name="cpu",
+        description="4 small sizes x 2 architectures on a CPU (~1.5 minutes)",
+        preset="tiny",
+        sizes=((32, 4), (48, 4), (64, 4), (96, 4)),
+        head_dim=16,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        train=dict(
+            steps=60,
+            batch_size=8,
+            seq_len=128,
+            vocab_size=1024,
+            tokenizer_train_bytes=1_000_000,
+            max_tokens=300_000,
+            eval_every=30,
+            eval_rows=32,
+        ),
+    ),
+    "gpu": Sweep(
+        name="gpu",
+        description="4 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
+        preset="small",
+        sizes=((128, 4), (192, 4), (256, 6), (384, 8)),
+        head_dim=64,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        train=dict(
+            steps=300,
+            batch_size=16,
+            seq_len=512,
+            vocab_size=8192,
+            tokenizer_train_bytes=4_000_000,
+            max_tokens=None,
+            eval_every=100,
+            eval_rows=128,
+            save_every=150,
+            lr=3e-3,
+        ),
+    ),
+    "gpu5": Sweep(
+        name="gpu5",
+        description="5 sizes x K3-style vs a K2-like baseline (RoPE MLA, SwiGLU, plain MoE, sign bias), tokens = 5 x "
+        "activated parameters, 3 seeds at the two smallest sizes, on code + prose (H200)",
+        preset="small",
+        sizes=((64, 4), (96, 4), (128, 4), (192, 4), (256, 6)),
+        head_dim=32,
+        archs={"k3": "full", "baseline": BASELINE},
+        seeds=(0,),
+        extra_seeds=(1, 2),
+        extra_seed_sizes=2,
+        tokens_per_param=5.0,
+        min_steps=100,
+        data="stdlib+pydoc-topics",
+        train=dict(
+            steps=1,
+            batch_size=16,
+            seq_len=512,
+            vocab_size=8192,
+            tokenizer_train_bytes=4_000_000,
+            max_tokens=None,
+            eval_every=250,
+            eval_rows=256,
+            save_every=500,
+            lr=3e-3,
+        ),
+    ),
+}
+
+
+def get_sweep(name: str) -> Sweep:
+    try:
+        return dataclasses.replace(SWEEPS[name])
+    except KeyError:
+        raise ValueError(f"unknown sweep {name!r}; choose one of: {', '.join(SWEEPS)}") from None
+
+
+def run_sweep(
+    sweep: Sweep,
+    out: str | Path,
+    data: str | None = None,
+    device: str = "auto",
+    progress: bool = False,
+    jobs: int = 1,
+    warm_first: bool = True,
+) -> list[dict]:
+    """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
+
+    ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.ablate.run_jobs`)."""
+    from k3.audit.ablate import (
+        _run_job,
+        check_jobs,
+        ensure_tokenizer,
+        make_variant,
+        params_of,
+        run_jobs,
+        variant_config,
+    )
+    from k3.config import get_preset
+    from k3.data.tokenizer import Tokenizer
+    from k3.train.trainer import TrainConfig
+
+    check_jobs(jobs)
+    data = sweep.data if data is None else data
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({**dataclasses.asdict(sweep), "data": data}, indent=2))
+    tok_path = ensure_tokenizer(
+        out, data, sweep.train.get("vocab_size", 8192), sweep.train.get("tokenizer_train_bytes", 4_000_000)
+    )
+    tok = Tokenizer.load(tok_path)
+    plan = []
+    ctx = sweep.train.get("seq_len", 512)
+    for width, layers in sweep.sizes:  # validate everything before training anything
+        sized_ov = size_overrides(width, layers, sweep.head_dim)
+        base = get_preset(sweep.preset).replace(**sized_ov)
+        full_vocab = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
+        steps = sweep.train.get("steps")
+        if sweep.tokens_per_param:
+            per_step = sweep.train["batch_size"] * sweep.train.get("grad_accum", 1) * sweep.train["seq_len"]
+            n_k3 = params_of(full_vocab, ctx)["params_activated"]
+            steps = max(sweep.min_steps, math.ceil(sweep.tokens_per_param * n_k3 / per_step))
+        for label, vname in sweep.archs.items():
+            v = make_variant(vname, base)
+            params = params_of(variant_config(full_vocab, v), ctx)
+            small_end = (width, layers) in sweep.sizes[: sweep.extra_seed_sizes]
+            seeds = sweep.seeds + (sweep.extra_seeds if small_end else ())
+            plan += [(label, v, sized_ov, width, layers, steps, seed, params) for seed in seeds]
+    work = []
+    for label, v, sized_ov, width, layers, steps, seed, params in plan:
+        run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
+        train = {**sweep.train, "steps": steps}
+        train["eval_every"] = min(train.get("eval_every", 20), steps)
+        cfg = TrainConfig(
+            preset=sweep.preset,
+            overrides={**sized_ov, **v.overrides, "name": label},
+            data=data,
+            tokenizer=str(tok_path),
+            balance=v.balance,
+            out=str(run_dir),
+            seed=seed,
+            device=device,
+            samples=0,
+            **train,
+        )
+        meta = {
+            "label": label,
+            "variant": v.name,
+            "width": width,
+            "layers": layers,
+            "seed": seed,
+            "balance": v.balance,
+            **params,
+        }
+        work.append((cfg, meta, sweep.run_plots))
+
+    def done(i: int, s: dict) -> None:
+        log.info(
+            "[%d/%d] %s w%d l%d seed %d: %sval loss %s",
+            i + 1,
+            len(work),
+            s["label"],
+            s["width"],
+            s["layers"],
+            s["seed"],
+            "skipped, " if s.get("skipped") else "",
+            s.get("val_loss"),
+        )
+
+    return run_jobs(
+        functools.partial(_run_job, progress=progress and jobs == 1),
+        work,
+        jobs,
+        done,
+        warm_first,
+        [f"run {Path(cfg.out).name}" for cfg, _, _ in work],
+    )
