@@ -61,6 +61,18 @@ PAIRS = tuple(
     f"{a}+{b}" for i, a in enumerate(ARCH_REMOVALS) for b in ARCH_REMOVALS[i + 1 :] if {a, b} != {"no_kda", "no_mla"}
 )
 
+GPU_TRAIN = dict(  # the GPU grids' runs: 300 steps of 16 x 512 tokens
+    steps=300,
+    batch_size=16,
+    seq_len=512,
+    vocab_size=8192,
+    tokenizer_train_bytes=4_000_000,
+    max_tokens=None,
+    eval_every=100,
+    eval_rows=256,
+    save_every=100,
+    lr=3e-3,
+)
 GRIDS: dict[str, Grid] = {
     "micro": Grid(
         name="micro",
@@ -142,18 +154,7 @@ GRIDS: dict[str, Grid] = {
         seeds=(0, 1, 2),
         lrs=(1e-3, 3e-3, 1e-2),
         match="flops",
-        train=dict(
-            steps=300,
-            batch_size=16,
-            seq_len=512,
-            vocab_size=8192,
-            tokenizer_train_bytes=4_000_000,
-            max_tokens=None,
-            eval_every=100,
-            eval_rows=256,
-            save_every=100,
-            lr=3e-3,
-        ),
+        train=dict(GPU_TRAIN),
         run_plots=False,
     ),
     "balance896": Grid(
@@ -164,18 +165,7 @@ GRIDS: dict[str, Grid] = {
         overrides={"moe.num_experts": 896, "moe.num_experts_per_token": 16, "moe.moe_intermediate_size": 64},
         variants=("full", "bias_sign", "aux", "none"),
         seeds=(0, 1, 2),
-        train=dict(
-            steps=300,
-            batch_size=16,
-            seq_len=512,
-            vocab_size=8192,
-            tokenizer_train_bytes=4_000_000,
-            max_tokens=None,
-            eval_every=100,
-            eval_rows=256,
-            save_every=100,
-            lr=3e-3,
-        ),
+        train=dict(GPU_TRAIN),
         run_plots=False,
     ),
 }
