@@ -16,6 +16,8 @@ overrides). Every variant keeps the number of layers and the width; a ``+`` comp
     aux          same model, Switch auxiliary loss (alpha 1e-2), no bias
     seqaux       same model, sign bias + sequence-wise auxiliary loss (DeepSeek-V3)
     none         same model, no balancing at all
+    gamma_x10    (with bias_sign / seqaux) the sign-bias step x10; ``gamma_div10``: / 10
+    alpha_x10    (with aux / seqaux) the auxiliary-loss weight x10; ``alpha_div10``: / 10
 
 ``no_latent`` rule. Latent experts live in width l with a down/up projection (d x l each) and an RMSNorm (l)
 around the routed sum; a plain expert lives in width d. The shared experts are left as they are (their width is
@@ -59,10 +61,12 @@ import numpy as np
 
 from k3.audit import accounting
 from k3.audit.ablate_report import finite
+from k3.audit.frontier import trained_frontier
 from k3.audit.grids import FACTORIAL, FACTORS, Grid
 from k3.audit.mqar import MQARTask, MQARTrainConfig, mqar_config, train_mqar
 from k3.config import K3Config
 from k3.convert.checkpoint import latest_checkpoint
+from k3.model.balance import DEFAULT_ALPHA, DEFAULT_GAMMA
 from k3.train.trainer import read_metrics
 
 log = logging.getLogger("k3.ablate")
@@ -123,11 +127,30 @@ def _no_latent(cfg: K3Config) -> dict:
     }
 
 
+def _gamma(scale: float) -> Callable[[str], dict]:
+    def train(method: str) -> dict:
+        if method not in ("sign", "seqaux"):
+            raise ValueError(f"the sign-bias step scales sign or seqaux balancing, not {method!r}")
+        return {"balance_gamma": DEFAULT_GAMMA * scale}
+
+    return train
+
+
+def _alpha(scale: float) -> Callable[[str], dict]:
+    def train(method: str) -> dict:
+        if method not in DEFAULT_ALPHA:
+            raise ValueError(f"the auxiliary-loss weight scales aux or seqaux balancing, not {method!r}")
+        return {"balance_alpha": DEFAULT_ALPHA[method] * scale}
+
+    return train
+
+
 @dataclass(frozen=True)
 class Transform:
     description: str
     overrides: Callable[[K3Config], dict] | None = None  # model change (dotted K3Config fields)
     balance: str | None = None  # balancing change
+    train: Callable[[str], dict] | None = None  # TrainConfig changes, given the variant's balancing method
 
 
 TRANSFORMS: dict[str, Transform] = {
@@ -142,6 +165,10 @@ TRANSFORMS: dict[str, Transform] = {
     "aux": Transform("auxiliary-loss balancing instead of QB", balance="aux"),
     "seqaux": Transform("sign bias + sequence-wise aux loss instead of QB", balance="seqaux"),
     "none": Transform("no load balancing", balance="none"),
+    "gamma_x10": Transform("sign-bias step x10", train=_gamma(10.0)),
+    "gamma_div10": Transform("sign-bias step / 10", train=_gamma(0.1)),
+    "alpha_x10": Transform("auxiliary-loss weight x10", train=_alpha(10.0)),
+    "alpha_div10": Transform("auxiliary-loss weight / 10", train=_alpha(0.1)),
 }
 
 
@@ -151,6 +178,7 @@ class Variant:
     description: str
     overrides: dict  # dotted K3Config fields on top of the base (its own changes only)
     balance: str
+    train: dict = dataclasses.field(default_factory=dict)  # TrainConfig fields (balancing strength)
 
     @property
     def changes_model(self) -> bool:
@@ -186,7 +214,15 @@ def make_variant(name: str, base: K3Config, base_balance: str = BASE_BALANCE) ->
             balance = t.balance
     if cfg.num_hidden_layers != base.num_hidden_layers or cfg.hidden_size != base.hidden_size:
         raise AssertionError("variants keep depth and width")  # pragma: no cover - guarded by the transforms
-    return Variant(name, "; ".join(descriptions), overrides, balance or base_balance)
+    method = balance or base_balance
+    train = {}
+    for p in parts:
+        if TRANSFORMS[p].train is not None:
+            change = TRANSFORMS[p].train(method)
+            if set(change) & set(train):
+                raise ValueError(f"variant {name!r}: {p} changes {', '.join(sorted(set(change) & set(train)))} again")
+            train.update(change)
+    return Variant(name, "; ".join(descriptions), overrides, method, train)
 
 
 def variant_config(base: K3Config, variant: Variant) -> K3Config:
@@ -257,8 +293,11 @@ def summarise_history(history: list[dict], tail: int | None = None) -> dict:
     last = good[-tail:]
     evals = [h for h in history if "val_loss" in h]
     init = [h for h in history if "val_loss_init" in h]
-    maxvio = [h["maxvio"] for h in last if finite(h.get("maxvio"))]
-    dead = [h["dead_experts"] for h in last if finite(h.get("dead_experts"))]
+
+    def tail_mean(key: str) -> float | None:
+        xs = [h[key] for h in last if finite(h.get(key))]
+        return float(np.mean(xs)) if xs else None
+
     return {
         "steps_done": history[-1]["step"] + 1 if history else 0,
         "tokens": history[-1]["tokens"] if history else 0,
@@ -266,8 +305,12 @@ def summarise_history(history: list[dict], tail: int | None = None) -> dict:
         "val_bpb": evals[-1]["val_bpb"] if evals else None,
         "val_loss_init": init[0]["val_loss_init"] if init else None,
         "train_loss_tail": float(np.mean([h["loss"] for h in last if finite(h.get("loss"))])) if last else None,
-        "maxvio": float(np.mean(maxvio)) if maxvio else None,
-        "dead_experts": float(np.mean(dead)) if dead else None,
+        "maxvio": tail_mean("maxvio"),
+        "maxvio_micro": tail_mean("maxvio_micro"),
+        "maxvio_seq": tail_mean("maxvio_seq"),
+        "drop_cf1": tail_mean("drop_cf1"),
+        "drop_cf125": tail_mean("drop_cf125"),
+        "dead_experts": tail_mean("dead_experts"),
         "skipped_steps": sum(1 for h in history if h.get("skipped")),
         "step_time_total": float(sum(h.get("step_time", 0.0) for h in history)),
         "tail_steps": tail,
@@ -316,8 +359,7 @@ def run_one(cfg, meta: dict, progress: bool = False, plots: bool = True) -> dict
         log.info("%s %s (%d steps)", "resuming" if resume else "running", run_dir, cfg.steps)
         t0 = time.perf_counter()
         trainer = Trainer(cfg, resume=resume, progress=progress)
-        if not plots:
-            trainer.write_plots = lambda: None
+        trainer.figures = plots  # expert_loads.json is written either way (the router frontier reads it)
         try:
             trainer.run()
         except TrainingDiverged as e:
@@ -445,7 +487,7 @@ def _train_config(
         seed=seed,
         device=device,
         samples=0,
-        **{**grid.train, "lr": lr, "steps": steps},
+        **{**grid.train, "lr": lr, "steps": steps, **variant.train},
     )
 
 
@@ -518,6 +560,7 @@ def run_grid(
             "lr": lr,
             "balance": v.balance,
             "description": v.description,
+            "train_overrides": v.train,
             "overrides": v.overrides,
             **counted[v.name],
         }
@@ -597,8 +640,15 @@ def run_grid(
         "missing": missing,
         "wall_s_this_invocation": time.perf_counter() - t_start,
     }
+    moe, t = sized.moe, grid.train
+    report["router_frontier"] = trained_frontier(
+        [s for s in summaries if not s.get("overrides")],
+        t.get("batch_size", 8) * t.get("seq_len", 512),
+        moe.num_experts_per_token,
+        moe.latent_size or sized.hidden_size,
+    )
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    write_report(out, grid, summaries, results, mqar_results, data, missing, evidence)
+    write_report(out, grid, summaries, results, mqar_results, data, missing, evidence, report["router_frontier"])
     return report
 
 

@@ -162,6 +162,41 @@ def _evidence_lines(ev: dict) -> list[str]:
     return lines
 
 
+def _trained_frontier_lines(rows: list[dict]) -> list[str]:
+    """The table of k3.audit.frontier.trained_frontier: each balancing run's loss next to what its loads cost."""
+    if not rows:
+        return []
+    pct = lambda x: "—" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    ep = [g for g in (8, 64) if any(f"imbalance_ep{g}" in r for r in rows)]
+    head = ["run", "val loss", "MaxVio batch / micro / seq", "over cap 1.0 / 1.25", "padding 8 / 128"]
+    head += [f"EP {g}: imbalance, all-to-all KiB" for g in ep]
+    lines = [
+        "### Router frontier from the trained routers",
+        "",
+        "Per balancing run: its validation loss, MaxVio in three forms and the token-slots over capacity (means "
+        "of the last steps), and from its router counts (`expert_loads.json`) the padding share of a step's "
+        "expert rows, the rank imbalance (max / mean: the MoE phase's straggler factor) and the all-to-all bytes "
+        "per token per MoE layer under expert parallelism with contiguous placement (`k3/audit/frontier.py`; "
+        "estimates from measured loads).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---" * len(head) + "|",
+    ]
+    for r in rows:
+        cells = [
+            f"`{r['variant']}` s{r['seed']}",
+            _fmt(r.get("val_loss")),
+            " / ".join(_fmt(r.get(key), 2) for key in ("maxvio", "maxvio_micro", "maxvio_seq")),
+            f"{pct(r.get('drop_cf1'))} / {pct(r.get('drop_cf125'))}",
+            f"{pct(r.get('padding_8'))} / {pct(r.get('padding_128'))}",
+        ]
+        for g in ep:
+            imb, a2a = r.get(f"imbalance_ep{g}"), r.get(f"a2a_bytes_ep{g}")
+            cells.append("—" if imb is None else f"{imb:.2f}, {a2a / 1024:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _fmt(x, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
@@ -212,6 +247,7 @@ def write_report(
     data: str | None = None,
     missing: list[str] | None = None,
     evidence: dict | None = None,
+    frontier_rows: list[dict] | None = None,
 ) -> Path:
     """Write the report of ``grid`` (a k3.audit.grids.Grid) under ``out``; returns report.md's path."""
     out = Path(out)
@@ -302,6 +338,7 @@ def write_report(
             "![router frontier](router_frontier.png)",
             "",
         ]
+    lines += _trained_frontier_lines(frontier_rows or [])
     lines += ["## Loss curves", "", "![loss curves](loss_curves.png)", ""]
     if mrows:
         m = grid.mqar

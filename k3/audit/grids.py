@@ -159,11 +159,20 @@ GRIDS: dict[str, Grid] = {
     ),
     "balance896": Grid(
         name="balance896",
-        description="QB vs sign-bias vs auxiliary-loss balancing at K3's 896 experts / top-16 in a narrow model "
-        "(3 seeds, GPU)",
+        description="QB vs sign-bias (three steps) vs auxiliary-loss (three weights) balancing vs none at K3's 896 "
+        "experts / top-16 in a narrow model (3 seeds, GPU): the router frontier from trained routers",
         preset="small",
         overrides={"moe.num_experts": 896, "moe.num_experts_per_token": 16, "moe.moe_intermediate_size": 64},
-        variants=("full", "bias_sign", "aux", "none"),
+        variants=(
+            "full",
+            "bias_sign",
+            "bias_sign+gamma_div10",
+            "bias_sign+gamma_x10",
+            "aux",
+            "aux+alpha_div10",
+            "aux+alpha_x10",
+            "none",
+        ),
         seeds=(0, 1, 2),
         train=dict(GPU_TRAIN),
         run_plots=False,

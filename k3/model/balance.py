@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 BALANCE_METHODS = ("qb", "qb_exact", "sign", "aux", "seqaux", "none")
+DEFAULT_GAMMA = 1e-3  # the sign update's bias step (sign, seqaux)
+DEFAULT_ALPHA = {"aux": 1e-2, "seqaux": 1e-4}  # the auxiliary-loss weights
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -495,7 +497,7 @@ class Balancer:
         num_experts: int,
         k: int,
         *,
-        gamma: float = 1e-3,
+        gamma: float = DEFAULT_GAMMA,
         alpha: float | None = None,
         bins: int = 1000,
     ):
@@ -507,7 +509,7 @@ class Balancer:
         self.num_experts = num_experts
         self.k = k
         self.gamma = gamma
-        self.alpha = alpha if alpha is not None else {"aux": 1e-2, "seqaux": 1e-4}.get(method, 0.0)
+        self.alpha = alpha if alpha is not None else DEFAULT_ALPHA.get(method, 0.0)
         self.bins = bins
         self._hist: dict[int, QBHistogram] = {}
         self._required: dict[int, list[Tensor]] = {}

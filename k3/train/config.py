@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from k3.model.balance import BALANCE_METHODS
+from k3.model.balance import BALANCE_METHODS, DEFAULT_GAMMA
 from k3.ops.mx import MODES as MX_MODES
 from k3.quant.qat import RECIPES as QAT_RECIPES
 
@@ -90,6 +90,8 @@ class TrainConfig:
         True, "Muon per head for the head-structured projections (--no-per-head-muon: whole-matrix Muon)"
     )
     balance: str = _f("qb", "router balancing (K3: qb)", choices=BALANCE_METHODS)
+    balance_gamma: float = _f(DEFAULT_GAMMA, "router-bias step of sign and seqaux balancing")
+    balance_alpha: float | None = _f(None, "auxiliary-loss weight of aux / seqaux balancing (default 1e-2 / 1e-4)")
     qk_clip: float | None = _f(None, "QK-Clip MLA logits at TAU (K2: 100; default: off)", metavar="TAU")
     qat: str | None = _f(
         None,
@@ -120,6 +122,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive integer")
         if not self.lr > 0 or not math.isfinite(self.lr):
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        for name in ("balance_gamma", "balance_alpha"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                raise ValueError(f"--{name.replace('_', '-')}={v!r} must be a positive number")
         for f in dataclasses.fields(self):
             choices, v = f.metadata.get("choices"), getattr(self, f.name)
             if choices is not None and v not in choices and not (v is None and f.default is None):

@@ -215,6 +215,8 @@ class TrainStep:
             maxvio=metrics.get("maxvio/mean"),
             maxvio_max=metrics.get("maxvio/max"),
             dead_experts=metrics.get("dead/total"),
+            drop_cf1=metrics.get("drop_cf1.0/mean"),  # token-slots over capacity 1.0 / 1.25 (global batch)
+            drop_cf125=metrics.get("drop_cf1.25/mean"),
         )
         if sums.local_vio:  # means over micro-batches and MoE layers, this rank's
             micro, seq = host["local_vio"].double().mean(dim=0).tolist()

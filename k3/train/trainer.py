@@ -131,6 +131,7 @@ class Trainer(TrainStep, RunState):
         self.bad_steps = 0
         self.history: list[dict] = []
         self.recent_loads: dict[int, torch.Tensor] = {}
+        self.figures = True  # write_plots draws the figures (False: only expert_loads.json, e.g. many small runs)
         self._weights_check: torch.Tensor | None = None  # non-finite weight count after the last update
         if self.resume_from is not None:
             self.resume_run()
@@ -185,7 +186,9 @@ class Trainer(TrainStep, RunState):
         self.optimizer = K3Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
         log.info("optimizer groups:\n%s", describe_groups(self.optimizer.param_groups))
         moe = self.model_cfg.moe
-        self.balancer = Balancer(cfg.balance, moe.num_experts, moe.num_experts_per_token)
+        self.balancer = Balancer(
+            cfg.balance, moe.num_experts, moe.num_experts_per_token, gamma=cfg.balance_gamma, alpha=cfg.balance_alpha
+        )
         self.bias_buffers = {
             i: layer.block_sparse_moe.gate.e_score_correction_bias
             for i, layer in enumerate(self.model.model.layers)
@@ -324,11 +327,15 @@ class Trainer(TrainStep, RunState):
         return score(preds, examples), [(e.question, e.answer, p) for e, p in zip(examples, preds)]
 
     def write_plots(self) -> None:
+        if self.recent_loads:
+            write_expert_loads(self.recent_loads, self.run_dir / "expert_loads.json")
+        if not self.figures:
+            self.recent_loads = {}
+            return
         plots.loss_curves(self.history, self.run_dir / "loss.png")
         plots.maxvio_curves(self.history, self.run_dir / "maxvio.png")
         if self.recent_loads:
             plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
-            write_expert_loads(self.recent_loads, self.run_dir / "expert_loads.json")
         if self.model_cfg.attn_res.mode != "none":
             b = self.val_data.rows_batch([0])
             self.model.eval()

@@ -67,6 +67,24 @@ def test_variant_transforms(preset):
     assert abs(ablate.routed_activated(nl_cfg) - ablate.routed_activated(base)) <= 3 * d * k / 2
 
 
+def test_balancing_strength_variants():
+    """gamma_* scales the sign-bias step, alpha_* the auxiliary-loss weight: TrainConfig fields of the variant;
+    each refuses a method it does not apply to."""
+    base = get_preset("tiny")
+    assert make_variant("bias_sign+gamma_x10", base).train == {"balance_gamma": pytest.approx(1e-2)}
+    assert make_variant("aux+alpha_div10", base).train == {"balance_alpha": pytest.approx(1e-3)}
+    assert not make_variant("aux+alpha_x10", base).changes_model
+    for bad in ("aux+gamma_x10", "alpha_x10", "bias_sign+alpha_x10"):
+        with pytest.raises(ValueError, match="scales"):
+            make_variant(bad, base)
+    with pytest.raises(ValueError, match="again"):
+        make_variant("bias_sign+gamma_x10+gamma_div10", base)
+    cfg = TrainConfig(balance="sign", balance_gamma=1e-2)
+    cfg.validate()
+    with pytest.raises(ValueError, match="balance-alpha"):
+        TrainConfig(balance_alpha=-1.0).validate()
+
+
 def test_variant_errors():
     base = get_preset("tiny")
     for bad, msg in [
@@ -141,6 +159,17 @@ def test_micro_grid_end_to_end_and_resumable(tmp_path, small_data):
     assert "MQAR" in report and "| `no_mla` | kda/kda |" in report
     rows = {r["variant"]: r for r in first["variants"]}
     assert rows["full"]["val_loss_std"] is not None and rows["full"]["params_activated"] > 0
+    # the router frontier from the trained routers: the runs that change only balancing, from their loads
+    frontier = first["router_frontier"]
+    assert sorted((r["variant"], r["seed"]) for r in frontier) == [
+        ("bias_sign", 0),
+        ("bias_sign", 1),
+        ("full", 0),
+        ("full", 1),
+    ]
+    for r in frontier:
+        assert 0 <= r["padding_8"] <= r["padding_128"] < 1 and r["imbalance_ep8"] >= 1 and r["maxvio"] is not None
+    assert "### Router frontier from the trained routers" in report
     # one tokenizer for every run
     cfgs = [
         json.loads((out / "runs" / f"{v}-s{s}" / "train_config.json").read_text())
