@@ -17,12 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import select
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,90 +27,10 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from k3.bench.live_server import Server, tiny_checkpoint
+
 MODEL = "k3"
 BYSTANDERS = [f"bystander {i}: the json module" for i in range(4)]
-
-
-def tiny_checkpoint(path: Path) -> Path:
-    """A random ``tiny`` model with a 400-token BPE trained on standard-library docstrings."""
-    import collections
-    import email
-    import inspect
-    import textwrap
-
-    import torch
-
-    from k3.config import get_preset
-    from k3.convert.checkpoint import save_pretrained
-    from k3.data.tokenizer import train_bpe
-    from k3.model.decoder import K3ForCausalLM
-
-    text = "\n".join(m.__doc__ for m in (argparse, collections, email, inspect, json, textwrap))
-    tok = train_bpe([text], vocab_size=400)
-    torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
-    save_pretrained(model, path)
-    tok.save(path)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``k3 serve`` in a child process on 127.0.0.1; its output goes to a log file."""
-
-    def __init__(self, ckpt: Path, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")  # noqa: SIM115 - held for the child's lifetime, closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "k3",
-                "serve",
-                "--ckpt",
-                str(ckpt),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--device",
-                "cpu",
-                "--max-batch",
-                "16",
-                "--max-context",
-                "2048",
-                "--max-request-mb",
-                "4",
-                "--drain-timeout",
-                "1",
-            ],
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"k3 serve did not start; see {log}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        code = self.proc.wait(30)
-        self.log.close()
-        return code
 
 
 class HealthProbe:

@@ -27,6 +27,7 @@ from k3.ops.mx import MXFP4_BYTES_PER_WEIGHT
 DEFAULT_CONTEXTS = (4096, 32768, 131072, 1048576)
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 DECODE_FILES = (RESULTS / "decode-targets.json", RESULTS / "decode.json")  # current first, then the fallback
+SERVE_LOAD_FILE = RESULTS / "serve-load.json"  # benchmarks/serve_load.py: TTFT / TPOT vs concurrency, prefix cache
 
 
 def full_mla_twin(config: K3Config) -> K3Config:
@@ -230,4 +231,15 @@ def long_context(config: K3Config, rep: dict, contexts=DEFAULT_CONTEXTS) -> dict
         "crossovers": crossovers(config) if config.kda_layers and config.mla_layers else None,
         "decode_bytes": decode,
         "measured_gpu": measured_decode(DECODE_FILES),  # read at call time: tests point it elsewhere
+        "serving_load": measured_serving(SERVE_LOAD_FILE),
     }
+
+
+def measured_serving(path: Path = SERVE_LOAD_FILE) -> dict:
+    """The serving-under-load results (benchmarks/serve_load.py) with their environment, or why there are none."""
+    raw, why = _read_results(path)
+    if raw is None:
+        return {"name": path.name, "read": False, "why": why, "rows": []}
+    meta = raw.get("meta") or {}
+    keep = ("device", "time", "checkpoint", "server_args")
+    return {"name": path.name, "read": True, "rows": raw["rows"], **{k: meta.get(k) for k in keep}}

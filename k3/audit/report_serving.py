@@ -233,6 +233,7 @@ def _long(a: dict, config: K3Config) -> list[str]:
         "",
     ]
     out += _measured_decode(lc.get("measured_gpu"))
+    out += _serving_load(lc.get("serving_load"))
     c = a["measured_cpu"]
     if c:
         env = c["environment"]
@@ -276,6 +277,32 @@ def _model_label(m: dict) -> str:
             f"{m['mla_layers']} of them MLA; d = {m['hidden_size']})"
         )
     return text + f"; source of the label: {m['from']}"
+
+
+def _serving_load(s: dict | None) -> list[str]:
+    """TTFT / TPOT against concurrency and the prefix cache's effect, from benchmarks/results/serve-load.json."""
+    if not s or not s.get("read"):
+        why = (s or {}).get("why", "not found")
+        return [f"No serving-under-load results (`benchmarks/results/serve-load.json`: {why}).", ""]
+    out = [
+        "### Serving under load (`benchmarks/serve_load.py`)",
+        "",
+        f"`benchmarks/results/{s['name']}`: {s.get('device')}, {s.get('time')}; checkpoint: {s.get('checkpoint')}. "
+        "Streamed greedy completions through `k3 serve`; TTFT from request to first text, TPOT per later token.",
+        "",
+    ]
+    rows = [
+        [
+            r.get("case", ""),
+            r.get("requests", ""),
+            *(f"{r[k]:.1f}" if isinstance(r.get(k), (int, float)) else "—" for k in ("ttft_p50_ms", "ttft_p90_ms")),
+            *(f"{r[k]:.2f}" if isinstance(r.get(k), (int, float)) else "—" for k in ("tpot_p50_ms", "tokens_per_s")),
+            r.get("error") or r.get("detail", ""),
+        ]
+        for r in s["rows"]
+    ]
+    head = ["case", "requests", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "tokens/s", "detail"]
+    return out + [md_table(head, rows), ""]
 
 
 def _measured_decode(g: dict | None) -> list[str]:

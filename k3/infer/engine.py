@@ -308,16 +308,21 @@ class Engine:
 
     def _schedule(self) -> tuple[list[_Sequence], list[list[int]]]:
         """(sequences in this pass, the tokens each feeds): a prefill chunk (within the step's ``prefill_chunk``
-        budget; one that stops short of its prompt's end ends on a prefix-cache block boundary) or, once the prompt
-        is in, the newest output token. A prefilling sequence left no budget sits this pass out."""
+        budget; one that stops short of its prompt's end ends on a prefix-cache block boundary, and with the prefix
+        cache on a chunk that would end the prompt off a boundary stops at the last boundary first, so the cache
+        gets the KDA state there: the tail follows in the next pass) or, once the prompt is in, the newest output
+        token. A prefilling sequence left no budget sits this pass out."""
         pieces, batch, budget = [], [], self.prefill_chunk
         for seq in self.running:
             if seq.fed < len(seq.prompt):
                 if budget <= 0:
                     continue
                 take = min(len(seq.prompt) - seq.fed, budget)
-                if self.prefix is not None and seq.fed + take < len(seq.prompt):
-                    take -= (seq.fed + take) % self.prefix.block_size
+                if self.prefix is not None:
+                    end = seq.fed + take
+                    aligned = end - end % self.prefix.block_size
+                    if end < len(seq.prompt) or (aligned > seq.fed and seq.image_features is None):
+                        take = aligned - seq.fed
                 if take <= 0:
                     continue
                 budget -= take

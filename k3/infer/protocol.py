@@ -89,6 +89,7 @@ class BaseRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt (not streamed); choice j is seeded seed + j
+    ignore_eos: bool = False  # generate max_tokens whatever the model emits (as vLLM's; load tests use it)
     # accepted only at their no-op values
     logit_bias: dict[str, Any] | None = None
 

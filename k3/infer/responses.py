@@ -15,11 +15,13 @@ from k3.data.tokenizer import Tokenizer
 from k3.infer.async_engine import EngineClosed, EngineError
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens read from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -54,7 +56,7 @@ async def stream_events(stream, first: list[dict], chunk, include_usage: bool, t
                     {
                         **chunk(None, None, [], None),
                         "choices": [],
-                        "usage": usage(out.prompt_tokens, out.completion_tokens),
+                        "usage": usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens),
                     }
                 )
     except (EngineError, EngineClosed) as e:

@@ -196,6 +196,7 @@ class Serving:
             stop_token_ids=stop_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            ignore_eos=req.ignore_eos,
         )
         try:
             params.validate()
@@ -312,7 +313,9 @@ class Serving:
             for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))
         ]
         completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
-        return {**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        n = req.n  # each prompt's choices are n jobs in a row; its tokens count once, as in prompt_tokens
+        cached = sum(max(r[1].cached_tokens for r in results[i : i + n]) for i in range(0, len(results), n))
+        return {**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
 
     async def chat_prompt(self, req: ChatRequest) -> tuple[list[int], Any, Any]:
         """(prompt ids with image tokens expanded, the images' media, the rendered chat) of the messages."""
@@ -374,5 +377,5 @@ class Serving:
                 }
                 for j, (text, last, lps, _) in enumerate(results)
             ],
-            "usage": usage(len(prompt), completion_tokens),
+            "usage": usage(len(prompt), completion_tokens, max(last.cached_tokens for _, last, _, _ in results)),
         }

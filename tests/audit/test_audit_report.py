@@ -12,6 +12,7 @@ from k3.audit.longctx import measured_decode
 from k3.audit.measure import attn_res_depth
 from k3.audit.report import _attn_res_depth, _measured_decode, activated_share, padding_sentence, run_audit
 from k3.audit.paths import by_path
+from k3.audit.report_serving import _serving_load
 from k3.audit.router import router_frontier
 from k3.config import get_preset
 
@@ -86,12 +87,43 @@ def test_missing_results_files_are_said_not_fatal(tmp_path, monkeypatch, decode_
     (tmp_path / "broken.json").write_text("{not json")
     monkeypatch.setattr(longctx, "DECODE_FILES", (tmp_path / "absent.json", tmp_path / "broken.json"))
     monkeypatch.setattr(attnres, "GPU_FILES", (tmp_path / "absent-attn_res.json",))
+    monkeypatch.setattr(longctx, "SERVE_LOAD_FILE", tmp_path / "absent-serve-load.json")
     a = run_audit(get_preset("tiny"), tmp_path / "out", source="test", contexts=(256,))
     text = (tmp_path / "out" / "report.md").read_text()
     assert "No GPU decode measurements found" in text
     assert "absent.json` (not found)" in text and "broken.json` (unreadable (JSONDecodeError))" in text
     assert "No GPU AttnRes measurements found (`benchmarks/results/absent-attn_res.json` (not found))" in text
     assert a["long_context"]["measured_gpu"]["rows"] == []
+    assert "No serving-under-load results (`benchmarks/results/serve-load.json`: not found)" in text
+
+
+def test_serving_under_load_comes_from_its_results_file(tmp_path, monkeypatch):
+    path = tmp_path / "serve-load.json"
+    rows = [
+        {
+            "phase": "load",
+            "case": "concurrency 4",
+            "requests": 8,
+            "ttft_p50_ms": 12.5,
+            "ttft_p90_ms": 20.0,
+            "tpot_p50_ms": 3.25,
+            "tokens_per_s": 900.0,
+            "detail": "256-token prompts",
+        },
+        {
+            "phase": "prefix cache",
+            "case": "512-token shared prefix",
+            "requests": 4,
+            "ttft_p50_ms": 5.0,
+            "detail": "hit rate 94.1%",
+        },
+    ]
+    path.write_text(json.dumps({"meta": {"device": "NVIDIA H200", "time": "t", "checkpoint": "c"}, "rows": rows}))
+    monkeypatch.setattr(longctx, "SERVE_LOAD_FILE", path)
+    s = longctx.measured_serving(longctx.SERVE_LOAD_FILE)
+    text = "\n".join(_serving_load(s))
+    assert "NVIDIA H200" in text and "| concurrency 4 | 8 | 12.5 | 20.0 | 3.25 | 900.00 | 256-token prompts |" in text
+    assert "hit rate 94.1%" in text
 
 
 def _pct(x):

@@ -209,3 +209,25 @@ def test_kimi_linear_48b_smoke_checkpoint_phase(tmp_path):
     assert by_case["stream-load 4 layers"]["detail"].endswith("same tensors")
     assert 0 <= by_case["host memory while loading"]["value"] < 1.0  # GiB: a few MB of shards
     assert by_case["peak host RSS of the loading process"]["value"] > 0
+
+
+def test_serve_load_benchmark_smoke(tmp_path):
+    """benchmarks/serve_load.py against a live k3 serve (tiny random checkpoint): TTFT / TPOT per concurrency, and
+    a shared prefix read from the prefix cache by the requests after the first."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--concurrency", "1,2", "--prompt", "32", "--output", "4", "--requests", "1", "--prefix", "64"]
+    assert module.main([*argv, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "serve-load.json").read_text())["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    load = [r for r in rows if r["phase"] == "load"]
+    assert [r["requests"] for r in load] == [1, 2]
+    assert all(0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["tpot_p50_ms"] > 0 for r in load)
+    prefix = next(r for r in rows if r["phase"] == "prefix cache")
+    assert "hit rate 66.7%" in prefix["detail"]  # 64 of the 96 prompt tokens: one block of 64

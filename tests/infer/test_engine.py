@@ -87,6 +87,23 @@ def test_prefix_cache_hit_equals_miss(model, monkeypatch):
     assert cached.prefix.hits == 1
 
 
+def test_prefix_cache_fills_from_a_prompt_shorter_than_the_chunk(model, monkeypatch):
+    """A prompt that fits one prefill chunk is fed up to its last block boundary, then its tail: the cache gets the
+    KDA state at the boundary, and the output equals a plain engine's."""
+    seen = record_logits(monkeypatch)
+    torch.manual_seed(5)
+    shared = torch.randint(0, 512, (100,)).tolist()
+    eng = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=256, block_size=16, prefix_cache_bytes=10**8)
+    first = eng.generate([shared + [1, 2]], tagged("first", max_tokens=3))[0]
+    hit = eng.generate([shared + [7, 8, 9]], tagged("hit", max_tokens=5))[0]
+    assert first["cached_tokens"] == 0 and hit["cached_tokens"] == 96
+    plain = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=256)
+    miss = plain.generate([shared + [7, 8, 9]], tagged("miss", max_tokens=5))[0]
+    assert hit["token_ids"] == miss["token_ids"]
+    a, b = torch.stack(seen["hit"]), torch.stack(seen["miss"])
+    assert ((a - b).norm() / b.norm()).item() <= 1e-5
+
+
 def test_prefix_cache_resumes_after_generated_text(model):
     """Blocks completed during decode are cached too: a follow-up turn resumes past the first answer."""
     torch.manual_seed(3)

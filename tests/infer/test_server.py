@@ -299,6 +299,39 @@ def test_chat_logprobs_streamed_or_not(client):
     assert client.chat.completions.create(**{**kw, "top_logprobs": 0}).choices[0].logprobs.content[0].top_logprobs == []
 
 
+def test_usage_reports_prefix_cache_hits(ckpt):
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens a request read from the prefix cache (0 on a
+    miss; whole blocks below the last prompt token on a repeat), streamed or not, completions and chat; and
+    ignore_eos (a load test's fixed output length)."""
+    model, tok, _ = load_for_inference(ckpt, "cpu", "float32")
+    engine = Engine(
+        model, tok, max_batch=4, max_context=CONTEXT, prefill_chunk=32, block_size=16, prefix_cache_bytes=10**8
+    )
+    live = LiveServer(create_app(AsyncEngine(engine), tok, MODEL, CONTEXT))
+    try:
+        c = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = list(range(3, 83))  # 80 token ids
+        first = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        again = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == 64  # 4 blocks of 16 below token 79
+        stream = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        usage = [ch.usage for ch in stream if ch.usage is not None]
+        assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens == 64
+        msgs = [{"role": "user", "content": "the json module " * 12}]
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+        chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+        assert chat.usage.prompt_tokens_details.cached_tokens > 0
+        long = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert long.usage.completion_tokens == 12 and long.choices[0].finish_reason == "length"
+    finally:
+        live.stop()
+
+
 def test_32_concurrent_streams_equal_sequential(served, client):
     prompts = [
         f"{w} " * (1 + i % 5) + f"item {i}:"
