@@ -156,7 +156,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a gloo rehearsal)")
     a = p.parse_args()
 
-    from k3.audit.ablate import ensure_tokenizer
+    from k3.audit.runs import ensure_tokenizer
     from k3.train.trainer import read_metrics
     from k3.bench.common import environment, write_results
 

@@ -2,7 +2,7 @@
 training scale, next to its validation loss.
 
 Per run (an ablation run that differs from ``full`` only in balancing), from its metrics (the mean of the last
-steps, :func:`k3.audit.ablate.summarise_history`): validation loss; MaxVio in its three forms (global batch,
+steps, :func:`k3.audit.runs.summarise_history`): validation loss; MaxVio in its three forms (global batch,
 micro-batch, per sequence); the share of token-slots over capacity at capacity factor 1.0 and 1.25. From its
 router counts (``expert_loads.json``: the token-slots each expert received over the last logged steps, per MoE
 layer; shares f_j = count_j / sum), for a step of T tokens with top-k:

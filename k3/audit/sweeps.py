@@ -1,5 +1,5 @@
 """Scaling sweeps (``k3 scaling --sweep NAME``): K3-style models against a K2-like baseline at >= 4 sizes, trained
-with :func:`k3.audit.ablate.run_one` (resumable, one shared tokenizer) into
+with :func:`k3.audit.runs.run_one` (resumable, one shared tokenizer) into
 ``OUT/runs/<label>-w<width>-l<layers>-s<seed>/``; :mod:`k3.audit.scaling` fits them."""
 
 from __future__ import annotations
@@ -173,16 +173,9 @@ def run_sweep(
 ) -> list[dict]:
     """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
 
-    ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.ablate.run_jobs`)."""
-    from k3.audit.ablate import (
-        _run_job,
-        check_jobs,
-        ensure_tokenizer,
-        make_variant,
-        params_of,
-        run_jobs,
-        variant_config,
-    )
+    ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.runs.run_jobs`)."""
+    from k3.audit.ablate import make_variant, params_of, variant_config
+    from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
     from k3.config import get_preset
     from k3.data.tokenizer import Tokenizer
     from k3.train.trainer import TrainConfig
@@ -255,7 +248,7 @@ def run_sweep(
         )
 
     return run_jobs(
-        functools.partial(_run_job, progress=progress and jobs == 1),
+        functools.partial(run_job, progress=progress and jobs == 1),
         work,
         jobs,
         done,

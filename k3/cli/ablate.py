@@ -13,7 +13,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from k3.audit.ablate import TRANSFORMS, run_grid, set_threads
+from k3.audit.ablate import TRANSFORMS, run_grid
+from k3.audit.runs import set_threads
 from k3.audit.grids import GRIDS, get_grid
 
 log = logging.getLogger("k3.ablate")

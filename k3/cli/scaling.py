@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k3.audit.ablate import set_threads
+from k3.audit.runs import set_threads
 from k3.audit.scaling import analyse, load_runs, write_outputs
 from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep
 

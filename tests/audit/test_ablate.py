@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from k3.audit import ablate
-from k3.audit.ablate import make_variant, params_of, run_grid, run_one, variant_config
+from k3.audit import runs
+from k3.audit.ablate import make_variant, params_of, run_grid, variant_config
+from k3.audit.runs import run_one
 from k3.audit.grids import ALL_VARIANTS, FACTORIAL, FACTORS, PAIRS, get_grid
 from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
 from k3.cli.main import main
@@ -328,8 +330,8 @@ def test_a_failing_job_is_reported_and_the_others_finish():
 
     done = {}
     with pytest.raises(RuntimeError, match=r"1 of 3 jobs failed .*job 2: ValueError"):
-        ablate.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, done=lambda i, r: done.update({i: r}))
+        runs.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, done=lambda i, r: done.update({i: r}))
     assert done == {0: 2.0, 2: 3.0}
     with pytest.raises(RuntimeError, match=r"1 of 3 jobs failed .*run minus-one: ValueError"):
-        ablate.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, labels=["run four", "run minus-one", "run nine"])
-    assert ablate.run_jobs(math.sqrt, [4.0, 9.0, 16.0], workers=2, warm_first=False) == [2.0, 3.0, 4.0]
+        runs.run_jobs(math.sqrt, [4.0, -1.0, 9.0], workers=2, labels=["run four", "run minus-one", "run nine"])
+    assert runs.run_jobs(math.sqrt, [4.0, 9.0, 16.0], workers=2, warm_first=False) == [2.0, 3.0, 4.0]
