@@ -3,15 +3,16 @@
 Phases (each guarded: one failing still leaves the others' rows):
 1. ``checkpoint``: preset ``kimi-linear-48b`` with ``--layers`` layers (default: the most that fit the free disk,
    at most 27) built on the GPU in bf16, written sharded by our writer (k3.convert.checkpoint), its pages dropped
-   from the page cache, then stream-loaded back to the GPU: GB/s, peak host RSS, bit-exact check.
+   from the page cache, then stream-loaded back to the GPU in a fresh process (:func:`load_in_child`): GB/s, the
+   resident set's rise while loading (sampled) and the process's whole peak, bit-exact check.
 2. ``decode``: the full 27-layer model built on the GPU in bf16; ms per decode step at B=1 / 4K and B=64 / 32K
    (k3.bench.decode: filled caches, CUDA-graph decode step) against the bandwidth limit
    (k3.bench.decode.step_bytes / k3.bench.common.read_bandwidth).
 3. ``prefill``: one 32K-token prompt, tokens/s.
 4. ``peer``: transformers' KimiLinearForCausalLM at the same shapes (built in bf16 on the GPU after ours is freed);
    its error is recorded if it does not fit or fails.
-Results: benchmarks/results/kimi-linear-48b.{md,json} (k3.bench.common.write_results). ``--smoke`` runs every
-phase on a tiny config (CPU works) to check the code path.
+Results: benchmarks/results/kimi-linear-48b.{md,json} (k3.bench.common.write_results), written after every phase
+and peer row. ``--smoke`` runs every phase on a tiny config (CPU works) to check the code path.
 """
 
 from __future__ import annotations
