@@ -10,6 +10,7 @@ import math
 import torch
 
 from k3.bench import slice as bench_slice
+from k3.bench import slice_model
 from k3.bench.decode import step_bytes
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
@@ -55,9 +56,9 @@ def test_layer_times_and_extrapolation():
 
 def test_k3_slice_byte_accounting_on_meta():
     cfg = get_preset("k3-slice")
-    model = bench_slice.build_meta_packed(cfg)
+    model = slice_model.build_meta_packed(cfg)
     assert all(t.is_meta for n, t in model.named_buffers() if n.endswith("_packed"))
-    acc = bench_slice.expert_accounting(model)
+    acc = slice_model.expert_accounting(model)
     per_layer = 896 * 3 * 3072 * 3584 * 4.25 / 8
     assert [r["layer"] for r in acc["layers"]] == [1, 2, 3, 4]
     for r in acc["layers"]:
@@ -65,21 +66,21 @@ def test_k3_slice_byte_accounting_on_meta():
         assert r["bytes"] == per_layer
     assert acc["bytes_per_weight"] == 4.25 / 8
     assert 62e9 < acc["bytes"] < 64e9
-    held = bench_slice.model_bytes(model)
+    held = slice_model.model_bytes(model)
     assert held["routed_experts"] == acc["bytes"]
     assert sum(held.values()) - held["routed_experts"] < 15e9  # the rest of the slice in bf16
     b, c = 64, 32768
     hit = 896 * (1 - (1 - 16 / 896) ** b)
-    assert bench_slice.expected_hit(cfg, b) == hit
-    assert bench_slice.slice_step_bytes(model, b, c) == step_bytes(model, b, c) + 4 * per_layer * hit / 896
-    assert bench_slice.slice_step_bytes(model, b, c, hits=[10] * 4) == step_bytes(model, b, c) + 40 * per_layer / 896
+    assert slice_model.expected_hit(cfg, b) == hit
+    assert slice_model.slice_step_bytes(model, b, c) == step_bytes(model, b, c) + 4 * per_layer * hit / 896
+    assert slice_model.slice_step_bytes(model, b, c, hits=[10] * 4) == step_bytes(model, b, c) + 40 * per_layer / 896
 
 
 def test_materialise_matches_the_constructor():
-    cfg = bench_slice.smoke_config()
+    cfg = slice_model.smoke_config()
     torch.manual_seed(0)
     ref = K3ForCausalLM(cfg).cast(torch.bfloat16)
-    built = bench_slice.build_packed(cfg, "cpu")
+    built = slice_model.build_packed(cfg, "cpu")
     ref_state, state = ref.state_dict(), built.state_dict()
     for name, t in state.items():
         assert torch.isfinite(t.float()).all(), name
@@ -87,7 +88,7 @@ def test_materialise_matches_the_constructor():
         if r is None:  # packed banks: codes and scales in range
             assert name.endswith(("_packed", "_scale")), name
             if name.endswith("_scale"):
-                assert bench_slice.SCALES[0] <= int(t.min()) and int(t.max()) < bench_slice.SCALES[1]
+                assert slice_model.SCALES[0] <= int(t.min()) and int(t.max()) < slice_model.SCALES[1]
             continue
         assert r.dtype == t.dtype and r.shape == t.shape, name
         if r.numel() > 1 and bool((r == r.flatten()[0]).all()) and not name.endswith("e_score_correction_bias"):
