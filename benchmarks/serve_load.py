@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from k3.bench.common import environment, write_results
 from k3.bench.live_server import Server, tiny_checkpoint
@@ -81,11 +82,6 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, timeout: float = 60
     return {"ttft": first - t0, "span": last - first, "usage": usage}
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
-
-
 def load_phase(url: str, vocab: int, concurrency: int, requests: int, prompt: int, output: int, rng) -> dict:
     """C clients x ``requests`` streamed requests each, distinct random prompts."""
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt)] for _ in range(concurrency * requests)]
@@ -123,10 +119,10 @@ def load_phase(url: str, vocab: int, concurrency: int, requests: int, prompt: in
     }
     if results:
         row |= {
-            "ttft_p50_ms": percentile(ttft, 0.5),
-            "ttft_p90_ms": percentile(ttft, 0.9),
-            "tpot_p50_ms": percentile(tpot, 0.5),
-            "tpot_p90_ms": percentile(tpot, 0.9),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p90_ms": float(np.percentile(ttft, 90)),
+            "tpot_p50_ms": float(np.percentile(tpot, 50)),
+            "tpot_p90_ms": float(np.percentile(tpot, 90)),
         }
     if errors:
         row["error"] = f"{len(errors)} failed: {errors[0]}"

@@ -264,16 +264,14 @@ def _train_config(
     )
 
 
-def variant_steps(grid: Grid, base: K3Config, variants: list[Variant]) -> dict[str, int]:
-    """Training steps per variant: grid.train's for ``match="tokens"``; for ``"flops"`` scaled by full's forward
-    FLOPs per token over the variant's (at the grid's sequence length, attention counted), rounded."""
+def variant_steps(grid: Grid, full_flops: float, counted: dict[str, dict]) -> dict[str, int]:
+    """Training steps per variant (``counted``: name -> :func:`params_of` at the grid's sequence length):
+    grid.train's for ``match="tokens"``; for ``"flops"`` scaled by full's forward FLOPs per token
+    (``full_flops``) over the variant's (attention counted), rounded."""
     steps = grid.train.get("steps", 1000)
     if grid.match == "tokens":
-        return {v.name: steps for v in variants}
-    ctx = grid.train.get("seq_len", 512)
-    full = params_of(base, ctx)["flops_per_token"]
-    flops = {v.name: params_of(variant_config(base, v), ctx)["flops_per_token"] for v in variants}
-    return {name: max(1, round(steps * full / f)) for name, f in flops.items()}
+        return dict.fromkeys(counted, steps)
+    return {name: max(1, round(steps * full_flops / c["flops_per_token"])) for name, c in counted.items()}
 
 
 def best_lrs(sweep: list[dict]) -> dict[str, float]:
@@ -320,8 +318,9 @@ def run_grid(
     tok = Tokenizer.load(tok_path)
     sized = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
     ctx = grid.train.get("seq_len", 512)
-    steps = variant_steps(grid, sized, variants)
     counted = {v.name: params_of(variant_config(sized, v), ctx) for v in variants}
+    full = counted["full"] if "full" in counted else params_of(sized, ctx)
+    steps = variant_steps(grid, full["flops_per_token"], counted)
 
     def job(v: Variant, seed: int, lr: float) -> tuple:
         name = f"{v.name}-lr{lr:g}-s{seed}" if grid.lrs else f"{v.name}-s{seed}"

@@ -52,7 +52,8 @@ def padding_share(shares: np.ndarray, tokens: int, k: int, align: int) -> float:
 
 
 def rank_shares(shares: np.ndarray, ranks: int) -> np.ndarray:
-    """Each rank's share of the layer's token-slots with the experts placed contiguously (E / ranks a rank)."""
+    """Each rank's share of the layer's token-slots with the experts placed contiguously (E / ranks a rank), as
+    k3.plan.placement.contiguous places them (k3.plan imports k3.audit, so it cannot be imported here)."""
     per = math.ceil(len(shares) / ranks)
     padded = np.zeros(per * ranks)
     padded[: len(shares)] = shares

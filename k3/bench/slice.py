@@ -267,6 +267,23 @@ def _fits(model: K3ForCausalLM, batch: int, context: int) -> tuple[bool, str]:
     return ok, "" if ok else f"skipped: cache {need / GIB:.1f} GiB + {MARGIN / GIB:.0f} GiB > {free / GIB:.1f} free"
 
 
+def decode_row(model, batch: int, context: int, steps: int, bw: float, read_bw: float, hits=None) -> dict:
+    """One decode case's table fields: time per step, the step's bytes (``hits``: distinct experts per MoE layer,
+    else the expected count) and their fraction of the copy / read bandwidth limits, the GPU peak."""
+    t = decode_seconds(model, batch, context, steps)
+    nbytes = slice_step_bytes(model, batch, context, hits)
+    return {
+        "ms": t * 1e3,
+        "tokens_per_s": batch / t,
+        "step_GB": nbytes / GB,
+        "limit_ms": nbytes / bw * 1e3,
+        "fraction_of_limit": nbytes / bw / t,
+        "fraction_of_read_limit": nbytes / read_bw / t,
+        "expected_hit": expected_hit(model.config, batch),
+        "peak_GiB": _peak(),
+    }
+
+
 def decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer: dict) -> None:
     """Decode rows, and the same step with parts skipped into ``per_layer[(B, context)]`` (seconds): ``full``,
     ``no_experts`` (routed experts replaced by zeros), ``mla_only`` (that, and the KDA-MoE layers skipped) and
@@ -292,19 +309,7 @@ def decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer: 
                 if batch not in hits:
                     hits[batch] = experts_hit(model, batch, min(context, 4096))
                 h = hits[batch]
-                t = decode_seconds(model, batch, context, steps)
-                nbytes = slice_step_bytes(model, batch, context, h)
-                row |= {
-                    "ms": t * 1e3,
-                    "tokens_per_s": batch / t,
-                    "step_GB": nbytes / GB,
-                    "limit_ms": nbytes / bw * 1e3,
-                    "fraction_of_limit": nbytes / bw / t,
-                    "fraction_of_read_limit": nbytes / read_bw / t,
-                    "experts_hit": sum(h) / len(h),
-                    "expected_hit": expected_hit(cfg, batch),
-                    "peak_GiB": _peak(),
-                }
+                row |= decode_row(model, batch, context, steps, bw, read_bw, h) | {"experts_hit": sum(h) / len(h)}
 
             row = _guard(rows, base, case)
             if "ms" not in row:
@@ -392,18 +397,7 @@ def bf16_phase(model, rows, batches, context: int, steps: int, bw, read_bw) -> N
 
     def step(row):
         _reset_peak()
-        t = decode_seconds(model, batch, context, steps)
-        nbytes = slice_step_bytes(model, batch, context)
-        row |= {
-            "ms": t * 1e3,
-            "tokens_per_s": batch / t,
-            "step_GB": nbytes / GB,
-            "limit_ms": nbytes / bw * 1e3,
-            "fraction_of_limit": nbytes / bw / t,
-            "fraction_of_read_limit": nbytes / read_bw / t,
-            "expected_hit": expected_hit(cfg, batch),
-            "peak_GiB": _peak(),
-        }
+        row |= decode_row(model, batch, context, steps, bw, read_bw)
 
     _guard(
         rows,

@@ -40,6 +40,30 @@ def _float_list(text: str) -> tuple[float, ...]:
     return values
 
 
+def add_run_flags(p) -> None:
+    """--jobs, --no-warm-first and --threads: how the training runs of a grid or a sweep share the machine."""
+    p.add_argument(
+        "--no-warm-first",
+        dest="warm_first",
+        action="store_false",
+        help="with --jobs: start every worker at once instead of running the first run alone first (it "
+        "fills the Triton compile / autotune caches; skip when they are warm)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained side by side in worker processes (default 1; e.g. 6 on one GPU: small "
+        "models leave it mostly idle); the first run goes alone to fill the kernel caches",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)",
+    )
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("ablate", help="run an ablation grid (variants x seeds, MQAR recall) and write its report")
     p.add_argument("--grid", default="smoke", choices=sorted(GRIDS), help="which grid (default smoke)")
@@ -61,30 +85,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-mqar", dest="mqar", action="store_false", help="skip the MQAR recall runs")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="per-run progress bars (only with --jobs 1)")
-    p.add_argument(
-        "--no-warm-first",
-        dest="warm_first",
-        action="store_false",
-        help="with --jobs: start every worker at once instead of running the first run alone first (it "
-        "fills the Triton compile / autotune caches; skip when they are warm)",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="runs trained side by side in worker processes (default 1; e.g. 6 on one GPU: small "
-        "models leave it mostly idle); the first run goes alone to fill the kernel caches",
-    )
+    add_run_flags(p)
     p.add_argument(
         "--report-only",
         action="store_true",
         help="train nothing: write the report from the finished runs on disk, listing the missing ones",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)",
     )
     p.add_argument("--list", action="store_true", help="print the grids and variants and exit")
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from k3.audit.runs import set_threads
+from k3.cli.ablate import add_run_flags
 from k3.audit.scaling import analyse, load_runs, write_outputs
 from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep
 
@@ -38,25 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default=None, help="--sweep: training data as for k3 train (default: stdlib)")
     p.add_argument("--device", default="auto", help="--sweep: auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="--sweep: per-run progress bars")
-    p.add_argument(
-        "--no-warm-first",
-        dest="warm_first",
-        action="store_false",
-        help="with --jobs: start every worker at once instead of running the first run alone first (it "
-        "fills the Triton compile / autotune caches; skip when they are warm)",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="--sweep: runs trained side by side in worker processes (default 1; e.g. 6 on one GPU)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: torch's; 1 is best for tiny models on a busy machine)",
-    )
+    add_run_flags(p)
     p.set_defaults(func=run)
 
 

@@ -74,6 +74,41 @@ def small_1b() -> K3Config:
     )
 
 
+def _kimi_linear_blocks(heads: int, kda_head_dim: int, experts: int, expert_width: int) -> dict:
+    """The mixer and MoE configs of a Kimi-Linear model: softplus KDA gate with low-rank gates of the head size,
+    MLA without q_lora or output gate (NoPE), plain MoE top-8 with one shared expert, no AttnRes."""
+    return dict(
+        kda=KDAConfig(
+            num_heads=heads,
+            head_dim=kda_head_dim,
+            v_head_dim=kda_head_dim,
+            gate_lower_bound=None,
+            full_rank_output_gate=False,
+            forget_gate_rank=kda_head_dim,
+            output_gate_rank=kda_head_dim,
+        ),
+        mla=MLAConfig(
+            num_heads=heads,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            output_gate=False,
+        ),
+        moe=MoEConfig(
+            num_experts=experts,
+            num_experts_per_token=8,
+            num_shared_experts=1,
+            moe_intermediate_size=expert_width,
+            latent_size=None,
+            latent_norm=False,
+            routed_scaling_factor=2.446,
+        ),
+        attn_res=AttnResConfig(mode="none", block_size=1),
+    )
+
+
 def kimi_linear_48b() -> K3Config:
     """Kimi-Linear-48B-A3B (docs/architecture.md#layer-schedule): softplus gate, low-rank output gate, no q_lora,
     plain MoE, SwiGLU, no AttnRes."""
@@ -90,34 +125,7 @@ def kimi_linear_48b() -> K3Config:
         bos_token_id=163584,
         eos_token_id=163586,
         pad_token_id=163839,
-        kda=KDAConfig(
-            num_heads=32,
-            head_dim=128,
-            v_head_dim=128,
-            gate_lower_bound=None,
-            full_rank_output_gate=False,
-            forget_gate_rank=128,
-            output_gate_rank=128,
-        ),
-        mla=MLAConfig(
-            num_heads=32,
-            q_lora_rank=None,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            output_gate=False,
-        ),
-        moe=MoEConfig(
-            num_experts=256,
-            num_experts_per_token=8,
-            num_shared_experts=1,
-            moe_intermediate_size=1024,
-            latent_size=None,
-            latent_norm=False,
-            routed_scaling_factor=2.446,
-        ),
-        attn_res=AttnResConfig(mode="none", block_size=1),
+        **_kimi_linear_blocks(heads=32, kda_head_dim=128, experts=256, expert_width=1024),
     )
 
 
@@ -135,34 +143,7 @@ def kimi_linear_1p3b(full_mla: bool = False) -> K3Config:
         intermediate_size=4096,
         hidden_act="silu",
         max_position_embeddings=1 << 20,
-        kda=KDAConfig(
-            num_heads=16,
-            head_dim=64,
-            v_head_dim=64,
-            gate_lower_bound=None,
-            full_rank_output_gate=False,
-            forget_gate_rank=64,
-            output_gate_rank=64,
-        ),
-        mla=MLAConfig(
-            num_heads=16,
-            q_lora_rank=None,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            output_gate=False,
-        ),
-        moe=MoEConfig(
-            num_experts=64,
-            num_experts_per_token=8,
-            num_shared_experts=1,
-            moe_intermediate_size=512,
-            latent_size=None,
-            latent_norm=False,
-            routed_scaling_factor=2.446,
-        ),
-        attn_res=AttnResConfig(mode="none", block_size=1),
+        **_kimi_linear_blocks(heads=16, kda_head_dim=64, experts=64, expert_width=512),
     )
 
 

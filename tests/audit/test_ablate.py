@@ -247,12 +247,15 @@ def test_flops_matched_steps():
     grid = dataclasses.replace(get_grid("factorial"), train={**get_grid("factorial").train, "steps": 1000})
     base = grid.base_config()
     vs = [make_variant(v, base) for v in ("full", "no_latent", "no_kda")]
-    steps = ablate.variant_steps(grid, base, vs)
+    counted = {v.name: params_of(variant_config(base, v), 512) for v in vs}
+    full = params_of(base, 512)["flops_per_token"]
+    assert counted["full"]["flops_per_token"] == full
+    steps = ablate.variant_steps(grid, full, counted)
     assert steps["full"] == 1000
     for v in vs[1:]:
-        ratio = params_of(base, 512)["flops_per_token"] / params_of(variant_config(base, v), 512)["flops_per_token"]
-        assert steps[v.name] == round(1000 * ratio)
-    assert ablate.variant_steps(dataclasses.replace(grid, match="tokens"), base, vs) == dict.fromkeys(steps, 1000)
+        ratio = full / params_of(variant_config(base, v), 512)["flops_per_token"]
+        assert steps[v.name] == round(1000 * ratio) and steps[v.name] != 1000
+    assert ablate.variant_steps(dataclasses.replace(grid, match="tokens"), full, counted) == dict.fromkeys(steps, 1000)
     with pytest.raises(ValueError, match="match"):
         dataclasses.replace(grid, match="time")
 

@@ -11,6 +11,7 @@ import torch
 
 import k3
 from k3.cli.main import main
+from tests.train.train_cli import cli_args
 from k3.convert.checkpoint import CHECKSUMS
 from k3.convert.checkpoint import latest_checkpoint
 from k3.train.checkpoint import STATE_FILE
@@ -110,52 +111,22 @@ def test_nan_router_weights_skip_without_crashing_the_balancer(tmp_path):
     assert all_finite(latest_checkpoint(tmp_path / "run"))
 
 
-def cli_args(out, *extra):
-    return [
-        "train",
-        "--preset",
-        "tiny",
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--vocab-size",
-        "300",
-        "--max-tokens",
-        "20000",
-        "--eval-every",
-        "2",
-        "--eval-rows",
-        "2",
-        "--samples",
-        "1",
-        "--out",
-        str(out),
-        "--no-progress",
-        "--save-every",
-        "2",
-        *extra,
-    ]
-
-
 def test_resume_is_explicit(tmp_path, capsys):
     """A copied run resumes into the copy; conflicting flags are refused with one line naming them; --steps
     extends the run and the learning rate keeps the recorded schedule (the minimum past its end)."""
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(cli_args(a)) == 0
+    assert main(cli_args(a, "--save-every", "2")) == 0
     shutil.copytree(a, b)
     capsys.readouterr()
     for flag, value in (("--lr", "0.1"), ("--batch-size", "3"), ("--seed", "7"), ("--preset", "small")):
-        args = cli_args(b, "--resume")
+        args = cli_args(b, "--save-every", "2", "--resume")
         if flag in args:
             i = args.index(flag)
             args = args[:i] + args[i + 2 :]
         assert main(args + [flag, value]) == 2, flag
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err, err
-    args = cli_args(b, "--resume")
+    args = cli_args(b, "--save-every", "2", "--resume")
     args[args.index("--steps") + 1] = "6"
     assert main(args) == 0
     assert len((a / "metrics.jsonl").read_text().splitlines()) == 4  # the original is untouched

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import k3
 import k3.train.checkpoint as run_ckpt
 from k3.cli.main import main
+from tests.train.train_cli import cli_args
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.convert.checkpoint import latest_checkpoint, resolve_checkpoint
@@ -147,32 +148,7 @@ def test_nan_steps_are_skipped_then_stop(tmp_path, monkeypatch):
 
 def test_cli_train_end_to_end(tmp_path, capsys):
     out = tmp_path / "cli"
-    args = [
-        "train",
-        "--preset",
-        "tiny",
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--vocab-size",
-        "300",
-        "--max-tokens",
-        "20000",
-        "--eval-every",
-        "2",
-        "--eval-rows",
-        "2",
-        "--samples",
-        "1",
-        "--out",
-        str(out),
-        "--no-progress",
-        "--set",
-        "moe.num_experts=4",
-    ]
+    args = cli_args(out, "--set", "moe.num_experts=4")
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "at start" in text and "checkpoint:" in text
