@@ -33,6 +33,7 @@ _TYPES = {
     torch.int32: "i32",
     torch.int16: "i16",
     torch.int8: "i8",
+    torch.uint8: "u8",
     torch.bool: "i1",
 }
 _OPTIONS = ("num_warps", "num_stages", "launch_pdl")
@@ -113,10 +114,21 @@ def _router_topk(n, e, k):
     return lambda: router_topk(torch.randn(n, e), torch.randn(e), k, True, 2.5)
 
 
-def _moe_route(n, k, e):
+def _moe_route(n, k, e, align=8):
     from k3.ops.moe.triton_route import moe_route
 
-    return lambda: moe_route(torch.randint(0, e, (n, k)), e)
+    return lambda: moe_route(torch.randint(0, e, (n, k)), e, align)
+
+
+def _packed_experts(n, e, k, d, i):
+    from k3.model.activation import make_glu
+    from k3.ops.moe import mxfp4
+    from k3.ops.moe.triton_mxfp4 import moe_mxfp4
+    from k3.quant.packed import PackedExperts
+
+    bank = mxfp4._bank(PackedExperts(e, d, i).bfloat16())
+    idx = torch.rand(n, e).topk(k).indices
+    return lambda: moe_mxfp4(torch.randn(n, d).bfloat16(), idx, torch.rand(n, k), bank, make_glu("situ"))
 
 
 def _small_groups(n, e, k, d, i):
@@ -193,6 +205,8 @@ CASES = {
     "conv_steps": _conv_steps(64),
     "router_topk": _router_topk(64, 896, 16),
     "moe_route": _moe_route(64, 8, 64),
+    "moe_route unpadded": _moe_route(64, 16, 896, align=1),
+    "packed experts": _packed_experts(64, 64, 8, 1024, 512),
     "small_groups": _small_groups(64, 64, 8, 1024, 512),
     "kda_decode_core low-rank gate": _kda_core(64, 16, 64, 64, 64, None),
     "kda_decode_core full gate, bounded": _kda_core(16, 8, 128, 128, 0, -5.0),

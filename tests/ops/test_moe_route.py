@@ -27,16 +27,17 @@ from tests.ops.test_moe_route import assert_routing
 
 backend.set_kernels("moe_route=torch", triton=True)  # grouped._route: the torch form
 
-def check(idx, e):
-    got = moe_route(idx, e)
-    assert_routing(idx, e, *got)
-    for a, b in zip(got, grouped._route(idx, e)):  # and the torch form's, exactly
+def check(idx, e, align=grouped.ALIGN):
+    got = moe_route(idx, e, align)
+    assert_routing(idx, e, *got, align=align)
+    for a, b in zip(got, grouped._route(idx, e, align)):  # and the torch form's, exactly
         assert torch.equal(a, b)
 
 torch.manual_seed(0)
 for n, k, e in [(1, 8, 64), (64, 8, 64), (1, 16, 896), (64, 16, 896), (5, 3, 7), (3, 2, 4096), (1, 1, 1)]:
     check(torch.stack([torch.randperm(e)[:k] for _ in range(n)]), e)  # distinct experts per token, as routed
 check(torch.randint(0, 5, (100, 7)), 6)  # repeats within a token too, expert 5 unused; 700 pairs: 1024 lanes
+check(torch.randint(0, 896, (64, 16)), 896, align=1)  # unpadded groups (the packed-experts kernel's)
 check(torch.full((40, 4), 2), 3)  # every pair on one expert
 check(torch.zeros(0, 4, dtype=torch.long), 8)  # no token: offsets 0, every row -1
 check(torch.randint(0, 512, (256, 8)), 512)  # COUNT_PAIRS pairs exactly
@@ -57,13 +58,14 @@ print("ok")
 """
 
 
-def assert_routing(idx, e, rows, src, offs):
-    """The routing of the pairs idx [N, k] over e experts, checked against its definition."""
+def assert_routing(idx, e, rows, src, offs, align=grouped.ALIGN):
+    """The routing of the pairs idx [N, k] over e experts, groups padded to ``align``, checked against its
+    definition."""
     n, k = idx.shape
     flat = idx.reshape(-1)
-    padded = (torch.bincount(flat, minlength=e) + 7) // 8 * 8
+    padded = (torch.bincount(flat, minlength=e) + align - 1) // align * align
     assert offs.dtype == torch.int32 and offs.tolist() == padded.cumsum(0).tolist(), (offs, padded)
-    assert src.shape == (n * k + 8 * e,) and rows.shape == (n, k) and rows.dtype == src.dtype == torch.int64
+    assert src.shape == (n * k + align * e,) and rows.shape == (n, k) and rows.dtype == src.dtype == torch.int64
     assert torch.equal(src[rows.reshape(-1)], torch.arange(n * k)), "a pair's row holds another pair"
     assert int((src == -1).sum()) == src.numel() - n * k, "rows that are neither a pair nor -1"
     begin = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
@@ -116,6 +118,7 @@ def test_torch_form(monkeypatch):
         (torch.zeros(0, 4, dtype=torch.long), 8),
     ]:
         assert_routing(idx, e, *grouped._route(idx, e))
+        assert_routing(idx, e, *grouped._route(idx, e, align=1), align=1)
 
 
 def test_rejects_bad_inputs():

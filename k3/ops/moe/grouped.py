@@ -42,22 +42,22 @@ class _Routing(NamedTuple):
     offs: Tensor  # [E] int32: each expert's end row (grouped_mm's offsets)
 
 
-def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
+def _route(topk_idx: Tensor, num_experts: int, align: int = ALIGN) -> _Routing:
     """Order the N*k pairs by expert (stably: by pair index within an expert) and give each expert a group of rows
-    padded to a multiple of ALIGN, in a buffer of R = N*k + ALIGN*E rows whatever the routing (static shapes, no
-    host sync). A pair's rank within its expert is the number of earlier pairs with the same expert: up to
-    COUNT_PAIRS pairs it is counted directly (one fused [P, P] compare-and-sum, where a sort of a few hundred keys
-    is a ~30 us kernel per layer at decode); above, read off a stable argsort. Both give the same routing, as does
-    the Triton program (:func:`route_kernel`)."""
+    padded to a multiple of ``align``, in a buffer of R = N*k + align*E rows whatever the routing (static shapes,
+    no host sync; grouped_mm needs ALIGN, the packed-experts kernel takes 1). A pair's rank within its expert is
+    the number of earlier pairs with the same expert: up to COUNT_PAIRS pairs it is counted directly (one fused
+    [P, P] compare-and-sum, where a sort of a few hundred keys is a ~30 us kernel per layer at decode); above, read
+    off a stable argsort. Both give the same routing, as does the Triton program (:func:`route_kernel`)."""
     if route_kernel(topk_idx, num_experts) == "triton":
         from k3.ops.moe.triton_route import moe_route  # Triton: imported on use (GPUs only)
 
-        return _Routing(*moe_route(topk_idx, num_experts))
+        return _Routing(*moe_route(topk_idx, num_experts, align))
     n, k = topk_idx.shape
     p, dev = n * k, topk_idx.device
     flat = topk_idx.reshape(-1)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    padded = (counts + align - 1) // align * align
     pad_end = padded.cumsum(0)
     pair = torch.arange(p, device=dev)
     if p <= COUNT_PAIRS:
@@ -68,7 +68,7 @@ def _route(topk_idx: Tensor, num_experts: int) -> _Routing:
         sorted_e = flat[order]
         rank = pair - (counts.cumsum(0) - counts)[sorted_e]
         dest = torch.empty_like(pair).scatter_(0, order, (pad_end - padded)[sorted_e] + rank)
-    src_pair = torch.full((p + ALIGN * num_experts,), -1, dtype=torch.int64, device=dev).scatter_(0, dest, pair)
+    src_pair = torch.full((p + align * num_experts,), -1, dtype=torch.int64, device=dev).scatter_(0, dest, pair)
     return _Routing(dest.view(n, k), src_pair, pad_end.to(torch.int32))
 
 

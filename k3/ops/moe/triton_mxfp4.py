@@ -5,11 +5,12 @@ columns, 2^(s - 127), 0xFF = NaN) are read straight from the packed bank, only f
 to, and dequantised in registers; activations are bf16, products accumulate in fp32. At decode an expert's
 product is a weight stream, and the stream is 4.25 bits a weight instead of bf16's 16.
 
-The structure is k3.ops.moe.small_groups': token-expert pairs are ordered by expert into groups of rows padded to
-ALIGN (k3.ops.moe.grouped._route); each program takes one expert and one block of BLOCK_N output columns,
+The structure is k3.ops.moe.small_groups': token-expert pairs are ordered by expert into groups of rows
+(k3.ops.moe.grouped._route, unpadded: no GLU or combine work on padding rows); each program takes one expert and
+one block of BLOCK_N output columns,
 streams that block of the expert's codes and scales through K and multiplies it with the group's rows BLOCK_M at
 a time. Experts without rows cost one program that reads nothing. The up-projection gathers its rows from the
-tokens on the fly (through the routing's src_pair, padding rows read zeros); the down-projection reads the
+tokens on the fly (through the routing's src_pair); the down-projection reads the
 GLU output's rows in place; each token then sums its k weighted rows (grouped.gather_rows_sum).
 
 The matmul is Triton's own MX primitive, ``tl.dot_scaled`` (bf16 rows x E2M1 codes with E8M0 scales): on Hopper,
@@ -40,11 +41,11 @@ from k3.ops.pdl import launch, wait_then_release
 
 GROUP = 32
 _CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4) for n in (32, 64, 128) for k in (64, 128)
-]
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4) for n in (64, 128, 256) for k in (64, 128)
+] + [triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_stages=3, num_warps=8)]  # prefill's best on an H200
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "GATHER"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "BLOCK_M", "GATHER", "rows_bucket"])
 @triton.jit
 def _mxfp4_groups_kernel(
     X,
@@ -60,6 +61,7 @@ def _mxfp4_groups_kernel(
     stride_sn,
     stride_yr,
     pairs_per_token,
+    rows_bucket,
     N: tl.constexpr,
     K: tl.constexpr,
     GATHER: tl.constexpr,
@@ -169,6 +171,7 @@ def mxfp4_groups_mm(
         scale.stride(1),
         y.stride(0),
         pairs_per_token,
+        triton.next_power_of_2(rows),  # tuned per batch size: B=1 and B=64 share BLOCK_M but not the best tile
         N=n,
         K=x.shape[1],
         GATHER=gather,
@@ -195,7 +198,7 @@ def moe_mxfp4(
     the combine; no host synchronisation."""
     w1p, w1s, w2p, w2s, w3p, w3s = bank
     k = topk_idx.shape[1]
-    route = grouped._route(topk_idx, w1p.shape[0])
+    route = grouped._route(topk_idx, w1p.shape[0], align=1)  # no padding rows: the kernel reads any count
     xb = x.to(torch.bfloat16)
     gate = mxfp4_groups_mm(xb, route.src_pair, k, w1p, w1s, route.offs)  # [R, I]
     up = mxfp4_groups_mm(xb, route.src_pair, k, w3p, w3s, route.offs)

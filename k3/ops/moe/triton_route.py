@@ -67,16 +67,16 @@ def _route_kernel(
 
 
 @torch.library.custom_op("k3::moe_route", mutates_args=())
-def moe_route(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def moe_route(topk_idx: Tensor, num_experts: int, align: int = ALIGN) -> tuple[Tensor, Tensor, Tensor]:
     """topk_idx [N, k] int64 (experts in [0, num_experts); others are undefined behaviour, as for the torch form's
-    indexing) -> pair_rows [N, k] int64, src_pair [N*k + ALIGN*E] int64, offs [E] int32: exactly
+    indexing) -> pair_rows [N, k] int64, src_pair [N*k + align*E] int64, offs [E] int32: exactly
     ``k3.ops.moe.grouped._route``'s fields (N*k <= COUNT_PAIRS, E <= MAX_EXPERTS). A custom op
     (``torch.ops.k3.moe_route``): a compiled decode step keeps the launch inside its graph."""
     _check(topk_idx, num_experts)
     n, k = topk_idx.shape
     p = n * k
     pair_rows = torch.empty(n, k, dtype=torch.int64, device=topk_idx.device)
-    src_pair = torch.empty(p + ALIGN * num_experts, dtype=torch.int64, device=topk_idx.device)
+    src_pair = torch.empty(p + align * num_experts, dtype=torch.int64, device=topk_idx.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=topk_idx.device)
     block_p = triton.next_power_of_2(max(p, 1))
     _route_kernel[(1,)](
@@ -87,7 +87,7 @@ def moe_route(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
         p,
         num_experts,
         src_pair.numel(),
-        ALIGN=ALIGN,
+        ALIGN=align,
         BLOCK_P=block_p,
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_R=1024,
@@ -98,12 +98,12 @@ def moe_route(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
 
 
 @moe_route.register_fake
-def _(topk_idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def _(topk_idx: Tensor, num_experts: int, align: int = ALIGN) -> tuple[Tensor, Tensor, Tensor]:
     _check(topk_idx, num_experts)
     n, k = topk_idx.shape
     return (
         topk_idx.new_empty(n, k),
-        topk_idx.new_empty(n * k + ALIGN * num_experts),
+        topk_idx.new_empty(n * k + align * num_experts),
         topk_idx.new_empty(num_experts, dtype=torch.int32),
     )
 
