@@ -11,7 +11,7 @@ from k3.config import get_preset
 from k3.model.mla import MultiheadLatentAttention
 from k3.ops.segments import host_offsets
 from k3.ops.segments import attach_host, host_list, offsets_to
-from k3.train.optim import mla_max_logits, qk_clip_
+from k3.train.qk_clip import mla_max_logits, qk_clip_
 from k3.train.trainer import Trainer, to_host
 from tests.train.test_trainer import tiny_cfg
 

@@ -25,11 +25,10 @@ from k3.train.optim import (
     cosine_schedule,
     describe_groups,
     make_scheduler,
-    mla_max_logits,
     newton_schulz,
     param_groups_for,
-    qk_clip_,
 )
+from k3.train.qk_clip import mla_max_logits, qk_clip_
 
 LR, WD = 0.02, 0.1
 TOL = 1e-6
