@@ -215,9 +215,21 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _kda_chunk(t, h, d):
+    from k3.ops.kda import reference
+    from k3.ops.kda.triton_chunk import chunk_kda_fwd
+
+    q, k = (reference.l2norm(torch.randn(1, t, h, d)).bfloat16() for _ in range(2))
+    v, g, beta = torch.randn(1, t, h, d).bfloat16(), -torch.rand(1, t, h, d), torch.rand(1, t, h)
+    return lambda: chunk_kda_fwd(q, k, v, g, beta, output_final_state=True, precision="tf32x3")
+
+
+PREFILL_CASES = {"kda chunk forward": _kda_chunk(200, 2, 128)}  # launched without PDL (not decode kernels)
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(PREFILL_CASES))
 def test_kernel_compiles_for_hopper(case, monkeypatch, tmp_path):
-    seen = launches(monkeypatch, CASES[case])
+    seen = launches(monkeypatch, (CASES | PREFILL_CASES)[case])
     assert seen, "no Triton launch captured"
     for kernel, values, options in seen:
         assert "Used" in assemble(kernel, values, options, tmp_path), kernel.__name__

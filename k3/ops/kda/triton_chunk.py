@@ -1,0 +1,276 @@
+"""Chunked KDA forward in Triton (docs/architecture.md#kda): the chunkwise form of
+:func:`k3.ops.kda.reference.chunk_kda`, no gradient.
+
+Per head, a chunk of C = 64 positions with incoming state S_0 and G = inclusive cumsum of g ([C, K]):
+
+    A_ij   = sum_c k_ic k_jc exp(G_ic - G_jc)  (j < i),     Bqk_ij = sum_c q_ic k_jc exp(G_ic - G_jc)  (j <= i)
+    U      = L^-1 (beta * V),  Wk = L^-1 (beta * exp(G) * K),   L = I + Diag(beta) A   (unit lower triangular)
+    W      = U - Wk S_0,   O = scale [(exp(G) * Q) S_0 + Bqk W],   S_C = exp(G_C) * S_0 + (exp(G_C - G) * K)^T W
+
+Two launches:
+
+* ``_intra_kernel``, one program per (chunk, head), everything but S: A and Bqk by one matmul per column block of
+  16 positions, pivoted at the block's first position f: (x_i exp(G_i - G_f)) (k_j exp(G_f - G_j)) for rows i >= f
+  and columns j in the block, so every row factor is <= 1 and every column factor is at most exp(spread of 16
+  positions); L^-1 blockwise: the inverse of its 16 x 16 diagonal blocks as (I - N)(I + N^2)(I + N^4)(I + N^8)
+  (N, the blocks' strictly lower part, has N^16 = 0), then four block rows of forward substitution. Writes U, Wk
+  and Bqk in fp32.
+* ``_inter_kernel``, one program per (sequence, head, block of BV value columns): the state [K, BV] in fp32
+  through the sequence's chunks, reading q, k, g (G recomputed) and U, Wk, Bqk; writes O and the final state.
+
+Sequences are laid out one after another, each right-padded to a multiple of C with identity steps (zeros: no
+decay, no write), so no chunk spans two sequences and no sequence is padded to the longest one. Valid when no
+channel decays by more than MAX_BLOCK_SPREAD over 16 positions (the column factors stay in fp32 range): always
+for K3's gate (g > -5 a position, at most 75 over a block); :func:`block_spread_ok` checks it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from k3.ops.kda.reference import _prepare
+from k3.ops.segments import segment_lengths
+
+CHUNK = 64
+BLOCK = 16  # positions per column block of A and Bqk, and per diagonal block of L
+MAX_BLOCK_SPREAD = 80.0  # largest G_f - G_j within a block: exp(80) ~ 5.5e34 and its products stay in fp32
+
+
+@triton.jit
+def _intra_kernel(
+    Q,
+    K_,
+    V_,
+    G_,
+    BETA,
+    U,
+    WK,
+    BQK,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    C: tl.constexpr,
+    BLK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, C)
+    kk = tl.arange(0, DK)
+    vv = tl.arange(0, DV)
+    row = (c * C + i).to(tl.int64) * H + h  # [C]: the (position, head) rows of the chunk
+    q = tl.load(Q + row[:, None] * DK + kk[None, :]).to(tl.float32)  # [C, DK]
+    k = tl.load(K_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
+    g = tl.load(G_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
+    v = tl.load(V_ + row[:, None] * DV + vv[None, :]).to(tl.float32)  # [C, DV]
+    beta = tl.load(BETA + row).to(tl.float32)  # [C]
+    G = tl.cumsum(g, axis=0)
+
+    rows = i[:, None]
+    cols = i[None, :]
+    A = tl.zeros([C, C], dtype=tl.float32)
+    Bqk = tl.zeros([C, C], dtype=tl.float32)
+    for b in tl.static_range(C // BLK):
+        f = b * BLK
+        G_f = tl.sum(tl.where(rows == f, G, 0.0), axis=0)  # [DK]: G at the block's first position
+        in_block = (i >= f) & (i < f + BLK)
+        col_factor = tl.where(in_block[:, None], k * tl.exp(tl.where(in_block[:, None], G_f[None, :] - G, 0.0)), 0.0)
+        row_decay = tl.exp(tl.where(rows >= f, G - G_f[None, :], float("-inf")))  # [C, DK], <= 1; 0 above f
+        A += tl.dot(k * row_decay, tl.trans(col_factor), input_precision=PRECISION)
+        Bqk += tl.dot(q * row_decay, tl.trans(col_factor), input_precision=PRECISION)
+    A = tl.where(rows > cols, A, 0.0)
+    Bqk = tl.where(rows >= cols, Bqk, 0.0)
+
+    # L = I + N, N = Diag(beta) A strictly lower; its 16 x 16 diagonal blocks inverted by the product form
+    N = beta[:, None] * A
+    same_block = (rows // BLK) == (cols // BLK)
+    Nd = tl.where(same_block, N, 0.0)
+    eye = tl.where(rows == cols, 1.0, 0.0)
+    power = Nd
+    Dinv = eye - Nd
+    for _ in tl.static_range(3):  # Dinv = (I - Nd)(I + Nd^2)(I + Nd^4)(I + Nd^8)
+        power = tl.dot(power, power, input_precision=PRECISION)
+        Dinv += tl.dot(Dinv, power, input_precision=PRECISION)
+    No = N - Nd  # the blocks below the diagonal
+
+    # forward substitution by block rows: X_a = Dinv_a (R_a - sum_{b<a} L_ab X_b), for R = beta V and beta e^G K
+    Rv = beta[:, None] * v
+    Rk = beta[:, None] * tl.exp(G) * k
+    Uc = tl.zeros([C, DV], dtype=tl.float32)
+    Wc = tl.zeros([C, DK], dtype=tl.float32)
+    for a in tl.static_range(C // BLK):
+        in_a = ((i // BLK) == a)[:, None]
+        Uc += tl.dot(
+            Dinv, tl.where(in_a, Rv - tl.dot(No, Uc, input_precision=PRECISION), 0.0), input_precision=PRECISION
+        )
+        Wc += tl.dot(
+            Dinv, tl.where(in_a, Rk - tl.dot(No, Wc, input_precision=PRECISION), 0.0), input_precision=PRECISION
+        )
+    tl.store(U + row[:, None] * DV + vv[None, :], Uc)
+    tl.store(WK + row[:, None] * DK + kk[None, :], Wc)
+    tl.store(BQK + row[:, None] * C + i[None, :], Bqk)
+
+
+@triton.jit
+def _inter_kernel(
+    Q,
+    K_,
+    G_,
+    U,
+    WK,
+    BQK,
+    CU_CHUNKS,
+    S0,
+    O,
+    SN,
+    scale,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    i = tl.arange(0, C)
+    kk = tl.arange(0, DK)
+    state = (n * H + h).to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]  # [DK, BV] of S[n, h]
+    if HAS_S0:
+        S = tl.load(S0 + state).to(tl.float32)
+    else:
+        S = tl.zeros([DK, BV], dtype=tl.float32)
+    c = tl.load(CU_CHUNKS + n)
+    end = tl.load(CU_CHUNKS + n + 1)
+    while c < end:  # (a while loop: Triton's interpreter cannot range over loaded bounds)
+        row = (c * C + i).to(tl.int64) * H + h
+        q = tl.load(Q + row[:, None] * DK + kk[None, :]).to(tl.float32)
+        k = tl.load(K_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
+        g = tl.load(G_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
+        G = tl.cumsum(g, axis=0)
+        G_last = tl.sum(g, axis=0)  # [DK]: G at the chunk's last position
+        u = tl.load(U + row[:, None] * DV + vv[None, :])  # [C, BV]
+        wk = tl.load(WK + row[:, None] * DK + kk[None, :])  # [C, DK]
+        bqk = tl.load(BQK + row[:, None] * C + i[None, :])  # [C, C]
+        w = u - tl.dot(wk, S, input_precision=PRECISION)
+        o = tl.dot(q * tl.exp(G), S, input_precision=PRECISION)
+        o = scale * tl.dot(bqk, w, o, input_precision=PRECISION)
+        tl.store(O + row[:, None] * DV + vv[None, :], o.to(O.dtype.element_ty))
+        k_to_end = k * tl.exp(G_last[None, :] - G)
+        S = tl.exp(G_last)[:, None] * S + tl.dot(tl.trans(k_to_end), w, input_precision=PRECISION)
+        c += 1
+    tl.store(SN + state, S)
+
+
+def block_spread_ok(g: Tensor) -> bool:
+    """Whether no channel's g sums below -MAX_BLOCK_SPREAD over BLOCK - 1 consecutive positions (the most a
+    column factor exp(G_f - G_j) spans), counting windows across sequence ends too (a bound); one host sync.
+    True for K3's gate, g > -5: at most 75."""
+    flat = g.detach().float().reshape(-1, *g.shape[2:])  # [B*T, H, K]
+    if flat.shape[0] == 0 or float(flat.amin()) * (BLOCK - 1) >= -MAX_BLOCK_SPREAD:
+        return True
+    csum = torch.cat([flat.new_zeros(1, *flat.shape[1:]), flat.cumsum(0)])
+    w = min(BLOCK - 1, flat.shape[0])
+    return float((csum[:-w] - csum[w:]).amax()) <= MAX_BLOCK_SPREAD
+
+
+def _layout(B: int, T: int, cu_seqlens: Tensor | None, device) -> tuple[Tensor, Tensor, list[int]]:
+    """Where each padded position reads from: (index [Tp] into the flat [B*T] positions, -1 for padding,
+    cu_chunks [N+1] int32, lengths)."""
+    if cu_seqlens is None:
+        starts, lengths = [b * T for b in range(B)], [T] * B
+    else:
+        lengths = segment_lengths(cu_seqlens, T)
+        starts = [int(s) for s in cu_seqlens[:-1].tolist()]
+    chunks = [-(-n // CHUNK) for n in lengths]
+    pieces = []
+    for s, n, m in zip(starts, lengths, chunks):
+        idx = torch.full((m * CHUNK,), -1, dtype=torch.long)
+        idx[:n] = torch.arange(s, s + n)
+        pieces.append(idx)
+    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    cu = torch.tensor([0] + chunks, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return index.to(device), cu.to(device), lengths
+
+
+@torch.no_grad()
+def chunk_kda_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    precision: str = "ieee",
+) -> tuple[Tensor, Tensor | None]:
+    """Same arguments and results as :func:`k3.ops.kda.reference.chunk_kda` (chunk size 64), computed by the two
+    Triton kernels in fp32 (``precision``: the fp32 matmuls' ``input_precision``, "ieee" or "tf32x3" / "tf32"
+    on GPUs). q, k [B, T, H, K] and v [B, T, H, V] with K and V powers of two from 16 to 128; g must satisfy
+    :func:`block_spread_ok`. Returns o [B, T, H, V] in v.dtype and the final state [N, H, K, V] in fp32."""
+    B, T, H, DK = q.shape
+    DV = v.shape[-1]
+    dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if dtype != torch.float32 or any(d not in (16, 32, 64, 128) for d in (DK, DV)):
+        raise ValueError(
+            f"chunk_kda_fwd: head dims {DK} / {DV} (16, 32, 64 or 128) and fp32 or narrower inputs, got {dtype}"
+        )
+    if not block_spread_ok(g):
+        raise ValueError(
+            f"chunk_kda_fwd: g decays some channel by more than {MAX_BLOCK_SPREAD} over {BLOCK - 1} positions; "
+            "use the reference or fla's chunk_kda for such gates"
+        )
+    index, cu_chunks, _ = _layout(B, T, cu_seqlens, q.device)
+    valid = index >= 0
+    src = index.clamp(min=0)
+
+    def padded(t: Tensor) -> Tensor:  # [B, T, H, ...] -> [Tp, H, ...], zeros at padding
+        flat = t.reshape(B * T, *t.shape[2:])[src]
+        return torch.where(valid.view(-1, *([1] * (flat.dim() - 1))), flat, 0).contiguous()
+
+    qp, kp, vp, gp = padded(q), padded(k), padded(v), padded(g.float())
+    bp = padded(beta.float())
+    tp = index.shape[0]
+    u = q.new_empty(tp, H, DV, dtype=torch.float32)
+    wk = q.new_empty(tp, H, DK, dtype=torch.float32)
+    bqk = q.new_empty(tp, H, CHUNK, dtype=torch.float32)
+    o = q.new_empty(tp, H, DV, dtype=v.dtype)
+    s_n = q.new_empty(N, H, DK, DV, dtype=torch.float32)
+    s0 = initial_state.float().contiguous() if initial_state is not None else s_n
+    if tp:
+        _intra_kernel[(tp // CHUNK, H)](
+            qp, kp, vp, gp, bp, u, wk, bqk, H=H, DK=DK, DV=DV, C=CHUNK, BLK=BLOCK, PRECISION=precision, num_warps=8
+        )
+    bv = min(DV, 64)
+    _inter_kernel[(N, H, DV // bv)](
+        qp,
+        kp,
+        gp,
+        u,
+        wk,
+        bqk,
+        cu_chunks,
+        s0,
+        o,
+        s_n,
+        scale,
+        H=H,
+        DK=DK,
+        DV=DV,
+        BV=bv,
+        C=CHUNK,
+        HAS_S0=initial_state is not None,
+        PRECISION=precision,
+        num_warps=8,
+    )
+    out = o.new_zeros(B * T, H, DV)
+    out[index[valid]] = o[valid]
+    return out.view(B, T, H, DV), (s_n if output_final_state else None)
