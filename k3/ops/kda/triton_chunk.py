@@ -40,6 +40,17 @@ MAX_BLOCK_SPREAD = 80.0  # largest G_f - G_j within a block: exp(80) ~ 5.5e34 an
 
 
 @triton.jit
+def _forward_substitution(Dinv, No, R, BLK: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr):
+    """X with L X = R by block rows, L = I + Nd + No: X_a = Dinv_a (R_a - sum_{b<a} No_ab X_b)."""
+    i = tl.arange(0, C)
+    X = tl.zeros(R.shape, dtype=tl.float32)
+    for a in tl.static_range(C // BLK):
+        rhs = tl.where(((i // BLK) == a)[:, None], R - tl.dot(No, X, input_precision=PRECISION), 0.0)
+        X += tl.dot(Dinv, rhs, input_precision=PRECISION)
+    return X
+
+
+@triton.jit
 def _intra_kernel(
     Q,
     K_,
@@ -54,64 +65,56 @@ def _intra_kernel(
     DV: tl.constexpr,
     C: tl.constexpr,
     BLK: tl.constexpr,
+    KB: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One chunk of one head; the key and value dims in slices of KB columns, so that at most a few [C, KB]
+    tiles are live at once."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, C)
-    kk = tl.arange(0, DK)
-    vv = tl.arange(0, DV)
+    kb = tl.arange(0, KB)
     row = (c * C + i).to(tl.int64) * H + h  # [C]: the (position, head) rows of the chunk
-    q = tl.load(Q + row[:, None] * DK + kk[None, :]).to(tl.float32)  # [C, DK]
-    k = tl.load(K_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
-    g = tl.load(G_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
-    v = tl.load(V_ + row[:, None] * DV + vv[None, :]).to(tl.float32)  # [C, DV]
-    beta = tl.load(BETA + row).to(tl.float32)  # [C]
-    G = tl.cumsum(g, axis=0)
-
     rows = i[:, None]
     cols = i[None, :]
+    beta = tl.load(BETA + row).to(tl.float32)  # [C]
+
     A = tl.zeros([C, C], dtype=tl.float32)
     Bqk = tl.zeros([C, C], dtype=tl.float32)
-    for b in tl.static_range(C // BLK):
-        f = b * BLK
-        G_f = tl.sum(tl.where(rows == f, G, 0.0), axis=0)  # [DK]: G at the block's first position
-        in_block = (i >= f) & (i < f + BLK)
-        col_factor = tl.where(in_block[:, None], k * tl.exp(tl.where(in_block[:, None], G_f[None, :] - G, 0.0)), 0.0)
-        row_decay = tl.exp(tl.where(rows >= f, G - G_f[None, :], float("-inf")))  # [C, DK], <= 1; 0 above f
-        A += tl.dot(k * row_decay, tl.trans(col_factor), input_precision=PRECISION)
-        Bqk += tl.dot(q * row_decay, tl.trans(col_factor), input_precision=PRECISION)
-    A = tl.where(rows > cols, A, 0.0)
-    Bqk = tl.where(rows >= cols, Bqk, 0.0)
+    for k0 in tl.static_range(0, DK, KB):
+        at = row[:, None] * DK + k0 + kb[None, :]  # [C, KB]
+        q = tl.load(Q + at).to(tl.float32)
+        k = tl.load(K_ + at).to(tl.float32)
+        G = tl.cumsum(tl.load(G_ + at).to(tl.float32), axis=0)
+        for b in tl.static_range(C // BLK):
+            f = b * BLK
+            G_f = tl.sum(tl.where(rows == f, G, 0.0), axis=0)  # [KB]: G at the block's first position
+            in_block = ((i >= f) & (i < f + BLK))[:, None]
+            col_factor = tl.where(in_block, k * tl.exp(tl.where(in_block, G_f[None, :] - G, 0.0)), 0.0)
+            row_decay = tl.exp(tl.where(rows >= f, G - G_f[None, :], float("-inf")))  # <= 1; 0 above f
+            A += tl.dot(k * row_decay, tl.trans(col_factor), input_precision=PRECISION)
+            Bqk += tl.dot(q * row_decay, tl.trans(col_factor), input_precision=PRECISION)
+    tl.store(BQK + row[:, None] * C + cols, tl.where(rows >= cols, Bqk, 0.0))
 
     # L = I + N, N = Diag(beta) A strictly lower; its 16 x 16 diagonal blocks inverted by the product form
-    N = beta[:, None] * A
-    same_block = (rows // BLK) == (cols // BLK)
-    Nd = tl.where(same_block, N, 0.0)
-    eye = tl.where(rows == cols, 1.0, 0.0)
+    N = tl.where(rows > cols, beta[:, None] * A, 0.0)
+    Nd = tl.where((rows // BLK) == (cols // BLK), N, 0.0)
     power = Nd
-    Dinv = eye - Nd
+    Dinv = tl.where(rows == cols, 1.0, 0.0) - Nd
     for _ in tl.static_range(3):  # Dinv = (I - Nd)(I + Nd^2)(I + Nd^4)(I + Nd^8)
         power = tl.dot(power, power, input_precision=PRECISION)
         Dinv += tl.dot(Dinv, power, input_precision=PRECISION)
     No = N - Nd  # the blocks below the diagonal
 
-    # forward substitution by block rows: X_a = Dinv_a (R_a - sum_{b<a} L_ab X_b), for R = beta V and beta e^G K
-    Rv = beta[:, None] * v
-    Rk = beta[:, None] * tl.exp(G) * k
-    Uc = tl.zeros([C, DV], dtype=tl.float32)
-    Wc = tl.zeros([C, DK], dtype=tl.float32)
-    for a in tl.static_range(C // BLK):
-        in_a = ((i // BLK) == a)[:, None]
-        Uc += tl.dot(
-            Dinv, tl.where(in_a, Rv - tl.dot(No, Uc, input_precision=PRECISION), 0.0), input_precision=PRECISION
-        )
-        Wc += tl.dot(
-            Dinv, tl.where(in_a, Rk - tl.dot(No, Wc, input_precision=PRECISION), 0.0), input_precision=PRECISION
-        )
-    tl.store(U + row[:, None] * DV + vv[None, :], Uc)
-    tl.store(WK + row[:, None] * DK + kk[None, :], Wc)
-    tl.store(BQK + row[:, None] * C + i[None, :], Bqk)
+    for v0 in tl.static_range(0, DV, KB):  # U = L^-1 (beta V)
+        at = row[:, None] * DV + v0 + kb[None, :]
+        Rv = beta[:, None] * tl.load(V_ + at).to(tl.float32)
+        tl.store(U + at, _forward_substitution(Dinv, No, Rv, BLK, C, PRECISION))
+    for k0 in tl.static_range(0, DK, KB):  # Wk = L^-1 (beta exp(G) K)
+        at = row[:, None] * DK + k0 + kb[None, :]
+        G = tl.cumsum(tl.load(G_ + at).to(tl.float32), axis=0)
+        Rk = beta[:, None] * tl.exp(G) * tl.load(K_ + at).to(tl.float32)
+        tl.store(WK + at, _forward_substitution(Dinv, No, Rk, BLK, C, PRECISION))
 
 
 @triton.jit
@@ -210,12 +213,14 @@ def chunk_kda_fwd(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
-    precision: str = "ieee",
+    precision: str = "tf32x3",
 ) -> tuple[Tensor, Tensor | None]:
     """Same arguments and results as :func:`k3.ops.kda.reference.chunk_kda` (chunk size 64), computed by the two
-    Triton kernels in fp32 (``precision``: the fp32 matmuls' ``input_precision``, "ieee" or "tf32x3" / "tf32"
-    on GPUs). q, k [B, T, H, K] and v [B, T, H, V] with K and V powers of two from 16 to 128; g must satisfy
-    :func:`block_spread_ok`. Returns o [B, T, H, V] in v.dtype and the final state [N, H, K, V] in fp32."""
+    Triton kernels in fp32. ``precision`` is the fp32 matmuls' ``input_precision`` on a GPU: "tf32x3" (three TF32
+    products, about fp32's accuracy), "tf32" (one), or "ieee" (CUDA-core fp32, which these tiles spill badly);
+    Triton's interpreter computes in fp32 whatever is asked. q, k [B, T, H, K] and v [B, T, H, V] with K and V
+    powers of two from 16 to 128; g must satisfy :func:`block_spread_ok`. Returns o [B, T, H, V] in v.dtype and
+    the final state [N, H, K, V] in fp32."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -247,7 +252,22 @@ def chunk_kda_fwd(
     s0 = initial_state.float().contiguous() if initial_state is not None else s_n
     if tp:
         _intra_kernel[(tp // CHUNK, H)](
-            qp, kp, vp, gp, bp, u, wk, bqk, H=H, DK=DK, DV=DV, C=CHUNK, BLK=BLOCK, PRECISION=precision, num_warps=8
+            qp,
+            kp,
+            vp,
+            gp,
+            bp,
+            u,
+            wk,
+            bqk,
+            H=H,
+            DK=DK,
+            DV=DV,
+            C=CHUNK,
+            BLK=BLOCK,
+            KB=min(DK, DV, 64),
+            PRECISION=precision,
+            num_warps=8,
         )
     bv = min(DV, 64)
     _inter_kernel[(N, H, DV // bv)](
