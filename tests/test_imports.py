@@ -26,6 +26,7 @@ NEEDS = {
     "k3.ops.conv.triton_step": "triton",
     "k3.ops.kda.triton_decode": "triton",
     "k3.ops.moe.triton_mxfp4": "triton",
+    "k3.ops.kda.triton_chunk": "triton",
 }
 
 

@@ -13,8 +13,8 @@ Two launches:
   16 positions, pivoted at the block's first position f: (x_i exp(G_i - G_f)) (k_j exp(G_f - G_j)) for rows i >= f
   and columns j in the block, so every row factor is <= 1 and every column factor is at most exp(spread of 16
   positions); L^-1 blockwise: the inverse of its 16 x 16 diagonal blocks as (I - N)(I + N^2)(I + N^4)(I + N^8)
-  (N, the blocks' strictly lower part, has N^16 = 0), then four block rows of forward substitution. Writes U, Wk
-  and Bqk in fp32.
+  (N, the blocks' strictly lower part, has N^16 = 0), then four block rows of forward substitution. The key and
+  value dims go in slices of up to 64 columns, so few [C, 64] tiles are live at once. Writes U, Wk and Bqk in fp32.
 * ``_inter_kernel``, one program per (sequence, head, block of BV value columns): the state [K, BV] in fp32
   through the sequence's chunks, reading q, k, g (G recomputed) and U, Wk, Bqk; writes O and the final state.
 
@@ -182,9 +182,9 @@ def block_spread_ok(g: Tensor) -> bool:
     return float((csum[:-w] - csum[w:]).amax()) <= MAX_BLOCK_SPREAD
 
 
-def _layout(B: int, T: int, cu_seqlens: Tensor | None, device) -> tuple[Tensor, Tensor, list[int]]:
-    """Where each padded position reads from: (index [Tp] into the flat [B*T] positions, -1 for padding,
-    cu_chunks [N+1] int32, lengths)."""
+def _layout(B: int, T: int, cu_seqlens: Tensor | None, device) -> tuple[Tensor, Tensor]:
+    """Where each padded position reads from: index [Tp] into the flat [B*T] positions (-1 for padding), and each
+    sequence's chunks, cu_chunks [N+1] int32."""
     if cu_seqlens is None:
         starts, lengths = [b * T for b in range(B)], [T] * B
     else:
@@ -198,7 +198,7 @@ def _layout(B: int, T: int, cu_seqlens: Tensor | None, device) -> tuple[Tensor, 
         pieces.append(idx)
     index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
     cu = torch.tensor([0] + chunks, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return index.to(device), cu.to(device), lengths
+    return index.to(device), cu.to(device)
 
 
 @torch.no_grad()
@@ -233,7 +233,7 @@ def chunk_kda_fwd(
             f"chunk_kda_fwd: g decays some channel by more than {MAX_BLOCK_SPREAD} over {BLOCK - 1} positions; "
             "use the reference or fla's chunk_kda for such gates"
         )
-    index, cu_chunks, _ = _layout(B, T, cu_seqlens, q.device)
+    index, cu_chunks = _layout(B, T, cu_seqlens, q.device)
     valid = index >= 0
     src = index.clamp(min=0)
 
