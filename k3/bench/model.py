@@ -1,6 +1,8 @@
 """Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
-peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory; case floor: the
-step's floor, k3.bench.floor, and the tokens/s, MFU and ratio to the peer it allows); (c) AttnRes
+peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory; case train_accum:
+an optimizer step of 8 such micro-batches, 262,144 tokens; MFU from 6 N_active per token, and with the attention
+and KDA-state FLOPs added; case floor: the step's floor, k3.bench.floor, and the tokens/s, MFU and ratio to the
+peer it allows); (c) AttnRes
 none / snapshot / full overhead in training and decode, peak memory (case attn_res_compiled: the decode step
 compiled by torch.compile before its CUDA-graph capture); (f) one-GPU prefill of 128K and 1M tokens,
 hybrid vs a full-MLA twin (time, peak memory)."""
@@ -25,20 +27,30 @@ from k3.train.optim import K3Muon, param_groups_for
 PEAK = 790e12  # measured bf16 matmul rate on this H200 class (spec)
 
 
-def train_step_time(model, batch: int, seq: int, steps: int = 3) -> float:
+def train_step_time(model, batch: int, seq: int, steps: int = 3, accum: int = 1) -> float:
+    """Seconds per optimizer step of ``accum`` micro-batches of [batch, seq] tokens (forward + backward each)."""
     opt = K3Muon(param_groups_for(model, 1e-4), lr=1e-4, ns_dtype="bfloat16")
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(ids).logits
-        F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+        for _ in range(accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(ids).logits
+            F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
         opt.step()  # noqa: F821
         opt.zero_grad(set_to_none=True)  # noqa: F821
 
     t = cuda_time(step, warmup=2, iters=steps)
     del opt
     return t
+
+
+def attention_train_flops(model, seq: int) -> float:
+    """Training FLOPs per token beyond the weight matmuls (MLA attention over a causal sequence of ``seq``, KDA's
+    state work): 3 x the forward's (k3.audit.accounting)."""
+    from k3.audit.accounting import attention_flops_per_token
+
+    return 3 * sum(attention_flops_per_token(model.config, seq).values())
 
 
 def activated_matmul_params(model) -> float:
@@ -77,7 +89,8 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     return t
 
 
-CASES = ("train", "train_ac", "peer", "floor", "attn_res", "attn_res_compiled", "prefill")
+CASES = ("train", "train_ac", "train_accum", "peer", "floor", "attn_res", "attn_res_compiled", "prefill")
+ACCUM = 8  # micro-batches of 8 x 4096 per optimizer step in case train_accum: 262,144 tokens, a realistic batch
 
 
 def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
@@ -96,6 +109,7 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
             "alone_ms",
             "tokens_per_s",
             "mfu_6N",
+            "mfu_6N_attn",
             "x_transformers",
             "decode_ms",
             "train_overhead",
@@ -107,23 +121,26 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
 
     batch, seq = (8, 4096)  # the peer's shapes
     t = None
-    for case in ("train", "train_ac"):  # (d) training step; with activation checkpointing: the memory it saves
+    # (d) training step; with activation checkpointing: the memory it saves; with ACCUM micro-batches a step
+    for case in ("train", "train_ac", "train_accum"):
         if case not in cases:
             continue
         model = K3ForCausalLM(get_preset("small-1b")).cuda()
         if case == "train_ac":
             apply_activation_checkpointing(model)
+        accum = ACCUM if case == "train_accum" else 1
         torch.cuda.reset_peak_memory_stats()
-        tc = train_step_time(model, batch, seq)
+        tc = train_step_time(model, batch, seq, accum=accum)
         n_act = activated_matmul_params(model)
-        tps = batch * seq / tc
-        label = " activation checkpointing" if case == "train_ac" else ""
+        tps = accum * batch * seq / tc
+        label = {"train": "", "train_ac": " activation checkpointing", "train_accum": f" x {accum} a step"}[case]
         rows.append(
             {
                 "case": f"train small-1b B{batch} T{seq}{label}",
                 "ms": tc * 1e3,
                 "tokens_per_s": tps,
                 "mfu_6N": 6 * n_act * tps / PEAK,
+                "mfu_6N_attn": (6 * n_act + attention_train_flops(model, seq)) * tps / PEAK,
                 "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
             }
         )

@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--cases",
         default=None,
-        help="model: comma-separated subset of train,train_ac,peer,floor,attn_res,attn_res_compiled,prefill "
-        "(default all); decode: targets (only the performance targets' compiled rows, "
+        help="model: comma-separated subset of train,train_ac,train_accum,peer,floor,attn_res,attn_res_compiled,"
+        "prefill (default all); decode: targets (only the performance targets' compiled rows, "
         "no transformers peer)",
     )
     p.set_defaults(func=run)
