@@ -17,9 +17,10 @@ The matmul is Triton's own MX primitive, ``tl.dot_scaled`` (bf16 rows x E2M1 cod
 which has no MX tensor-core instruction, Triton upcasts the codes to bf16 in registers with its packed conversion,
 applies the scales and runs a bf16 MMA; on GPUs with native MX support the same call lowers to it. Against our
 own per-element dequantisation (shifts and selects per code, one cache load per byte and per scale) it was 4.4x
-faster at K3's expert shapes and B=64 (docs/decisions.md, "Packed MXFP4 experts"). The loads are the packed bytes
-[BLOCK_K / 2, BLOCK_N] (contiguous along K) and the scales [BLOCK_N, BLOCK_K / 32], as ``tl.dot_scaled`` takes
-them.
+faster at K3's expert shapes and B=64 (docs/decisions.md, "Packed MXFP4 experts"); an fp16 upcast of our own did
+not beat it, and at decode it is instruction-bound, not memory-bound (docs/decisions.md, "Where the packed matmul's
+time goes on Hopper"). The loads are the packed bytes [BLOCK_K / 2, BLOCK_N] (contiguous along K) and the scales
+[BLOCK_N, BLOCK_K / 32], as ``tl.dot_scaled`` takes them.
 
 Numerics as the reference (k3.ops.moe.mxfp4.moe_experts_reference on bf16) within bf16 rounding: each weight is
 code x scale (exact in bf16 but for E8M0 0, 2^-127, which Triton may take as 0), fp32 accumulation, each matmul's
@@ -71,7 +72,8 @@ def _mxfp4_groups_kernel(
     PDL: tl.constexpr,
 ):
     """y[r] = W_e x[r] for the rows r of group e, W_e = e2m1(P[e]) * e8m0(S[e]) [N, K]. GATHER: x[r] is the token
-    row X[SRC[r] // pairs_per_token] (zeros where SRC[r] = -1), else X[r]."""
+    row X[SRC[r] // pairs_per_token] (zeros where SRC[r] = -1), else X[r]. rows_bucket is read only by the
+    autotuner (its key)."""
     wait_then_release(PDL)
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
