@@ -244,15 +244,25 @@ def _run_tagged(job: tuple, progress: bool = False) -> dict:
     return run_job(payload, progress) if kind == "train" else _run_mqar_job(payload)
 
 
-def _train_config(
-    grid: Grid, variant: Variant, seed: int, run_dir: Path, tokenizer: Path, data, device: str, lr: float, steps: int
+def variant_train_config(
+    preset: str,
+    overrides: dict,
+    train: dict,
+    variant: Variant,
+    name: str,
+    seed: int,
+    run_dir: Path,
+    tokenizer: Path,
+    data,
+    device: str,
 ):
+    """The TrainConfig of one run of ``variant``: ``overrides`` (the grid's or the sweep size's) under the
+    variant's own, ``train`` under the variant's training fields (its balancing strength)."""
     from k3.train.trainer import TrainConfig
 
-    overrides = {**grid.overrides, **variant.overrides, "name": variant.name}
     return TrainConfig(
-        preset=grid.preset,
-        overrides=overrides,
+        preset=preset,
+        overrides={**overrides, **variant.overrides, "name": name},
         data=data,
         tokenizer=str(tokenizer),
         balance=variant.balance,
@@ -260,7 +270,7 @@ def _train_config(
         seed=seed,
         device=device,
         samples=0,
-        **{**grid.train, "lr": lr, "steps": steps, **variant.train},
+        **{**train, **variant.train},
     )
 
 
@@ -324,7 +334,10 @@ def run_grid(
 
     def job(v: Variant, seed: int, lr: float) -> tuple:
         name = f"{v.name}-lr{lr:g}-s{seed}" if grid.lrs else f"{v.name}-s{seed}"
-        cfg = _train_config(grid, v, seed, out / "runs" / name, tok_path, data, device, lr, steps[v.name])
+        train = {**grid.train, "lr": lr, "steps": steps[v.name]}
+        cfg = variant_train_config(
+            grid.preset, grid.overrides, train, v, v.name, seed, out / "runs" / name, tok_path, data, device
+        )
         meta = {
             "variant": v.name,
             "label": v.name,

@@ -174,11 +174,10 @@ def run_sweep(
     """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
 
     ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.runs.run_jobs`)."""
-    from k3.audit.ablate import make_variant, params_of, variant_config
+    from k3.audit.ablate import make_variant, params_of, variant_config, variant_train_config
     from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
     from k3.config import get_preset
     from k3.data.tokenizer import Tokenizer
-    from k3.train.trainer import TrainConfig
 
     check_jobs(jobs)
     data = sweep.data if data is None else data
@@ -211,18 +210,7 @@ def run_sweep(
         run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
         train = {**sweep.train, "steps": steps}
         train["eval_every"] = min(train.get("eval_every", 20), steps)
-        cfg = TrainConfig(
-            preset=sweep.preset,
-            overrides={**sized_ov, **v.overrides, "name": label},
-            data=data,
-            tokenizer=str(tok_path),
-            balance=v.balance,
-            out=str(run_dir),
-            seed=seed,
-            device=device,
-            samples=0,
-            **train,
-        )
+        cfg = variant_train_config(sweep.preset, sized_ov, train, v, label, seed, run_dir, tok_path, data, device)
         meta = {
             "label": label,
             "variant": v.name,

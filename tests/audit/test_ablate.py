@@ -9,7 +9,7 @@ import torch
 
 from k3.audit import ablate
 from k3.audit import runs
-from k3.audit.ablate import make_variant, params_of, run_grid, variant_config
+from k3.audit.ablate import make_variant, params_of, run_grid, variant_config, variant_train_config
 from k3.audit.runs import run_one
 from k3.audit.grids import ALL_VARIANTS, FACTORIAL, FACTORS, PAIRS, get_grid
 from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
@@ -83,6 +83,13 @@ def test_balancing_strength_variants():
         make_variant("bias_sign+gamma_x10+gamma_div10", base)
     cfg = TrainConfig(balance="sign", balance_gamma=1e-2)
     cfg.validate()
+    # a run's config (ablation grids and scaling sweeps alike) takes the variant's strength over the shared fields
+    v = make_variant("bias_sign+gamma_x10", base)
+    run = variant_train_config(
+        "tiny", {"hidden_size": 64}, {"steps": 5, "balance_gamma": 1e-3}, v, "b", 0, "r", "t", None, "cpu"
+    )
+    assert run.balance == "sign" and run.balance_gamma == pytest.approx(1e-2) and run.steps == 5
+    assert run.overrides == {"hidden_size": 64, "name": "b"}
     with pytest.raises(ValueError, match="balance-alpha"):
         TrainConfig(balance_alpha=-1.0).validate()
 
