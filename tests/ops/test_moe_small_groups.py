@@ -188,3 +188,7 @@ def test_block_m_covers_large_groups():
     rows = lambda b, k, e: b * k + grouped.ALIGN * e  # noqa: E731  (the routed buffer's rows)
     assert [sg.block_m(rows(b, 8, 64), 64) for b in (1, 16, 64, 128, 256, 1024)] == [16, 16, 32, 32, 64, 64]
     assert sg.block_m(rows(16, 16, 896), 896) == 16  # K3's router at B=16
+    # unpadded groups (the packed-experts kernel's): rows are the pairs alone, the same mu
+    assert [sg.block_m(b * 8, 64, align=1) for b in (1, 16, 64, 128, 256, 1024)] == [16, 16, 32, 32, 64, 64]
+    assert sg.block_m(512 * 16, 896, align=1) == 32  # K3 at B=512: mu = 9.1; taken as padded it would be 16
+    assert sg.block_m(512 * 16, 896) == 16

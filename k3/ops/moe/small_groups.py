@@ -161,15 +161,15 @@ def _small_groups_glu_kernel(
         m0 += BLOCK_M
 
 
-def block_m(rows: int, groups: int) -> int:
+def block_m(rows: int, groups: int, align: int = ALIGN) -> int:
     """Rows per pass. A group of more than BLOCK_M rows streams its expert's weights again for each further BLOCK_M,
-    so BLOCK_M covers a large group, not the average one: k3.ops.moe.grouped's buffer holds the P pairs and ALIGN
-    rows per group, so groups average mu = rows / groups - ALIGN pairs, and an expert's count under uniform routing
-    is about Poisson(mu): BLOCK_M is mu + 4 sqrt(mu) padded to ALIGN, as a power of two in 16..64. At the decode
-    benchmark's B=64 (k=8, E=64: mu = 8) that is 32; with the average (16), the one or two groups of 24 rows per
-    layer took two passes (B=64 / 32K: ~2.95 -> 2.91 ms per step with the reads before the PDL wait,
-    docs/decisions.md). B=16 and B=1 keep 16."""
-    mu = max(rows / max(groups, 1) - ALIGN, 0.0)
+    so BLOCK_M covers a large group, not the average one: k3.ops.moe.grouped's buffer holds the P pairs and
+    ``align`` rows per group (ALIGN, or 1 for unpadded groups), so groups average mu = rows / groups - align pairs,
+    and an expert's count under uniform routing is about Poisson(mu): BLOCK_M is mu + 4 sqrt(mu) padded to ALIGN,
+    as a power of two in 16..64. At the decode benchmark's B=64 (k=8, E=64: mu = 8) that is 32; with the average
+    (16), the one or two groups of 24 rows per layer took two passes (B=64 / 32K: ~2.95 -> 2.91 ms per step with
+    the reads before the PDL wait, docs/decisions.md). B=16 and B=1 keep 16."""
+    mu = max(rows / max(groups, 1) - align, 0.0)
     large = -(-(mu + 4 * mu**0.5) // ALIGN) * ALIGN
     return min(64, max(16, triton.next_power_of_2(int(large))))
 

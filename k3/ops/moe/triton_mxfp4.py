@@ -41,6 +41,7 @@ from k3.ops.moe.small_groups import block_m
 from k3.ops.pdl import launch, wait_then_release
 
 GROUP = 32
+ROUTE_ALIGN = 1  # the routing's groups are unpadded: the kernel reads any row count
 _CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_stages=3, num_warps=4) for n in (64, 128, 256) for k in (64, 128)
 ] + [triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_stages=3, num_warps=8)]  # prefill's best on an H200
@@ -177,7 +178,7 @@ def mxfp4_groups_mm(
         N=n,
         K=x.shape[1],
         GATHER=gather,
-        BLOCK_M=block_m(rows, e),
+        BLOCK_M=block_m(rows, e, ROUTE_ALIGN),
         **launch(x.device),
     )
     return y
@@ -200,7 +201,7 @@ def moe_mxfp4(
     the combine; no host synchronisation."""
     w1p, w1s, w2p, w2s, w3p, w3s = bank
     k = topk_idx.shape[1]
-    route = grouped._route(topk_idx, w1p.shape[0], align=1)  # no padding rows: the kernel reads any count
+    route = grouped._route(topk_idx, w1p.shape[0], ROUTE_ALIGN)
     xb = x.to(torch.bfloat16)
     gate = mxfp4_groups_mm(xb, route.src_pair, k, w1p, w1s, route.offs)  # [R, I]
     up = mxfp4_groups_mm(xb, route.src_pair, k, w3p, w3s, route.offs)
