@@ -34,11 +34,19 @@ BACKENDS = ("auto", "reference", "fast")
 
 @dataclass(frozen=True)
 class Kernel:
-    """One of our Triton kernels: ``on`` is its name when chosen, ``off`` what runs instead; ``what`` it fuses."""
+    """One of our kernels: ``on`` is its name when chosen, ``off`` what runs instead; ``what`` it fuses;
+    ``why_not`` says what else it needs beyond Triton ("" where it can run; None: nothing else)."""
 
     on: str
     off: str
     what: str
+    why_not: Callable[[], str] | None = None
+
+
+def _nvrtc_kernel_why_not() -> str:
+    from k3.ops.moe.cuda_mxfp4 import why_not
+
+    return why_not(torch.device("cuda"))
 
 
 KERNELS: dict[str, Kernel] = {
@@ -50,6 +58,12 @@ KERNELS: dict[str, Kernel] = {
     "moe_small_groups": Kernel("triton", "grouped_mm", "the expert matmuls of decode batches"),
     "moe_up_glu": Kernel("triton", "torch", "the experts' row gather, w1, w3 and GLU in one launch (decode)"),
     "moe_mxfp4": Kernel("triton", "torch", "packed MXFP4 experts' matmuls by tl.dot_scaled, decode and prefill"),
+    "moe_mxfp4_rows": Kernel(
+        "cuda",
+        "triton",
+        "packed MXFP4 experts' decode matmuls: the weights decoded into mma.sync's register operand (NVRTC)",
+        _nvrtc_kernel_why_not,
+    ),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }
 
@@ -140,7 +154,8 @@ def _parse(spec: str) -> dict[str, str]:
 
 
 def kernel_choices() -> dict[str, tuple[str, str]]:
-    """Every kernel's (what runs, why), resolved once: the user's value, else on where Triton is usable."""
+    """Every kernel's (what runs, why), resolved once: the user's value, else on where Triton (and what else the
+    kernel needs) is usable."""
     global _kernels
     if _kernels is None:
         wanted, usable = _parse(kernel_spec()), triton_usable()
@@ -151,10 +166,10 @@ def kernel_choices() -> dict[str, tuple[str, str]]:
                 raise ValueError(
                     f"K3_KERNELS: {name}={k.on} needs Triton, which is not installed or has no GPU it supports"
                 )
-            if value is not None:
-                out[name] = (value, "K3_KERNELS")
-            else:
-                out[name] = (k.on, "default") if usable else (k.off, "Triton is not usable here")
+            why = "Triton is not usable here" if not usable else k.why_not() if k.why_not else ""
+            if value == k.on and why:
+                raise ValueError(f"K3_KERNELS: {name}={k.on} cannot run here: {why}")
+            out[name] = (value, "K3_KERNELS") if value is not None else (k.off, why) if why else (k.on, "default")
         _kernels = out
     return _kernels
 

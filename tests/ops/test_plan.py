@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from k3.ops import backend
+from k3.ops.moe import cuda_mxfp4
 from k3.ops.plan import plan, plan_table
 from tests.ops.kernel_switch import keep_kernel_plan
 
@@ -45,7 +46,14 @@ def test_kernels_default_to_triton_where_usable_and_follow_k3_kernels(fresh, mon
     backend.set_kernels(None, triton=False)
     assert backend.kernel_choices()["router_topk"] == ("torch", "Triton is not usable here")
     backend.set_kernels(None, triton=True)
-    assert all(choice == backend.KERNELS[k].on for k, (choice, _) in backend.kernel_choices().items())
+    choices = backend.kernel_choices()
+    assert all(choices[k][0] == backend.KERNELS[k].on for k in backend.KERNELS if not backend.KERNELS[k].why_not)
+    # a kernel that needs more than Triton (NVRTC's kernel: a CUDA GPU, compute capability 8) says why it is off
+    why = cuda_mxfp4.why_not(torch.device("cuda"))
+    assert choices["moe_mxfp4_rows"] == (("triton", why) if why else ("cuda", "default"))
+    if why:
+        with pytest.raises(ValueError, match=f"K3_KERNELS: moe_mxfp4_rows=cuda cannot run here: {why}"):
+            backend.set_kernels("moe_mxfp4_rows=cuda")
     monkeypatch.setenv("K3_KERNELS", "moe_small_groups=grouped_mm, pdl=off")
     backend.set_kernels(None)
     choices = backend.kernel_choices()

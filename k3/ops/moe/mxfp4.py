@@ -12,7 +12,8 @@ optionally ``dtype`` (what the weights are dequantised to, default x.dtype), as 
   Its output equals the loop on the whole dequantised bank bit for bit (same experts, same order).
 - fast (CUDA): no-grad batches go to k3.ops.moe.triton_mxfp4 where the kernel plan chose kernel ``moe_mxfp4`` (codes
   and scales read in the matmul and dequantised in registers, no bf16 copy of any expert), decode and prefill alike:
-  the kernel is a grouped matmul over any number of rows per expert. Otherwise the selected experts are dequantised
+  a grouped matmul over any number of rows per expert, which at decode sizes runs k3.ops.moe.cuda_mxfp4's kernel
+  (kernel ``moe_mxfp4_rows``). Otherwise the selected experts are dequantised
   (to bf16 where ``moe_experts`` runs grouped_mm, else to the model's dtype) and the op ``moe_experts`` runs on
   them: without a host sync, a copy of its expert for each token-expert pair when there are fewer pairs than experts
   (duplicates included); else the batch's unique experts (one host sync) or, under CUDA-graph capture or

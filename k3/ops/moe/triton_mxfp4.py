@@ -13,6 +13,10 @@ a time. Experts without rows cost one program that reads nothing. The up-project
 tokens on the fly (through the routing's src_pair); the down-projection reads the
 GLU output's rows in place; each token then sums its k weighted rows (grouped.gather_rows_sum).
 
+Decode batches (up to cuda_mxfp4.ROWS_PER_EXPERT rows an expert on average) run k3.ops.moe.cuda_mxfp4 where the
+kernel plan chose it: at one or two rows an expert, an MMA with the weights as its register operand spends fewer
+instructions a weight than any ``tl.dot`` form (docs/decisions.md). The rest:
+
 The matmul is Triton's own MX primitive, ``tl.dot_scaled`` (bf16 rows x E2M1 codes with E8M0 scales): on Hopper,
 which has no MX tensor-core instruction, Triton upcasts the codes to bf16 in registers with its packed conversion,
 applies the scales and runs a bf16 MMA; on GPUs with native MX support the same call lowers to it. Against our
@@ -36,7 +40,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.moe import grouped
+from k3.ops import backend
+from k3.ops.moe import cuda_mxfp4, grouped
 from k3.ops.moe.small_groups import block_m
 from k3.ops.pdl import launch, wait_then_release
 
@@ -145,14 +150,26 @@ def _check(
 
 @torch.library.custom_op("k3::mxfp4_groups_mm", mutates_args=())
 def mxfp4_groups_mm(
-    x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor, offs: Tensor
+    x: Tensor,
+    src_pair: Optional[Tensor],
+    pairs_per_token: int,
+    packed: Tensor,
+    scale: Tensor,
+    offs: Tensor,
+    groups_max: Optional[int] = None,
 ) -> Tensor:
     """Grouped matmul with packed MXFP4 weights: packed uint8 [E, N, K / 2], scale uint8 [E, N, K / 32], offs [E]
     int32 group ends. With src_pair [R] int64: x [T, K] are the tokens and row r of the result reads token
     src_pair[r] // pairs_per_token (zeros for -1), R = len(src_pair); without: x [R, K] are the rows. Returns
     y [R, N] in x.dtype, y[r] = W_e x_r for the rows of group e (fp32 accumulation; rows after offs[-1] are not
-    written). A custom op (``torch.ops.k3.mxfp4_groups_mm``), so a compiled decode step keeps it in its graph."""
+    written). A custom op (``torch.ops.k3.mxfp4_groups_mm``), so a compiled decode step keeps it in its graph.
+    Up to cuda_mxfp4.ROWS_PER_EXPERT rows an expert on average it runs k3.ops.moe.cuda_mxfp4's kernel where the
+    kernel plan chose it (``moe_mxfp4_rows``; ``groups_max``: at most this many experts have rows), else this
+    module's."""
     _check(x, src_pair, pairs_per_token, packed, scale, offs)
+    rows = src_pair.shape[0] if src_pair is not None else x.shape[0]
+    if rows <= cuda_mxfp4.ROWS_PER_EXPERT * packed.shape[0] and backend.kernel_choice("moe_mxfp4_rows") == "cuda":
+        return cuda_mxfp4.mxfp4_rows_mm(x, src_pair, pairs_per_token, packed, scale, offs, groups_max)
     x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous()
     gather = src_pair is not None
     rows = src_pair.shape[0] if gather else x.shape[0]
@@ -186,7 +203,13 @@ def mxfp4_groups_mm(
 
 @mxfp4_groups_mm.register_fake
 def _(
-    x: Tensor, src_pair: Optional[Tensor], pairs_per_token: int, packed: Tensor, scale: Tensor, offs: Tensor
+    x: Tensor,
+    src_pair: Optional[Tensor],
+    pairs_per_token: int,
+    packed: Tensor,
+    scale: Tensor,
+    offs: Tensor,
+    groups_max: Optional[int] = None,
 ) -> Tensor:
     _check(x, src_pair, pairs_per_token, packed, scale, offs)
     return x.new_empty(src_pair.shape[0] if src_pair is not None else x.shape[0], packed.shape[1])
@@ -203,8 +226,9 @@ def moe_mxfp4(
     k = topk_idx.shape[1]
     route = grouped._route(topk_idx, w1p.shape[0], ROUTE_ALIGN)
     xb = x.to(torch.bfloat16)
-    gate = mxfp4_groups_mm(xb, route.src_pair, k, w1p, w1s, route.offs)  # [R, I]
-    up = mxfp4_groups_mm(xb, route.src_pair, k, w3p, w3s, route.offs)
+    hit = min(w1p.shape[0], topk_idx.numel())  # experts with rows, at most
+    gate = mxfp4_groups_mm(xb, route.src_pair, k, w1p, w1s, route.offs, hit)  # [R, I]
+    up = mxfp4_groups_mm(xb, route.src_pair, k, w3p, w3s, route.offs, hit)
     h = glu(gate, up).to(torch.bfloat16)
-    y = mxfp4_groups_mm(h, None, 1, w2p, w2s, route.offs)  # [R, D]
+    y = mxfp4_groups_mm(h, None, 1, w2p, w2s, route.offs, hit)  # [R, D]
     return grouped.gather_rows_sum(y, route.pair_rows, topk_weight, x.dtype)
