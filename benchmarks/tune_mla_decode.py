@@ -4,7 +4,8 @@ For each (batch, context) and each (block_n, num_stages, num_warps, programs_per
 ``mla_decode`` call (kernel + split merge; CUDA events, median of 20) and its fraction of the bytes-moved limit
 (the latent rows B * L * (r + dr) * 2 bytes at the measured copy bandwidth). Every output is checked against the
 default launch's (relative error <= 1e-2, bf16). Prints the table sorted per shape, writes JSON + markdown.
-Usage: python benchmarks/tune_mla_decode.py [--heads 16] [--out DIR]
+Usage: python benchmarks/tune_mla_decode.py [--heads 16] [--shapes 64x32768,...] [--out DIR]; with --heads other
+than 16 the files are tune_mla_decode-h<heads>.*.
 """
 
 from __future__ import annotations
@@ -21,18 +22,25 @@ from k3.bench.common import copy_bandwidth, cuda_time
 from k3.ops.mla.triton_decode import mla_decode
 
 SHAPES = [(64, 32768), (16, 32768), (64, 4096), (1, 4096), (1, 131072)]
-CHOICES = list(itertools.product((32, 64), (2, 3, 4), (4, 8), (2, 4, 8, 16)))
+CHOICES = list(itertools.product((32, 64), (2, 3, 4), (4, 8), (2, 4, 8, 16), (None,)))
+# more than 32 heads: also groups of 64 (Hopper's wgmma takes 64-row tiles; 8 warps, one program an SM)
+WIDE = list(itertools.product((16, 32), (2, 3), (8,), (1, 2, 4, 8), (64,)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES), help="batch x context, ...")
     ap.add_argument("--out", default=os.environ.get("K3_BENCH_OUT", "benchmarks/results"))
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    name = "tune_mla_decode" if args.heads == 16 else f"tune_mla_decode-h{args.heads}"
+    # mla_decode's defaults (block_n, stages, warps, programs per SM) for these heads
+    default = (64, 2, 4, 8) if args.heads > 32 else (32, 3, 8 if args.heads > 16 else 4, 2)
     r, dr, h = 512, 64, args.heads
     bw = copy_bandwidth()
     rows = []
-    for b, length in SHAPES:
+    for b, length in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         kv = torch.randn(b, length, r + dr, device="cuda", generator=g).to(torch.bfloat16)
         q = torch.randn(b, h, r + dr, device="cuda", generator=g).to(torch.bfloat16)
@@ -40,8 +48,8 @@ def main() -> None:
         lengths = torch.full((b,), length, device="cuda")
         want = mla_decode(q, kv, slots, lengths, 0.07, r, length).float()
         limit = b * length * (r + dr) * 2 / bw
-        for block_n, stages, warps, per_sm in CHOICES:
-            kw = dict(block_n=block_n, num_stages=stages, num_warps=warps, programs_per_sm=per_sm)
+        for block_n, stages, warps, per_sm, block_h in CHOICES + (WIDE if h > 32 else []):
+            kw = dict(block_n=block_n, num_stages=stages, num_warps=warps, programs_per_sm=per_sm, block_h=block_h)
             try:
                 got = mla_decode(q, kv, slots, lengths, 0.07, r, length, **kw).float()
                 err = ((got - want).norm() / want.norm()).item()
@@ -53,26 +61,29 @@ def main() -> None:
         torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tune_mla_decode.json").write_text(json.dumps({"bandwidth_GBps": bw / 1e9, "rows": rows}, indent=1))
+    (out / f"{name}.json").write_text(json.dumps({"bandwidth_GBps": bw / 1e9, "rows": rows}, indent=1))
     lines = [
-        "| batch | context | block_n | stages | warps | programs/SM | us | of limit | rel err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | context | block_h | block_n | stages | warps | programs/SM | us | of limit | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for b, length in SHAPES:
+    for b, length in shapes:
         ok = sorted(
             (x for x in rows if x["batch"] == b and x["context"] == length and "us" in x), key=lambda x: x["us"]
         )
-        default = next(
-            x for x in ok if (x["block_n"], x["num_stages"], x["num_warps"], x["programs_per_sm"]) == (32, 3, 4, 2)
-        )
-        for x in ok[:4] + [default]:
+        launch = [
+            x
+            for x in ok
+            if (x["block_n"], x["num_stages"], x["num_warps"], x["programs_per_sm"]) == default and not x["block_h"]
+        ]
+        for x in ok[:4] + launch[:1]:
             lines.append(
-                f"| {b} | {length} | {x['block_n']} | {x['num_stages']} | {x['num_warps']} | "
-                f"{x['programs_per_sm']} | {x['us']:.1f} | {x['of_limit']:.1%} | {x['rel_err']:.1e} |"
+                f"| {b} | {length} | {x['block_h'] or 'default'} | {x['block_n']} | {x['num_stages']} | "
+                f"{x['num_warps']} | {x['programs_per_sm']} | {x['us']:.1f} | {x['of_limit']:.1%} | "
+                f"{x['rel_err']:.1e} |"
             )
     text = "\n".join(lines)
-    (out / "tune_mla_decode.md").write_text(
-        "# MLA decode kernel launch choices (fastest 4 + default per shape)\n\n" + text + "\n"
+    (out / f"{name}.md").write_text(
+        f"# MLA decode kernel launch choices, {args.heads} heads (fastest 4 + the defaults per shape)\n\n" + text + "\n"
     )
     print(text)
     assert all(x.get("rel_err", 0) <= 1e-2 for x in rows), "a launch choice changed the result"

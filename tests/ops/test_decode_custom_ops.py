@@ -51,6 +51,14 @@ MLA = textwrap.dedent("""
                                       cu_seqlens_q=torch.arange(B + 1), scale=0.1, v_dim=R)
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err <= 2e-3, err  # fp16 output rounding (2^-11) and fp16 probabilities in the value product
+    # 40 heads: two groups of 32 (the launch defaults for several groups), or one group of 64, heads masked
+    q40 = torch.randn(B, 40, R + DR).half()
+    want = reference.latent_attention(q40.float(), kv.float(), seq_ids=slots, lengths=lengths,
+                                      cu_seqlens_q=torch.arange(B + 1), scale=0.1, v_dim=R)
+    for block_h in (None, 64):
+        got = triton_decode.mla_decode(q40, kv, slots, lengths, 0.1, R, block_h=block_h)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err <= 2e-3, (block_h, err)
     # 37 splits of 8 rows: the merge reads them in two blocks of 32 (the second mostly masked), rescaling the first
     # block's sums to the second's maximum where it is higher; a sequence with no rows gives zeros
     lengths = torch.tensor([290, 0, 33])

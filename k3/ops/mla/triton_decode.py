@@ -228,28 +228,37 @@ def mla_decode(
     scale: float,
     v_dim: int,
     max_length: int | None = None,
-    block_n: int = 32,
-    num_stages: int = 3,
+    block_n: int | None = None,
+    num_stages: int | None = None,
     num_warps: int | None = None,
-    programs_per_sm: int = 2,
+    programs_per_sm: int | None = None,
+    block_h: int | None = None,
 ) -> Tensor:
     """q [B, H, r + dr] (one token per sequence); kv [slots, capacity, r + dr]; seq_ids, lengths [B] (int);
     -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once.
-    Launch: block_n rows per iteration, num_stages / num_warps (default 8 for 32-head groups, else 4), and
-    sequences split into as many splits as keep the programs at most programs_per_sm per SM (splits of at least 256
-    rows). On an H200 two programs of 16-head groups (4 warps) are resident per SM, and one whole wave of programs was
-    fastest (CUDA graphs of 5 calls, docs/decisions.md): at B=64 / 32K 4 splits (256 programs)
-    541 us per call, 8 splits 543, 16 splits 560 (the former rule, rounding 8 per SM up, took 17: 612 us against 566
-    for 16 timed launch by launch); at B=16 / 128K 16 splits 537 us, 33 splits 554 and 66 (the former rule) 573.
-    Groups of 32 heads (8 warps) were not measured."""
+    Launch: block_h heads a program (a power of two >= 16; default the heads' power of two up to 32), block_n rows
+    per iteration, num_stages, num_warps, and sequences split into as many splits as keep the programs at most
+    programs_per_sm per SM (splits of at least 256 rows). Defaults, from the launch choices
+    measured on an H200 (benchmarks/results/tune_mla_decode*.md): one group of up to 32 heads, 32 rows, 3 stages,
+    4 warps (8 for 32 heads) and 2 programs an SM, one whole wave of programs (at B=64 / 32K, 16 heads: 4 splits,
+    541 us per call, 8 splits 543, 16 splits 560; docs/decisions.md); several groups of 32 (K3's 96 heads), 64 rows,
+    2 stages, 4 warps and 8 programs an SM (1.95 ms at B=64 / 32K where the former defaults, one split a
+    sequence, took 5.48 ms)."""
     B, H, D = q.shape
     R, DR = v_dim, D - v_dim
     if not supported(R, DR):
         raise ValueError(f"mla_decode needs power-of-two r={R} and dr={DR} >= 16")
     q = q.to(kv.dtype).contiguous()
     max_length = int(lengths.max()) if max_length is None else max_length
-    block_h = min(32, max(16, triton.next_power_of_2(H)))
+    block_h = block_h or min(32, max(16, triton.next_power_of_2(H)))
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ValueError(f"mla_decode: block_h={block_h} must be a power of two >= 16")
     groups = triton.cdiv(H, block_h)
+    many = groups > 1
+    block_n = block_n or (64 if many else 32)
+    num_stages = num_stages or (2 if many else 3)
+    num_warps = num_warps or (4 if many or block_h == 16 else 8)
+    programs_per_sm = programs_per_sm or (8 if many else 2)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = max(1, min(triton.cdiv(max_length, 256), programs_per_sm * sms // (B * groups)))
     split_rows = triton.cdiv(triton.cdiv(max_length, splits), block_n) * block_n
@@ -268,5 +277,5 @@ def mla_decode(
         block_h,
         block_n,
         num_stages,
-        num_warps or (8 if block_h > 16 else 4),
+        num_warps,
     )
