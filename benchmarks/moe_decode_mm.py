@@ -16,21 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from k3.bench.common import copy_bandwidth, cuda_time, environment, write_results
+from k3.bench.common import copy_bandwidth, environment, graph_seconds, write_results
 from k3.ops.moe import grouped
 
 SHAPES = [("kimi-linear-1.3b", 64, 8, 1024, 512), ("small-1b latent", 64, 6, 512, 768), ("k3-like", 896, 16, 1024, 512)]
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph after two eager runs (Triton autotuning); returns the replay."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 @torch.no_grad()
@@ -64,7 +53,7 @@ def main() -> None:
                         grouped._matmul(kernel, xs, w3, route.offs)
                         grouped._matmul(kernel, h, w2, route.offs)
 
-                times[kernel] = cuda_time(graphed(step), warmup=3, iters=20) / layers
+                times[kernel] = graph_seconds(step) / layers
             rows.append(
                 {
                     "shape": name,

@@ -17,24 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from k3.bench.common import cuda_time, environment, read_bandwidth, write_results
+from k3.bench.common import environment, graph_seconds, read_bandwidth, write_results
 from k3.ops import backend
 from k3.ops.moe import grouped
 from k3.ops.moe.triton_mxfp4 import ROUTE_ALIGN, mxfp4_groups_mm
 from k3.ops.mx import unpack_weight
 
 E, K, D, I = 896, 16, 3584, 3072
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph after two eager runs (compilation, autotuning); returns the replay."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 @torch.no_grad()
@@ -73,7 +62,7 @@ def main() -> None:
                 mxfp4_groups_mm(x, route.src_pair, K, packed["w3"], scale["w3"], route.offs, min(E, batch * K))
                 mxfp4_groups_mm(h, None, 1, packed["w2"], scale["w2"], route.offs, min(E, batch * K))
 
-            times[kernel] = cuda_time(graphed(step), warmup=3, iters=20)
+            times[kernel] = graph_seconds(step)
         backend.set_kernels(None)
         aligned = grouped._route(idx, E)  # the bf16 kernels' routing (groups padded to grouped_mm's alignment)
         xs = x[aligned.src_pair.clamp(min=0) // K]
@@ -84,7 +73,7 @@ def main() -> None:
             grouped._matmul("triton", xs, bf16["w3"], aligned.offs)
             grouped._matmul("triton", ha, bf16["w2"], aligned.offs)
 
-        times["bf16"] = cuda_time(graphed(step_bf16), warmup=3, iters=20)
+        times["bf16"] = graph_seconds(step_bf16)
         rows.append(
             {
                 "batch": batch,

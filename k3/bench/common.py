@@ -26,6 +26,22 @@ def cuda_time(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> floa
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def graph_seconds(fn, iters: int = 20) -> float:
+    """Seconds per call of ``fn`` (no host syncs inside) replayed from a CUDA graph; host clock on the CPU."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    t = cuda_time(graph.replay, warmup=2, iters=iters)
+    del graph
+    return t
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + written), 4 GiB buffers."""
     a = torch.empty(2**30, dtype=torch.float32, device="cuda")

@@ -37,7 +37,7 @@ import types
 import torch
 from torch import nn
 
-from k3.bench.common import copy_bandwidth, cuda_time, environment, read_bandwidth, write_results
+from k3.bench.common import copy_bandwidth, environment, graph_seconds, read_bandwidth, write_results
 from k3.bench.decode import fill_cache, ours
 from k3.bench.slice_model import (
     bf16_experts,
@@ -172,22 +172,6 @@ def unskip(model: K3ForCausalLM) -> None:
     for m in model.modules():
         if isinstance(m, MoE):
             m.expert_dispatch = None
-
-
-def graph_seconds(fn, iters: int = 20) -> float:
-    """Seconds per call of ``fn`` (no host syncs inside) replayed from a CUDA graph; host clock on the CPU."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    t = cuda_time(graph.replay, warmup=2, iters=iters)
-    del graph
-    return t
 
 
 def _graph_or_wall(device: torch.device, fn, iters: int) -> float:
