@@ -13,6 +13,8 @@ Phases (each guarded: a failure is recorded in its row and the next phase still 
   experts the batch selects (counted in one eager step; E (1 - (1 - k/E)^B) expected), KDA states read and written,
   conv states, every cached MLA latent. The same step with the routed experts replaced by zeros, then also the
   KDA-MoE layers skipped, then every MoE layer skipped, gives the per-layer parts (:func:`layer_times`).
+- kernels: one eager decode step's device time by kernel (torch.profiler) at B=64 / 32K and B=1 / 4K, the most
+  expensive first: what the decode parts do not split (KDA, MLA, the MoE layer's other maps).
 - prefill: one 32K sequence in chunks of PREFILL_CHUNK tokens through the cache; the packed-experts kernel reads
   codes and scales at any number of rows (no expert is dequantised to memory).
 - bf16: one KDA-MoE layer's experts in bf16 (59 GB) in place of its packed bank (freed): that MoE layer alone at
@@ -37,7 +39,15 @@ import types
 import torch
 from torch import nn
 
-from k3.bench.common import copy_bandwidth, environment, graph_seconds, read_bandwidth, write_results
+from k3.bench.common import (
+    busy_seconds,
+    copy_bandwidth,
+    device_activity,
+    environment,
+    graph_seconds,
+    read_bandwidth,
+    write_results,
+)
 from k3.bench.decode import fill_cache, ours
 from k3.bench.slice_model import (
     bf16_experts,
@@ -319,6 +329,50 @@ def decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer: 
                 _guard(rows, {"phase": "decode parts", "case": label, "batch": batch, "context": context}, without)
 
 
+@torch.no_grad()
+def kernel_times(model: K3ForCausalLM, batch: int, context: int, steps: int = 2) -> tuple[float, list]:
+    """Device time of ``steps`` eager decode steps under torch.profiler: (busy seconds per step, [(kernel name,
+    seconds per step, launches per step)] most expensive first). The graph replays the same kernels back to back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = new_filled_cache(model, batch, context, steps + 2)
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device=next(model.parameters()).device)
+    seq = list(range(batch))
+    model.decode(ids, cache, seq)  # compiles, autotunes
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model.decode(ids, cache, seq)
+        torch.cuda.synchronize()
+    events = device_activity(prof.events())
+    by_name: dict[str, list] = {}
+    for e in events:
+        entry = by_name.setdefault(e.name, [0.0, 0])
+        entry[0] += (e.time_range.end - e.time_range.start) / 1e6 / steps
+        entry[1] += 1
+    kernels = sorted(((n, t, c / steps) for n, (t, c) in by_name.items()), key=lambda x: -x[1])
+    return busy_seconds(events) / steps, kernels
+
+
+def kernels_phase(model, rows, cases, top: int = 12) -> None:
+    """Where an eager decode step's device time goes, per kernel (the ``top`` most expensive), at each (B, context)
+    of ``cases``: the rows the decode parts cannot split (KDA, MLA, the MoE layer's other maps)."""
+    for batch, context in cases:
+        listed: list[dict] = []
+
+        def case(row, batch=batch, context=context, listed=listed):
+            busy, kernels = kernel_times(model, batch, context)
+            row |= {"ms": busy * 1e3}
+            for name, t, count in kernels[:top]:
+                listed.append(
+                    {"phase": "kernels", "case": f"{name[:70]} (x{count:g})", "batch": batch, "context": context}
+                    | {"ms": t * 1e3}
+                )
+
+        _guard(rows, {"phase": "kernels", "case": "device busy, eager step", "batch": batch, "context": context}, case)
+        rows.extend(listed)
+
+
 def experts_phase(model, rows, batches, ep_experts: int, per_layer_experts: dict) -> None:
     """The packed-experts op of one MoE layer: a local batch over all experts, and an expert-parallel share."""
     moe = next(m for m in model.modules() if isinstance(m, MoE))
@@ -504,6 +558,9 @@ def run(out_dir: str | None = None, quick: bool = False, smoke: bool = False) ->
     experts: dict = {}
     decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer)
     save()
+    if cuda:  # torch.profiler's CUDA activity
+        kernels_phase(model, rows, [(64, 32768), (1, 4096)])
+        save()
     ep_experts = max(1, math.ceil(config.moe.num_experts / EP_GPUS))
     experts_phase(model, rows, batches, ep_experts, experts)
     save()

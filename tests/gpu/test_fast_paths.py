@@ -717,3 +717,13 @@ def test_activation_checkpointing_with_fast_paths_keeps_loss_and_gradients():
     flat_a = torch.cat([g.flatten().double() for g in grads_a.values()])
     flat_b = torch.cat([grads_b[n].flatten().double() for n in grads_a])
     assert rel(flat_b, flat_a) <= 1e-2, rel(flat_b, flat_a)
+
+
+def test_slice_kernel_times_name_the_kernels_of_a_decode_step():
+    """k3 bench slice's kernels phase: one eager decode step's device time by kernel, the MLA decode among them."""
+    from k3.bench.slice import kernel_times
+
+    busy, kernels = kernel_times(_decode_model(5), 4, 64)
+    assert busy > 0 and kernels and all(t >= 0 and count > 0 for _, t, count in kernels)
+    assert any("mla_decode" in name for name, _, _ in kernels), [name for name, _, _ in kernels]
+    assert sum(t for _, t, _ in kernels) >= 0.9 * busy  # one stream: the kernels add up to the busy time
