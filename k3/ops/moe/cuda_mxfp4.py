@@ -51,13 +51,13 @@ struct U4 { u32 x, y, z, w; };
 __device__ __forceinline__ U4 load_weights(const u8* p) {  // streamed past L1; L2 fetches 128 bytes a miss
   U4 v;
   asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ U4 load_rows(const u16* p) {  // activations: every warp of the expert reads them
   U4 v;
   asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 // Codes at bits 4p..4p+3 and 16+4p..19+4p of w -> bf16x2 (value x 2^-126): sign to bit 15, e1 e0 m to bits 8..6.
