@@ -19,13 +19,18 @@ def _rel(a, b):
 
 @pytest.mark.parametrize(
     "H,K,V,RF,RG,bound,warps",
-    [(16, 64, 64, 64, 64, None, None), (16, 64, 64, 64, 64, None, 4), (8, 128, 128, 128, 0, -5.0, None)],
-    ids=["kimi-linear", "kimi-linear-four-warps", "k3-like"],
+    [
+        (16, 64, 64, 64, 64, None, None),
+        (16, 64, 64, 64, 64, None, 4),
+        (8, 128, 128, 128, 0, -5.0, None),
+        (96, 128, 128, 128, 128, -5.0, None),
+    ],
+    ids=["kimi-linear", "kimi-linear-four-warps", "k3-like", "k3-heads"],
 )
 def test_kda_decode_core_matches_the_float64_composition(H, K, V, RF, RG, bound, warps, monkeypatch):
     """``warps``: the launch rule's choice (for the kimi-linear shape's 1024 programs one warp on GPUs of at most
-    256 SMs, an H200's 132 among them; 8 for the k3-like heads of 128), or four warps forced (the rule's choice at
-    fewer programs)."""
+    256 SMs, an H200's 132 among them; heads of 128 go in 32-column chunks with four), or four warps forced (the
+    rule's choice at fewer programs)."""
     from k3.ops.kda import triton_decode
     from k3.ops.kda.triton_decode import kda_decode_core
 

@@ -32,7 +32,10 @@ SCRIPT = textwrap.dedent("""
     for H, K, V, RF, RG, bound, dtype, state_dtype in [(2, 16, 32, 24, 8, -5.0, torch.float32, torch.float32),
                                                        (3, 32, 16, 16, 0, None, torch.float32, torch.float32),
                                                        (2, 16, 16, 40, 0, -5.0, torch.float16, torch.float16),
-                                                       (1, 64, 32, 16, 12, None, torch.float16, torch.float32)]:
+                                                       (1, 64, 32, 16, 12, None, torch.float16, torch.float32),
+                                                       # states over 64 x 64: two passes over 32-column chunks
+                                                       (2, 128, 64, 16, 12, None, torch.float32, torch.float32),
+                                                       (1, 128, 128, 24, 0, -5.0, torch.float16, torch.float32)]:
         q, k = (torch.randn(N, H * K).to(dtype) for _ in range(2))
         v = torch.randn(N, H * V).to(dtype)
         f_a, w_fb = torch.randn(N, RF).to(dtype), (torch.randn(H * K, RF) * RF ** -0.5).to(dtype)

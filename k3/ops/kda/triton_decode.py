@@ -12,8 +12,9 @@ For each token n and head h (q, k [K], v [V] of the head, the state S [K, V] of 
 the reference composition in k3.ops.kda (f_b_proj, kda_decode_step, g_b_proj, the gated RMSNorm) without the
 five kernels around the recurrence (two GEMVs, two casts of its inputs, the norm) or the bf16 roundings between
 them: on an H200 at B=64 those were ~23 us of kernels per KDA layer (fla's fused recurrent step ~14 us of it,
-docs/decisions.md). One program per (token, head) holds the head's whole state and value
-width (the norm needs all of V): K, V <= 128.
+docs/decisions.md). One program per (token, head): states up to 64 x 64 held whole; larger ones (K3's 128 x 128)
+64 x 64 elements at a time in two passes over the value columns (the first sums the output's squares for the norm,
+the second writes the state and the output), so several programs fit an SM. K, V <= 128.
 
 Forward only, for no-grad calls (decode); k3.ops.kda.decode_core_kernel picks it and logs which path runs.
 """
@@ -64,6 +65,7 @@ def _kda_decode_kernel(
     BOUNDED: tl.constexpr,
     BLOCK_RF: tl.constexpr,
     BLOCK_RG: tl.constexpr,
+    VC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
@@ -72,12 +74,12 @@ def _kda_decode_kernel(
     vs = tl.arange(0, V)
     # the slot and the state are read before the wait (k3.ops.pdl: the kernel before this one does not write them)
     slot = tl.load(SLOTS + n).to(tl.int64)
-    s_ptr = STATE + ((slot * H + h) * K + ks[:, None]) * V + vs[None, :]
-    s = tl.load(s_ptr)  # [K, V]
+    s_base = STATE + ((slot * H + h) * K + ks[:, None]) * V
+    if VC == V:
+        s = tl.load(s_base + vs[None, :])  # [K, V]
     wait_then_release(PDL)
     q = tl.load(Q + n * stride_q + h * K + ks).to(tl.float32)
     k = tl.load(Kt + n * stride_k + h * K + ks).to(tl.float32)
-    v = tl.load(Vt + n * stride_v + h * V + vs).to(tl.float32)
     rf = tl.arange(0, BLOCK_RF)
     fa = tl.load(FA + n * stride_fa + rf, mask=rf < RF, other=0.0).to(tl.float32)
     wfb = tl.load(WFB + (h * K + ks)[:, None] * RF + rf[None, :], mask=(rf < RF)[None, :], other=0.0)
@@ -90,33 +92,69 @@ def _kda_decode_kernel(
     beta = tl.sigmoid(tl.load(Bt + n * stride_b + h).to(tl.float32))
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps_l2)
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps_l2)
-    s = s.to(tl.float32) * tl.exp(g)[:, None]
-    u = beta * (v - tl.sum(k[:, None] * s, axis=0))
-    s = s + k[:, None] * u[None, :]
-    tl.store(s_ptr, s.to(STATE.dtype.element_ty))
-    o = scale * tl.sum(q[:, None] * s, axis=0)  # [V]
-    if RG > 0:  # low-rank output gate: its second map here
+    decay = tl.exp(g)[:, None]
+    if VC == V:  # the whole state in registers: one pass
+        v = tl.load(Vt + n * stride_v + h * V + vs).to(tl.float32)
+        s = s.to(tl.float32) * decay
+        u = beta * (v - tl.sum(k[:, None] * s, axis=0))
+        s = s + k[:, None] * u[None, :]
+        tl.store(s_base + vs[None, :], s.to(STATE.dtype.element_ty))
+        o = scale * tl.sum(q[:, None] * s, axis=0)  # [V]
+        gate = _output_gate(G, WGB, n, h, stride_g, vs, V, RG, BLOCK_RG)
+        y = o / tl.sqrt(tl.sum(o * o, axis=0) / V + eps_norm) * tl.load(NORM_W + vs).to(tl.float32) * tl.sigmoid(gate)
+        tl.store(Y + n * stride_y + h * V + vs, y.to(Y.dtype.element_ty))
+    else:
+        # VC columns of the state at a time, twice: the norm needs all of o first. With D = Diag(e^g) S,
+        # u = beta (v - D^T k) and o = K^-1/2 (D^T q + u (k . q)) = K^-1/2 S_new^T q column by column; the first
+        # pass sums o^2, the second (its columns again from the cache) writes S_new = D + k u^T and y.
+        kq = tl.sum(k * q, axis=0)
+        vc = tl.arange(0, VC)
+        ssq = tl.sum(tl.zeros([VC], tl.float32), axis=0)
+        for c0 in range(0, V, VC):
+            d = tl.load(s_base + (c0 + vc)[None, :]).to(tl.float32) * decay  # [K, VC]
+            v = tl.load(Vt + n * stride_v + h * V + c0 + vc).to(tl.float32)
+            u = beta * (v - tl.sum(k[:, None] * d, axis=0))
+            o = scale * (tl.sum(q[:, None] * d, axis=0) + u * kq)
+            ssq += tl.sum(o * o, axis=0)
+        inv_rms = 1.0 / tl.sqrt(ssq / V + eps_norm)
+        for c0 in range(0, V, VC):
+            d = tl.load(s_base + (c0 + vc)[None, :]).to(tl.float32) * decay
+            v = tl.load(Vt + n * stride_v + h * V + c0 + vc).to(tl.float32)
+            u = beta * (v - tl.sum(k[:, None] * d, axis=0))
+            o = scale * (tl.sum(q[:, None] * d, axis=0) + u * kq)
+            tl.store(s_base + (c0 + vc)[None, :], (d + k[:, None] * u[None, :]).to(STATE.dtype.element_ty))
+            gate = _output_gate(G, WGB, n, h, stride_g, c0 + vc, V, RG, BLOCK_RG)
+            y = o * inv_rms * tl.load(NORM_W + c0 + vc).to(tl.float32) * tl.sigmoid(gate)
+            tl.store(Y + n * stride_y + h * V + c0 + vc, y.to(Y.dtype.element_ty))
+
+
+@triton.jit
+def _output_gate(G, WGB, n, h, stride_g, cols, V: tl.constexpr, RG: tl.constexpr, BLOCK_RG: tl.constexpr):
+    """The output gate's logits at value columns ``cols`` of head h: the low-rank gate's second map, or the
+    full-rank gate's entries."""
+    if RG > 0:
         rg = tl.arange(0, BLOCK_RG)
         ga = tl.load(G + n * stride_g + rg, mask=rg < RG, other=0.0).to(tl.float32)
-        wgb = tl.load(WGB + (h * V + vs)[:, None] * RG + rg[None, :], mask=(rg < RG)[None, :], other=0.0)
-        gate = tl.sum(wgb.to(tl.float32) * ga[None, :], axis=1)
-    else:
-        gate = tl.load(G + n * stride_g + h * V + vs).to(tl.float32)
-    y = o / tl.sqrt(tl.sum(o * o, axis=0) / V + eps_norm) * tl.load(NORM_W + vs).to(tl.float32) * tl.sigmoid(gate)
-    tl.store(Y + n * stride_y + h * V + vs, y.to(Y.dtype.element_ty))
+        wgb = tl.load(WGB + (h * V + cols)[:, None] * RG + rg[None, :], mask=(rg < RG)[None, :], other=0.0)
+        return tl.sum(wgb.to(tl.float32) * ga[None, :], axis=1)
+    return tl.load(G + n * stride_g + h * V + cols).to(tl.float32)
 
 
-def _warps(state_size: int, programs: int, device: torch.device) -> int:
-    """Warps per program: 8 for states over 64 x 64; for states up to 64 x 64, one warp (at 64 x 64: 128 state
-    elements per thread) once the programs are at least 4 per SM, else 4. On an H200 at the decode benchmark's
-    shapes (CUDA graphs of 20 launches, docs/decisions.md): B=64 (1024 programs, 7.8 per SM)
-    10.1 us with one warp, 14.4 with four; B=16 (256, 1.9 per SM) 5.3 with four, 6.7 with one; B=1 3.6 with four,
-    5.9 with one. The threshold between the two measured counts is a choice."""
-    if state_size > 64 * 64:
-        return 8
+def _warps(programs: int, device: torch.device) -> int:
+    """Warps per program for states up to 64 x 64 held whole: one warp (at 64 x 64: 128 state elements per thread)
+    once the programs are at least 4 per SM, else 4. On an H200 at the decode benchmark's shapes (CUDA graphs of 20
+    launches, docs/decisions.md): B=64 (1024 programs, 7.8 per SM) 10.1 us with one warp, 14.4 with four; B=16
+    (256, 1.9 per SM) 5.3 with four, 6.7 with one; B=1 3.6 with four, 5.9 with one. The threshold between the two
+    measured counts is a choice. Larger states go in chunks of 64 x 64 elements with four warps (not measured)."""
     if device.type != "cuda":  # Triton's interpreter (tests): no warps
         return 4
     return 1 if programs >= 4 * torch.cuda.get_device_properties(device).multi_processor_count else 4
+
+
+def _v_chunk(k: int, v: int) -> int:
+    """Value columns of the state a program holds at once: all of them up to 64 x 64 states, else K x VC = 64 x 64
+    elements at a time (a 128 x 128 state whole took 186 registers a thread at 8 warps, one program an SM)."""
+    return v if k * v <= 64 * 64 else min(v, 4096 // k)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -155,6 +193,7 @@ def kda_decode_core(
         q, k, v, f_a, b, gate_in = (_rows(t) for t in (q, k, v, f_a, b, gate_in))
         rf = w_fb.shape[1]
         rg = 0 if w_gb is None else w_gb.shape[1]
+        vc = _v_chunk(kd, vd)
         _kda_decode_kernel[(n, h)](
             q,
             k,
@@ -189,7 +228,8 @@ def kda_decode_core(
             BOUNDED=lower_bound is not None,
             BLOCK_RF=triton.next_power_of_2(rf),
             BLOCK_RG=triton.next_power_of_2(max(rg, 1)),
-            num_warps=_warps(kd * vd, n * h, q.device),
+            VC=vc,
+            num_warps=_warps(n * h, q.device) if vc == vd else 4,
             **launch(q.device),
         )
     return y
