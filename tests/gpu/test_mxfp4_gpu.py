@@ -124,7 +124,8 @@ def dequantised_groups_mm(x, src_pair, pairs_per_token, packed, scale, offs):
     [
         (16, 256, 512, 4, 4, True),
         (16, 256, 512, 40, 4, False),  # experts with more than 8 rows: the weights stream once per 8
-        (4, 160, 96, 5, 2, True),  # N not a multiple of a warp's 32 rows, K not of a step's 128 columns
+        (4, 160, 96, 5, 2, True),  # K not a multiple of a step's 128 columns
+        (4, 100, 96, 5, 2, False),  # N not a multiple of 8: the last warp's lanes past N
         (64, 128, 256, 64, 8, True),
         (896, 3072, 3584, 64, 16, True),  # K3's w1 / w3 at B=64
         (896, 3584, 3072, 8, 16, False),  # K3's w2 at B=8

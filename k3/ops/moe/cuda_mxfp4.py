@@ -102,7 +102,7 @@ __device__ __forceinline__ void load_step(Step& st, const u8* pw, const u8* ps, 
   for (int t = 0; t < M_TILES; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = ROW_OK(t, h) ? 16 * t + 8 * h : 0;  // rows past N read row g (their output is not stored)
+      const int row = ROW_OK(t, h) ? 16 * t + 8 * h : 0;  // rows past N reread a row (their output is not stored)
       st.w[t][h] = k_ok ? load_weights(pw + row * (KDIM / 2) + kt / 2) : U4{0u, 0u, 0u, 0u};
       st.s[t][h] = k_ok ? (u32)ps[row * (KDIM / 32) + kt / 32] : 127u;
     }
@@ -179,8 +179,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mxfp4_rows(
   const int n_warp = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * (16 * M_TILES);
   if (start >= end || n_warp >= NDIM) return;
   const int n_g = n_warp + g;
-  const u8* pw = P + ((long long)e * NDIM + n_g) * (KDIM / 2);
-  const u8* ps = S + ((long long)e * NDIM + n_g) * (KDIM / 32);
+  const int n_row = NDIM % (16 * M_TILES) == 0 ? n_g : min(n_g, NDIM - 1);  // a row that exists: g may be past N
+  const u8* pw = P + ((long long)e * NDIM + n_row) * (KDIM / 2);
+  const u8* ps = S + ((long long)e * NDIM + n_row) * (KDIM / 32);
   for (int r0 = start; r0 < end; r0 += 8) {
     const int r = r0 + g;  // this thread's activation row: the MMA's column g
     bool x_ok = r < end;
