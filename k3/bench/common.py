@@ -27,7 +27,8 @@ def cuda_time(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> floa
 
 
 def graph_seconds(fn, iters: int = 20) -> float:
-    """Seconds per call of ``fn`` (no host syncs inside) replayed from a CUDA graph; host clock on the CPU."""
+    """Seconds per call of ``fn`` (no host syncs inside) replayed from a CUDA graph, after two runs on a side stream
+    (compilation, autotuning)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
