@@ -171,3 +171,17 @@ def test_cli_errors_are_one_line(capsys):
     assert "must be a multiple of --gpus-per-node" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--gpus", "8", "--context", "4k"]) == 2
     assert "--context='4k'" in capsys.readouterr().err
+
+
+def test_validation_compares_the_slice_decode_with_its_prediction():
+    """The report's validation table prices k3-slice's measured decode steps (benchmarks/results/slice.json) with
+    the cost model at the measured bandwidth and MXFP4 experts: a prediction of the same order, source named."""
+    from k3.plan.report import RESULTS, validate
+
+    if not (RESULTS / "slice.json").is_file():
+        pytest.skip("no slice result checked in")
+    rows = [r for r in validate() if r["source"] == "slice.json"]
+    assert {r["run"].split(", 1 H200")[0].rsplit("B=", 1)[1] for r in rows} == {"1, context 4096", "64, context 32768"}
+    for r in rows:
+        assert 0.5 < r["ratio"] < 2, r
+        assert float(r["measured"].split()[0]) > 0 and float(r["predicted"].split()[0]) > 0

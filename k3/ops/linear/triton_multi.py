@@ -14,7 +14,8 @@ took 11.6-18.5 us per launch for the KDA maps inside compiled decode steps (5.6 
 7.0-8.3 us in the step with this rule, docs/decisions.md).
 
 The last ``fp32`` weights' outputs are fp32 (a MoE router's logits): their weights in x's dtype (exact products,
-fp32 sums) or in fp32 (x upcast, fp32 products).
+fp32 sums) or in fp32 (x upcast, fp32 products: for bf16 x on the tensor cores, the weight split into three exact
+bf16 parts, :func:`_dot_fp32_weight`).
 
 Forward only, for no-grad calls (decode): k3.ops.linear.multi_linear picks it and logs which path runs.
 """
@@ -34,6 +35,22 @@ from k3.ops.pdl import launch as pdl_launch, wait_then_release
 
 _SIZES = [f"N{i}" for i in range(MAX_WEIGHTS)]
 _fewer_stages: set[bool] = set()  # logged once: the rule's stages did not fit a GPU
+
+
+@triton.jit
+def _dot_fp32_weight(x, w, acc):
+    """acc + x @ w for bf16 x [BM, BK] and fp32 w [BK, BN], exactly as fp32 products with fp32 sums: w is split into
+    three bf16 parts, w = hi + mid + lo exactly (each part rounds the rest to bf16's 8 significant bits, and bf16
+    has fp32's exponent range: exact for |w| >= 2^-110), and x times each part is a bf16 tensor-core product, exact
+    in fp32. Triton's fp32 "ieee" dot runs on the CUDA cores, ~10x slower than the weight's read at K3's widths
+    (benchmarks/results/multi_linear_configs-k3.md)."""
+    hi = w.to(tl.bfloat16)
+    rest = w - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(x, lo, acc)  # smallest first
+    acc = tl.dot(x, mid, acc)
+    return tl.dot(x, hi, acc)
 
 
 @triton.jit
@@ -57,7 +74,9 @@ def _mm_block(
                 mask=(ks[:, None] < K) & (cols[None, :] < n),
                 other=0.0,
             )  # [BLOCK_K, BLOCK_N]
-            if wk.dtype == tl.float32:  # an fp32 weight (a router's): x upcast, fp32 products
+            if (wk.dtype == tl.float32) & (xk.dtype == tl.bfloat16):  # an fp32 weight (a router's), bf16 x:
+                acc = _dot_fp32_weight(xk, wk, acc)  # exact products on the tensor cores
+            elif wk.dtype == tl.float32:  # fp16 x: x upcast, fp32 products on the CUDA cores
                 acc = tl.dot(xk.to(tl.float32), wk, acc, input_precision="ieee")
             else:
                 acc = tl.dot(xk, wk, acc)
@@ -127,7 +146,7 @@ def _multi_linear_kernel(
     PDL: tl.constexpr,
 ):
     wait_then_release(PDL)
-    pid = tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last slots' programs first: fp32 ones are the slowest
     end = _slot(X, W0, Y0, N0, pid, 0, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
     if G > 1:
         end = _slot(X, W1, Y1, N1, pid, end, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K)
