@@ -18,6 +18,9 @@ runs as:
   combine                -> y_t = sum_j p_tj E_j(z_t) on the source rank, in fp32, so the routing weights (and
                             through them the router) get their gradients there, exactly as on one device
 
+Packed MXFP4 experts (inference, k3.quant.packed) are split the same way: each rank keeps its E/ep experts' codes
+and scales as plain buffers and runs k3.ops.moe.mxfp4.moe_experts_packed on the rows it receives.
+
 Backward runs the two all-to-alls in reverse; an expert's gradient on its rank then sums over every token of the
 EP group, and :func:`k3.distributed.fsdp.reduce_expert_grads` sums it over the ranks holding replicas of the same
 expert shard (``dp_rep`` x ``cp``). With QAT (``MoE.qat``) the local experts run on fake-quantised weights and
@@ -47,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard
 from k3.model.moe import MoE, moe_layers
 from k3.ops.dtypes import upcast
 from k3.ops.moe import moe_experts
+from k3.ops.moe.mxfp4 import moe_experts_packed
 from k3.train.optim import local_shard
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -161,13 +165,31 @@ class LatentAllToAll:
         """E_{local_idx[i]}(rows[i]) for every received row (routing weight 1)."""
         if rows.shape[0] == 0:  # keep the graph connected: the backward all-to-all must run on every rank
             return rows * 0
-        w1, w2, w3 = (local_shard(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        if getattr(moe.experts, "packed", False):  # this rank's packed bank: only the experts received are read
+            return moe_experts_packed(rows, local_idx.unsqueeze(1), ones, moe.experts, moe.glu)
+        w1, w2, w3 = (local_shard(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
         idx = local_idx.unsqueeze(1)
         if moe.qat is None:
             return moe_experts(rows, idx, ones, w1, w2, w3, moe.glu)
         q = moe.qat
         return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu, act_quant=q.act_quant)
+
+
+def _check_divides(ep: int, experts: int) -> None:
+    if experts % ep:
+        raise ValueError(f"--ep={ep} must divide the number of routed experts ({experts})")
+
+
+def _keep_packed_shard(experts: nn.Module, lo: int, hi: int, device_type: str) -> None:
+    """Keep experts [lo, hi) of a packed bank (k3.quant.packed.PackedExperts): its code and scale buffers sliced in
+    place, plain local tensors (inference: no gradient, and a checkpoint is loaded before EP is applied)."""
+    for name in EXPERT_WEIGHTS:
+        for kind in ("packed", "scale"):
+            full = getattr(experts, f"{name}_{kind}")
+            if full.device.type != device_type:
+                raise ValueError(f"expert weights on {full.device.type} but the mesh is on {device_type}")
+            setattr(experts, f"{name}_{kind}", full[lo:hi].clone())
 
 
 def comm_stats(model: nn.Module) -> CommStats | None:
@@ -179,11 +201,13 @@ def comm_stats(model: nn.Module) -> CommStats | None:
 
 def expert_parameters(model: nn.Module, expert_parallel_only: bool = False) -> list[nn.Parameter]:
     """The routed-expert stacks (w1, w2, w3 of every MoE layer), in module order; with ``expert_parallel_only``
-    only those split by :func:`apply_expert_parallel` (not FSDP-sharded or plain ones)."""
+    only those split by :func:`apply_expert_parallel` (not FSDP-sharded or plain ones). Packed banks hold no
+    parameters and are left out."""
     return [
         getattr(m.experts, name)
         for m in moe_layers(model)
-        if not expert_parallel_only or isinstance(m.expert_dispatch, LatentAllToAll)
+        if not getattr(m.experts, "packed", False)
+        and (not expert_parallel_only or isinstance(m.expert_dispatch, LatentAllToAll))
         for name in EXPERT_WEIGHTS
     ]
 
@@ -194,7 +218,7 @@ def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
 
     Call on the built (and initialised / loaded) model, identical on every rank, BEFORE ``apply_fsdp`` (which
     leaves these DTensors to EP) and before building the optimiser. Parameters are sliced on their current
-    device, which must be the mesh's device type.
+    device, which must be the mesh's device type. Packed experts (inference) keep their shard as plain buffers.
     """
     mesh = meshes.ep
     ep = mesh.size()
@@ -207,15 +231,20 @@ def apply_expert_parallel(model: nn.Module, meshes) -> nn.Module:
     for moe in layers:
         if moe.expert_dispatch is not None:
             raise ValueError(f"MoE layer {moe.layer_idx} already has an expert dispatch (EP applied twice?)")
+        if getattr(moe.experts, "packed", False):
+            e = moe.experts.w1_packed.shape[0]
+            _check_divides(ep, e)
+            _keep_packed_shard(moe.experts, rank * (e // ep), (rank + 1) * (e // ep), mesh.device_type)
+            moe.expert_dispatch = LatentAllToAll(group, ep, rank, e, stats)
+            continue
         w1 = moe.experts.w1
         if not isinstance(w1, nn.Parameter) or isinstance(w1, DTensor):
             raise ValueError(
                 f"apply_expert_parallel: MoE layer {moe.layer_idx} has no plain [E, I, D] expert "
-                "parameters (packed inference experts, or already sharded)"
+                "parameters (already sharded?)"
             )
         e = w1.shape[0]
-        if e % ep:
-            raise ValueError(f"--ep={ep} must divide the number of routed experts ({e})")
+        _check_divides(ep, e)
         lo, hi = rank * (e // ep), (rank + 1) * (e // ep)
         for name in EXPERT_WEIGHTS:
             full = getattr(moe.experts, name)

@@ -265,3 +265,53 @@ def test_apply_expert_parallel_layout():
         return True
 
     assert run(2, fn) == [True, True]
+
+
+def _packed_model():
+    """The tiny model with its routed experts packed in MXFP4 (k3.quant.packed), the same on every rank."""
+    from k3.quant.packed import PackedExperts, pack_weight, use_packed_experts
+
+    model = build_model()
+    state = model.state_dict()
+    use_packed_experts(model)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, PackedExperts):
+                for w in ("w1", "w2", "w3"):
+                    codes, scales = zip(*(pack_weight(t) for t in state[f"{name}.{w}"]))
+                    getattr(m, f"{w}_packed").copy_(torch.stack(codes))
+                    getattr(m, f"{w}_scale").copy_(torch.stack(scales))
+    return model.eval()
+
+
+def test_ep2_with_packed_experts_equals_single_process():
+    """Inference with packed MXFP4 experts under EP 2: each rank keeps half of every bank's codes and scales and its
+    logits for its rows equal one process's over the whole batch (fp32; the all-to-all only regroups the rows each
+    dequantised expert multiplies, so the sums' order may differ: 1e-5)."""
+    ids, _ = global_batch()
+    with torch.no_grad():
+        want = one_thread(lambda: _packed_model()(ids).logits)
+
+    def fn(rank, world):
+        from k3.distributed.expert_parallel import apply_expert_parallel, expert_parameters
+        from k3.distributed.mesh import ParallelDims, build_mesh
+        from k3.model.moe import moe_layers
+
+        model = _packed_model()
+        full = {n: b.clone() for n, b in model.named_buffers() if n.endswith(("_packed", "_scale"))}
+        apply_expert_parallel(model, build_mesh(ParallelDims(dp=2, ep=2)))
+        assert expert_parameters(model) == []  # packed banks hold no parameters
+        for n, b in model.named_buffers():
+            if n in full:
+                e = full[n].shape[0] // world
+                assert torch.equal(b, full[n][rank * e : (rank + 1) * e]), n
+        rows = ROWS // world
+        with torch.no_grad():
+            logits = model(ids[rank * rows : (rank + 1) * rows]).logits
+        sent = [m.expert_dispatch.last_send_counts for m in moe_layers(model)]
+        return logits, sent
+
+    results = run(2, fn)
+    got = torch.cat([r[0] for r in results])
+    assert (got - want).norm() / want.norm() <= RTOL
+    assert all(sum(c[1 - rank] for c in sent) > 0 for rank, (_, sent) in enumerate(results))  # rows crossed ranks
