@@ -58,12 +58,14 @@ def main() -> None:
         fns = {p: (lambda p=p: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, precision=p)) for p in PRECISIONS}
         if fla.available(q.device):
             fns["fla"] = lambda: fla.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)
+        print(f"T={t}: timing {', '.join(fns)} (the first calls compile and autotune)", flush=True)
         med = interleaved_times(fns)
         for name, fn in fns.items():
             row = {"T": t, "kernel": "fla chunk_kda" if name == "fla" else f"ours ({name})", "fwd_ms": med[name] * 1e3}
             if "fla" in med:
                 row["vs_fla"] = med["fla"] / med[name]
             rows.append(row | errors(fn()[0], ref))
+            print(rows[-1], flush=True)
         write_results("kda-chunk", rows, columns, environment() | {"heads": H, "head_dim": D, "seq": SEQ})
 
 
