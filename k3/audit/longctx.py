@@ -28,6 +28,7 @@ DEFAULT_CONTEXTS = (4096, 32768, 131072, 1048576)
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 DECODE_FILES = (RESULTS / "decode-targets.json", RESULTS / "decode.json")  # current first, then the fallback
 SERVE_LOAD_FILE = RESULTS / "serve-load.json"  # benchmarks/serve_load.py: TTFT / TPOT vs concurrency, prefix cache
+SLICE_FILE = RESULTS / "slice.json"  # k3 bench slice: K3's widths, packed MXFP4 experts, one GPU
 
 
 def full_mla_twin(config: K3Config) -> K3Config:
@@ -232,6 +233,7 @@ def long_context(config: K3Config, rep: dict, contexts=DEFAULT_CONTEXTS) -> dict
         "decode_bytes": decode,
         "measured_gpu": measured_decode(DECODE_FILES),  # read at call time: tests point it elsewhere
         "serving_load": measured_serving(SERVE_LOAD_FILE),
+        "slice": measured_slice(SLICE_FILE),
     }
 
 
@@ -243,3 +245,25 @@ def measured_serving(path: Path = SERVE_LOAD_FILE) -> dict:
     meta = raw.get("meta") or {}
     keep = ("device", "time", "checkpoint", "server_args")
     return {"name": path.name, "read": True, "rows": raw["rows"], **{k: meta.get(k) for k in keep}}
+
+
+def measured_slice(path: Path = SLICE_FILE) -> dict:
+    """K3's true-width slice (``k3 bench slice``): its decode rows with a valid time, its environment, the packed
+    expert bytes, and the extrapolation to 93 layers the benchmark states (an estimate); or why there are none."""
+    raw, why = _read_results(path)
+    if raw is None:
+        return {"name": path.name, "read": False, "why": why, "rows": []}
+    meta = raw.get("meta") or {}
+    rows = [
+        r
+        for r in raw.get("rows", [])
+        if isinstance(r, dict) and r.get("phase") == "decode" and isinstance(r.get("ms"), (int, float)) and r["ms"] > 0
+    ]
+    keep = ("device", "time", "config", "copy_bandwidth_TBps", "routed_expert_GB", "routed_expert_bytes_per_weight")
+    return {
+        "name": path.name,
+        "read": True,
+        "rows": rows,
+        "extrapolation": meta.get("extrapolation") or [],
+        **{k: meta.get(k) for k in keep},
+    }

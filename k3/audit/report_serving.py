@@ -233,6 +233,7 @@ def _long(a: dict, config: K3Config) -> list[str]:
         "",
     ]
     out += _measured_decode(lc.get("measured_gpu"))
+    out += _measured_slice(lc.get("slice"))
     out += _serving_load(lc.get("serving_load"))
     c = a["measured_cpu"]
     if c:
@@ -277,6 +278,55 @@ def _model_label(m: dict) -> str:
             f"{m['mla_layers']} of them MLA; d = {m['hidden_size']})"
         )
     return text + f"; source of the label: {m['from']}"
+
+
+def _measured_slice(s: dict | None) -> list[str]:
+    """K3's widths on one GPU (benchmarks/results/slice.json): decode against its bytes' limit, and the
+    benchmark's extrapolation to 93 layers under expert parallelism, labelled as one."""
+    if not s or not s.get("read") or not s["rows"]:
+        why = (s or {}).get("why", "no decode rows")
+        return [f"No measurement at K3's widths (`benchmarks/results/slice.json`: {why}; run `k3 bench slice`).", ""]
+    out = [
+        "### K3's widths on one GPU (`k3 bench slice`)",
+        "",
+        f"`benchmarks/results/{s['name']}`: {s.get('device')}, {s.get('time')}; model `{s.get('config')}`: K3's "
+        "exact widths (d 7168, 96 heads, 896 experts top-16 in a latent 3584) in 5 layers, the routed experts "
+        f"packed in MXFP4 ({s.get('routed_expert_GB', float('nan')):.1f} GB, "
+        f"{s.get('routed_expert_bytes_per_weight', float('nan')):.4f} bytes a weight). Each step replayed from a "
+        "CUDA graph; `limit` is the bytes the step must read (the distinct experts one step selected, packed) at "
+        f"the copy bandwidth the same run measured ({s.get('copy_bandwidth_TBps', float('nan')):.2f} TB/s).",
+        "",
+    ]
+    rows = [
+        [
+            r["batch"],
+            tokens(r["context"]),
+            f"{r['ms']:.2f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['step_GB']:.1f}",
+            f"{r['limit_ms']:.2f}",
+            pct(r["fraction_of_limit"], 1),
+        ]
+        for r in s["rows"]
+        if all(isinstance(r.get(k), (int, float)) for k in ("tokens_per_s", "step_GB", "limit_ms", "fraction_of_limit"))
+    ]
+    out += [md_table(["B", "context", "ms / step", "tokens/s", "GB / step", "limit ms", "of limit"], rows), ""]
+    ex = [e for e in s.get("extrapolation", []) if isinstance(e, dict) and "step_ms" in e]
+    if ex:
+        rows = [
+            [e["batch_per_gpu"], tokens(e["context"]), f"{e['step_ms']:.1f}", f"{e['tokens_per_s_per_gpu']:,.0f}"]
+            + [f"{e['tokens_per_s_cluster']:,.0f}"]
+            for e in ex
+        ]
+        out += [
+            f"Extrapolated, not measured: the full 93-layer K3 on {ex[0]['gpus']} GPUs, expert parallel, from the "
+            "slice's per-layer times (each GPU running every attention layer for its own sequences and its share "
+            "of every MoE layer's experts); the all-to-alls are not included (`k3 plan` prices them).",
+            "",
+            md_table(["B per GPU", "context", "ms / step", "tokens/s per GPU", "tokens/s, all GPUs"], rows),
+            "",
+        ]
+    return out
 
 
 def _serving_load(s: dict | None) -> list[str]:

@@ -12,7 +12,7 @@ from k3.audit.longctx import measured_decode
 from k3.audit.measure import attn_res_depth
 from k3.audit.report import _attn_res_depth, _measured_decode, activated_share, padding_sentence, run_audit
 from k3.audit.paths import by_path
-from k3.audit.report_serving import _serving_load
+from k3.audit.report_serving import _measured_slice, _serving_load
 from k3.audit.router import router_frontier
 from k3.config import get_preset
 
@@ -88,6 +88,7 @@ def test_missing_results_files_are_said_not_fatal(tmp_path, monkeypatch, decode_
     monkeypatch.setattr(longctx, "DECODE_FILES", (tmp_path / "absent.json", tmp_path / "broken.json"))
     monkeypatch.setattr(attnres, "GPU_FILES", (tmp_path / "absent-attn_res.json",))
     monkeypatch.setattr(longctx, "SERVE_LOAD_FILE", tmp_path / "absent-serve-load.json")
+    monkeypatch.setattr(longctx, "SLICE_FILE", tmp_path / "absent-slice.json")
     a = run_audit(get_preset("tiny"), tmp_path / "out", source="test", contexts=(256,))
     text = (tmp_path / "out" / "report.md").read_text()
     assert "No GPU decode measurements found" in text
@@ -95,6 +96,7 @@ def test_missing_results_files_are_said_not_fatal(tmp_path, monkeypatch, decode_
     assert "No GPU AttnRes measurements found (`benchmarks/results/absent-attn_res.json` (not found))" in text
     assert a["long_context"]["measured_gpu"]["rows"] == []
     assert "No serving-under-load results (`benchmarks/results/serve-load.json`: not found)" in text
+    assert "No measurement at K3's widths (`benchmarks/results/slice.json`: not found" in text
 
 
 def test_serving_under_load_comes_from_its_results_file(tmp_path, monkeypatch):
@@ -124,6 +126,27 @@ def test_serving_under_load_comes_from_its_results_file(tmp_path, monkeypatch):
     text = "\n".join(_serving_load(s))
     assert "NVIDIA H200" in text and "| concurrency 4 | 8 | 12.5 | 20.0 | 3.25 | 900.00 | 256-token prompts |" in text
     assert "hit rate 94.1%" in text
+
+
+def test_k3_widths_come_from_the_slice_results(tmp_path):
+    """The slice's decode rows (only the decode phase, valid times) and its extrapolation, labelled as one."""
+    decode = {"phase": "decode", "case": "k3-slice packed MXFP4, CUDA graph", "batch": 64, "context": 32768}
+    decode |= {"ms": 17.9, "tokens_per_s": 3575.5, "step_GB": 54.66, "limit_ms": 12.8, "fraction_of_limit": 0.7153}
+    rows = [
+        decode,
+        {"phase": "decode parts", "case": "routed experts skipped", "batch": 64, "context": 32768, "ms": 6.3},
+        {"phase": "decode", "case": "k3-slice", "batch": 64, "context": 131072, "error": "skipped: cache"},
+    ]
+    extra = {"batch_per_gpu": 64, "context": 32768, "gpus": 64, "step_ms": 169.4, "tokens_per_s_per_gpu": 378.0}
+    extra["tokens_per_s_cluster"] = 24176.0
+    meta = {"config": "k3-slice", "copy_bandwidth_TBps": 4.25, "routed_expert_GB": 62.9, "extrapolation": [extra]}
+    path = _results(tmp_path / "slice.json", rows, routed_expert_bytes_per_weight=0.53125, **meta)
+    s = longctx.measured_slice(path)
+    assert [r["context"] for r in s["rows"]] == [32768]
+    text = "\n".join(_measured_slice(s))
+    assert "GPU-X" in text and "model `k3-slice`" in text and "0.5312 bytes a weight" in text
+    assert "| 64 | 32K | 17.90 | 3,576 | 54.7 | 12.80 | 71.5% |" in text
+    assert "Extrapolated, not measured" in text and "| 64 | 32K | 169.4 | 378 | 24,176 |" in text
 
 
 def _pct(x):
