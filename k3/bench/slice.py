@@ -14,7 +14,9 @@ Phases (each guarded: a failure is recorded in its row and the next phase still 
   conv states, every cached MLA latent. The same step with the routed experts replaced by zeros, then also the
   KDA-MoE layers skipped, then every MoE layer skipped, gives the per-layer parts (:func:`layer_times`).
 - kernels: one eager decode step's device time by kernel (torch.profiler) at B=64 / 32K and B=1 / 4K, the most
-  expensive first: what the decode parts do not split (KDA, MLA, the MoE layer's other maps).
+  expensive first: what the decode parts do not split (KDA, MLA, the MoE layer's other maps). With programmatic
+  dependent launch (k3.ops.pdl) a kernel starts before its predecessor ends and its time includes that wait; run
+  with ``K3_KERNELS=pdl=off`` for each kernel's own time.
 - prefill: one 32K sequence in chunks of PREFILL_CHUNK tokens through the cache; the packed-experts kernel reads
   codes and scales at any number of rows (no expert is dequantised to memory).
 - bf16: one KDA-MoE layer's experts in bf16 (59 GB) in place of its packed bank (freed): that MoE layer alone at
