@@ -20,6 +20,23 @@ def _perturb(model, query_std: float = 0.5, bias_std: float = 0.1):
     return model
 
 
+def pack_model_experts(model):
+    """The model with every MoE layer's routed experts packed in MXFP4 (k3.quant.packed) from its current float
+    weights, expert by expert: what loading a packed checkpoint of it gives."""
+    from k3.quant.packed import PackedExperts, pack_weight, use_packed_experts
+
+    state = model.state_dict()
+    use_packed_experts(model)
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, PackedExperts):
+                for w in ("w1", "w2", "w3"):
+                    codes, scales = zip(*(pack_weight(t) for t in state[f"{name}.{w}"]))
+                    getattr(m, f"{w}_packed").copy_(torch.stack(codes))
+                    getattr(m, f"{w}_scale").copy_(torch.stack(scales))
+    return model
+
+
 @pytest.fixture(scope="session")
 def perturb():
     return _perturb

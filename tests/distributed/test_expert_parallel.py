@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.train.optim import K3Muon, classify_parameters, param_groups_for
-from tests.conftest import _perturb
+from tests.conftest import _perturb, pack_model_experts
 from tests.distributed.spawn import run
 
 ROWS, SEQ, LR = 4, 24, 3e-3  # the trainer's default lr
@@ -268,20 +268,8 @@ def test_apply_expert_parallel_layout():
 
 
 def _packed_model():
-    """The tiny model with its routed experts packed in MXFP4 (k3.quant.packed), the same on every rank."""
-    from k3.quant.packed import PackedExperts, pack_weight, use_packed_experts
-
-    model = build_model()
-    state = model.state_dict()
-    use_packed_experts(model)
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            if isinstance(m, PackedExperts):
-                for w in ("w1", "w2", "w3"):
-                    codes, scales = zip(*(pack_weight(t) for t in state[f"{name}.{w}"]))
-                    getattr(m, f"{w}_packed").copy_(torch.stack(codes))
-                    getattr(m, f"{w}_scale").copy_(torch.stack(scales))
-    return model.eval()
+    """The tiny model with its routed experts packed in MXFP4, the same on every rank."""
+    return pack_model_experts(build_model()).eval()
 
 
 def test_ep2_with_packed_experts_equals_single_process():

@@ -13,7 +13,8 @@ from k3.model.moe import MoE
 from k3.ops import backend
 from k3.ops.moe import reference
 from k3.ops.moe.layout import COUNT_PAIRS
-from k3.quant.packed import PackedExperts, pack_weight, use_packed_experts
+from k3.quant.packed import PackedExperts, use_packed_experts
+from tests.conftest import pack_model_experts
 
 E, D, I, N, K = 8, 64, 96, 24, 3
 NAN_EXPERT, BIG_EXPERT, TINY_EXPERT, UNUSED = 6, 5, 2, 7
@@ -104,16 +105,7 @@ def test_only_selected_experts_are_dequantised(monkeypatch, perturb):
     the whole-bank properties are never read on the forward."""
     torch.manual_seed(0)
     cfg = get_preset("tiny").replace(**{"moe.num_experts": 32, "moe.num_experts_per_token": 2})
-    model = perturb(K3ForCausalLM(cfg))
-    state = model.state_dict()
-    use_packed_experts(model)
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            if isinstance(m, PackedExperts):
-                for w in ("w1", "w2", "w3"):
-                    p, s = zip(*(pack_weight(t) for t in state[f"{name}.{w}"]))
-                    getattr(m, f"{w}_packed").copy_(torch.stack(p))
-                    getattr(m, f"{w}_scale").copy_(torch.stack(s))
+    model = pack_model_experts(perturb(K3ForCausalLM(cfg)))
     calls, chosen = [], []
     real = mxfp4.dequantize_experts
 

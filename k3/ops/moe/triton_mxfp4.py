@@ -172,7 +172,6 @@ def mxfp4_groups_mm(
         return cuda_mxfp4.mxfp4_rows_mm(x, src_pair, pairs_per_token, packed, scale, offs, groups_max)
     x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous()
     gather = src_pair is not None
-    rows = src_pair.shape[0] if gather else x.shape[0]
     src = src_pair.contiguous() if gather else offs  # an unread placeholder without gathering
     e, n, _ = packed.shape
     y = torch.empty(rows, n, device=x.device, dtype=x.dtype)
