@@ -149,9 +149,12 @@ def _evidence_lines(ev: dict) -> list[str]:
             "| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
             "|---|" + "---|" * len(lrs),
         ]
+        edge = []
         for v, row in table.items():
             done = {lr: r["val_loss"] for lr, r in row.items() if r.get("status") == "done" and finite(r["val_loss"])}
             best = min(done, key=done.get) if done else None
+            if best is not None and len(lrs) > 1 and best in (lrs[0], lrs[-1]):
+                edge.append(f"`{v}` ({best:g})")
             cells = []
             for lr in lrs:
                 r = row.get(lr)
@@ -159,6 +162,8 @@ def _evidence_lines(ev: dict) -> list[str]:
                 cells.append(f"**{text}**" if lr == best else text)
             lines.append(f"| `{v}` | " + " | ".join(cells) + " |")
         lines.append("")
+        if edge:  # the best rate may lie outside the grid for these
+            lines += [f"Best at the edge of the swept rates (the optimum may lie beyond it): {', '.join(edge)}.", ""]
     return lines
 
 
@@ -251,7 +256,7 @@ def write_report(
 ) -> Path:
     """Write the report of ``grid`` (a k3.audit.grids.Grid) under ``out``; returns report.md's path."""
     out = Path(out)
-    plot_val_loss(rows, out / "val_loss.png")
+    plot_val_loss(rows, out / "val_loss.png", (evidence or {}).get("difference_vs_full"))
     frontier = [r for r in rows if not r["model_overrides"]]
     if frontier:
         plot_router_frontier(summaries, frontier, out / "router_frontier.png")
@@ -377,47 +382,60 @@ def write_report(
 
 
 # ---------------------------------------------------------------------------------------------------- plots
-def plot_val_loss(rows: list[dict], path: Path) -> None:
-    """Left: validation loss mean ± std over seeds; right: the paired difference to ``full`` (when present)."""
+def plot_val_loss(rows: list[dict], path: Path, diffs: dict | None = None) -> None:
+    """Left: validation loss, mean ± std over seeds; right (when runs pair with ``full``): the paired difference
+    to ``full`` with its 95% bootstrap interval from ``diffs`` (:func:`ci_evidence`'s ``difference_vs_full``;
+    no bar where a variant has one seed)."""
     rows = [r for r in rows if r["val_loss_mean"] is not None]
     if not rows:
         return
+    diffs = diffs or {}
     paired = any(r.get("delta_vs_full_mean") is not None for r in rows)
-    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(11 if paired else 7, 1.2 + 0.4 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(12 if paired else 7, 1.2 + 0.4 * len(rows)), squeeze=False)
     y = np.arange(len(rows))
     colors = ["C3" if r["variant"] == "full" else ("C1" if not r["model_overrides"] else "C0") for r in rows]
-    panels = [("val_loss_mean", "val_loss_std", "validation loss (nats/token), mean ± std over seeds")]
+
+    def bars(key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(means, [below, above] error lengths) of each row."""
+        means = np.array([r.get(key) if r.get(key) is not None else np.nan for r in rows], dtype=float)
+        if key == "val_loss_mean":
+            sd = np.array([r.get("val_loss_std") or 0.0 for r in rows], dtype=float)
+            return means, np.stack([sd, sd])
+        err = np.zeros((2, len(rows)))
+        for i, r in enumerate(rows):
+            c = diffs.get(r["variant"]) or {}
+            if c.get("lo") is not None and np.isfinite(means[i]):
+                err[:, i] = means[i] - c["lo"], c["hi"] - means[i]
+        return means, err
+
+    panels = [("val_loss_mean", "validation loss (nats/token)\nmean ± std over seeds")]
     if paired:
-        panels.append(("delta_vs_full_mean", "delta_vs_full_std", "Δ validation loss vs full, paired by seed"))
-    for ax, (mkey, skey, xlabel) in zip(axes[0], panels):
-        means = np.array([r.get(mkey) if r.get(mkey) is not None else np.nan for r in rows], dtype=float)
-        stds = np.array([r.get(skey) or 0.0 for r in rows], dtype=float)
-        ax.barh(y, np.nan_to_num(means), xerr=stds, color=colors, alpha=0.8, capsize=3)
+        panels.append(("delta_vs_full_mean", "Δ vs full (nats/token)\nmean, paired 95% CI (none: one seed)"))
+    for ax, (key, xlabel) in zip(axes[0], panels):
+        means, err = bars(key)
+        ax.barh(y, np.nan_to_num(means), xerr=err, color=colors, alpha=0.8, capsize=3)
         ok = np.isfinite(means)
-        lo, hi = float(np.min((means - stds)[ok])), float(np.max((means + stds)[ok]))
-        if mkey.startswith("delta"):
+        lo, hi = float(np.min((means - err[0])[ok])), float(np.max((means + err[1])[ok]))
+        delta = key.startswith("delta")
+        if delta:
             lo, hi = min(lo, 0.0), max(hi, 0.0)
         pad = max(0.05 * (hi - lo), 0.005)
         ax.set_xlim(lo - 4 * pad, hi + 4 * pad)
-        ref = (
-            0.0
-            if mkey.startswith("delta")
-            else next((r["val_loss_mean"] for r in rows if r["variant"] == "full"), None)
-        )
+        ref = 0.0 if delta else next((r["val_loss_mean"] for r in rows if r["variant"] == "full"), None)
         if ref is not None:
             ax.axvline(ref, color="C3", ls="--", lw=1)
-        for yi, m, sd in zip(y, means, stds):
+        for yi, m, above in zip(y, means, err[1]):
             if np.isfinite(m):
                 ax.annotate(
-                    f"{m:+.3f}" if mkey.startswith("delta") else f"{m:.3f}",
-                    (max(m + sd, m), yi),
+                    f"{m:+.3f}" if delta else f"{m:.3f}",
+                    (max(m + above, m), yi),
                     textcoords="offset points",
                     xytext=(6, -3),
                     fontsize=7,
                 )
         ax.set_yticks(y, [r["variant"] for r in rows])
         ax.invert_yaxis()
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel(xlabel, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[0][0].set_title("ablations (red: full K3; orange: balancing only; blue: model changes)", fontsize=9)
     fig.tight_layout()

@@ -71,6 +71,7 @@ GPU_TRAIN = dict(  # the GPU grids' runs: 300 steps of 16 x 512 tokens
     eval_every=100,
     eval_rows=256,
     save_every=100,
+    keep_checkpoints=1,  # ~85 runs side by side: three checkpoints each would fill a 64 GB disk
     lr=3e-3,
 )
 GRIDS: dict[str, Grid] = {
@@ -132,6 +133,7 @@ GRIDS: dict[str, Grid] = {
             eval_every=50,
             eval_rows=128,
             save_every=100,
+            keep_checkpoints=1,
             lr=3e-3,
         ),
         mqar=MQARSettings(
@@ -148,11 +150,11 @@ GRIDS: dict[str, Grid] = {
     "factorial": Grid(
         name="factorial",
         description="all 16 combinations of KDA, AttnRes, latent experts and QB, and no-KDA with RoPE; a "
-        "learning rate per variant (best of 3 at seed 0), 3 seeds at it, matched training FLOPs (GPU)",
+        "learning rate per variant (best of 4 at seed 0), 3 seeds at it, matched training FLOPs (GPU)",
         preset="small",
         variants=FACTORIAL + ("no_kda_rope",),
         seeds=(0, 1, 2),
-        lrs=(1e-3, 3e-3, 1e-2),
+        lrs=(1e-3, 3e-3, 1e-2, 3e-2),
         match="flops",
         train=dict(GPU_TRAIN),
         run_plots=False,
@@ -174,7 +176,7 @@ GRIDS: dict[str, Grid] = {
             "none",
         ),
         seeds=(0, 1, 2),
-        train=dict(GPU_TRAIN),
+        train=dict(GPU_TRAIN, lr=1e-2),  # the factorial grid's best rate for `full`
         run_plots=False,
     ),
 }

@@ -122,13 +122,14 @@ SWEEPS: dict[str, Sweep] = {
             eval_every=100,
             eval_rows=128,
             save_every=150,
+            keep_checkpoints=1,
             lr=3e-3,
         ),
     ),
     "gpu5": Sweep(
         name="gpu5",
         description="5 sizes x K3-style vs a K2-like baseline (RoPE MLA, SwiGLU, plain MoE, sign bias), tokens = 5 x "
-        "activated parameters, 3 seeds at the two smallest sizes, on code + prose (H200)",
+        "activated parameters in steps of 64 x 512, 3 seeds at the two smallest sizes, on code + prose (H200)",
         preset="small",
         sizes=((64, 4), (96, 4), (128, 4), (192, 4), (256, 6)),
         head_dim=32,
@@ -141,7 +142,7 @@ SWEEPS: dict[str, Sweep] = {
         data="stdlib+pydoc-topics",
         train=dict(
             steps=1,
-            batch_size=16,
+            batch_size=64,  # small models leave the GPU idle between launches: 4x the batch costs little time
             seq_len=512,
             vocab_size=8192,
             tokenizer_train_bytes=4_000_000,
@@ -149,7 +150,8 @@ SWEEPS: dict[str, Sweep] = {
             eval_every=250,
             eval_rows=256,
             save_every=500,
-            lr=3e-3,
+            keep_checkpoints=1,
+            lr=1e-2,  # the best of 1e-3 / 3e-3 / 1e-2 for K3 and the baseline-like variants in the factorial grid
         ),
     ),
 }
