@@ -1,10 +1,12 @@
 """Serving under load through ``k3 serve``: time to first token and time per output token against concurrency, and
 what the prefix cache saves.
 
-    python benchmarks/serve_load.py [--ckpt DIR] [--device cpu|cuda] [--concurrency 1,4,16] [--prompt 256]
+    python benchmarks/serve_load.py [--ckpt DIR | --preset NAME] [--device cpu|cuda] [--concurrency 1,4,16]
+                                    [--prompt 256]
                                     [--output 32] [--requests 2] [--prefix 512] [--out benchmarks/results]
 
-Without ``--ckpt`` it serves a tiny random checkpoint (k3.bench.live_server.tiny_checkpoint). The server runs with
+Without ``--ckpt`` it serves a random checkpoint of ``--preset`` (default tiny; k3.bench.live_server.tiny_checkpoint,
+a 400-token vocabulary). The server runs with
 a prefix cache; every request streams, greedy, with ``ignore_eos`` so each produces exactly ``--output`` tokens,
 and a prompt of ``--prompt`` random token ids (distinct per request: no cache hits). Per concurrency C, C clients
 each send ``--requests`` requests one after another: TTFT (request sent to first text chunk), TPOT ((last chunk -
@@ -150,7 +152,8 @@ def prefix_phase(url: str, vocab: int, prefix: int, output: int, n: int, rng) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt", default=None, help="checkpoint to serve (default: a tiny random one)")
+    ap.add_argument("--ckpt", default=None, help="checkpoint to serve (default: a random one of --preset)")
+    ap.add_argument("--preset", default="tiny", help="preset of the random checkpoint served without --ckpt")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
@@ -165,14 +168,14 @@ def main(argv=None) -> int:
     if not levels or min(levels) < 1 or min(a.prompt, a.output, a.requests, a.prefix) < 1:
         raise SystemExit("--concurrency, --prompt, --output, --requests and --prefix must be positive")
     work = Path(tempfile.mkdtemp(prefix="k3-serve-load-"))
-    ckpt = Path(a.ckpt) if a.ckpt else tiny_checkpoint(work / "ckpt")
+    ckpt = Path(a.ckpt) if a.ckpt else tiny_checkpoint(work / "ckpt", a.preset)
     config = json.loads((ckpt / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]  # a multimodal release wraps the text config
     args = ["--device", a.device, "--max-batch", str(a.max_batch), "--max-context", str(a.max_context)]
     args += ["--prefix-cache-gb", "1"]
     server = Server(ckpt, work / "server.log", args, start_s=600)
     rows: list[dict] = []
-    meta = {**environment(), "checkpoint": a.ckpt or "tiny random", "server_args": args}
+    meta = {**environment(), "checkpoint": a.ckpt or f"{a.preset} random (vocabulary 400)", "server_args": args}
     rng = random.Random(0)
     try:
         stream_one(server.url, [rng.randrange(3, vocab) for _ in range(a.prompt)], a.output)  # warm-up

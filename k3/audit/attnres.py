@@ -25,6 +25,7 @@ from k3.model.norm import RMSNorm
 MODES = ("none", "snapshot", "block_sum", "full")
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GPU_FILES = (RESULTS / "model-attn_res.json", RESULTS / "model-attn_res_compiled.json")
+DEPTH_FILE = RESULTS / "attn_res_depth.json"  # benchmarks/attn_res_depth.py: the depth measurement on a GPU
 assert set(MODES) == set(ATTN_RES_MODES)
 
 
@@ -124,3 +125,18 @@ def measured_attn_res(paths: tuple[Path, ...] = GPU_FILES) -> dict:
                     if isinstance(r.get(key), (int, float)):
                         m[key], m[key + "_source"] = r[key], path.name
     return {"files": files, "rows": [modes[m] for m in MODES if m in modes]}
+
+
+def measured_depth_gpu(path: Path = DEPTH_FILE, preset: str | None = None) -> dict:
+    """``benchmarks/attn_res_depth.py``'s result (the form :func:`k3.audit.measure.attn_res_depth` returns, plus
+    the file's environment) when it measured ``preset`` (any preset when None); else ``{"why": ...}``."""
+    if not path.is_file():
+        return {"why": f"`benchmarks/results/{path.name}` not found"}
+    try:
+        raw = json.loads(path.read_text())
+        meta, rows = dict(raw["meta"]), list(raw["rows"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {"why": f"`benchmarks/results/{path.name}` unreadable ({type(e).__name__})"}
+    if preset is not None and meta.get("preset") != preset:
+        return {"why": f"`benchmarks/results/{path.name}` measured preset {meta.get('preset')!r}, not {preset!r}"}
+    return {**meta, "rows": rows, "file": path.name}

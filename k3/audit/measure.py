@@ -218,11 +218,14 @@ def depth_config(config: K3Config, hidden: int = 256) -> K3Config:
     )
 
 
-def saved_tensor_bytes(model, x: torch.Tensor) -> tuple[int, float]:
-    """(bytes autograd saves for the backward pass of one forward + backward, seconds of that pass): every saved
-    tensor's storage counted once, parameters (and views of them) excluded: the activation memory of the step."""
+def saved_tensor_bytes(model, x: torch.Tensor, autocast: bool = False) -> tuple[int, float, int]:
+    """(bytes autograd saves for the backward pass of one forward + backward, seconds of that pass, peak bytes the
+    pass allocated above what was allocated before it (0 off CUDA)): every saved tensor's storage counted once,
+    parameters (and views of them) excluded: the activation memory of the step. ``autocast``: bf16 autocast on
+    the model's device, as training runs there."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
+    cuda = x.device.type == "cuda"
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
@@ -230,13 +233,22 @@ def saved_tensor_bytes(model, x: torch.Tensor) -> tuple[int, float]:
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         return t
 
+    if cuda:
+        torch.cuda.synchronize(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        before = torch.cuda.memory_allocated(x.device)
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x).logits.float().logsumexp(-1).mean()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).logits.float().logsumexp(-1).mean()
     loss.backward()
+    peak = 0
+    if cuda:
+        torch.cuda.synchronize(x.device)
+        peak = torch.cuda.max_memory_allocated(x.device) - before
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return sum(storages.values()), seconds
+    return sum(storages.values()), seconds, peak
 
 
 def attn_res_depth(
@@ -246,26 +258,32 @@ def attn_res_depth(
     threads: int = 1,
     hidden: int = 256,
     modes: tuple[str, ...] = ("none", "snapshot", "block_sum", "full"),
+    device: str = "cpu",
 ) -> dict:
     """AttnRes at ``config``'s depth (``depth_config``): per mode, the activation bytes autograd saves for one
-    forward + backward of [1, tokens] (measured), the analytic mix FLOPs and bytes (k3.audit.attnres, fp32 to
-    match the run) against the model's forward FLOPs (k3.audit.accounting), and the CPU time of forward + backward
-    (min and median of ``repeats`` after the measuring pass, modes interleaved)."""
+    forward + backward of [1, tokens] (measured), the analytic mix FLOPs and bytes (k3.audit.attnres) against the
+    model's forward FLOPs (k3.audit.accounting), and the time of forward + backward (min and median of
+    ``repeats`` after the measuring pass, modes interleaved). On CPU in fp32 with ``threads`` threads; on a CUDA
+    ``device`` under bf16 autocast (the training setting, so the fast kernels run), with the peak memory the pass
+    allocated."""
     from k3.audit.accounting import report
     from k3.audit.attnres import attn_res_costs
 
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     base = depth_config(config, hidden)
     rep = report(base.replace(**{"attn_res.mode": "none"}), context=tokens)
-    costs = attn_res_costs(base, stages=(), act_bytes=4)
-    x = torch.tensor([_prompt(base, tokens, 11)])
-    models = {mode: _model(base.replace(**{"attn_res.mode": mode})).train() for mode in modes}
-    saved, times = {}, {mode: [] for mode in modes}
+    costs = attn_res_costs(base, stages=(), act_bytes=2 if cuda else 4)
+    x = torch.tensor([_prompt(base, tokens, 11)], device=dev)
+    models = {mode: _model(base.replace(**{"attn_res.mode": mode})).to(dev).train() for mode in modes}
+    saved, peak, times = {}, {}, {mode: [] for mode in modes}
     with _Threads(threads):
         for mode, model in models.items():
-            saved[mode], _ = saved_tensor_bytes(model, x)  # also the warm-up
+            saved[mode], _, _ = saved_tensor_bytes(model, x, autocast=cuda)  # also the warm-up (kernel compiles)
         for _ in range(repeats):
             for mode, model in models.items():
-                times[mode].append(saved_tensor_bytes(model, x)[1])
+                _, seconds, peak[mode] = saved_tensor_bytes(model, x, autocast=cuda)
+                times[mode].append(seconds)
     rows = []
     for mode in modes:
         c = costs[mode]
@@ -280,6 +298,7 @@ def attn_res_depth(
                 "mix_flops_share": c["flops_per_token"] / rep["flops_per_token_forward"],
                 "ms": 1e3 * min(times[mode]),
                 "ms_median": 1e3 * statistics.median(times[mode]),
+                **({"peak_bytes": peak[mode]} if cuda else {}),
             }
         )
     none = next((r for r in rows if r["mode"] == "none"), None)
@@ -287,6 +306,8 @@ def attn_res_depth(
         if none:
             r["saved_vs_none"] = r["saved_bytes"] / none["saved_bytes"]
             r["ms_vs_none"] = r["ms"] / none["ms"]
+            if cuda:
+                r["peak_vs_none"] = r["peak_bytes"] / none["peak_bytes"]
     return {
         "config": base.name,
         "layers": base.num_hidden_layers,
@@ -297,6 +318,7 @@ def attn_res_depth(
         "tokens": tokens,
         "threads": threads,
         "repeats": repeats,
-        "dtype": "float32",
+        "device": torch.cuda.get_device_name(dev) if cuda else "CPU",
+        "dtype": "bf16 autocast" if cuda else "float32",
         "rows": rows,
     }

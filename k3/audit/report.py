@@ -13,7 +13,7 @@ from pathlib import Path
 
 from k3.audit import attnres, plots
 from k3.audit.accounting import build_meta, report
-from k3.audit.attnres import attn_res_costs, measured_attn_res
+from k3.audit.attnres import attn_res_costs, measured_attn_res, measured_depth_gpu
 from k3.audit.format import human, human_bytes, md_table, pct, tokens
 from k3.audit.longctx import DEFAULT_CONTEXTS, long_context
 from k3.audit.paths import by_path, default_batches, expert_stream, is_k3_shaped, spec_check
@@ -117,6 +117,7 @@ def run_audit(
         "long_context": lc,
         "attn_res": costs,
         "attn_res_gpu": measured_attn_res(attnres.GPU_FILES),
+        "attn_res_depth_gpu": measured_depth_gpu(attnres.DEPTH_FILE, name),
         "measured_cpu": cpu,
         "figures": [f for f in FIGURES if (out / f).is_file()],
     }

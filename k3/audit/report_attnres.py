@@ -65,14 +65,27 @@ def _attn_res(a: dict) -> list[str]:
         ]
     if c and c.get("attn_res_depth"):
         out += _attn_res_depth(c["attn_res_depth"])
+    g = a.get("attn_res_depth_gpu")
+    if g and g.get("rows"):
+        out += _attn_res_depth(g)
+    elif g:
+        out += [f"AttnRes at this config's depth on a GPU: not measured ({g['why']}).", ""]
     out += _attn_res_gpu(a.get("attn_res_gpu"))
     return out
 
 
 def _attn_res_depth(d: dict) -> list[str]:
-    """The depth table: activation bytes (measured), mix FLOPs and bytes (analytic), CPU time, per mode."""
+    """The depth table: activation bytes (measured), mix FLOPs and bytes (analytic), time (and on a GPU the peak
+    memory), per mode; ``d`` from :func:`k3.audit.measure.attn_res_depth` (CPU) or the GPU results file."""
+    gpu = d.get("device", "CPU") != "CPU"
+    where = (
+        f"{d['device']} under {d['dtype']}, from `benchmarks/results/{d.get('file', 'attn_res_depth.json')}` "
+        f"({d.get('time', '?')})"
+        if gpu
+        else _threads(d["threads"])
+    )
     out = [
-        f"### At this config's depth ({d['layers']} layers, narrow: `{d['config']}`, CPU)",
+        f"### At this config's depth ({d['layers']} layers, narrow: `{d['config']}`, {'GPU' if gpu else 'CPU'})",
         "",
         f"`{d['config']}` keeps the depth, the KDA / MLA and dense / MoE schedule and the AttnRes blocks "
         f"({d['block_size']} layers) and narrows the rest: d = {d['hidden_size']}, {human(d['params_total'])} "
@@ -82,8 +95,9 @@ def _attn_res_depth(d: dict) -> list[str]:
         "memory). *Stack-then-mix*: what the reference form would save instead (analytic, `k3.audit.attnres`). "
         f"*Mix FLOPs*: 4 S d per mix (analytic), share of the model's forward FLOPs "
         f"({human(d['forward_flops_per_token'])} per token at context {d['tokens']}, `k3.audit.accounting`). "
-        f"*ms*: forward + backward on {_threads(d['threads'])}, min of {d['repeats']} runs after the measuring "
-        "pass, modes interleaved; at this width the reference kernels' per-op overhead, not FLOPs, sets the time.",
+        f"*ms*: forward + backward on {where}, min of {d['repeats']} runs after the measuring pass, modes "
+        "interleaved; at this width per-op overhead, not FLOPs, sets the time"
+        + ("; *peak*: the most memory the pass allocated." if gpu else "."),
         "",
     ]
     rows = [
@@ -98,6 +112,7 @@ def _attn_res_depth(d: dict) -> list[str]:
             f"{r['ms_median']:.0f}",
             f"{r['ms_vs_none']:.2f}" if "ms_vs_none" in r else "-",
         ]
+        + ([human_bytes(r["peak_bytes"]), f"{r['peak_vs_none']:.3f}" if "peak_vs_none" in r else "-"] if gpu else [])
         for r in d["rows"]
     ]
     out += [
@@ -112,7 +127,8 @@ def _attn_res_depth(d: dict) -> list[str]:
                 "ms (min)",
                 "ms (median)",
                 "min vs none",
-            ],
+            ]
+            + (["peak", "peak vs none"] if gpu else []),
             rows,
         ),
         "",

@@ -199,11 +199,13 @@ def bootstrap_multiplier(
 
 
 def bootstrap_fit(c, loss, irreducible: bool = False, n_boot: int = 1000, seed: int = 0, level: float = 0.90) -> dict:
-    """Percentile intervals of b (and E) from a seeded bootstrap over runs."""
+    """Percentile intervals of b (and E) from a seeded bootstrap over runs, and the band of the fitted loss:
+    ``band`` = {compute, lo, hi} on a grid from C_min / 1.5 to C_max * 1.5 (what the figure draws)."""
     c, loss = np.asarray(c, float), np.asarray(loss, float)
     need = 3 if irreducible else 2
     rng = np.random.default_rng(seed)
-    bs, es = [], []
+    grid = np.geomspace(c.min() / 1.5, c.max() * 1.5, 40)
+    bs, es, curves = [], [], []
     for _ in range(n_boot):
         i = rng.integers(0, c.size, c.size)
         if np.unique(c[i]).size < need:
@@ -211,10 +213,16 @@ def bootstrap_fit(c, loss, irreducible: bool = False, n_boot: int = 1000, seed: 
         f = fit_power_law(c[i], loss[i], irreducible)
         bs.append(f.b)
         es.append(f.e)
+        curves.append(f.loss(grid))
     q = (100 * (1 - level) / 2, 100 * (1 + level) / 2)
     if not bs:
         return {"n_valid": 0}
-    out = {"n_valid": len(bs), "b": [float(v) for v in np.percentile(bs, q)]}
+    lo, hi = np.percentile(np.array(curves), q, axis=0)
+    out = {
+        "n_valid": len(bs),
+        "b": [float(v) for v in np.percentile(bs, q)],
+        "band": {"compute": grid.tolist(), "lo": lo.tolist(), "hi": hi.tolist()},
+    }
     if irreducible:
         out["e"] = [float(v) for v in np.percentile(es, q)]
     return out
@@ -496,14 +504,20 @@ def plot_scaling(result: dict, path: Path) -> None:
         ax.scatter(c, [r["loss"] for r in rs], color=color, s=20, alpha=0.8)
         if label in result["fits"]:
             f = _fit_from(result["fits"][label])
-            cs = np.geomspace(c.min() / 1.5, c.max() * 1.5, 100)
+            inside = np.geomspace(c.min(), c.max(), 60)
             ax.plot(
-                cs,
-                f.loss(cs),
+                inside,
+                f.loss(inside),
                 color=color,
                 lw=1.3,
                 label=f"{label}: b={f.b:.3f}" + (f", E={f.e:.2f}" if f.irreducible else ""),
             )
+            for end in ((c.min() / 1.5, c.min()), (c.max(), c.max() * 1.5)):  # beyond this arm's runs: dashed
+                cs = np.geomspace(*end, 10)
+                ax.plot(cs, f.loss(cs), color=color, lw=1.0, ls="--")
+            band = result["fits"][label].get("bootstrap", {}).get("band")
+            if band:
+                ax.fill_between(band["compute"], band["lo"], band["hi"], color=color, alpha=0.15, lw=0)
         else:
             ax.plot([], [], color=color, label=f"{label} (not fitted)")
     ax.set_xscale("log")
@@ -511,7 +525,7 @@ def plot_scaling(result: dict, path: Path) -> None:
     _log_y(ax)
     ax.set_xlabel("training compute C (FLOPs)")
     ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("L(C) per architecture", fontsize=9)
+    ax.set_title("L(C) per architecture: 90% bootstrap band; dashed beyond an arm's runs", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     if has_mult:

@@ -30,8 +30,9 @@ DEFAULT_ARGS = [
 ]
 
 
-def tiny_checkpoint(path: Path) -> Path:
-    """A random ``tiny`` model with a 400-token BPE trained on standard-library docstrings."""
+def tiny_checkpoint(path: Path, preset: str = "tiny") -> Path:
+    """A random model of ``preset`` (``tiny`` by default) with a 400-token BPE trained on standard-library
+    docstrings (the model's vocabulary narrowed to it), for serving benchmarks that need no trained weights."""
     import collections
     import email
     import inspect
@@ -47,7 +48,7 @@ def tiny_checkpoint(path: Path) -> Path:
     text = "\n".join(m.__doc__ for m in (argparse, collections, email, inspect, json, textwrap))
     tok = train_bpe([text], vocab_size=400)
     torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id))
+    model = K3ForCausalLM(get_preset(preset).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, vision=None))
     save_pretrained(model, path)
     tok.save(path)
     return path

@@ -204,3 +204,26 @@ def test_attn_res_at_k3_depth():
     assert all(r["ms"] > 0 for r in d["rows"])
     text = "\n".join(_attn_res_depth(d))
     assert "93 layers" in text and re.search(r"\| full \| [\d.]+ [KM]iB \| [\d.]+ \|", text)
+
+
+def test_attn_res_depth_from_a_gpu_results_file(tmp_path):
+    """benchmarks/attn_res_depth.py's file is read for its own preset only and rendered with the GPU's name and
+    the peak-memory columns; another preset's file is named as not measured."""
+    import json
+
+    from k3.audit.attnres import measured_depth_gpu
+
+    d = attn_res_depth(get_preset("tiny"), tokens=8, repeats=1, hidden=64, modes=("none", "full"))
+    for r in d["rows"]:  # what a CUDA run adds
+        r["peak_bytes"] = 2**20 if r["mode"] == "none" else 3 * 2**19
+    d["rows"][1]["peak_vs_none"] = 1.5
+    meta = {k: v for k, v in d.items() if k != "rows"} | {"device": "NVIDIA H200", "dtype": "bf16 autocast"}
+    path = tmp_path / "attn_res_depth.json"
+    path.write_text(json.dumps({"meta": meta | {"preset": "tiny", "time": "t0"}, "rows": d["rows"], "notes": ""}))
+    g = measured_depth_gpu(path, "tiny")
+    text = "\n".join(_attn_res_depth(g))
+    assert "GPU)" in text and "NVIDIA H200 under bf16 autocast" in text and "attn_res_depth.json` (t0)" in text
+    assert re.search(r"\| full \|.*\| 1\.50 MiB \| 1\.500 \|$", text, re.M)
+    assert "not measured" not in text
+    assert "preset 'tiny', not 'k3'" in measured_depth_gpu(path, "k3")["why"]
+    assert "not found" in measured_depth_gpu(tmp_path / "none.json", "k3")["why"]

@@ -200,3 +200,19 @@ def test_groups_too_small_are_reported_not_fitted():
     runs.append({"label": "baseline", "compute": 1e15, "loss": 3.0, "run_dir": "y", "tokens": 1})
     r = analyse(runs, n_boot=10)
     assert "baseline" in r["skipped"] and "k3" in r["fits"] and r["multipliers"] == {}
+
+
+def test_bootstrap_band_brackets_the_fit():
+    """The figure's 90% band of the fitted loss: a grid reaching past the runs, lo <= hi everywhere, and the fit of
+    all runs inside the band where the runs are."""
+    from k3.audit.scaling import bootstrap_fit, fit_power_law
+
+    rng = np.random.default_rng(3)
+    c = np.repeat(np.geomspace(1e15, 1e17, 5), 3)
+    loss = 2.0 + 30.0 * c**-0.08 * np.exp(rng.normal(0, 0.01, c.size))
+    band = bootstrap_fit(c, loss, irreducible=False, n_boot=200)["band"]
+    grid, lo, hi = (np.array(band[k]) for k in ("compute", "lo", "hi"))
+    assert grid[0] < c.min() and grid[-1] > c.max() and np.all(lo <= hi)
+    inside = (grid >= c.min()) & (grid <= c.max())
+    fit = fit_power_law(c, loss).loss(grid)
+    assert np.all((lo[inside] <= fit[inside] + 1e-9) & (fit[inside] <= hi[inside] + 1e-9))
