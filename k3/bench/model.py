@@ -1,7 +1,9 @@
 """Whole-model benchmarks on small-1b: (d) training step tokens/s and MFU vs transformers' KimiLinear with the
 peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory; case train_accum:
-an optimizer step of 8 such micro-batches, 262,144 tokens; MFU from 6 N_active per token, and with the attention
-and KDA-state FLOPs added; case floor: the step's floor, k3.bench.floor, and the tokens/s, MFU and ratio to the
+an optimizer step of 8 such micro-batches, 262,144 tokens; cases train_fp8 / train_accum_fp8: the same with the
+routed experts' matmuls in FP8 (k3.quant.fp8), their speed-up over the bf16 step in x_bf16_experts; MFU from
+6 N_active per token at the bf16 peak (for FP8: the bf16-equivalent MFU), and with the attention and KDA-state
+FLOPs added; case floor: the step's floor, k3.bench.floor, and the tokens/s, MFU and ratio to the
 peer it allows); (c) AttnRes
 none / snapshot / full overhead in training and decode, peak memory (case attn_res_compiled: the decode step
 compiled by torch.compile before its CUDA-graph capture); (f) one-GPU prefill of 128K and 1M tokens,
@@ -21,6 +23,7 @@ from k3.infer.graphs import GraphedDecoder
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
+from k3.quant.fp8 import enable_fp8_experts
 from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train.optim import K3Muon, param_groups_for
 
@@ -89,7 +92,18 @@ def hf_peer_train(batch: int, seq: int) -> float | None:
     return t
 
 
-CASES = ("train", "train_ac", "train_accum", "peer", "floor", "attn_res", "attn_res_compiled", "prefill")
+CASES = (
+    "train",
+    "train_ac",
+    "train_accum",
+    "train_fp8",
+    "train_accum_fp8",
+    "peer",
+    "floor",
+    "attn_res",
+    "attn_res_compiled",
+    "prefill",
+)
 ACCUM = 8  # micro-batches of 8 x 4096 per optimizer step in case train_accum: 262,144 tokens, a realistic batch
 
 
@@ -111,6 +125,7 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
             "mfu_6N",
             "mfu_6N_attn",
             "x_transformers",
+            "x_bf16_experts",
             "decode_ms",
             "train_overhead",
             "decode_overhead",
@@ -121,19 +136,31 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
 
     batch, seq = (8, 4096)  # the peer's shapes
     t = None
-    # (d) training step; with activation checkpointing: the memory it saves; with ACCUM micro-batches a step
-    for case in ("train", "train_ac", "train_accum"):
+    # (d) training step; with activation checkpointing: the memory it saves; with ACCUM micro-batches a step; with
+    # the routed experts' matmuls in FP8 (MFU still counts their FLOPs at the bf16 peak: the bf16-equivalent MFU)
+    steps: dict[str, float] = {}
+    for case in ("train", "train_ac", "train_accum", "train_fp8", "train_accum_fp8"):
         if case not in cases:
             continue
         model = K3ForCausalLM(get_preset("small-1b")).cuda()
         if case == "train_ac":
             apply_activation_checkpointing(model)
-        accum = ACCUM if case == "train_accum" else 1
+        if case.endswith("_fp8"):
+            enable_fp8_experts(model)
+        accum = ACCUM if case.startswith("train_accum") else 1
         torch.cuda.reset_peak_memory_stats()
         tc = train_step_time(model, batch, seq, accum=accum)
         n_act = activated_matmul_params(model)
         tps = accum * batch * seq / tc
-        label = {"train": "", "train_ac": " activation checkpointing", "train_accum": f" x {accum} a step"}[case]
+        label = {
+            "train": "",
+            "train_ac": " activation checkpointing",
+            "train_accum": f" x {accum} a step",
+            "train_fp8": " FP8 experts",
+            "train_accum_fp8": f" x {accum} a step, FP8 experts",
+        }[case]
+        steps[case] = tc
+        bf16_case = case.removesuffix("_fp8")
         rows.append(
             {
                 "case": f"train small-1b B{batch} T{seq}{label}",
@@ -142,6 +169,7 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
                 "mfu_6N": 6 * n_act * tps / PEAK,
                 "mfu_6N_attn": (6 * n_act + attention_train_flops(model, seq)) * tps / PEAK,
                 "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
+                **({"x_bf16_experts": steps[bf16_case] / tc} if case != bf16_case and bf16_case in steps else {}),
             }
         )
         t = tc if case == "train" else t

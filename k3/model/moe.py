@@ -8,7 +8,8 @@
   plain:   routed = sum_j p_j E_j(x)                                            experts live in width d
   out     = routed + shared_experts(x)                                          shared experts full width
 E_j(z) = w2_j act(w1_j z, w3_j z) with act = SiTU-GLU (K3) or SwiGLU.
-With ``qat`` set (k3.quant.qat.enable_qat) the routed experts see MXFP4 weights and MXFP8 inputs (fake-quantised).
+With ``qat`` set (k3.quant.qat.enable_qat) the routed experts see MXFP4 weights and MXFP8 inputs (fake-quantised);
+with ``fp8`` (k3.quant.fp8.enable_fp8_experts) their matmuls run in FP8 with row-wise scales.
 With ``expert_dispatch`` set (k3.distributed.expert_parallel) the routed experts run wherever that callable sends
 the latent rows (expert parallelism); this module itself never communicates.
 """
@@ -77,6 +78,7 @@ class MoE(nn.Module):
         if c.num_shared_experts > 0:
             self.shared_experts = GatedFFN(d, c.shared_width, self.glu)
         self.qat = None  # k3.quant.qat.ExpertQAT while quantisation-aware training is on (enable_qat)
+        self.fp8 = False  # the routed experts' matmuls in FP8 (k3.quant.fp8.enable_fp8_experts)
         # expert_dispatch(moe, z, topk_idx, topk_weight) -> y [N, D], replacing the local moe_experts call (QAT is
         # then the dispatcher's job); set by k3.distributed.expert_parallel.apply_expert_parallel, None = local
         self.expert_dispatch = None
@@ -95,11 +97,13 @@ class MoE(nn.Module):
         z = x if z is None else z
         e = self.experts
         if self.expert_dispatch is not None:
+            if self.fp8:
+                raise ValueError("FP8 expert matmuls do not run under expert parallelism; disable_fp8_experts")
             y = self.expert_dispatch(self, z, topk_idx, topk_weight)
         elif getattr(e, "packed", False):  # MXFP4 bytes: only the experts this batch selects are dequantised
             y = moe_experts_packed(z, topk_idx, topk_weight, e, self.glu)
         elif self.qat is None:
-            y = moe_experts(z, topk_idx, topk_weight, e.w1, e.w2, e.w3, self.glu)
+            y = moe_experts(z, topk_idx, topk_weight, e.w1, e.w2, e.w3, self.glu, fp8=self.fp8)
         else:  # fake-quantised expert weights and matmul inputs, straight-through gradients
             q = self.qat.weight
             y = moe_experts(z, topk_idx, topk_weight, q(e.w1), q(e.w2), q(e.w3), self.glu, act_quant=self.qat.act_quant)

@@ -95,6 +95,8 @@ def enable_qat(
     if not layers:
         raise ValueError("enable_qat: the model has no MoE layer")
     for moe in layers:
+        if getattr(moe, "fp8", False):
+            raise ValueError("enable_qat: FP8 expert matmuls are on (k3.quant.fp8); they do not combine with QAT")
         w1, w2 = moe.experts.w1, moe.experts.w2
         if not isinstance(w1, nn.Parameter):
             raise ValueError(

@@ -100,6 +100,11 @@ class TrainConfig:
         choices=tuple(sorted(QAT_RECIPES)),
     )
     qat_scale_mode: str = _f("floor", "MX scale rule for --qat: floor (OCP) or rceil", choices=MX_MODES)
+    fp8_experts: bool = _f(
+        False,
+        "routed experts' matmuls in FP8 (e4m3, row-wise scales; torchao on GPUs of compute capability >= 8.9, "
+        "emulated elsewhere); not with --qat",
+    )
     activation_checkpointing: bool = _f(
         False, "recompute each mixer and FFN in the backward pass: less activation memory, ~1/3 more compute"
     )
@@ -130,6 +135,8 @@ class TrainConfig:
             choices, v = f.metadata.get("choices"), getattr(self, f.name)
             if choices is not None and v not in choices and not (v is None and f.default is None):
                 raise ValueError(f"--{f.name.replace('_', '-')}={v!r} must be one of {', '.join(choices)}")
+        if self.fp8_experts and self.qat:
+            raise ValueError(f"--fp8-experts and --qat={self.qat} do not combine: choose one")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
 

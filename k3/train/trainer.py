@@ -44,6 +44,8 @@ from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.generate import greedy_generate
 from k3.model.balance import Balancer
 from k3.model.decoder import K3ForCausalLM
+from k3.ops.fp8 import fp8_available
+from k3.quant.fp8 import enable_fp8_experts
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train import plots
 from k3.train.activation_checkpoint import apply_activation_checkpointing
@@ -160,11 +162,21 @@ class Trainer(TrainStep, RunState):
         return ckpt
 
     def _prepare_model(self) -> None:
-        """Parallelise the built model, then wrap it for activation checkpointing and QAT as configured."""
+        """Parallelise the built model, then wrap it for activation checkpointing, FP8 experts and QAT as
+        configured."""
         cfg = self.cfg
         self.model = self.parallelize(self.model)
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(self.model, self.recompute_context())
+        if cfg.fp8_experts:
+            why = fp8_available(self.device)
+            if why:
+                raise ValueError(f"--fp8-experts: {why}")
+            enable_fp8_experts(self.model)
+            log.info(
+                "FP8 experts: the routed experts' matmuls take e4m3 inputs with row-wise scales (%s)",
+                "torchao's FP8 grouped GEMM" if self.device.type == "cuda" else "emulated",
+            )
         if cfg.qat:
             weights, acts = QAT_RECIPES[cfg.qat]
             enable_qat(self.model, weights, acts, cfg.qat_scale_mode)

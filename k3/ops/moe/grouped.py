@@ -21,6 +21,7 @@ from torch import Tensor
 
 from k3.ops import backend
 from k3.ops.fused import fused
+from k3.ops.fp8 import ALIGN as FP8_ALIGN, grouped_mm_fp8
 from k3.ops.moe.layout import ALIGN, COUNT_PAIRS, GLU_ACTS, ROUTE_MAX_EXPERTS
 
 
@@ -228,11 +229,14 @@ def up_glu_kernel(glu: Callable[[Tensor, Tensor], Tensor], device: torch.device)
 
 
 def _matmul(kernel: str, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """x [R, K] bf16, w [E, N, K] bf16 -> [R, N]: each group of rows times its expert's w^T."""
+    """x [R, K] bf16, w [E, N, K] bf16 -> [R, N]: each group of rows times its expert's w^T, by ``kernel``
+    ('triton', 'fp8' or 'grouped_mm')."""
     if kernel == "triton":
         from k3.ops.moe.small_groups import small_groups_mm  # Triton: imported on use (GPUs only)
 
         return small_groups_mm(x, w, offs)
+    if kernel == "fp8":
+        return grouped_mm_fp8(x, w, offs)
     return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
 
 
@@ -244,18 +248,21 @@ def moe_experts(
     w2: Tensor,
     w3: Tensor,
     glu: Callable[[Tensor, Tensor], Tensor],
+    fp8: bool = False,
 ) -> Tensor:
     """Same contract as :func:`k3.ops.moe.reference.moe_experts`. Under QAT the weights, inputs and GLU output
     arrive fake-quantised (k3.ops.moe.moe_experts composes them), so this is the emulated MX path:
-    dequantised values through bf16 grouped GEMMs, with no host synchronisation."""
+    dequantised values through bf16 grouped GEMMs, with no host synchronisation. ``fp8``: the three matmuls by
+    torchao's FP8 grouped GEMM (k3.ops.fp8), groups and widths padded to its multiple of 16."""
     n, d = x.shape
     if n == 0:  # no token: nothing to route (the dispatch would read token 0)
         return x.new_zeros(0, w2.shape[1])  # as the loop
-    route = _route(topk_idx, w1.shape[0])
+    align = FP8_ALIGN if fp8 else ALIGN
+    route = _route(topk_idx, w1.shape[0], align)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w1, w2, w3))
-    kernel = _experts_matmul(topk_idx.numel(), needs_grad)
+    kernel = "fp8" if fp8 else _experts_matmul(topk_idx.numel(), needs_grad)
     bf = torch.bfloat16
-    pd, pi = -d % ALIGN, -w1.shape[1] % ALIGN
+    pd, pi = -d % align, -w1.shape[1] % align
     w1b, w3b = (_pad(w.to(bf), (0, pd, 0, pi)) for w in (w1, w3))  # [E, I+pi, D+pd]
     w2b = _pad(w2.to(bf), (0, pi, 0, pd))  # [E, D+pd, I+pi]
     xb = _pad(x.to(bf), (0, pd))  # [N, D+pd]
