@@ -29,6 +29,8 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 DECODE_FILES = (RESULTS / "decode-targets.json", RESULTS / "decode.json")  # current first, then the fallback
 SERVE_LOAD_FILE = RESULTS / "serve-load.json"  # benchmarks/serve_load.py: TTFT / TPOT vs concurrency, prefix cache
 SLICE_FILE = RESULTS / "slice.json"  # k3 bench slice: K3's widths, packed MXFP4 experts, one GPU
+PREFILL_FILE = RESULTS / "model.json"  # k3 bench model, case prefill: one-GPU prefill at 128K / 1M tokens
+PREFILL_MODEL = "small-1b"  # what k3.bench.model.prefill_rows builds when a row does not name its model
 
 
 def full_mla_twin(config: K3Config) -> K3Config:
@@ -234,7 +236,39 @@ def long_context(config: K3Config, rep: dict, contexts=DEFAULT_CONTEXTS) -> dict
         "measured_gpu": measured_decode(DECODE_FILES),  # read at call time: tests point it elsewhere
         "serving_load": measured_serving(SERVE_LOAD_FILE),
         "slice": measured_slice(SLICE_FILE),
+        "prefill": measured_prefill(PREFILL_FILE),
     }
+
+
+def measured_prefill(path: Path = PREFILL_FILE) -> dict:
+    """One-GPU prefill of long prompts (``k3 bench model``, case prefill): per length, the hybrid's and its
+    full-MLA twin's time, throughput and peak memory, and the twin's time over the hybrid's; or why there are
+    none. Rows name their model (older files: the ``small-1b`` that k3.bench.model builds)."""
+    raw, why = _read_results(path)
+    if raw is None:
+        return {"name": path.name, "read": False, "why": why, "rows": []}
+    by: dict[int, dict] = {}
+    for r in raw.get("rows", []):
+        words = str(r.get("case", "")).split() if isinstance(r, dict) else []
+        if len(words) != 3 or words[0] != "prefill" or not words[2].isdigit():
+            continue
+        row = by.setdefault(int(words[2]), {"tokens": int(words[2]), "model": PREFILL_MODEL})
+        arm = "hybrid" if words[1] == "hybrid" else "twin"
+        if arm == "hybrid" and r.get("model"):
+            row["model"] = r["model"]
+        if isinstance(r.get("ms"), (int, float)) and r["ms"] > 0:
+            row[f"{arm}_s"] = r["ms"] / 1e3
+            row[f"{arm}_peak_GiB"] = r.get("peak_GiB")
+        else:
+            row[f"{arm}_error"] = r.get("error") or "no time"
+    rows = [by[t] for t in sorted(by)]
+    for row in rows:
+        if "hybrid_s" in row and "twin_s" in row:
+            row["twin_over_hybrid"] = row["twin_s"] / row["hybrid_s"]
+    if not rows:
+        return {"name": path.name, "read": False, "why": "no prefill rows", "rows": []}
+    meta = raw.get("meta") or {}
+    return {"name": path.name, "read": True, "rows": rows, "device": meta.get("device"), "time": meta.get("time")}
 
 
 def measured_serving(path: Path = SERVE_LOAD_FILE) -> dict:

@@ -234,6 +234,7 @@ def _long(a: dict, config: K3Config) -> list[str]:
     ]
     out += _measured_decode(lc.get("measured_gpu"))
     out += _measured_slice(lc.get("slice"))
+    out += _prefill(lc.get("prefill"))
     out += _serving_load(lc.get("serving_load"))
     c = a["measured_cpu"]
     if c:
@@ -327,6 +328,40 @@ def _measured_slice(s: dict | None) -> list[str]:
             "",
         ]
     return out
+
+
+def _prefill(p: dict | None) -> list[str]:
+    """The one-GPU long-prompt prefill rows of benchmarks/results/model.json (hybrid vs its full-MLA twin)."""
+    if not p or not p.get("read"):
+        why = (p or {}).get("why", "not found")
+        return [f"No GPU prefill results (`benchmarks/results/model.json`: {why}).", ""]
+
+    def cell(r: dict, arm: str) -> str:
+        if f"{arm}_s" not in r:
+            return r.get(f"{arm}_error", "—")
+        sec = r[f"{arm}_s"]
+        return f"{sec:.2f} s ({r['tokens'] / sec / 1e3:.1f}K tokens/s, {r[f'{arm}_peak_GiB']:.0f} GiB)"
+
+    rows = [
+        [
+            tokens(r["tokens"]),
+            r["model"],
+            cell(r, "hybrid"),
+            cell(r, "twin"),
+            f"{r['twin_over_hybrid']:.2f}" if "twin_over_hybrid" in r else "—",
+        ]
+        for r in p["rows"]
+    ]
+    return [
+        "### Long-prompt prefill on a GPU (`k3 bench model --cases prefill`)",
+        "",
+        f"`benchmarks/results/{p['name']}`: {p.get('device')}, {p.get('time')}. One sequence, one forward pass, "
+        "logits at the last token only; time, throughput and peak memory of the hybrid and of its full-MLA twin "
+        "(every layer MLA). Above 1 in the last column the hybrid is faster.",
+        "",
+        md_table(["tokens", "model", "hybrid", "full-MLA twin", "twin / hybrid"], rows),
+        "",
+    ]
 
 
 def _serving_load(s: dict | None) -> list[str]:

@@ -274,6 +274,7 @@ def prefill_rows(rows: list, save, quick: bool) -> None:
                 rows.append(
                     {
                         "case": f"prefill {'full-MLA' if full else 'hybrid'} {length}",
+                        "model": "small-1b full-MLA twin" if full else "small-1b",
                         "ms": dt * 1e3,
                         "tokens_per_s": length / dt,
                         "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,

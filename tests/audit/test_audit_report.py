@@ -227,3 +227,29 @@ def test_attn_res_depth_from_a_gpu_results_file(tmp_path):
     assert "not measured" not in text
     assert "preset 'tiny', not 'k3'" in measured_depth_gpu(path, "k3")["why"]
     assert "not found" in measured_depth_gpu(tmp_path / "none.json", "k3")["why"]
+
+
+def test_gpu_prefill_rows_from_the_model_benchmark(tmp_path):
+    """k3 bench model's prefill rows become one row per length (hybrid vs twin, the twin's time over the hybrid's);
+    an OOM row is shown as its error; a file without prefill rows is named as such."""
+    import json
+
+    from k3.audit.longctx import measured_prefill
+    from k3.audit.report_serving import _prefill
+
+    rows = [
+        {"case": "train small-1b B8 T4096", "ms": 300.0},
+        {"case": "prefill hybrid 131072", "ms": 1700.0, "peak_GiB": 19.0, "model": "small-1b"},
+        {"case": "prefill hybrid 1048576", "ms": 24000.0, "peak_GiB": 132.0, "model": "small-1b"},
+        {"case": "prefill full-MLA 131072", "ms": 1530.0, "peak_GiB": 19.0, "model": "small-1b full-MLA twin"},
+        {"case": "prefill full-MLA 1048576", "error": "OOM: out of memory"},
+    ]
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"meta": {"device": "NVIDIA H200", "time": "t0"}, "rows": rows}))
+    p = measured_prefill(path)
+    assert [r["tokens"] for r in p["rows"]] == [131072, 1048576] and p["device"] == "NVIDIA H200"
+    assert p["rows"][0]["twin_over_hybrid"] == pytest.approx(0.9) and "twin_over_hybrid" not in p["rows"][1]
+    text = "\n".join(_prefill(p))
+    assert "| 128K | small-1b | 1.70 s (77.1K tokens/s, 19 GiB) |" in text and "OOM: out of memory" in text
+    path.write_text(json.dumps({"meta": {}, "rows": rows[:1]}))
+    assert "no prefill rows" in "\n".join(_prefill(measured_prefill(path)))
