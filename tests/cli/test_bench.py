@@ -231,3 +231,31 @@ def test_serve_load_benchmark_smoke(tmp_path):
     assert all(0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["tpot_p50_ms"] > 0 for r in load)
     prefix = next(r for r in rows if r["phase"] == "prefix cache")
     assert "hit rate 66.7%" in prefix["detail"]  # 64 of the 96 prompt tokens: one block of 64
+
+
+def test_precision_convergence_curves_and_arms(tmp_path):
+    """benchmarks/precision_convergence.py: the curves are the mean / range over runs at the steps all logged
+    (training loss as an EMA), and the arms must start with bf16."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "precision_convergence.py"
+    spec = importlib.util.spec_from_file_location("precision_convergence", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dirs = []
+    for i, losses in enumerate(((4.0, 3.0, 2.0), (6.0, 5.0, 4.0))):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        recs = [{"step": s, "loss": x, "val_loss": x + 1} for s, x in enumerate(losses)]
+        if i == 0:
+            recs.append({"step": 3, "loss": 1.0})  # only one run logged step 3
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+        dirs.append(str(d))
+    steps, mean, lo, hi = module.curves(dirs, "val_loss")
+    assert steps.tolist() == [0, 1, 2] and mean.tolist() == [6.0, 5.0, 4.0] and lo.tolist() == [5.0, 4.0, 3.0]
+    steps, mean, _, hi = module.curves(dirs, "loss")
+    assert steps.tolist() == [0, 1, 2] and mean[1] == pytest.approx(0.9 * 5.0 + 0.1 * 4.0)
+    with pytest.raises(SystemExit, match="bf16 first"):
+        module.main(["--arms", "fp8,bf16"])
