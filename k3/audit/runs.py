@@ -250,4 +250,6 @@ def finished_summary(cfg) -> dict | None:
     if not path.is_file():
         return None
     s = json.loads(path.read_text())
-    return s if s.get("steps") == cfg.steps and s.get("status") in ("done", "diverged") else None
+    if s.get("steps") != cfg.steps or s.get("status") not in ("done", "diverged"):
+        return None
+    return s | {"run_dir": str(Path(cfg.out))}  # where it is now: a grid's runs can be unpacked elsewhere

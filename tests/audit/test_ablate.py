@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 import time
 
 import pytest
@@ -331,6 +332,9 @@ def test_jobs_run_side_by_side_and_report_only(tmp_path, small_data):
     assert len(again["runs"]) == 3 and not (tmp_path / "pooled" / "runs" / "bias_sign-s1" / "summary.json").exists()
     report = (tmp_path / "pooled" / "report.md").read_text()
     assert "Not finished yet (2" in report and "`bias_sign-s1`" in report
+    shutil.move(tmp_path / "pooled", tmp_path / "moved")  # finished runs are read where they are now
+    moved = run_grid(grid, tmp_path / "moved", data=small_data, device="cpu", report_only=True)
+    assert len(moved["runs"]) == 3 and all(s["run_dir"].startswith(str(tmp_path / "moved")) for s in moved["runs"])
     with pytest.raises(ValueError, match="jobs"):
         run_grid(grid, tmp_path / "bad", data=small_data, device="cpu", jobs=0)
 
