@@ -75,9 +75,9 @@ def curves(run_dirs: list[str], key: str) -> tuple[np.ndarray, np.ndarray, np.nd
             ys.append(ema)
         per.append(dict(zip(xs, ys)))
     steps = sorted(set.intersection(*(set(p) for p in per))) if per else []
-    m = np.array([[p[s] for s in steps] for p in per]) if steps else np.zeros((0, 0))
     if not steps:
         return np.array([]), np.array([]), np.array([]), np.array([])
+    m = np.array([[p[s] for s in steps] for p in per])
     return np.array(steps), m.mean(0), m.min(0), m.max(0)
 
 

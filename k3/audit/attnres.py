@@ -12,18 +12,17 @@ with 1-wide dummy vectors), so the counts follow the model's own bookkeeping:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from k3.audit.results import RESULTS, read_results
 from k3.config import ATTN_RES_MODES, K3Config
 from k3.model.attn_res import ResidualStream
 from k3.model.norm import RMSNorm
 
 MODES = ("none", "snapshot", "block_sum", "full")
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GPU_FILES = (RESULTS / "model-attn_res.json", RESULTS / "model-attn_res_compiled.json")
 DEPTH_FILE = RESULTS / "attn_res_depth.json"  # benchmarks/attn_res_depth.py: the depth measurement on a GPU
 assert set(MODES) == set(ATTN_RES_MODES)
@@ -96,15 +95,11 @@ def measured_attn_res(paths: tuple[Path, ...] = GPU_FILES) -> dict:
     every file is listed with its meta or why it was not read."""
     files, modes = [], {}
     for path in paths:
-        if not path.is_file():
-            files.append({"name": path.name, "read": False, "why": "not found"})
+        raw, why = read_results(path)
+        if raw is None:
+            files.append({"name": path.name, "read": False, "why": why})
             continue
-        try:
-            raw = json.loads(path.read_text())
-            rows = list(raw.get("rows", []))
-        except (OSError, ValueError, AttributeError, TypeError) as e:
-            files.append({"name": path.name, "read": False, "why": f"unreadable ({type(e).__name__})"})
-            continue
+        rows = raw.get("rows", [])
         meta = raw.get("meta") or {}
         files.append(
             {"name": path.name, "read": True, "device": meta.get("device", "?"), "time": meta.get("time", "?")}
@@ -130,13 +125,10 @@ def measured_attn_res(paths: tuple[Path, ...] = GPU_FILES) -> dict:
 def measured_depth_gpu(path: Path = DEPTH_FILE, preset: str | None = None) -> dict:
     """``benchmarks/attn_res_depth.py``'s result (the form :func:`k3.audit.measure.attn_res_depth` returns, plus
     the file's environment) when it measured ``preset`` (any preset when None); else ``{"why": ...}``."""
-    if not path.is_file():
-        return {"why": f"`benchmarks/results/{path.name}` not found"}
-    try:
-        raw = json.loads(path.read_text())
-        meta, rows = dict(raw["meta"]), list(raw["rows"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return {"why": f"`benchmarks/results/{path.name}` unreadable ({type(e).__name__})"}
+    raw, why = read_results(path)
+    if raw is None:
+        return {"why": f"`benchmarks/results/{path.name}` {why}"}
+    meta, rows = raw.get("meta") or {}, raw.get("rows", [])
     if preset is not None and meta.get("preset") != preset:
         return {"why": f"`benchmarks/results/{path.name}` measured preset {meta.get('preset')!r}, not {preset!r}"}
     return {**meta, "rows": rows, "file": path.name}

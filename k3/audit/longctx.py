@@ -14,18 +14,17 @@ The hybrid's KDA layers hold a constant fp32 recurrent state and bf16 conv state
 from __future__ import annotations
 
 import functools
-import json
 import math
 from pathlib import Path
 
 from k3.audit.paths import distinct_experts
 from k3.audit.recipe import kda_state_bytes, mla_bytes_per_token
+from k3.audit.results import RESULTS, read_results
 from k3.config import K3Config
 from k3.model.cache import cache_bytes_per_sequence
 from k3.ops.mx import MXFP4_BYTES_PER_WEIGHT
 
 DEFAULT_CONTEXTS = (4096, 32768, 131072, 1048576)
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 DECODE_FILES = (RESULTS / "decode-targets.json", RESULTS / "decode.json")  # current first, then the fallback
 SERVE_LOAD_FILE = RESULTS / "serve-load.json"  # benchmarks/serve_load.py: TTFT / TPOT vs concurrency, prefix cache
 SLICE_FILE = RESULTS / "slice.json"  # k3 bench slice: K3's widths, packed MXFP4 experts, one GPU
@@ -120,19 +119,6 @@ def _mode(row: dict) -> str:
     return row.get("mode") or ("eager" if "eager" in name else "compiled" if "compiled" in name else "graph")
 
 
-def _read_results(path: Path) -> tuple[dict | None, str | None]:
-    """(the parsed results file, None) or (None, why it could not be read)."""
-    if not path.is_file():
-        return None, "not found"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        return None, f"unreadable ({type(e).__name__})"
-    if not isinstance(raw, dict) or not isinstance(raw.get("rows", []), list):
-        return None, "not a results file (no rows list)"
-    return raw, None
-
-
 def bench_model_label(meta: dict) -> dict:
     """What model the decode rows measure: the file's own record when its meta names a config, otherwise the config
     ``k3 bench decode`` builds (``k3.config.presets.kimi_linear_1p3b``), named and counted from the code."""
@@ -168,7 +154,7 @@ def measured_decode(paths: tuple[Path, ...] = DECODE_FILES) -> dict:
     never merged). Every file is listed with its meta, or with why it was not read."""
     files, rows, seen = [], [], set()
     for path in paths:
-        raw, why = _read_results(path)
+        raw, why = read_results(path)
         if raw is None:
             files.append({"name": path.name, "path": str(path), "read": False, "why": why})
             continue
@@ -244,7 +230,7 @@ def measured_prefill(path: Path = PREFILL_FILE) -> dict:
     """One-GPU prefill of long prompts (``k3 bench model``, case prefill): per length, the hybrid's and its
     full-MLA twin's time, throughput and peak memory, and the twin's time over the hybrid's; or why there are
     none. Rows name their model (older files: the ``small-1b`` that k3.bench.model builds)."""
-    raw, why = _read_results(path)
+    raw, why = read_results(path)
     if raw is None:
         return {"name": path.name, "read": False, "why": why, "rows": []}
     by: dict[int, dict] = {}
@@ -273,7 +259,7 @@ def measured_prefill(path: Path = PREFILL_FILE) -> dict:
 
 def measured_serving(path: Path = SERVE_LOAD_FILE) -> dict:
     """The serving-under-load results (benchmarks/serve_load.py) with their environment, or why there are none."""
-    raw, why = _read_results(path)
+    raw, why = read_results(path)
     if raw is None:
         return {"name": path.name, "read": False, "why": why, "rows": []}
     meta = raw.get("meta") or {}
@@ -284,7 +270,7 @@ def measured_serving(path: Path = SERVE_LOAD_FILE) -> dict:
 def measured_slice(path: Path = SLICE_FILE) -> dict:
     """K3's true-width slice (``k3 bench slice``): its decode rows with a valid time, its environment, the packed
     expert bytes, and the extrapolation to 93 layers the benchmark states (an estimate); or why there are none."""
-    raw, why = _read_results(path)
+    raw, why = read_results(path)
     if raw is None:
         return {"name": path.name, "read": False, "why": why, "rows": []}
     meta = raw.get("meta") or {}

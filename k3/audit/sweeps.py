@@ -65,6 +65,15 @@ class Sweep:
 
 BASELINE = "no_kda_rope+no_attnres+no_latent+bias_sign+swiglu"  # K2-like: RoPE MLA, plain residual, SwiGLU,
 #                                                                  plain MoE, sign-bias balancing
+PROPORTIONAL = dict(  # gpu5's design, also cpu5's: tokens grow with the model, 3 seeds where noise is largest
+    archs={"k3": "full", "baseline": BASELINE},
+    seeds=(0,),
+    extra_seeds=(1, 2),
+    extra_seed_sizes=2,
+    tokens_per_param=5.0,
+    min_steps=100,
+    data="stdlib+pydoc-topics",
+)
 SWEEPS: dict[str, Sweep] = {
     "micro": Sweep(
         name="micro",
@@ -112,13 +121,7 @@ SWEEPS: dict[str, Sweep] = {
         preset="tiny",
         sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
         head_dim=16,
-        archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,),
-        extra_seeds=(1, 2),
-        extra_seed_sizes=2,
-        tokens_per_param=5.0,
-        min_steps=100,
-        data="stdlib+pydoc-topics",
+        **PROPORTIONAL,
         train=dict(
             steps=1,
             batch_size=16,
@@ -161,13 +164,7 @@ SWEEPS: dict[str, Sweep] = {
         preset="small",
         sizes=((64, 4), (96, 4), (128, 4), (192, 4), (256, 6)),
         head_dim=32,
-        archs={"k3": "full", "baseline": BASELINE},
-        seeds=(0,),
-        extra_seeds=(1, 2),
-        extra_seed_sizes=2,
-        tokens_per_param=5.0,
-        min_steps=100,
-        data="stdlib+pydoc-topics",
+        **PROPORTIONAL,
         train=dict(
             steps=1,
             batch_size=64,  # small models leave the GPU idle between launches: 4x the batch costs little time

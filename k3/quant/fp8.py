@@ -29,5 +29,6 @@ def enable_fp8_experts(model: nn.Module) -> None:
 
 
 def disable_fp8_experts(model: nn.Module) -> None:
+    """Back to bf16 expert matmuls on every MoE layer."""
     for moe in moe_layers(model):
         moe.fp8 = False

@@ -32,12 +32,10 @@ def moe_experts(x, topk_idx, topk_weight, w1, w2, w3, glu, act_quant=None, fp8=F
     ``act_quant`` (QAT, :mod:`k3.quant.qat`): a function applied to both expert-matmul inputs, x [N, D] (it acts
     per token row, so once before the gather) and each GLU output h [n, I] before w2. It is applied here, by
     composition (x -> act_quant(x), glu -> act_quant . glu), so every backend runs it; None = the exact
-    high-precision path. ``fp8`` (:mod:`k3.quant.fp8`): the three matmuls in FP8 with row-wise scales
-    (k3.ops.fp8); not with ``act_quant``.
+    high-precision path. ``fp8`` (:mod:`k3.quant.fp8`, which never turns it on with QAT): the three matmuls in FP8
+    with row-wise scales (k3.ops.fp8).
     """
     if act_quant is not None:
-        if fp8:
-            raise ValueError("moe_experts: fp8 matmuls and QAT's act_quant do not combine")
         x, glu = act_quant(x), _then(glu, act_quant)
     return backend.dispatch("moe_experts", x.device, x, topk_idx, topk_weight, w1, w2, w3, glu, fp8=fp8)
 

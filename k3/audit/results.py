@@ -1,0 +1,22 @@
+"""The checked-in benchmark results (``benchmarks/results``, written by k3.bench.common.write_results) that
+``k3 audit`` and ``k3 plan`` read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def read_results(path: Path) -> tuple[dict | None, str | None]:
+    """(a results file as k3.bench.common.write_results wrote it, None) or (None, why it could not be read)."""
+    if not path.is_file():
+        return None, "not found"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"unreadable ({type(e).__name__})"
+    if not isinstance(raw, dict) or not isinstance(raw.get("rows", []), list):
+        return None, "not a results file (no rows list)"
+    return raw, None
