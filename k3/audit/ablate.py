@@ -403,12 +403,12 @@ def run_grid(
     if grid.lrs:  # the first seed at every rate, then the other seeds at each variant's best
         done_mqar, sweep = run_phase([job(v, grid.seeds[0], lr) for v in variants for lr in grid.lrs], mqar_todo)
         lr_of = best_lrs(sweep)
-        rest = [job(v, seed, lr_of[v.name]) for v in variants if v.name in lr_of for seed in grid.seeds[1:]]
+        rest = [job(v, seed, lr_of[v.name]) for seed in grid.seeds[1:] for v in variants if v.name in lr_of]
         unpicked = [v.name for v in variants if v.name not in lr_of]
         missing += [f"{name}-s{seed} (no learning rate chosen)" for name in unpicked for seed in grid.seeds[1:]]
         summaries = [s for s in sweep if lr_of.get(s["variant"]) == s["lr"]] + run_phase(rest, [])[1]
-    else:
-        done_mqar, summaries = run_phase([job(v, seed, lr0) for v in variants for seed in grid.seeds], mqar_todo)
+    else:  # seed-major: a grid stopped early has every variant at its first seeds
+        done_mqar, summaries = run_phase([job(v, seed, lr0) for seed in grid.seeds for v in variants], mqar_todo)
     mqar_results += done_mqar
     if missing:
         log.warning("%d runs are not finished (report written without them): %s", len(missing), ", ".join(missing))

@@ -2,7 +2,7 @@
 learning rates and shared training settings. ``micro`` is for tests; ``smoke`` runs on a CPU; the others are GPU
 grids: ``default`` (every removal and pair), ``factorial`` (the 16 combinations of K3's four mechanisms, no-KDA
 with RoPE, a learning rate per variant, 3 seeds, matched FLOPs) and ``balance896`` (the balancing methods at K3's
-expert count)."""
+expert count); ``balance896_cpu`` is balance896 on the tiny preset, for a CPU."""
 
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ PAIRS = tuple(
     f"{a}+{b}" for i, a in enumerate(ARCH_REMOVALS) for b in ARCH_REMOVALS[i + 1 :] if {a, b} != {"no_kda", "no_mla"}
 )
 
+BALANCING_896 = (  # QB, sign bias at three steps, the auxiliary loss at three weights, none
+    "full",
+    "bias_sign",
+    "bias_sign+gamma_div10",
+    "bias_sign+gamma_x10",
+    "aux",
+    "aux+alpha_div10",
+    "aux+alpha_x10",
+    "none",
+)
 GPU_TRAIN = dict(  # the GPU grids' runs: 300 steps of 16 x 512 tokens
     steps=300,
     batch_size=16,
@@ -165,18 +175,30 @@ GRIDS: dict[str, Grid] = {
         "experts / top-16 in a narrow model (3 seeds, GPU): the router frontier from trained routers",
         preset="small",
         overrides={"moe.num_experts": 896, "moe.num_experts_per_token": 16, "moe.moe_intermediate_size": 64},
-        variants=(
-            "full",
-            "bias_sign",
-            "bias_sign+gamma_div10",
-            "bias_sign+gamma_x10",
-            "aux",
-            "aux+alpha_div10",
-            "aux+alpha_x10",
-            "none",
-        ),
+        variants=BALANCING_896,
         seeds=(0, 1, 2),
         train=dict(GPU_TRAIN, lr=1e-2),  # the factorial grid's best rate for `full`
+        run_plots=False,
+    ),
+    "balance896_cpu": Grid(
+        name="balance896_cpu",
+        description="balance896's methods at 896 experts / top-16 on the tiny preset (d = 64), 3 seeds, on a CPU "
+        "(~50 minutes on 2 cores with --jobs 2 --threads 1)",
+        preset="tiny",
+        overrides={"moe.num_experts": 896, "moe.num_experts_per_token": 16, "moe.moe_intermediate_size": 8},
+        variants=BALANCING_896,
+        seeds=(0, 1, 2),
+        train=dict(
+            steps=200,
+            batch_size=16,
+            seq_len=128,
+            vocab_size=1024,
+            tokenizer_train_bytes=1_000_000,
+            max_tokens=1_000_000,
+            eval_every=100,
+            eval_rows=64,
+            lr=1e-2,
+        ),
         run_plots=False,
     ),
 }

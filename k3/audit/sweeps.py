@@ -189,6 +189,27 @@ def get_sweep(name: str) -> Sweep:
         raise ValueError(f"unknown sweep {name!r}; choose one of: {', '.join(SWEEPS)}") from None
 
 
+def check_epochs(sweep: Sweep, plan: list, data: str | None, tok) -> None:
+    """Refuse a sweep whose runs would see their training data more than once: a scaling fit needs fresh tokens
+    (a run that repeats its data memorises it, and its validation loss then rises with compute). ValueError naming
+    the runs, the tokens they need and the tokens the data holds."""
+    from k3.data.text import PackedDataset, load_corpus
+
+    rows_per_step = sweep.train["batch_size"] * sweep.train.get("grad_accum", 1)
+    ctx = sweep.train.get("seq_len", 512)
+    rows = len(PackedDataset(load_corpus(data, "train"), tok, ctx, max_tokens=sweep.train.get("max_tokens")))
+    over = sorted(
+        {(width, layers, steps) for _, _, _, width, layers, steps, _, _ in plan if steps * rows_per_step > rows}
+    )
+    if over:
+        sizes = ", ".join(f"w{w} l{n}: {s * rows_per_step * ctx / 1e6:.1f}M" for w, n, s in over)
+        raise ValueError(
+            f"sweep {sweep.name}: runs would repeat their training data ({data or 'stdlib'}: "
+            f"{rows * ctx / 1e6:.2f}M tokens in rows of {ctx}); tokens needed by size: {sizes}. "
+            "Pass --data with more text, or use a sweep with fewer tokens per parameter"
+        )
+
+
 def run_sweep(
     sweep: Sweep,
     out: str | Path,
@@ -232,6 +253,7 @@ def run_sweep(
             small_end = (width, layers) in sweep.sizes[: sweep.extra_seed_sizes]
             seeds = sweep.seeds + (sweep.extra_seeds if small_end else ())
             plan += [(label, v, sized_ov, width, layers, steps, seed, params) for seed in seeds]
+    check_epochs(sweep, plan, data, tok)
     work = []
     for label, v, sized_ov, width, layers, steps, seed, params in plan:
         run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
@@ -248,6 +270,10 @@ def run_sweep(
             **params,
         }
         work.append((cfg, meta, sweep.run_plots))
+    if jobs > 1:  # longest first, so the pool does not end waiting on the largest size alone ...
+        work.sort(key=lambda w: -w[0].steps)
+        if warm_first:  # ... after the run that goes alone to fill the kernel caches: the shortest
+            work.insert(0, work.pop())
 
     def done(i: int, s: dict) -> None:
         log.info(

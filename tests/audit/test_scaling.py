@@ -16,7 +16,7 @@ from k3.audit.scaling import (
     load_run,
     write_outputs,
 )
-from k3.audit.sweeps import SWEEPS, get_sweep, size_overrides
+from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep, size_overrides
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.data.text import stdlib_corpus
@@ -193,6 +193,19 @@ def test_micro_sweep_end_to_end(tmp_path):
         == 0
     )  # one group: a fit, no multiplier
     assert list(json.loads((tmp_path / "fit" / "scaling.json").read_text())["fits"]) == ["0"]
+
+
+def test_a_sweep_that_would_repeat_its_data_is_refused(tmp_path):
+    """Before any training: a run needing more tokens than the training data holds is named in one error."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, doc in enumerate(stdlib_corpus("all")[:20]):
+        (data / f"doc{i:03d}.py").write_text(doc.text)
+    sweep = get_sweep("micro")
+    sweep.train = {**sweep.train, "steps": 100_000}
+    with pytest.raises(ValueError, match="repeat their training data.*w48 l2"):
+        run_sweep(sweep, tmp_path / "out", data=str(data), device="cpu")
+    assert not (tmp_path / "out" / "runs").exists()
 
 
 def test_groups_too_small_are_reported_not_fitted():
