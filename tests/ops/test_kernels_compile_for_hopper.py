@@ -224,7 +224,20 @@ def _kda_chunk(t, h, d):
     return lambda: chunk_kda_fwd(q, k, v, g, beta, output_final_state=True, precision="tf32x3")
 
 
-PREFILL_CASES = {"kda chunk forward": _kda_chunk(200, 2, 128)}  # launched without PDL (not decode kernels)
+def _kda_chunk_grad(t, h, d):
+    from k3.ops.kda import reference
+    from k3.ops.kda.triton_chunk_bwd import chunk_kda
+
+    q, k = (reference.l2norm(torch.randn(1, t, h, d)).bfloat16().requires_grad_() for _ in range(2))
+    v, g = torch.randn(1, t, h, d).bfloat16().requires_grad_(), (-torch.rand(1, t, h, d)).requires_grad_()
+    beta = torch.rand(1, t, h).requires_grad_()
+    return lambda: chunk_kda(q, k, v, g, beta, precision="tf32x3")[0].sum().backward()
+
+
+PREFILL_CASES = {  # launched without PDL (not decode kernels)
+    "kda chunk forward": _kda_chunk(200, 2, 128),
+    "kda chunk forward + backward": _kda_chunk_grad(200, 2, 128),
+}
 
 
 @pytest.mark.parametrize("case", list(CASES) + list(PREFILL_CASES))

@@ -1,5 +1,5 @@
 """Chunked KDA forward in Triton (docs/architecture.md#kda): the chunkwise form of
-:func:`k3.ops.kda.reference.chunk_kda`, no gradient.
+:func:`k3.ops.kda.reference.chunk_kda` (:mod:`k3.ops.kda.triton_chunk_bwd` adds its gradient).
 
 Per head, a chunk of C = 64 positions with incoming state S_0 and G = inclusive cumsum of g ([C, K]):
 
@@ -25,6 +25,8 @@ for K3's gate (g > -5 a position, at most 75 over a block); :func:`block_spread_
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -129,6 +131,7 @@ def _inter_kernel(
     S0,
     O,
     SN,
+    HS,
     scale,
     H: tl.constexpr,
     DK: tl.constexpr,
@@ -136,8 +139,11 @@ def _inter_kernel(
     BV: tl.constexpr,
     C: tl.constexpr,
     HAS_S0: tl.constexpr,
+    STORE_STATES: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One sequence, head and block of BV value columns: the state through the sequence's chunks; with
+    STORE_STATES the state entering each chunk goes to HS [chunks, H, DK, DV] (the backward pass reads it)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vv = tl.program_id(2) * BV + tl.arange(0, BV)
@@ -151,6 +157,8 @@ def _inter_kernel(
     c = tl.load(CU_CHUNKS + n)
     end = tl.load(CU_CHUNKS + n + 1)
     while c < end:  # (a while loop: Triton's interpreter cannot range over loaded bounds)
+        if STORE_STATES:
+            tl.store(HS + (c * H + h).to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :], S)
         row = (c * C + i).to(tl.int64) * H + h
         q = tl.load(Q + row[:, None] * DK + kk[None, :]).to(tl.float32)
         k = tl.load(K_ + row[:, None] * DK + kk[None, :]).to(tl.float32)
@@ -221,6 +229,61 @@ def chunk_kda_fwd(
     Triton's interpreter computes in fp32 whatever is asked. q, k [B, T, H, K] and v [B, T, H, V] with K and V
     powers of two from 16 to 128; g must satisfy :func:`block_spread_ok`. Returns o [B, T, H, V] in v.dtype and
     the final state [N, H, K, V] in fp32."""
+    f = forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
+    return f.unpad(f.o, v.shape), (f.s_n if output_final_state else None)
+
+
+class Forward(NamedTuple):
+    """The padded layout and what the forward pass computed in it (the backward pass reads all of it)."""
+
+    index: Tensor  # [Tp]: each padded position's flat [B*T] source, -1 for padding
+    cu_chunks: Tensor  # [N+1] int32
+    qp: Tensor  # [Tp, H, K] and the like: the inputs, zeros at padding (g, beta in fp32)
+    kp: Tensor
+    vp: Tensor
+    gp: Tensor
+    bp: Tensor
+    u: Tensor  # [Tp, H, V] fp32: L^-1 (beta V)
+    wk: Tensor  # [Tp, H, K] fp32: L^-1 (beta exp(G) K)
+    bqk: Tensor  # [Tp, H, C] fp32: each chunk's Bqk rows
+    o: Tensor  # [Tp, H, V] in v.dtype
+    s_n: Tensor  # [N, H, K, V] fp32: the final states
+    states: Tensor | None  # [Tp / C, H, K, V] fp32: the state entering each chunk (keep_states)
+    scale: float
+
+    def unpad(self, t: Tensor, shape) -> Tensor:
+        return unpad(self.index, t, shape)
+
+
+def pad(index: Tensor, t: Tensor) -> Tensor:
+    """[B, T, H, ...] -> [Tp, H, ...] by the layout's index, zeros at padding."""
+    valid = index >= 0
+    flat = t.reshape(-1, *t.shape[2:])[index.clamp(min=0)]
+    return torch.where(valid.view(-1, *([1] * (flat.dim() - 1))), flat, 0).contiguous()
+
+
+def unpad(index: Tensor, t: Tensor, shape) -> Tensor:
+    """[Tp, H, ...] -> [B, T, H, ...] (shape's first two dims), dropping the padding."""
+    valid = index >= 0
+    out = t.new_zeros(shape[0] * shape[1], *t.shape[1:])
+    out[index[valid]] = t[valid]
+    return out.view(*shape[:2], *t.shape[1:])
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    precision: str = "tf32x3",
+    keep_states: bool = False,
+) -> Forward:
+    """The forward pass of :func:`chunk_kda_fwd` with its intermediates (and, with ``keep_states``, the state
+    entering every chunk) in the padded layout."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -234,21 +297,14 @@ def chunk_kda_fwd(
             "use the reference or fla's chunk_kda for such gates"
         )
     index, cu_chunks = _layout(B, T, cu_seqlens, q.device)
-    valid = index >= 0
-    src = index.clamp(min=0)
-
-    def padded(t: Tensor) -> Tensor:  # [B, T, H, ...] -> [Tp, H, ...], zeros at padding
-        flat = t.reshape(B * T, *t.shape[2:])[src]
-        return torch.where(valid.view(-1, *([1] * (flat.dim() - 1))), flat, 0).contiguous()
-
-    qp, kp, vp, gp = padded(q), padded(k), padded(v), padded(g.float())
-    bp = padded(beta.float())
+    qp, kp, vp, gp, bp = (pad(index, t) for t in (q, k, v, g.float(), beta.float()))
     tp = index.shape[0]
     u = q.new_empty(tp, H, DV, dtype=torch.float32)
     wk = q.new_empty(tp, H, DK, dtype=torch.float32)
     bqk = q.new_empty(tp, H, CHUNK, dtype=torch.float32)
     o = q.new_empty(tp, H, DV, dtype=v.dtype)
     s_n = q.new_empty(N, H, DK, DV, dtype=torch.float32)
+    states = q.new_empty(tp // CHUNK, H, DK, DV, dtype=torch.float32) if keep_states else None
     s0 = initial_state.float().contiguous() if initial_state is not None else s_n
     if tp:
         _intra_kernel[(tp // CHUNK, H)](
@@ -281,6 +337,7 @@ def chunk_kda_fwd(
         s0,
         o,
         s_n,
+        s_n if states is None else states,
         scale,
         H=H,
         DK=DK,
@@ -288,9 +345,8 @@ def chunk_kda_fwd(
         BV=bv,
         C=CHUNK,
         HAS_S0=initial_state is not None,
+        STORE_STATES=keep_states,
         PRECISION=precision,
         num_warps=8,
     )
-    out = o.new_zeros(B * T, H, DV)
-    out[index[valid]] = o[valid]
-    return out.view(B, T, H, DV), (s_n if output_final_state else None)
+    return Forward(index, cu_chunks, qp, kp, vp, gp, bp, u, wk, bqk, o, s_n, states, scale)
