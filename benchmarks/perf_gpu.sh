@@ -18,7 +18,7 @@
 # kernels off alone), profile_attn_res,
 # kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear, small_groups and profile_kernels on request,
 # train_fp8 (the step with FP8 experts against bf16), precision (bf16 vs FP8 experts over 3 seeds, 2000 steps),
-# attn_res_depth (AttnRes at K3's depth), serve_load (k3 serve under load, random small-1b),
+# attn_res_depth (AttnRes at K3's depth), kda_chunk (our chunked KDA vs fla's), serve_load (k3 serve under load, random small-1b),
 # each under its own limit below (every step fits in 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
@@ -69,8 +69,10 @@ step small_groups 300 python benchmarks/small_groups_configs.py  # the expert ma
 step profile_kernels 120 python benchmarks/profile_kernels.py
 step train_fp8 420 python -m k3 bench model --cases train,train_fp8
 step precision 570 python benchmarks/precision_convergence.py --arms bf16,fp8 --seeds 0,1,2 --steps 2000 --jobs 6
-step attn_res_depth 240 python benchmarks/attn_res_depth.py
-step serve_load 400 python benchmarks/serve_load.py --preset small-1b --device cuda --concurrency 1,8,32,64
+step attn_res_depth 420 python benchmarks/attn_res_depth.py  # 150 s was too short on a cold Triton cache
+step kda_chunk 540 python benchmarks/kda_chunk.py  # our chunked KDA vs fla, forward and forward + backward
+step serve_load 400 python benchmarks/serve_load.py --preset small-1b --device cuda --concurrency 1,8,32,64 \
+  --max-batch 64
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"
 if [ -n "${TRITON_CACHE_DIR:-}" ]; then
   if [ -n "${TORCHINDUCTOR_CACHE_DIR:-}" ] && [ "$(du -smc "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" | tail -1 | cut -f1)" -le 40 ]; then

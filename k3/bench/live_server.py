@@ -90,7 +90,9 @@ class Server:
         deadline = time.monotonic() + start_s
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"k3 serve did not start; see {log}")
+                self.stop()
+                tail = "".join(Path(log).read_text(errors="replace").splitlines(keepends=True)[-20:])
+                raise RuntimeError(f"k3 serve did not start; the end of {log}:\n{tail}")
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
