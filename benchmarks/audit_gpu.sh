@@ -10,7 +10,10 @@
 # MPS=1 runs the jobs under CUDA's Multi-Process Service (its control daemon started here and stopped at the end):
 # small models leave the GPU mostly idle, and without MPS the processes' kernels take turns on it instead of
 # running side by side.
-# Usage: DEADLINE=540 [GRID="factorial balance896" SWEEP=gpu5 ABLATE_JOBS=5 SCALING_JOBS=4 WARM=--no-warm-first MPS=1] \
+# SWEEP_DATA=DIR trains the sweep on DIR (gpu5 needs more text than the default corpus holds: k3 scaling refuses
+# a sweep that would repeat its data).
+# Usage: DEADLINE=540 [GRID="factorial balance896" SWEEP=gpu5 SWEEP_DATA=DIR ABLATE_JOBS=5 SCALING_JOBS=4 MPS=1 \
+#          WARM=--no-warm-first] \
 #          bash benchmarks/audit_gpu.sh
 set -u
 DIR=${AUDIT_DIR:-runs/audit-gpu}
@@ -36,7 +39,7 @@ if [ "$GRID" != none ]; then
 fi
 if [ "$SWEEP" != none ]; then
   timeout -k 5 "$DEADLINE" python -m k3 scaling --sweep "$SWEEP" --irreducible --out "$DIR/scaling-$SWEEP" \
-    --jobs "${SCALING_JOBS:-4}" ${WARM:-} > "$OUTD/scaling.log" 2>&1 &
+    --jobs "${SCALING_JOBS:-4}" ${WARM:-} ${SWEEP_DATA:+--data "$SWEEP_DATA"} > "$OUTD/scaling.log" 2>&1 &
 fi
 ( sleep 90; nvidia-smi > "$OUTD/nvidia-smi-90s.txt" 2>&1 ) &
 wait
