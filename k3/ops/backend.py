@@ -35,12 +35,14 @@ BACKENDS = ("auto", "reference", "fast")
 @dataclass(frozen=True)
 class Kernel:
     """One of our kernels: ``on`` is its name when chosen, ``off`` what runs instead; ``what`` it fuses;
-    ``why_not`` says what else it needs beyond Triton ("" where it can run; None: nothing else)."""
+    ``why_not`` says what else it needs beyond Triton ("" where it can run; None: nothing else); ``off_unless_asked``
+    (non-empty: why) keeps it off until K3_KERNELS turns it on."""
 
     on: str
     off: str
     what: str
     why_not: Callable[[], str] | None = None
+    off_unless_asked: str = ""
 
 
 def _nvrtc_kernel_why_not() -> str:
@@ -63,6 +65,12 @@ KERNELS: dict[str, Kernel] = {
         "triton",
         "packed MXFP4 experts' decode matmuls: the weights decoded into mma.sync's register operand (NVRTC)",
         _nvrtc_kernel_why_not,
+    ),
+    "kda_chunk": Kernel(
+        "triton",
+        "fla",
+        "a KDA layer's chunked forward and backward (training, prefill)",
+        off_unless_asked="not yet timed against fla's chunk_kda (benchmarks/kda_chunk.py)",
     ),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }
@@ -155,7 +163,7 @@ def _parse(spec: str) -> dict[str, str]:
 
 def kernel_choices() -> dict[str, tuple[str, str]]:
     """Every kernel's (what runs, why), resolved once: the user's value, else on where Triton (and what else the
-    kernel needs) is usable."""
+    kernel needs) is usable, unless the kernel is off until asked."""
     global _kernels
     if _kernels is None:
         wanted, usable = _parse(kernel_spec()), triton_usable()
@@ -169,7 +177,10 @@ def kernel_choices() -> dict[str, tuple[str, str]]:
             why = "Triton is not usable here" if not usable else k.why_not() if k.why_not else ""
             if value == k.on and why:
                 raise ValueError(f"K3_KERNELS: {name}={k.on} cannot run here: {why}")
-            out[name] = (value, "K3_KERNELS") if value is not None else (k.off, why) if why else (k.on, "default")
+            if value is not None:
+                out[name] = (value, "K3_KERNELS")
+            else:
+                out[name] = (k.off, why or k.off_unless_asked) if why or k.off_unless_asked else (k.on, "default")
         _kernels = out
     return _kernels
 

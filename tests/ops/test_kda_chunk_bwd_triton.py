@@ -55,3 +55,44 @@ print("ok")
 
 def test_gradients_in_triton_interpreter(triton_interpreter):
     triton_interpreter(INTERPRETED)
+
+
+RAW = """
+import torch
+from k3.ops.kda import reference
+from k3.ops.kda.triton_chunk_bwd import chunk_kda_raw
+
+g0 = torch.Generator().manual_seed(4)
+B, T, H, K = 1, 150, 2, 32
+rnd = lambda *s: torch.randn(*s, generator=g0)  # noqa: E731
+raw = [rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H), rnd(H), rnd(H * K)]
+do = rnd(B, T, H, K)
+grads = []
+for fn, wide in ((chunk_kda_raw, lambda t: t), (reference.chunk_kda_raw, lambda t: t.double())):
+    q, k, v, f, b, a_log, dt_bias = ins = [wide(t).detach().requires_grad_() for t in raw]
+    o, _ = fn(q, k, v, f, b, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, cu_seqlens=torch.tensor([0, 70, T]))
+    (o.double() * do.double()).sum().backward()
+    grads.append([t.grad for t in ins])
+for name, a, b in zip(("q", "k", "v", "f", "b", "A_log", "dt_bias"), *grads):
+    err = float((a.double() - b).norm() / b.norm())
+    assert err < (1e-4 if name in ("A_log", "dt_bias") else 1e-5), (name, err)  # the two: fp32 sums over positions
+try:
+    chunk_kda_raw(*raw[:5], A_log=raw[5], dt_bias=raw[6], lower_bound=None)
+    raise SystemExit("an unbounded gate was taken")
+except ValueError as e:
+    assert "gate lower bound" in str(e)
+print("ok")
+"""
+
+
+def test_from_raw_projections_in_triton_interpreter(triton_interpreter):
+    """chunk_kda_raw by our kernels: the gradients of all seven tensors (A_log and dt_bias included) match autograd
+    through the fp64 reference; a gate without K3's lower bound is refused."""
+    triton_interpreter(RAW)
+
+
+def test_gate_bound_matches_the_kernel():
+    from k3.ops.kda import CHUNK_GATE_BOUND
+    from k3.ops.kda.triton_chunk import BLOCK, MAX_BLOCK_SPREAD
+
+    assert CHUNK_GATE_BOUND == -MAX_BLOCK_SPREAD / (BLOCK - 1)

@@ -281,9 +281,11 @@ def forward(
     cu_seqlens: Tensor | None,
     precision: str = "tf32x3",
     keep_states: bool = False,
+    gate_bounded: bool = False,
 ) -> Forward:
     """The forward pass of :func:`chunk_kda_fwd` with its intermediates (and, with ``keep_states``, the state
-    entering every chunk) in the padded layout."""
+    entering every chunk) in the padded layout. ``gate_bounded``: the caller knows g satisfies
+    :func:`block_spread_ok` (a gate with a lower bound), which then is not checked (a host sync)."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
     dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
@@ -291,7 +293,7 @@ def forward(
         raise ValueError(
             f"chunk_kda_fwd: head dims {DK} / {DV} (16, 32, 64 or 128) and fp32 or narrower inputs, got {dtype}"
         )
-    if not block_spread_ok(g):
+    if not gate_bounded and not block_spread_ok(g):
         raise ValueError(
             f"chunk_kda_fwd: g decays some channel by more than {MAX_BLOCK_SPREAD} over {BLOCK - 1} positions; "
             "use the reference or fla's chunk_kda for such gates"

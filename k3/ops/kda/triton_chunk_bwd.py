@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.kda.triton_chunk import BLOCK, CHUNK, Forward, forward, pad, unpad
+from k3.ops.kda.reference import _from_raw
+from k3.ops.kda.triton_chunk import BLOCK, CHUNK, MAX_BLOCK_SPREAD, Forward, forward, pad, unpad
 
 
 @triton.jit
@@ -361,8 +362,8 @@ def backward(f: Forward, do: Tensor, dsn: Tensor | None, precision: str = "tf32x
 
 class _ChunkKDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, precision):
-        f = forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, keep_states=True)
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, precision, gate_bounded):
+        f = forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision, True, gate_bounded)
         ctx.save_for_backward(*f._replace(o=None)[:-1])  # all but the output and the scale
         ctx.scale, ctx.precision = f.scale, precision
         ctx.inputs = [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
@@ -377,7 +378,7 @@ class _ChunkKDA(torch.autograd.Function):
         grads = backward(f, do_p, dsn, ctx.precision)
         out = [unpad(f.index, t, shape).to(dtype) for t, (shape, dtype) in zip(grads[:5], ctx.inputs)]
         ds0 = None if ctx.state_dtype is None else grads[5].to(ctx.state_dtype)
-        return (*out, ds0, None, None, None)
+        return (*out, ds0, None, None, None, None)
 
 
 def chunk_kda(
@@ -392,9 +393,53 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
     precision: str = "tf32x3",
+    gate_bounded: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`k3.ops.kda.triton_chunk.chunk_kda_fwd` with a gradient: q, k, v, g, beta and the initial state
     receive theirs through o and the final state. Same arguments; the forward keeps, per chunk and head, the state
-    entering it (K x V fp32) and its intermediates for the backward pass."""
-    o, s_n = _ChunkKDA.apply(q, k, v, g, beta, initial_state, scale, cu_seqlens, precision)
+    entering it (K x V fp32) and its intermediates for the backward pass. ``gate_bounded``: as in
+    :func:`k3.ops.kda.triton_chunk.forward`."""
+    o, s_n = _ChunkKDA.apply(q, k, v, g, beta, initial_state, scale, cu_seqlens, precision, gate_bounded)
     return o, (s_n if output_final_state else None)
+
+
+@torch.compiler.disable  # the layout reads sequence lengths on the host; the kernels stay out of traced graphs
+def chunk_kda_raw(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    b: Tensor,
+    *,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float,
+    l2norm_eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = CHUNK,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`k3.ops.kda.reference.chunk_kda_raw` with the chunked recurrence by :func:`chunk_kda`: the norms, the
+    gate and beta's sigmoid in torch, differentiable in every tensor argument. K3's bounded gate (``lower_bound``
+    l, g in (l, 0)) keeps the kernels' exponentials in range when (BLOCK - 1) |l| <= MAX_BLOCK_SPREAD (l >= -5.33),
+    so no host check is made; other gates raise."""
+    if chunk_size != CHUNK or lower_bound is None or -lower_bound * (BLOCK - 1) > MAX_BLOCK_SPREAD:
+        raise ValueError(
+            f"chunk_kda_raw (Triton): needs chunk_size {CHUNK} and a gate lower bound >= "
+            f"{-MAX_BLOCK_SPREAD / (BLOCK - 1):.2f}, got {chunk_size} and {lower_bound}"
+        )
+    q, k, g, beta = _from_raw(q, k, f, b, A_log, dt_bias, lower_bound, l2norm_eps)
+    return chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        gate_bounded=True,
+    )
