@@ -14,13 +14,14 @@ chunk), the backward pass is
 and dA, dBqk reach q, k and G through A_ij = sum_c k_ic k_jc exp(G_ic - G_jc) and Bqk likewise, each column
 block of 16 positions pivoted at its first position as in the forward (every exponent stays in fp32's range);
 exp(G_C) S_0 and Kt add their G_C terms at the chunk's last position, and dg is the reverse cumulative sum of dG
-within the chunk. Two launches:
+within the chunk. G, exp(G) * q and exp(G_C - G) * k are formed once in torch; then three launches:
 
 * ``_inter_bwd_kernel``, one program per (sequence, head, block of BV value columns), through the chunks from
   the last: dS carried in fp32, dW written, and the sums over value columns (dQt, dKt, dBqk, dWk and the G_C
   term) accumulated over the blocks by atomic adds (two blocks at V = 128: an exact, order-free sum).
-* ``_intra_bwd_kernel``, one program per (chunk, head): A and L's blocks again, the two transposed solves, and
-  dq, dk, dv, dg, dbeta.
+* ``_solve_bwd_kernel``, one program per (chunk, head): A and L's blocks again, the two transposed solves, dv,
+  dbeta, dA and dRk.
+* ``_qkg_bwd_kernel``, one program per (chunk, head, 32 key columns): dq, dk and dg.
 """
 
 from __future__ import annotations
