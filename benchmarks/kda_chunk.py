@@ -51,34 +51,22 @@ def errors(o: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"rel_err": float(d.norm() / ref.norm()), "max_err": float(d.abs().amax() / ref.abs().amax())}
 
 
-def grad_fn(fn, q, k, v, g, beta, cu):
-    """A callable returning fn's gradients of q, k, v, g, beta for the output gradient DO (the same for all)."""
+def grad_fn(fn, q, k, v, g, beta, cu, do):
+    """A callable returning fn's gradients of q, k, v, g, beta for the output gradient do."""
     ins = [t.detach().requires_grad_() for t in (q, k, v, g, beta)]
 
     def run():
         o, _ = fn(*ins, cu_seqlens=cu)
-        return torch.autograd.grad(o, ins, grad_out(v))
+        return torch.autograd.grad(o, ins, do)
 
     return run
 
 
-def grad_out(v: torch.Tensor) -> torch.Tensor:
-    """The output gradient: random, fixed by seed, of v's shape and dtype (made once per shape)."""
-    key = (tuple(v.shape), v.dtype)
-    if key not in _GRAD_OUT:
-        gen = torch.Generator(device=v.device).manual_seed(1)
-        _GRAD_OUT[key] = torch.randn(v.shape, device=v.device, generator=gen).to(v.dtype)
-    return _GRAD_OUT[key]
-
-
-_GRAD_OUT: dict = {}
-
-
-def grad_error(grads, q, k, v, g, beta) -> float:
+def grad_error(grads, q, k, v, g, beta, do) -> float:
     """The largest relative error of the first sequence's five gradients against autograd in fp64."""
     ins = [t[:, :SEQ].double().requires_grad_() for t in (q, k, v, g, beta)]
     o, _ = reference.chunk_kda(*ins)
-    want = torch.autograd.grad(o, ins, grad_out(v)[:, :SEQ].double())
+    want = torch.autograd.grad(o, ins, do[:, :SEQ].double())
     return max(float((a[:, :SEQ].double() - b).norm() / b.norm()) for a, b in zip(grads, want))
 
 
@@ -104,16 +92,17 @@ def main() -> None:
     for t in (4096,) if args.quick else (4096, 16384, 65536):
         q, k, v, g, beta, cu = inputs(t)
         fns = {p: (lambda p=p: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, precision=p)) for p in PRECISIONS}
-        bwd = {p: grad_fn(partial(chunk_kda_grad, precision=p), q, k, v, g, beta, cu) for p in PRECISIONS}
+        do = torch.randn_like(v)
+        bwd = {p: grad_fn(partial(chunk_kda_grad, precision=p), q, k, v, g, beta, cu, do) for p in PRECISIONS}
         if fla.available(q.device):
             fns["fla"] = lambda: fla.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)
-            bwd["fla"] = grad_fn(fla.chunk_kda, q, k, v, g, beta, cu)
+            bwd["fla"] = grad_fn(fla.chunk_kda, q, k, v, g, beta, cu, do)
         print(f"T={t}: timing {', '.join(fns)} (the first calls compile and autotune)", flush=True)
         with torch.no_grad():
             ref, _ = reference.chunk_kda(*(x.double() for x in (q, k, v, g, beta)), cu_seqlens=cu)
             rows += timed(t, "fwd", fns, lambda fn: errors(fn()[0], ref))
         ref = None  # the fp64 output: freed before the backward pass
-        rows += timed(t, "fwd+bwd", bwd, lambda fn: {"grad_err": grad_error(fn(), q, k, v, g, beta)})
+        rows += timed(t, "fwd+bwd", bwd, lambda fn: {"grad_err": grad_error(fn(), q, k, v, g, beta, do)})
         write_results("kda-chunk", rows, columns, environment() | {"heads": H, "head_dim": D, "seq": SEQ})
 
 

@@ -230,7 +230,7 @@ def chunk_kda_fwd(
     powers of two from 16 to 128; g must satisfy :func:`block_spread_ok`. Returns o [B, T, H, V] in v.dtype and
     the final state [N, H, K, V] in fp32."""
     f = forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, precision)
-    return f.unpad(f.o, v.shape), (f.s_n if output_final_state else None)
+    return unpad(f.index, f.o, v.shape), (f.s_n if output_final_state else None)
 
 
 class Forward(NamedTuple):
@@ -250,9 +250,6 @@ class Forward(NamedTuple):
     s_n: Tensor  # [N, H, K, V] fp32: the final states
     states: Tensor | None  # [Tp / C, H, K, V] fp32: the state entering each chunk (keep_states)
     scale: float
-
-    def unpad(self, t: Tensor, shape) -> Tensor:
-        return unpad(self.index, t, shape)
 
 
 def pad(index: Tensor, t: Tensor) -> Tensor:

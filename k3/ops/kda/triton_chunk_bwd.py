@@ -370,7 +370,7 @@ class _ChunkKDA(torch.autograd.Function):
         ctx.inputs = [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
         ctx.state_dtype = None if initial_state is None else initial_state.dtype
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None
-        return f.unpad(f.o, v.shape), f.s_n
+        return unpad(f.index, f.o, v.shape), f.s_n
 
     @staticmethod
     def backward(ctx, do, dsn):
