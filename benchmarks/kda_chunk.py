@@ -43,7 +43,8 @@ def inputs(t: int, seed: int = 0) -> tuple:
     g = -5 * torch.sigmoid(rnd(1, t, H, D))
     beta = torch.sigmoid(rnd(1, t, H)).bfloat16()
     cu = torch.arange(0, t + 1, SEQ, device="cuda")
-    return q, k, v, g, beta, cu
+    do = rnd(1, t, H, D).bfloat16()  # the output gradient of the forward + backward timings
+    return q, k, v, g, beta, cu, do
 
 
 def errors(o: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -90,9 +91,8 @@ def main() -> None:
     rows: list = []
     columns = ["T", "kernel", "pass", "ms", "vs_fla", "rel_err", "max_err", "grad_err"]
     for t in (4096,) if args.quick else (4096, 16384, 65536):
-        q, k, v, g, beta, cu = inputs(t)
+        q, k, v, g, beta, cu, do = inputs(t)
         fns = {p: (lambda p=p: chunk_kda_fwd(q, k, v, g, beta, cu_seqlens=cu, precision=p)) for p in PRECISIONS}
-        do = torch.randn_like(v)
         bwd = {p: grad_fn(partial(chunk_kda_grad, precision=p), q, k, v, g, beta, cu, do) for p in PRECISIONS}
         if fla.available(q.device):
             fns["fla"] = lambda: fla.chunk_kda(q, k, v, g, beta, cu_seqlens=cu)
