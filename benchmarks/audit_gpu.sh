@@ -10,6 +10,7 @@
 # MPS=1 runs the jobs under CUDA's Multi-Process Service (its control daemon started here and stopped at the end):
 # small models leave the GPU mostly idle, and without MPS the processes' kernels take turns on it instead of
 # running side by side.
+# Run one invocation at a time on a machine: at the end it kills every leftover multiprocessing worker there.
 # SWEEP_DATA=DIR trains the sweep on DIR (gpu5 needs more text than the default corpus holds: k3 scaling refuses
 # a sweep that would repeat its data).
 # Usage: DEADLINE=540 [GRID="factorial balance896" SWEEP=gpu5 SWEEP_DATA=DIR ABLATE_JOBS=5 SCALING_JOBS=4 MPS=1 \

@@ -262,43 +262,62 @@ def attn_res_depth(
 ) -> dict:
     """AttnRes at ``config``'s depth (``depth_config``): per mode, the activation bytes autograd saves for one
     forward + backward of [1, tokens] (measured), the analytic mix FLOPs and bytes (k3.audit.attnres) against the
-    model's forward FLOPs (k3.audit.accounting), and the time of forward + backward (min and median of
-    ``repeats`` after the measuring pass, modes interleaved). On CPU in fp32 with ``threads`` threads; on a CUDA
-    ``device`` under bf16 autocast (the training setting, so the fast kernels run), with the peak memory the pass
-    allocated."""
-    from k3.audit.accounting import report
-    from k3.audit.attnres import attn_res_costs
-
+    model's forward FLOPs (k3.audit.accounting), the first pass's time (on a GPU it includes the kernel compiles)
+    and the time of forward + backward (min and median of ``repeats`` after it, modes interleaved). On CPU in fp32
+    with ``threads`` threads; on a CUDA ``device`` under bf16 autocast (the training setting, so the fast kernels
+    run), with the peak memory the pass allocated. The rows come from :func:`attn_res_depth_rows`."""
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     base = depth_config(config, hidden)
-    rep = report(base.replace(**{"attn_res.mode": "none"}), context=tokens)
-    costs = attn_res_costs(base, stages=(), act_bytes=2 if cuda else 4)
-    x = torch.tensor([_prompt(base, tokens, 11)], device=dev)
-    models = {mode: _model(base.replace(**{"attn_res.mode": mode})).to(dev).train() for mode in modes}
-    saved, peak, times = {}, {}, {mode: [] for mode in modes}
+    x = depth_tokens(base, tokens, dev)
+    models = {mode: depth_model(base, mode).to(dev) for mode in modes}
+    saved, first, peak, times = {}, {}, {}, {mode: [] for mode in modes}
     with _Threads(threads):
         for mode, model in models.items():
-            saved[mode], _, _ = saved_tensor_bytes(model, x, autocast=cuda)  # also the warm-up (kernel compiles)
+            saved[mode], first[mode], _ = saved_tensor_bytes(model, x, autocast=cuda)  # also the warm-up
         for _ in range(repeats):
             for mode, model in models.items():
                 _, seconds, peak[mode] = saved_tensor_bytes(model, x, autocast=cuda)
                 times[mode].append(seconds)
+    measured = {m: {"saved": saved[m], "first": first[m], "times": times[m], "peak": peak[m]} for m in modes}
+    return attn_res_depth_rows(base, tokens, measured, threads, torch.cuda.get_device_name(dev) if cuda else None)
+
+
+def depth_model(base: K3Config, mode: str):
+    """``base`` (a ``depth_config``) with AttnRes mode ``mode``, seeded: every mode's model starts alike."""
+    return _model(base.replace(**{"attn_res.mode": mode})).train()
+
+
+def depth_tokens(base: K3Config, tokens: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The [1, tokens] input every depth measurement runs on."""
+    return torch.tensor([_prompt(base, tokens, 11)], device=device)
+
+
+def attn_res_depth_rows(base: K3Config, tokens: int, measured: dict[str, dict], threads: int, gpu: str | None) -> dict:
+    """The depth result from per-mode measurements ``measured[mode] = {saved: bytes, first: s, times: [s...],
+    peak: bytes (GPU)}`` taken on ``base`` at ``tokens`` (on GPU ``gpu``, by name, under bf16 autocast; else
+    CPU fp32), with the analytic costs and the ratios to mode ``none``."""
+    from k3.audit.accounting import report
+    from k3.audit.attnres import attn_res_costs
+
+    rep = report(base.replace(**{"attn_res.mode": "none"}), context=tokens)
+    costs = attn_res_costs(base, stages=(), act_bytes=2 if gpu else 4)
     rows = []
-    for mode in modes:
+    for mode, m in measured.items():
         c = costs[mode]
         rows.append(
             {
                 "mode": mode,
-                "saved_bytes": saved[mode],
-                "saved_bytes_per_token": saved[mode] / tokens,
+                "saved_bytes": m["saved"],
+                "saved_bytes_per_token": m["saved"] / tokens,
                 "stacked_bytes_per_token": c["stacked_bytes_per_token"],
                 "live_bytes_per_token": c["live_bytes_per_token"],
                 "mix_flops_per_token": c["flops_per_token"],
                 "mix_flops_share": c["flops_per_token"] / rep["flops_per_token_forward"],
-                "ms": 1e3 * min(times[mode]),
-                "ms_median": 1e3 * statistics.median(times[mode]),
-                **({"peak_bytes": peak[mode]} if cuda else {}),
+                "first_pass_s": m["first"],
+                "ms": 1e3 * min(m["times"]),
+                "ms_median": 1e3 * statistics.median(m["times"]),
+                **({"peak_bytes": m["peak"]} if gpu else {}),
             }
         )
     none = next((r for r in rows if r["mode"] == "none"), None)
@@ -306,19 +325,19 @@ def attn_res_depth(
         if none:
             r["saved_vs_none"] = r["saved_bytes"] / none["saved_bytes"]
             r["ms_vs_none"] = r["ms"] / none["ms"]
-            if cuda:
+            if gpu:
                 r["peak_vs_none"] = r["peak_bytes"] / none["peak_bytes"]
     return {
         "config": base.name,
         "layers": base.num_hidden_layers,
-        "hidden_size": hidden,
+        "hidden_size": base.hidden_size,
         "block_size": base.attn_res.block_size,
         "params_total": rep["params_total"],
         "forward_flops_per_token": rep["flops_per_token_forward"],
         "tokens": tokens,
         "threads": threads,
-        "repeats": repeats,
-        "device": torch.cuda.get_device_name(dev) if cuda else "CPU",
-        "dtype": "bf16 autocast" if cuda else "float32",
+        "repeats": len(next(iter(measured.values()))["times"]),
+        "device": gpu or "CPU",
+        "dtype": "bf16 autocast" if gpu else "float32",
         "rows": rows,
     }

@@ -97,7 +97,12 @@ def _attn_res_depth(d: dict) -> list[str]:
         f"({human(d['forward_flops_per_token'])} per token at context {d['tokens']}, `k3.audit.accounting`). "
         f"*ms*: forward + backward on {where}, min of {d['repeats']} runs after the measuring pass, modes "
         "interleaved; at this width per-op overhead, not FLOPs, sets the time"
-        + ("; *peak*: the most memory the pass allocated." if gpu else "."),
+        + (
+            "; *peak*: the most memory the pass allocated; *first pass*: the first forward + backward, TorchInductor's "
+            "compiles of the fused ops included (one per distinct number of depth sources)."
+            if gpu
+            else "."
+        ),
         "",
     ]
     rows = [
@@ -113,6 +118,7 @@ def _attn_res_depth(d: dict) -> list[str]:
             f"{r['ms_vs_none']:.2f}" if "ms_vs_none" in r else "-",
         ]
         + ([human_bytes(r["peak_bytes"]), f"{r['peak_vs_none']:.3f}" if "peak_vs_none" in r else "-"] if gpu else [])
+        + ([f"{r['first_pass_s']:.1f}" if "first_pass_s" in r else "-"] if gpu else [])
         for r in d["rows"]
     ]
     out += [
@@ -128,7 +134,7 @@ def _attn_res_depth(d: dict) -> list[str]:
                 "ms (median)",
                 "min vs none",
             ]
-            + (["peak", "peak vs none"] if gpu else []),
+            + (["peak", "peak vs none", "first pass s"] if gpu else []),
             rows,
         ),
         "",

@@ -70,7 +70,7 @@ KERNELS: dict[str, Kernel] = {
         "triton",
         "fla",
         "a KDA layer's chunked forward and backward (training, prefill)",
-        off_unless_asked="slower than fla's chunk_kda (benchmarks/results/kda-chunk.md)",
+        off_unless_asked="our Triton kernels are slower than fla's (benchmarks/results/kda-chunk.md)",
     ),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }

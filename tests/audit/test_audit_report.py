@@ -223,7 +223,7 @@ def test_attn_res_depth_from_a_gpu_results_file(tmp_path):
     g = measured_depth_gpu(path, "tiny")
     text = "\n".join(_attn_res_depth(g))
     assert "GPU)" in text and "NVIDIA H200 under bf16 autocast" in text and "attn_res_depth.json` (t0)" in text
-    assert re.search(r"\| full \|.*\| 1\.50 MiB \| 1\.500 \|$", text, re.M)
+    assert re.search(r"\| full \|.*\| 1\.50 MiB \| 1\.500 \| [\d.]+ \|$", text, re.M)
     assert "not measured" not in text
     assert "preset 'tiny', not 'k3'" in measured_depth_gpu(path, "k3")["why"]
     assert "not found" in measured_depth_gpu(tmp_path / "none.json", "k3")["why"]
