@@ -16,11 +16,12 @@ Blocks are counted in decoder layers (K3: 12, so 7 full blocks and a 9-layer blo
 Every mix runs in the two-phase form (k3.ops.attn_res.two_phase): when a block starts, phase 1 scores the
 block's mixes (2 per layer, and the output mix after the last block) against the sources that stay fixed for
 the block: the bank (snapshot, block_sum) or the outputs before the block (full); each mix then merges its live
-sources (r; the partial sum; the block's own outputs) by online softmax. Phase 1 materialises o [M, N, d] for M
-mixes; it covers as many of the block's mixes at once as fit in TWO_PHASE_BYTES (at least one), so long passes
-(1M-token prefill) do it mix by mix. Passes of at most DIRECT_TOKENS tokens (decode steps) skip phase 1 in modes
-snapshot and block_sum: each mix reads all its sources in one pass (``attn_res_mix_norm``: compiled, one kernel per
-mix). Recording the depth weights (audit) mixes with the reference instead.
+sources (r; the partial sum; the block's own outputs) by online softmax, at most MERGE_SOURCES of them at once.
+Phase 1 materialises o [M, N, d] for M mixes; it covers as many of the block's mixes at once as fit in
+TWO_PHASE_BYTES (at least one), so long passes (1M-token prefill) do it mix by mix. Passes of at most
+DIRECT_TOKENS tokens (decode steps) skip phase 1 in modes snapshot and block_sum: each mix reads all its sources
+in one pass (``attn_res_mix_norm``: compiled, one kernel per mix). Recording the depth weights (audit) mixes with
+the reference instead.
 The stream also applies the sub-layer's pre-norm (and the final norm) to the mix, compiled together with the
 merge (``attn_res_merge_norm``).
 """
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from k3.model.norm import RMSNorm, rms_norm
-from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix, depth_weights
+from k3.ops.attn_res import attn_res_fold, attn_res_merge, attn_res_phase1, depth_mix, depth_weights
 from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
 
@@ -39,6 +40,9 @@ TWO_PHASE_BYTES = 1 << 30  # phase 1 computes at most this many bytes of o [M, N
 DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix every source in one pass, no phase 1,
 # in modes snapshot and block_sum: their few sources (the bank + 1) are cheap to re-read at every mix, and the
 # compiled mix is one version per source count (mode full has a count per layer: it keeps the two phases)
+MERGE_SOURCES = 4  # a merge takes at most this many live sources; mode full folds the block's earlier outputs
+# into phase 1's result this many at a time first (attn_res_fold), so the compiled merge and fold have a few
+# versions, not one per sub-layer of a block (up to 24 at K3's blocks of 12 layers)
 
 
 @fused
@@ -169,11 +173,14 @@ class ResidualStream:
         if self.phase1 is None or j >= self.phase1[0] + len(self.phase1[1]):
             self._phase1(j, fixed)
         first, o, lse = self.phase1
+        o, lse = o[j - first], lse[j - first]
         if not live:
-            return norm(o[j - first])
-        return attn_res_merge_norm(
-            o[j - first], lse[j - first], live, q, eps, norm.weight, norm.eps, norm.out_dtype(o[j - first])
-        )
+            return norm(o)
+        out_dtype = norm.out_dtype(o) or o.dtype  # folding keeps o in fp32: the output keeps the unfolded dtype
+        while len(live) > MERGE_SOURCES:
+            o, lse = attn_res_fold(o, lse, live[:MERGE_SOURCES], q, eps)
+            live = live[MERGE_SOURCES:]
+        return attn_res_merge_norm(o, lse, live, q, eps, norm.weight, norm.eps, out_dtype)
 
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
         """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""

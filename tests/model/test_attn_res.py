@@ -124,6 +124,50 @@ def test_two_phase_equals_reference_with_gradients(n_fixed, n_live):
         assert ((a - b).norm() / (b.norm() if b.norm() > 0 else 1)).item() <= 1e-10
 
 
+def fold_then_merge(fixed, chunks, q, eps):
+    """Phase 1 over ``fixed``, then every live chunk but the last folded into (o, lse), then the last merged;
+    -> (mix, the lse after folding every chunk)."""
+    from k3.ops.attn_res.two_phase import attn_res_fold, attn_res_merge, attn_res_phase1
+
+    o, lse = attn_res_phase1.reference(q[None], fixed, eps)
+    o, lse = o[0], lse[0]
+    for chunk in chunks[:-1]:
+        o, lse = attn_res_fold.reference(o, lse, chunk, q, eps)
+    out = attn_res_merge.reference(o, lse, chunks[-1], q, eps)
+    return out, attn_res_fold.reference(o, lse, chunks[-1], q, eps)[1]
+
+
+@pytest.mark.parametrize("n_fixed,sizes", [(1, (1, 2)), (3, (2, 1, 2)), (2, (1, 1, 1, 1))])
+def test_fold_then_merge_equals_reference(n_fixed, sizes):
+    """Live sources folded into phase 1's (o, lse) a few at a time, the rest merged == the reference mix of the
+    whole list, values and gradients (fp64: equal to rounding; gradcheck); the folded lse is the log-sum-exp of
+    every source's logit."""
+    torch.manual_seed(n_fixed + len(sizes))
+    n = n_fixed + sum(sizes)
+    src = [(torch.randn(7, 16, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(n)]
+    q = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    eps = 1e-5
+
+    def split(s):
+        live, chunks = list(s[n_fixed:]), []
+        for k in sizes:
+            chunks.append(live[:k])
+            live = live[k:]
+        return list(s[:n_fixed]), chunks
+
+    assert torch.autograd.gradcheck(lambda qq, *s: fold_then_merge(*split(s), qq, eps)[0], [q, *src])
+    out, lse = fold_then_merge(*split(src), q, eps)
+    ref = depth_mix(src, q, eps)
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-12
+    logits = torch.stack([(v * q).sum(-1) / v.pow(2).mean(-1).add(eps).sqrt() for v in src])
+    assert ((lse - torch.logsumexp(logits, 0)).abs().max()).item() <= 1e-12
+    g = torch.randn(7, 16, dtype=torch.float64)
+    ours = torch.autograd.grad((out * g).sum(), [q, *src])
+    want = torch.autograd.grad((ref * g).sum(), [q, *src])
+    for a, b in zip(ours, want):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-10
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
 def test_two_phase_low_precision(dtype, tol):
     """fp32 / bf16 sources: both forms compute in fp32; the two-phase form rounds o to the sources' dtype once
@@ -175,14 +219,20 @@ def test_none_mode_is_the_plain_residual():
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["two_phase", "direct"])
-@pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
-def test_two_phase_model_equals_reference_mixes_with_gradients(mode, direct, perturb, monkeypatch):
+@pytest.mark.parametrize(
+    "mode,merge_sources",
+    [("snapshot", 4), ("block_sum", 4), ("full", 4), ("full", 1)],
+    ids=["snapshot", "block_sum", "full", "full-fold"],
+)
+def test_two_phase_model_equals_reference_mixes_with_gradients(mode, merge_sources, direct, perturb, monkeypatch):
     """The model's two-phase mixes (phase 1 batched per block, then one mix per phase 1 with a zero budget, then
     three) give the logits and every gradient of the reference mixes (the recording path), fp64; one mix with its
-    own norm eps cuts a batch. Also the one-pass mixes of short passes (DIRECT_TOKENS)."""
+    own norm eps cuts a batch. Also the one-pass mixes of short passes (DIRECT_TOKENS), and mode full's merges
+    of one live source at a time, the block's earlier outputs folded in first (MERGE_SOURCES = 1)."""
     import k3.model.attn_res as attn_res
 
     monkeypatch.setattr(attn_res, "DIRECT_TOKENS", 1 << 20 if direct else 0)
+    monkeypatch.setattr(attn_res, "MERGE_SOURCES", merge_sources)
 
     cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
     torch.manual_seed(0)

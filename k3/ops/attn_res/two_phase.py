@@ -13,6 +13,9 @@ Each fixed source is read once per block instead of twice per mix. The result eq
 :func:`k3.ops.attn_res.reference.depth_mix` over [fixed..., live...] (same temperature, no 1/sqrt(d); logits,
 softmax and sums in fp32, or fp64 for fp64 inputs). Both phases are ``@fused``: eager is their reference,
 ``torch.compile`` their fast path on CUDA (a few Triton kernels per call, forward and backward).
+A long live list can be merged in pieces: ``attn_res_fold`` merges some live sources into (o_m, lse_m) and returns
+the new pair (the same rule, keeping the log-sum-exp), so a compiled merge sees a bounded number of sources (it is
+compiled once per count).
 """
 
 from __future__ import annotations
@@ -56,16 +59,9 @@ def source_logit(u: Tensor, query: Tensor, eps: float) -> Tensor:
     return (u32 * upcast(query)).sum(-1) * torch.rsqrt(u32.pow(2).mean(-1) + eps)
 
 
-@fused
-def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> Tensor:
-    """One mix's phase-1 result o [N, d], lse [N] merged with L >= 1 live sources [N, d] under its query [d]
-    -> h [N, d] in o's dtype, as h = o + sum_j a_j (u_j - o) with a_j the softmax weight of u_j among the 1 + L
-    logits: the module docstring's convex combination, exact where a live source repeats o (snapshot's first mix,
-    the embedding twice: the query's gradient is then exactly 0, as the reference's). The price: rounding of
-    order eps * max(|o|, |u_j|) instead of eps * |h| (they differ when |o| >> |h|; AttnRes's live residual is
-    usually the largest source). Written row by row (dot products as multiply-and-sum, the softmax by hand) so
-    that, compiled, it is one kernel fused with the residual add before it and the pre-norm after it
-    (k3.model.attn_res.attn_res_merge_norm)."""
+def _online_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h [N, d], lse' [N]) in fp32 (fp64 for fp64): o (weight e^lse) and the live sources mixed by the softmax of
+    their logits, h = o + sum_j a_j (u_j - o), and the log-sum-exp of all the logits."""
     logits = [upcast(lse)] + [source_logit(u, query, eps) for u in live]
     m = logits[0]
     for t in logits[1:]:
@@ -76,4 +72,25 @@ def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, ep
     h = o32
     for wj, u in zip(w[1:], live):
         h = h + (wj / z).unsqueeze(-1) * (upcast(u) - o32)
-    return h.to(o.dtype)
+    return h, m + torch.log(z)
+
+
+@fused
+def attn_res_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> Tensor:
+    """One mix's phase-1 result o [N, d], lse [N] merged with L >= 1 live sources [N, d] under its query [d]
+    -> h [N, d] in o's dtype, as h = o + sum_j a_j (u_j - o) with a_j the softmax weight of u_j among the 1 + L
+    logits: the module docstring's convex combination, exact where a live source repeats o (snapshot's first mix,
+    the embedding twice: the query's gradient is then exactly 0, as the reference's). The price: rounding of
+    order eps * max(|o|, |u_j|) instead of eps * |h| (they differ when |o| >> |h|; AttnRes's live residual is
+    usually the largest source). Written row by row (dot products as multiply-and-sum, the softmax by hand) so
+    that, compiled, it is one kernel fused with the residual add before it and the pre-norm after it
+    (k3.model.attn_res.attn_res_merge_norm)."""
+    return _online_merge(o, lse, live, query, eps)[0].to(o.dtype)
+
+
+@fused
+def attn_res_fold(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Merge L >= 1 live sources [N, d] into a phase-1 result o [N, d], lse [N] under ``query`` [d] -> (o' [N, d],
+    lse' [N]), both in fp32 (fp64 for fp64 inputs): the depth mix of o's sources and ``live``, and the log-sum-exp
+    of all their logits. attn_res_merge(o, lse, a + b) == attn_res_merge(*attn_res_fold(o, lse, a), b)."""
+    return _online_merge(o, lse, live, query, eps)
