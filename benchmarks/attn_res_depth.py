@@ -53,7 +53,7 @@ def _worker(rank: int, a: argparse.Namespace, barrier, queue) -> None:
     )
     barrier.wait()
     times, peak = [], 0
-    for r in range(a.repeats):
+    for _ in range(a.repeats):
         for turn in range(len(a.modes)):
             if turn == rank:
                 _, seconds, peak = saved_tensor_bytes(model, x, autocast=True)
@@ -80,15 +80,15 @@ def main() -> None:
         proc.start()
     got = {}
     while len(got) < len(a.modes):
-        if queue.empty() and any(proc.exitcode not in (None, 0) for proc in procs):
+        if not queue.empty():
+            mode, m = queue.get()
+            got[mode] = m
+        elif any(proc.exitcode not in (None, 0) for proc in procs):  # the others would wait at the barrier
             for proc in procs:
                 proc.kill()
             raise SystemExit("a mode's process failed (its error is above)")
-        if queue.empty():
+        else:
             time.sleep(0.5)
-            continue
-        mode, m = queue.get()
-        got[mode] = m
     for proc in procs:
         proc.join()
     base = depth_config(get_preset(a.preset), a.hidden)

@@ -59,9 +59,9 @@ def source_logit(u: Tensor, query: Tensor, eps: float) -> Tensor:
     return (u32 * upcast(query)).sum(-1) * torch.rsqrt(u32.pow(2).mean(-1) + eps)
 
 
-def _online_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h [N, d], lse' [N]) in fp32 (fp64 for fp64): o (weight e^lse) and the live sources mixed by the softmax of
-    their logits, h = o + sum_j a_j (u_j - o), and the log-sum-exp of all the logits."""
+def _online_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps: float) -> tuple[Tensor, ...]:
+    """(h [N, d], m [N], z [N]) in fp32 (fp64 for fp64): o (weight e^lse) and the live sources mixed by the softmax
+    of their logits, h = o + sum_j a_j (u_j - o); m + log z is the log-sum-exp of all the logits."""
     logits = [upcast(lse)] + [source_logit(u, query, eps) for u in live]
     m = logits[0]
     for t in logits[1:]:
@@ -72,7 +72,7 @@ def _online_merge(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps
     h = o32
     for wj, u in zip(w[1:], live):
         h = h + (wj / z).unsqueeze(-1) * (upcast(u) - o32)
-    return h, m + torch.log(z)
+    return h, m, z
 
 
 @fused
@@ -93,4 +93,5 @@ def attn_res_fold(o: Tensor, lse: Tensor, live: list[Tensor], query: Tensor, eps
     """Merge L >= 1 live sources [N, d] into a phase-1 result o [N, d], lse [N] under ``query`` [d] -> (o' [N, d],
     lse' [N]), both in fp32 (fp64 for fp64 inputs): the depth mix of o's sources and ``live``, and the log-sum-exp
     of all their logits. attn_res_merge(o, lse, a + b) == attn_res_merge(*attn_res_fold(o, lse, a), b)."""
-    return _online_merge(o, lse, live, query, eps)
+    h, m, z = _online_merge(o, lse, live, query, eps)
+    return h, m + torch.log(z)
