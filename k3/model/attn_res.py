@@ -18,7 +18,8 @@ block's mixes (2 per layer, and the output mix after the last block) against the
 the block: the bank (snapshot, block_sum) or the outputs before the block (full); each mix then merges its live
 sources (r; the partial sum; the block's own outputs) by online softmax, at most MERGE_SOURCES of them at once.
 Phase 1 materialises o [M, N, d] for M mixes; it covers as many of the block's mixes at once as fit in
-TWO_PHASE_BYTES (at least one), so long passes (1M-token prefill) do it mix by mix. Passes of at most
+TWO_PHASE_BYTES (at least one), so long passes (1M-token prefill) do it mix by mix, and it scores at most
+PHASE1_SOURCES fixed sources at a time (mode full's long lists in pieces). Passes of at most
 DIRECT_TOKENS tokens (decode steps) skip phase 1 in modes snapshot and block_sum: each mix reads all its sources
 in one pass (``attn_res_mix_norm``: compiled, one kernel per mix). Recording the depth weights (audit) mixes with
 the reference instead.
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from k3.model.norm import RMSNorm, rms_norm
-from k3.ops.attn_res import attn_res_fold, attn_res_merge, attn_res_phase1, depth_mix, depth_weights
+from k3.ops.attn_res import attn_res_fold, attn_res_merge, attn_res_phase1_pieces, depth_mix, depth_weights
 from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
 
@@ -43,6 +44,8 @@ DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix eve
 MERGE_SOURCES = 4  # a merge takes at most this many live sources; mode full folds the block's earlier outputs
 # into phase 1's result this many at a time first (attn_res_fold), so the compiled merge and fold have a few
 # versions, not one per sub-layer of a block (up to 24 at K3's blocks of 12 layers)
+PHASE1_SOURCES = 24  # phase 1 scores the fixed sources this many at a time (mode full: every earlier block's
+# outputs, up to 169 at K3's depth), so its compiled versions take at most this many, not one version per block
 
 
 @fused
@@ -185,9 +188,10 @@ class ResidualStream:
     def _phase1(self, j: int, fixed: list[Tensor]) -> None:
         """Phase 1 for mixes j, j+1, ... of the current block (as many as fit the budget and share j's norm eps)."""
         eps = self.mixers[j][0].eps
-        count = max(1, min(self.block_end - j, TWO_PHASE_BYTES // (fixed[0].numel() * fixed[0].element_size())))
+        width = fixed[0].element_size() if len(fixed) <= PHASE1_SOURCES else max(4, fixed[0].element_size())
+        count = max(1, min(self.block_end - j, TWO_PHASE_BYTES // (fixed[0].numel() * width)))  # pieces sum in fp32
         count = next((k for k in range(1, count) if self.mixers[j + k][0].eps != eps), count)
-        o, lse = attn_res_phase1(self.queries()[j : j + count], fixed, eps)
+        o, lse = attn_res_phase1_pieces(self.queries()[j : j + count], fixed, eps, PHASE1_SOURCES)
         # unbound once: indexing o [M, N, d] per mix would make each mix's backward a zero-filled [M, N, d]
         # gradient, summed M times; unbind's backward stacks the M gradients once
         self.phase1 = (j, o.unbind(0), lse.unbind(0))

@@ -591,17 +591,17 @@ def test_compiled_pointwise_ops_match_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_two_phase_attn_res_matches_reference(dtype):
     """AttnRes phase 1 (four queries) + merge, compiled, against the reference depth mix of the whole source list
-    on fp64 copies: outputs and gradients of sources and query, for two fixed / live splits. fp32 1e-5 (reduction
-    order); bf16 rounds o and h once more: 1e-2."""
+    on fp64 copies: outputs and gradients of sources and query, for three fixed / live splits, the last with the
+    fixed sources scored two at a time. fp32 1e-5 (reduction order); bf16 rounds o and h once more: 1e-2."""
     from k3.ops import backend
-    from k3.ops.attn_res import attn_res_merge, attn_res_phase1, depth_mix
+    from k3.ops.attn_res import attn_res_merge, attn_res_phase1_pieces, depth_mix
 
-    assert backend.resolve("attn_res_phase1", torch.device(DEV))[0] == "fast"
-    assert backend.resolve("attn_res_merge", torch.device(DEV))[0] == "fast"
+    for op in ("attn_res_phase1", "attn_res_logits", "attn_res_weighted_sum", "attn_res_merge"):
+        assert backend.resolve(op, torch.device(DEV))[0] == "fast", op
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     g = torch.Generator(device=DEV).manual_seed(9)
     for n in (1000, 4096):  # phase 1 scores by multiply-and-sum up to 2048 tokens, by GEMMs above
-        for n_fixed, n_live in ((3, 1), (2, 3)):
+        for n_fixed, n_live, piece in ((3, 1, 24), (2, 3, 24), (5, 1, 2)):
             src = [
                 (torch.randn(n, 256, device=DEV, generator=g) * (i + 1) + 0.3).to(dtype).requires_grad_()
                 for i in range(n_fixed + n_live)
@@ -609,7 +609,7 @@ def test_compiled_two_phase_attn_res_matches_reference(dtype):
             queries = torch.randn(4, 256, device=DEV, generator=g).requires_grad_()
             ref_src = [s.detach().double().requires_grad_() for s in src]
             ref_q = queries.detach().double().requires_grad_()
-            o, lse = attn_res_phase1(queries, src[:n_fixed], 1e-6)
+            o, lse = attn_res_phase1_pieces(queries, src[:n_fixed], 1e-6, piece)
             out = attn_res_merge(o[2], lse[2], src[n_fixed:], queries[2], 1e-6) if n_live else o[2]
             ref = depth_mix(ref_src, ref_q[2], 1e-6)
             w = torch.randn_like(ref)

@@ -168,6 +168,51 @@ def test_fold_then_merge_equals_reference(n_fixed, sizes):
         assert ((a - b).norm() / b.norm()).item() <= 1e-10
 
 
+@pytest.mark.parametrize("n,piece", [(5, 2), (7, 3), (6, 6), (9, 1)])
+def test_phase1_in_pieces_equals_phase1(n, piece):
+    """Phase 1 over S sources scored ``piece`` at a time (logits per piece, one log-sum-exp, summed weighted sums)
+    == phase 1 in one piece == the reference mix per query, values and gradients (fp64: rounding; gradcheck)."""
+    from k3.ops.attn_res.two_phase import attn_res_phase1, attn_res_phase1_pieces
+
+    torch.manual_seed(n + piece)
+    src = [(torch.randn(5, 8, dtype=torch.float64) * (i + 1) + 0.2 * i).requires_grad_() for i in range(n)]
+    q = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    eps = 1e-5
+
+    def pieces(qq, *s):
+        return attn_res_phase1_pieces(qq, list(s), eps, piece)
+
+    assert torch.autograd.gradcheck(pieces, [q, *src])
+    o, lse = pieces(q, *src)
+    o1, lse1 = attn_res_phase1.reference(q, src, eps)
+    assert ((o - o1).norm() / o1.norm()).item() <= 1e-13 and ((lse - lse1).abs().max()).item() <= 1e-12
+    for m in range(3):
+        ref = depth_mix(src, q[m], eps)
+        assert ((o[m] - ref).norm() / ref.norm()).item() <= 1e-12
+    g = torch.randn_like(o)
+    ours = torch.autograd.grad((o * g).sum() + lse.sum(), [q, *src])
+    want = torch.autograd.grad((o1 * g).sum() + lse1.sum(), [q, *src])
+    for a, b in zip(ours, want):
+        assert ((a - b).norm() / b.norm()).item() <= 1e-10
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_phase1_in_pieces_low_precision(dtype, tol):
+    """fp32 / bf16 sources: the pieces' sums stay in fp32 and o is rounded to the sources' dtype once, as phase 1
+    in one piece rounds it."""
+    from k3.ops.attn_res.two_phase import attn_res_phase1_pieces
+
+    torch.manual_seed(5)
+    src = [(torch.randn(64, 128) * (i + 1) + 0.3).to(dtype) for i in range(7)]
+    q = torch.randn(2, 128)
+    o, lse = attn_res_phase1_pieces(q, src, 1e-6, 3)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    for m in range(2):
+        ref = depth_mix([v.double() for v in src], q[m].double(), 1e-6)
+        err = ((o[m].double() - ref).norm() / ref.norm()).item()
+        assert err <= tol, err
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
 def test_two_phase_low_precision(dtype, tol):
     """fp32 / bf16 sources: both forms compute in fp32; the two-phase form rounds o to the sources' dtype once
@@ -220,19 +265,23 @@ def test_none_mode_is_the_plain_residual():
 
 @pytest.mark.parametrize("direct", [False, True], ids=["two_phase", "direct"])
 @pytest.mark.parametrize(
-    "mode,merge_sources",
-    [("snapshot", 4), ("block_sum", 4), ("full", 4), ("full", 1)],
-    ids=["snapshot", "block_sum", "full", "full-fold"],
+    "mode,merge_sources,phase1_sources",
+    [("snapshot", 4, 24), ("block_sum", 4, 24), ("full", 4, 24), ("full", 1, 24), ("full", 4, 2)],
+    ids=["snapshot", "block_sum", "full", "full-fold", "full-pieces"],
 )
-def test_two_phase_model_equals_reference_mixes_with_gradients(mode, merge_sources, direct, perturb, monkeypatch):
+def test_two_phase_model_equals_reference_mixes_with_gradients(
+    mode, merge_sources, phase1_sources, direct, perturb, monkeypatch
+):
     """The model's two-phase mixes (phase 1 batched per block, then one mix per phase 1 with a zero budget, then
     three) give the logits and every gradient of the reference mixes (the recording path), fp64; one mix with its
-    own norm eps cuts a batch. Also the one-pass mixes of short passes (DIRECT_TOKENS), and mode full's merges
-    of one live source at a time, the block's earlier outputs folded in first (MERGE_SOURCES = 1)."""
+    own norm eps cuts a batch. Also the one-pass mixes of short passes (DIRECT_TOKENS), mode full's merges
+    of one live source at a time, the block's earlier outputs folded in first (MERGE_SOURCES = 1), and its phase 1
+    over the earlier blocks' outputs two at a time (PHASE1_SOURCES = 2)."""
     import k3.model.attn_res as attn_res
 
     monkeypatch.setattr(attn_res, "DIRECT_TOKENS", 1 << 20 if direct else 0)
     monkeypatch.setattr(attn_res, "MERGE_SOURCES", merge_sources)
+    monkeypatch.setattr(attn_res, "PHASE1_SOURCES", phase1_sources)
 
     cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ from k3.model.activation import situ, situ_glu
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import MoE
 from k3.model.kda import KimiDeltaAttention
-from k3.ops.attn_res import attn_res_phase1, depth_weights
+from k3.ops.attn_res import attn_res_phase1, attn_res_phase1_pieces, depth_weights
 from k3.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
 from k3.ops.linear import concatenated
 from k3.ops.linear.reference import multi_linear
@@ -78,14 +78,19 @@ def test_router_logits_of_every_multi_linear_form_are_fp32_under_autocast():
         assert logits.dtype == torch.float32 and rel(logits, truth) <= 1e-6, form
 
 
-def test_attn_res_phase1_logsumexp_is_fp32_under_autocast():
-    """The phase-1 log-sum-exp under autocast within 1e-5 of fp64 (it was ~1e-2 with the GEMM in bf16)."""
+@pytest.mark.parametrize("pieces", [False, True], ids=["one_piece", "pieces"])
+def test_attn_res_phase1_logsumexp_is_fp32_under_autocast(pieces):
+    """The phase-1 log-sum-exp under autocast within 1e-5 of fp64 (it was ~1e-2 with the GEMM in bf16), also when
+    the sources are scored two at a time."""
     torch.manual_seed(2)
     n, d, m = 256, 1024, 4
     sources = [torch.randn(n, d) * (1 + i) for i in range(5)]
     queries = torch.randn(m, d) * 0.1
     with torch.autocast(**BF16):
-        o, lse = attn_res_phase1.reference(queries, sources, 1e-6)
+        if pieces:
+            o, lse = attn_res_phase1_pieces(queries, sources, 1e-6, 2)
+        else:
+            o, lse = attn_res_phase1.reference(queries, sources, 1e-6)
     lse64 = torch.stack([torch.logsumexp(_logits64(sources, q), 0) for q in queries])  # [M, N]
     assert lse.dtype == torch.float32
     assert (lse.double() - lse64).abs().max().item() <= 1e-5

@@ -8,6 +8,13 @@ by online softmax (a long live list in pieces, ``attn_res_fold``). Both phases a
 """
 
 from k3.ops.attn_res.reference import depth_mix, depth_weights
-from k3.ops.attn_res.two_phase import attn_res_fold, attn_res_merge, attn_res_phase1
+from k3.ops.attn_res.two_phase import attn_res_fold, attn_res_merge, attn_res_phase1, attn_res_phase1_pieces
 
-__all__ = ["attn_res_fold", "attn_res_merge", "attn_res_phase1", "depth_mix", "depth_weights"]
+__all__ = [
+    "attn_res_fold",
+    "attn_res_merge",
+    "attn_res_phase1",
+    "attn_res_phase1_pieces",
+    "depth_mix",
+    "depth_weights",
+]

@@ -15,7 +15,7 @@ softmax and sums in fp32, or fp64 for fp64 inputs). Both phases are ``@fused``: 
 ``torch.compile`` their fast path on CUDA (a few Triton kernels per call, forward and backward).
 A long live list can be merged in pieces: ``attn_res_fold`` merges some live sources into (o_m, lse_m) and returns
 the new pair (the same rule, keeping the log-sum-exp), so a compiled merge sees a bounded number of sources (it is
-compiled once per count).
+compiled once per count); a long fixed list is scored in pieces (``attn_res_phase1_pieces``) for the same reason.
 """
 
 from __future__ import annotations
@@ -31,25 +31,64 @@ ROWWISE_TOKENS = 2048  # compiled phase 1 of up to this many tokens (decode) sco
 # into one kernel; above, and always eagerly (an [N, M, d] product is slow uncompiled), by GEMMs
 
 
+def _logits(q32: Tensor, sources: list[Tensor], eps: float) -> Tensor:
+    """fp32 (fp64) queries [M, d], sources S x [N, d] -> s [S, N, M], s_mi = r_i (v_i . q_m)."""
+    logits = []
+    for v in sources:
+        v32 = upcast(v)
+        rowwise = torch.compiler.is_compiling() and v.shape[0] <= ROWWISE_TOKENS
+        dots = (v32.unsqueeze(1) * q32).sum(-1) if rowwise else v32 @ q32.T  # [N, M]
+        logits.append(dots * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps))
+    return torch.stack(logits)
+
+
+def _weighted_sum(a: Tensor, sources: list[Tensor]) -> Tensor:
+    """Weights a [S, N, M], sources S x [N, d] -> sum_i a_i v_i as [M, N, d] in a's dtype."""
+    o = a[0].T.unsqueeze(-1) * upcast(sources[0])
+    for i in range(1, len(sources)):
+        o = o + a[i].T.unsqueeze(-1) * upcast(sources[i])
+    return o
+
+
 @fused
 @autocast_off  # the logits' GEMM in fp32 also under autocast
 def attn_res_phase1(queries: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
     """queries [M, d] (key-norm weight * pseudo-query, one per mix), sources S x [N, d] -> (o [M, N, d] in the
     sources' dtype, lse [M, N] in fp32 (fp64 for fp64 inputs)): each query's depth mix of the sources and the
     log-sum-exp of its logits."""
-    q = upcast(queries)
-    logits = []
-    for v in sources:
-        v32 = upcast(v)
-        rowwise = torch.compiler.is_compiling() and v.shape[0] <= ROWWISE_TOKENS
-        dots = (v32.unsqueeze(1) * q).sum(-1) if rowwise else v32 @ q.T  # [N, M]
-        logits.append(dots * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps))
-    s = torch.stack(logits)  # [S, N, M]
+    s = _logits(upcast(queries), sources, eps)  # [S, N, M]
     lse = torch.logsumexp(s, 0)  # [N, M]
-    a = torch.exp(s - lse)
-    o = a[0].T.unsqueeze(-1) * upcast(sources[0])
-    for i in range(1, len(sources)):
-        o = o + a[i].T.unsqueeze(-1) * upcast(sources[i])
+    return _weighted_sum(torch.exp(s - lse), sources).to(sources[0].dtype), lse.T.contiguous()
+
+
+@fused
+@autocast_off
+def attn_res_logits(queries: Tensor, sources: list[Tensor], eps: float) -> Tensor:
+    """Phase 1's logits of S sources [N, d] under M queries [M, d] -> s [S, N, M] in fp32 (fp64 for fp64)."""
+    return _logits(upcast(queries), sources, eps)
+
+
+@fused
+def attn_res_weighted_sum(s: Tensor, lse: Tensor, sources: list[Tensor]) -> Tensor:
+    """Phase 1's mix of S sources [N, d] under logits s [S, N, M] normalised by the log-sum-exp lse [N, M] of
+    every source's logit (these and others) -> sum_i exp(s_i - lse) v_i, [M, N, d] in s's dtype."""
+    return _weighted_sum(torch.exp(s - lse), sources)
+
+
+def attn_res_phase1_pieces(queries: Tensor, sources: list[Tensor], eps: float, piece: int) -> tuple[Tensor, Tensor]:
+    """attn_res_phase1 over S sources taken ``piece`` at a time: the logits of every piece, their log-sum-exp, then
+    the sum of every piece's weighted sum. A compiled op is traced once per number of sources it takes, so a long
+    source list (mode full late in a deep model: 169 at K3's last block) costs a few compiled versions of at most
+    ``piece`` sources instead of one large version per block. Autograd keeps only the logits beside the sources.
+    Same arguments and result as attn_res_phase1 (which it calls for S <= piece)."""
+    if len(sources) <= piece:
+        return attn_res_phase1(queries, sources, eps)
+    pieces = [sources[i : i + piece] for i in range(0, len(sources), piece)]
+    s = [attn_res_logits(queries, p, eps) for p in pieces]
+    lse = torch.logsumexp(torch.stack([torch.logsumexp(si, 0) for si in s]), 0)  # [N, M]
+    o = attn_res_weighted_sum(s[0], lse, pieces[0])
+    for si, p in zip(s[1:], pieces[1:]):
+        o = o + attn_res_weighted_sum(si, lse, p)
     return o.to(sources[0].dtype), lse.T.contiguous()
 
 
