@@ -406,15 +406,10 @@ def _sci(x) -> str:
 
 def _data_names(runs: list[dict]) -> str:
     """The runs' data sources, named for the report."""
-    from k3.data.text import MIXTURE
+    from k3.data.text import describe_corpus
 
-    names = {
-        None: "the Python standard library's sources (code)",
-        MIXTURE: "`stdlib+pydoc-topics` (the standard library's sources, code, and Python's help topics, English "
-        "prose from `pydoc_data.topics`; each split on its own)",
-    }
     found = sorted({r.get("data") for r in runs}, key=str)
-    return "; ".join(names.get(d, f"`{d}`") for d in found) or "the runs' data"
+    return "; ".join(describe_corpus(d) for d in found) or "the runs' data"
 
 
 def write_outputs(result: dict, out: str | Path) -> Path:

@@ -74,6 +74,9 @@ PROPORTIONAL = dict(  # gpu5's design, also cpu5's: tokens grow with the model, 
     min_steps=100,
     data="stdlib+pydoc-topics",
 )
+# gpu5's runs need up to 40.2M fresh tokens: Python's code and prose plus the sources of torch, three of its
+# dependencies and transformers (about 50M tokens), pinned to the installed versions when a sweep starts
+GPU5_DATA = "stdlib+pydoc-topics+packages:torch,transformers,sympy,numpy,networkx"
 SWEEPS: dict[str, Sweep] = {
     "micro": Sweep(
         name="micro",
@@ -160,11 +163,11 @@ SWEEPS: dict[str, Sweep] = {
     "gpu5": Sweep(
         name="gpu5",
         description="5 sizes x K3-style vs a K2-like baseline (RoPE MLA, SwiGLU, plain MoE, sign bias), tokens = 5 x "
-        "activated parameters in steps of 64 x 512, 3 seeds at the two smallest sizes, on code + prose (H200)",
+        "activated parameters in steps of 64 x 512, 3 seeds at the two smallest sizes, on code + prose (GPU)",
         preset="small",
         sizes=((64, 4), (96, 4), (128, 4), (192, 4), (256, 6)),
         head_dim=32,
-        **PROPORTIONAL,
+        **{**PROPORTIONAL, "data": GPU5_DATA},
         train=dict(
             steps=1,
             batch_size=64,  # small models leave the GPU idle between launches: 4x the batch costs little time
@@ -227,8 +230,10 @@ def run_sweep(
     from k3.config import get_preset
     from k3.data.tokenizer import Tokenizer
 
+    from k3.data.text import pin_corpus
+
     check_jobs(jobs)
-    data = sweep.data if data is None else data
+    data = pin_corpus(sweep.data if data is None else data)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({**dataclasses.asdict(sweep), "data": data}, indent=2))
@@ -258,6 +263,8 @@ def run_sweep(
     for label, v, sized_ov, width, layers, steps, seed, params in plan:
         run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
         train = {**sweep.train, "steps": steps}
+        if sweep.tokens_per_param and train.get("max_tokens") is None:  # tokenise only what the run reads
+            train["max_tokens"] = steps * train["batch_size"] * train.get("grad_accum", 1) * ctx + ctx + 1
         train["eval_every"] = min(train.get("eval_every", 20), steps)
         cfg = variant_train_config(sweep.preset, sized_ov, train, v, label, seed, run_dir, tok_path, data, device)
         meta = {

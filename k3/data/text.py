@@ -4,7 +4,8 @@ Documents
     A :class:`Document` is a name and a text. :func:`stdlib_corpus` gives the default corpus (the Python
     standard library's own ``.py`` files, so training works with no download); ``--data stdlib+pydoc-topics``
     (:data:`MIXTURE`) adds natural-language text shipped with Python, the help topics of ``pydoc_data.topics``
-    (~465 KB of English prose, split on their own so both kinds are in validation); :func:`load_documents`
+    (~465 KB of English prose, split on their own so both kinds are in validation); ``packages:NAME==VERSION,...``
+    the text files of installed distributions (:func:`packages_corpus`; parts join with ``+``); :func:`load_documents`
     reads user data (a text file, a directory, ``.jsonl`` or ``.parquet``).
 
 Split
@@ -143,6 +144,8 @@ def stdlib_corpus(split: str = "train", max_docs: int | None = None) -> list[Doc
 
 
 MIXTURE = "stdlib+pydoc-topics"  # code + prose, both shipped with Python
+PACKAGES = "packages:"  # a corpus part: the text files of installed distributions, packages:NAME[==VERSION],...
+PACKAGE_SUFFIXES = (".py", ".md", ".rst", ".txt")
 
 
 def pydoc_topics_corpus(split: str = "train") -> list[Document]:
@@ -198,18 +201,111 @@ def load_documents(path: str | Path, split: str = "train") -> list[Document]:
     return chosen
 
 
+def packages_corpus(names: str, split: str = "train") -> list[Document]:
+    """The text files (``PACKAGE_SUFFIXES``) that installed distributions list in their metadata, one document
+    each, named ``DIST/PATH`` (the version left out, so the split of a file survives an upgrade). ``names``: comma-
+    separated distribution names, each optionally pinned as ``NAME==VERSION``, checked against the installed
+    version's public part (``2.11.0`` matches ``2.11.0+cu130``), so a corpus named with pins is the same text on any
+    machine that accepts it. Metadata folders (``*.dist-info``), empty and non-UTF-8 files are skipped."""
+    import importlib.metadata as metadata
+
+    _check_split(split)
+    docs = []
+    for item in filter(None, (n.strip() for n in names.split(","))):
+        name, _, pin = item.partition("==")
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise ValueError(f"{PACKAGES}{names}: distribution {name!r} is not installed") from None
+        if pin and dist.version.split("+")[0] != pin:
+            raise ValueError(f"{PACKAGES}{names}: {name} is {dist.version} here, the corpus names {pin}")
+        files = sorted(
+            (f for f in dist.files or () if f.suffix in PACKAGE_SUFFIXES and not f.parts[0].endswith(".dist-info")),
+            key=lambda f: f.as_posix(),
+        )
+        for f in files:
+            try:
+                text = Path(f.locate()).read_bytes().decode("utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip():
+                docs.append(Document(f"{name}/{f.as_posix()}", text))
+    if len(docs) < 2:
+        raise ValueError(f"{PACKAGES}{names}: fewer than 2 text files ({', '.join(PACKAGE_SUFFIXES)}) found")
+    return split_documents(docs, split)
+
+
+def corpus_parts(source: str) -> list[str] | None:
+    """The parts of a built-in corpus spec: ``stdlib``, ``pydoc-topics`` and ``packages:NAME[==VERSION],...``
+    joined by ``+`` (e.g. :data:`MIXTURE`); None when ``source`` is not one (it is then a path)."""
+    parts = source.split("+")
+    known = all(p in ("stdlib", "pydoc-topics") or (p.startswith(PACKAGES) and len(p) > len(PACKAGES)) for p in parts)
+    return parts if known and not Path(source).exists() else None
+
+
+def pin_corpus(source: str | None) -> str | None:
+    """A built-in corpus spec with every ``packages:`` name pinned to its installed version (``torch`` ->
+    ``torch==2.11.0``), so a run records the exact text it read; anything else unchanged."""
+    import importlib.metadata as metadata
+
+    parts = None if source is None else corpus_parts(source)
+    if parts is None:
+        return source
+    out = []
+    for p in parts:
+        if p.startswith(PACKAGES):
+            names = [n.strip() for n in p[len(PACKAGES) :].split(",") if n.strip()]
+            try:
+                names = [n if "==" in n else f"{n}=={metadata.version(n).split('+')[0]}" for n in names]
+            except metadata.PackageNotFoundError as e:
+                raise ValueError(f"{p}: distribution {e.name!r} is not installed") from None
+            p = PACKAGES + ",".join(names)
+        out.append(p)
+    return "+".join(out)
+
+
 def load_corpus(source: str | Path | None, split: str = "train", max_docs: int | None = None) -> list[Document]:
-    """``source=None``: the stdlib corpus; :data:`MIXTURE`: the stdlib corpus and the pydoc topics (each split on
-    its own); otherwise :func:`load_documents` (first ``max_docs`` kept)."""
-    if source is None:
-        return stdlib_corpus(split, max_docs=max_docs)
-    if source == MIXTURE:
-        docs = stdlib_corpus(split) + pydoc_topics_corpus(split)
-        _check_max(max_docs, "max_docs")
-        return docs if max_docs is None else docs[:max_docs]
+    """``source=None``: the stdlib corpus; a built-in corpus spec (:func:`corpus_parts`, e.g. :data:`MIXTURE`):
+    its parts in order, each split on its own (so each has documents in validation); otherwise
+    :func:`load_documents`. The first ``max_docs`` are kept."""
     _check_max(max_docs, "max_docs")
-    docs = load_documents(source, split)
+    parts = None if source is None else corpus_parts(str(source))
+    if source is None:
+        docs = stdlib_corpus(split)
+    elif parts is not None:
+        docs = [
+            d
+            for p in parts
+            for d in (
+                stdlib_corpus(split)
+                if p == "stdlib"
+                else pydoc_topics_corpus(split)
+                if p == "pydoc-topics"
+                else packages_corpus(p[len(PACKAGES) :], split)
+            )
+        ]
+    else:
+        docs = load_documents(source, split)
     return docs if max_docs is None else docs[:max_docs]
+
+
+def describe_corpus(source: str | None) -> str:
+    """A corpus named for a report: what each part of a built-in spec holds, else the path."""
+    if source is None:
+        return "the Python standard library's sources (code)"
+    parts = corpus_parts(source)
+    if parts is None:
+        return f"`{source}`"
+    words = {
+        "stdlib": "the standard library's sources (code)",
+        "pydoc-topics": "Python's help topics (English prose from `pydoc_data.topics`)",
+    }
+    said = [
+        words.get(p)
+        or f"the {', '.join(PACKAGE_SUFFIXES)} files of the distributions {p[len(PACKAGES) :]} (code and docstrings)"
+        for p in parts
+    ]
+    return f"`{source}`: " + "; ".join(said) + ("; each split on its own" if len(parts) > 1 else "")
 
 
 def _read_file(file: Path, name: str) -> Iterator[Document]:

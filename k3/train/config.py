@@ -63,8 +63,9 @@ class TrainConfig:
     )
     data: str | None = _f(
         None,
-        "text file, directory, .jsonl (field text) or .parquet, or stdlib+pydoc-topics (Python's sources and its "
-        "help topics' prose); default: the Python standard library's own sources",
+        "text file, directory, .jsonl (field text) or .parquet, or a built-in corpus: stdlib, pydoc-topics (Python's "
+        "help topics' prose), packages:NAME[==VERSION],... (installed distributions' text files), joined by +; "
+        "default: the Python standard library's own sources",
     )
     tokenizer: str | None = _f(
         None, "tokenizer.json (or its directory) or a tiktoken BPE file (default: train a byte-level BPE)"

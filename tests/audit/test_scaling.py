@@ -118,7 +118,7 @@ def test_k2_like_baseline_and_the_gpu5_sweep():
     assert cfg.moe.latent_size is None and cfg.attn_res.mode == "none" and v.balance == "sign"
     g = get_sweep("gpu5")
     assert len(g.sizes) >= 5 and len(g.seeds + g.extra_seeds) >= 3 and g.extra_seed_sizes >= 1
-    assert g.tokens_per_param and g.data == "stdlib+pydoc-topics"
+    assert g.tokens_per_param and g.data.startswith("stdlib+pydoc-topics+packages:")
 
 
 def test_sweep_definitions():
@@ -229,3 +229,23 @@ def test_bootstrap_band_brackets_the_fit():
     inside = (grid >= c.min()) & (grid <= c.max())
     fit = fit_power_law(c, loss).loss(grid)
     assert np.all((lo[inside] <= fit[inside] + 1e-9) & (fit[inside] <= hi[inside] + 1e-9))
+
+
+def test_proportional_sweep_reads_what_each_run_needs_from_pinned_packages(tmp_path):
+    """A sweep with tokens per parameter tokenises only the rows each run trains on (max_tokens), and a packages
+    corpus is recorded with the installed versions pinned."""
+    import dataclasses
+    import importlib.metadata as metadata
+
+    micro = get_sweep("micro")
+    sweep = dataclasses.replace(
+        micro, sizes=micro.sizes[:2], tokens_per_param=1e-9, min_steps=2, train={**micro.train, "max_tokens": None}
+    )
+    summaries = run_sweep(sweep, tmp_path, data="pydoc-topics+packages:tqdm", device="cpu")
+    assert len(summaries) == 4
+    pinned = f"pydoc-topics+packages:tqdm=={metadata.version('tqdm').split('+')[0]}"
+    assert json.loads((tmp_path / "sweep.json").read_text())["data"] == pinned
+    for run in (tmp_path / "runs").iterdir():
+        cfg = json.loads((run / "train_config.json").read_text())
+        assert cfg["data"] == pinned and cfg["steps"] == 2
+        assert cfg["max_tokens"] == 2 * cfg["batch_size"] * cfg["seq_len"] + cfg["seq_len"] + 1

@@ -67,6 +67,42 @@ def test_code_and_prose_mixture():
     assert load_corpus(MIXTURE, "train", max_docs=3) == train[:3]
 
 
+def test_packages_corpus():
+    """packages:NAME[==VERSION]: an installed distribution's text files as documents named DIST/PATH (no metadata
+    folder), split like any corpus, pins checked against the installed version; parts join with +."""
+    import importlib.metadata as metadata
+
+    from k3.data.text import PACKAGE_SUFFIXES, corpus_parts, describe_corpus, packages_corpus, pydoc_topics_corpus
+
+    version = metadata.version("tqdm").split("+")[0]
+    every = packages_corpus("tqdm", "all")
+    assert len(every) >= 10 and all(d.name.startswith("tqdm/") for d in every)
+    assert all(d.name.endswith(PACKAGE_SUFFIXES) and ".dist-info/" not in d.name for d in every)
+    assert any(d.name == "tqdm/tqdm/std.py" and "class tqdm" in d.text for d in every)
+    train, val = packages_corpus(f"tqdm=={version}", "train"), packages_corpus("tqdm", "validation")
+    assert val and {d.name for d in train} | {d.name for d in val} == {d.name for d in every}
+    assert not {d.name for d in train} & {d.name for d in val}
+    mixed = load_corpus("pydoc-topics+packages:tqdm", "train")
+    assert mixed == pydoc_topics_corpus("train") + train
+    assert corpus_parts("stdlib+packages:tqdm,torch") == ["stdlib", "packages:tqdm,torch"]
+    assert corpus_parts("stdlib+nonsense") is None and corpus_parts("packages:") is None
+    assert "tqdm" in describe_corpus("stdlib+packages:tqdm") and "prose" in describe_corpus("pydoc-topics")
+    with pytest.raises(ValueError, match="the corpus names 0.0.1"):
+        packages_corpus("tqdm==0.0.1")
+    with pytest.raises(ValueError, match="'no-such-dist' is not installed"):
+        load_corpus("packages:no-such-dist", "train")
+
+
+def test_corpus_spec_names_an_existing_path_first(tmp_path):
+    """A directory whose name reads like a corpus spec is still read as a directory."""
+    root = tmp_path / "stdlib+pydoc-topics"
+    root.mkdir()
+    for i in range(3):
+        (root / f"f{i}.txt").write_text(f"text {i}")
+    assert {d.name for d in load_corpus(root, "all")} == {"f0.txt", "f1.txt", "f2.txt"}
+    assert {d.name for d in load_corpus(str(root), "all")} == {"f0.txt", "f1.txt", "f2.txt"}
+
+
 def test_split_rule():
     docs = [Document(f"d{i}", "x") for i in range(1000)]
     val = split_documents(docs, "validation")
