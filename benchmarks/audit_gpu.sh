@@ -11,9 +11,8 @@
 # small models leave the GPU mostly idle, and without MPS the processes' kernels take turns on it instead of
 # running side by side.
 # Run one invocation at a time on a machine: at the end it kills every leftover multiprocessing worker there.
-# SWEEP_DATA=SPEC trains the sweep on SPEC, a path or a built-in corpus (gpu5 needs more text than its default
-# holds, e.g. stdlib+pydoc-topics+packages:torch,transformers,sympy,numpy,networkx; k3 scaling refuses a sweep that
-# would repeat its data).
+# SWEEP_DATA=SPEC trains the sweep on SPEC (a path or a built-in corpus) instead of its own data; k3 scaling
+# refuses a sweep that would repeat its data.
 # Usage: DEADLINE=540 [GRID="factorial balance896" SWEEP=gpu5 SWEEP_DATA=SPEC ABLATE_JOBS=5 SCALING_JOBS=4 MPS=1 \
 #          WARM=--no-warm-first] \
 #          bash benchmarks/audit_gpu.sh
