@@ -7,9 +7,7 @@
 # tokenizer) go to audit.txz and Triton's autotune results to autotune.tgz, both in the folder named by $OUT
 # (default /tmp/out). Rerun on the same disk to continue (finished runs are skipped from their summary.json,
 # checkpointed ones resume); on a fresh disk, unpack audit.txz into $AUDIT_DIR first to skip the finished runs.
-# MPS=1 runs the jobs under CUDA's Multi-Process Service (its control daemon started here and stopped at the end):
-# small models leave the GPU mostly idle, and without MPS the processes' kernels take turns on it instead of
-# running side by side.
+# MPS=1 runs the jobs under CUDA's Multi-Process Service (benchmarks/mps.sh; started here, stopped at the end).
 # Run one invocation at a time on a machine: at the end it kills every leftover multiprocessing worker there.
 # SWEEP_DATA=SPEC trains the sweep on SPEC (a path or a built-in corpus) instead of its own data; k3 scaling
 # refuses a sweep that would repeat its data.
@@ -25,12 +23,8 @@ mkdir -p "$DIR" "$OUTD"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUTD/gpu.txt" 2>&1
 GRID=${GRID:-default}
 SWEEP=${SWEEP:-gpu}
-if [ "${MPS:-0}" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/k3-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/k3-mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then echo "MPS on" > "$OUTD/mps.txt"; else
-    echo "MPS did not start; the jobs time-slice the GPU" > "$OUTD/mps.txt"; unset CUDA_MPS_PIPE_DIRECTORY; fi
-fi
+source "$(dirname "$0")/mps.sh"
+[ "${MPS:-0}" = 1 ] && mps_start "$OUTD/mps.txt"
 if [ "$GRID" != none ]; then
   (for g in $GRID; do
     left=$((END - SECONDS))
@@ -46,7 +40,7 @@ fi
 wait
 pkill -9 -f "multiprocessing.spawn" 2>/dev/null
 sleep 1
-[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | nvidia-cuda-mps-control
+mps_stop
 df -h "$DIR" > "$OUTD/disk.txt" 2>&1
 cd "$DIR" && find . \( -name summary.json -o -name metrics.jsonl -o -name train_config.json -o -path "*/mqar/*.json" \
   -o \( -name tokenizer.json -not -path "*/runs/*" \) -o -name "*.md" -o -name "results.json" -o -name "scaling.json" \

@@ -68,7 +68,8 @@ step multi_linear 200 python benchmarks/multi_linear_configs.py --batches 64  # 
 step small_groups 300 python benchmarks/small_groups_configs.py  # the expert matmuls' configurations vs the autotuner
 step profile_kernels 120 python benchmarks/profile_kernels.py
 step train_fp8 420 python -m k3 bench model --cases train,train_fp8
-step precision 570 python benchmarks/precision_convergence.py --arms bf16,fp8 --seeds 0,1,2 --steps 2000 --jobs 6
+step precision 570 bash -c "source benchmarks/mps.sh; mps_start $OUTD/mps.txt; trap mps_stop EXIT; \
+  python benchmarks/precision_convergence.py --arms bf16,fp8 --seeds 0,1,2 --steps 2000 --jobs 6"  # under MPS
 step attn_res_depth 560 python benchmarks/attn_res_depth.py  # none / snapshot / block_sum / full, compiles side by side
 step kda_chunk 540 python benchmarks/kda_chunk.py  # our chunked KDA vs fla, forward and forward + backward
 step serve_load 400 python benchmarks/serve_load.py --preset small-1b --device cuda --concurrency 1,8,32,64 \

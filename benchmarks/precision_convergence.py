@@ -2,14 +2,17 @@
 steps per arm, several seeds, runs side by side.
 
     python benchmarks/precision_convergence.py [--arms bf16,fp8,qat] [--seeds 0,1,2] [--steps 2000] [--jobs 6]
-                                               [--preset small] [--batch-size 16] [--seq-len 512] [--out DIR]
+                                               [--preset small] [--batch-size 16] [--seq-len 512] [--data SPEC]
+                                               [--out DIR]
 
-Arms: ``bf16`` (bf16 autocast, the default training), ``fp8`` (``--fp8-experts``: the expert matmuls in FP8,
-k3.quant.fp8), ``qat`` (``--qat mxfp4``: MXFP4 weights + MXFP8 activations fake-quantised, k3.quant.qat). Every
-run trains into OUT/runs/ARM-sSEED (resumable; a finished run is skipped) with one shared tokenizer. Writes
-benchmarks/results/precision_convergence.{json,md} (or $K3_BENCH_OUT): per arm the final validation loss over
-seeds and its paired difference to bf16 with a 95% bootstrap interval (k3.audit.stats), one row per run, and
-precision_convergence.png: training and validation loss against step, mean over seeds with the seeds' range.
+The default data (k3.data.text.PACKAGES_MIXTURE, ~50M tokens) is large enough that a run of 2000 steps of 16 x 512
+(16.4M tokens) reads no token twice; each run tokenises only the rows it trains on. Arms: ``bf16`` (bf16 autocast,
+the default training), ``fp8`` (``--fp8-experts``: the expert matmuls in FP8, k3.quant.fp8), ``qat`` (``--qat
+mxfp4``: MXFP4 weights + MXFP8 activations fake-quantised, k3.quant.qat). Every run trains into OUT/runs/ARM-sSEED
+(resumable; a finished run is skipped) with one shared tokenizer. Writes benchmarks/results/precision_convergence.
+{json,md} (or $K3_BENCH_OUT): per arm the final validation loss over seeds and its paired difference to bf16 with a
+95% bootstrap interval (k3.audit.stats), one row per run, and precision_convergence.png: training and validation
+loss against step, mean over seeds with the seeds' range.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
 from k3.audit.stats import paired_difference
 from k3.bench.common import environment, write_results
+from k3.data.text import PACKAGES_MIXTURE, describe_corpus, pin_corpus
 from k3.train.state import read_metrics
 from k3.train.trainer import TrainConfig
 
@@ -47,7 +51,7 @@ def run_configs(a: argparse.Namespace, out: Path, tokenizer: Path) -> list[tuple
                 seq_len=a.seq_len,
                 tokenizer=str(tokenizer),
                 data=a.data,
-                max_tokens=None,
+                max_tokens=a.steps * a.batch_size * a.seq_len + a.seq_len + 1,  # the rows the run trains on
                 eval_every=max(1, a.steps // 10),
                 eval_rows=256,
                 save_every=max(1, a.steps // 4),
@@ -125,7 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--data", default=None, help="training data (default: the Python standard library sources)")
+    p.add_argument(
+        "--data",
+        default=PACKAGES_MIXTURE,
+        help=f"training data as for k3 train (default: {PACKAGES_MIXTURE}, enough that no run repeats its data)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="runs side by side")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/precision-convergence")
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if not a.seeds:
         raise SystemExit("--seeds: at least one")
     check_jobs(a.jobs)
+    a.data = pin_corpus(a.data)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = ensure_tokenizer(out, a.data, 8192, 4_000_000)
@@ -171,12 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     first = summaries[0]
     notes = (
         f"Preset {a.preset}, {a.steps} steps of {a.batch_size} x {a.seq_len} tokens ({first['tokens']:,} tokens a "
-        f"run), seeds {', '.join(map(str, a.seeds))} (a seed fixes the initial weights and the data order, so arms "
+        f"run) of {describe_corpus(a.data)}, seeds {', '.join(map(str, a.seeds))} (a seed fixes the initial weights and the data order, so arms "
         "pair by seed); delta_vs_bf16 = the arm's final validation loss minus bf16's, mean over seeds, with the 95% "
         "paired bootstrap interval (k3.audit.stats). wall_s_mean: runs shared the machine when --jobs > 1. Curves: "
         "precision_convergence.png. Per run: " + "; ".join(f"{r['arm']} s{r['seed']} {r['val_loss']:.4f}" for r in runs)
     )
-    meta = {**environment(), "arms": a.arms, "steps": a.steps, "preset": a.preset, "runs": runs}
+    meta = {**environment(), "arms": a.arms, "steps": a.steps, "preset": a.preset, "data": a.data, "runs": runs}
     columns = ["arm", "seeds", "val_loss_mean", "val_loss_std", "delta_vs_bf16", "ci95_lo", "ci95_hi", "wall_s_mean"]
     write_results("precision_convergence", rows, columns, meta, notes)
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3.data.text import PACKAGES_MIXTURE
+
 log = logging.getLogger("k3.scaling")
 
 
@@ -74,9 +76,6 @@ PROPORTIONAL = dict(  # gpu5's design, also cpu5's: tokens grow with the model, 
     min_steps=100,
     data="stdlib+pydoc-topics",
 )
-# gpu5's runs need up to 40.2M fresh tokens: Python's code and prose plus the sources of torch, three of its
-# dependencies and transformers (about 50M tokens), pinned to the installed versions when a sweep starts
-GPU5_DATA = "stdlib+pydoc-topics+packages:torch,transformers,sympy,numpy,networkx"
 SWEEPS: dict[str, Sweep] = {
     "micro": Sweep(
         name="micro",
@@ -167,7 +166,7 @@ SWEEPS: dict[str, Sweep] = {
         preset="small",
         sizes=((64, 4), (96, 4), (128, 4), (192, 4), (256, 6)),
         head_dim=32,
-        **{**PROPORTIONAL, "data": GPU5_DATA},
+        **{**PROPORTIONAL, "data": PACKAGES_MIXTURE},  # up to 40.2M fresh tokens a run
         train=dict(
             steps=1,
             batch_size=64,  # small models leave the GPU idle between launches: 4x the batch costs little time

@@ -145,6 +145,9 @@ def stdlib_corpus(split: str = "train", max_docs: int | None = None) -> list[Doc
 
 MIXTURE = "stdlib+pydoc-topics"  # code + prose, both shipped with Python
 PACKAGES = "packages:"  # a corpus part: the text files of installed distributions, packages:NAME[==VERSION],...
+# ~50M tokens of code and prose for runs that must not repeat their data: Python's own, plus the sources and
+# docstrings of torch, three of its dependencies and transformers
+PACKAGES_MIXTURE = MIXTURE + "+" + PACKAGES + "torch,transformers,sympy,numpy,networkx"
 PACKAGE_SUFFIXES = (".py", ".md", ".rst", ".txt")
 
 
