@@ -180,10 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     first = summaries[0]
     notes = (
         f"Preset {a.preset}, {a.steps} steps of {a.batch_size} x {a.seq_len} tokens ({first['tokens']:,} tokens a "
-        f"run) of {describe_corpus(a.data)}, seeds {', '.join(map(str, a.seeds))} (a seed fixes the initial weights and the data order, so arms "
-        "pair by seed); delta_vs_bf16 = the arm's final validation loss minus bf16's, mean over seeds, with the 95% "
-        "paired bootstrap interval (k3.audit.stats). wall_s_mean: runs shared the machine when --jobs > 1. Curves: "
-        "precision_convergence.png. Per run: " + "; ".join(f"{r['arm']} s{r['seed']} {r['val_loss']:.4f}" for r in runs)
+        f"run) of {describe_corpus(a.data)}, seeds {', '.join(map(str, a.seeds))} (a seed fixes the initial weights "
+        "and the data order, so arms pair by seed); delta_vs_bf16 = the arm's final validation loss minus bf16's, "
+        "mean over seeds, with the 95% paired bootstrap interval (k3.audit.stats). wall_s_mean: runs shared the "
+        "machine when --jobs > 1. Curves: precision_convergence.png. Per run: "
+        + "; ".join(f"{r['arm']} s{r['seed']} {r['val_loss']:.4f}" for r in runs)
     )
     meta = {**environment(), "arms": a.arms, "steps": a.steps, "preset": a.preset, "data": a.data, "runs": runs}
     columns = ["arm", "seeds", "val_loss_mean", "val_loss_std", "delta_vs_bf16", "ci95_lo", "ci95_hi", "wall_s_mean"]

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.data.text import PACKAGES_MIXTURE
+from k3.data.text import PACKAGES_MIXTURE, pin_corpus
 
 log = logging.getLogger("k3.scaling")
 
@@ -228,8 +228,6 @@ def run_sweep(
     from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
     from k3.config import get_preset
     from k3.data.tokenizer import Tokenizer
-
-    from k3.data.text import pin_corpus
 
     check_jobs(jobs)
     data = pin_corpus(sweep.data if data is None else data)

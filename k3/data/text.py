@@ -276,20 +276,18 @@ def load_corpus(source: str | Path | None, split: str = "train", max_docs: int |
     if source is None:
         docs = stdlib_corpus(split)
     elif parts is not None:
-        docs = [
-            d
-            for p in parts
-            for d in (
-                stdlib_corpus(split)
-                if p == "stdlib"
-                else pydoc_topics_corpus(split)
-                if p == "pydoc-topics"
-                else packages_corpus(p[len(PACKAGES) :], split)
-            )
-        ]
+        docs = [d for p in parts for d in _corpus_part(p, split)]
     else:
         docs = load_documents(source, split)
     return docs if max_docs is None else docs[:max_docs]
+
+
+def _corpus_part(part: str, split: str) -> list[Document]:
+    if part == "stdlib":
+        return stdlib_corpus(split)
+    if part == "pydoc-topics":
+        return pydoc_topics_corpus(split)
+    return packages_corpus(part[len(PACKAGES) :], split)
 
 
 def describe_corpus(source: str | None) -> str:
