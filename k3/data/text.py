@@ -11,7 +11,8 @@ Documents
 Split
     Train/validation is decided per document by a stable hash of its name (sha1, ~2% validation), so it never
     depends on file order, the machine or the Python hash seed; a corpus of >= 2 documents always gets at least
-    one document in each split.
+    one document in each split. ``k3 train`` evaluates on the first rows of the validation documents packed in an
+    order shuffled with a fixed seed (k3.train.trainer.VALIDATION_SEED).
 
 Packing (:class:`PackedDataset`)
     Documents are tokenised once, an EOS id is appended to each, and they are concatenated in a seeded shuffled

@@ -110,7 +110,11 @@ class TrainConfig:
         False, "recompute each mixer and FFN in the backward pass: less activation memory, ~1/3 more compute"
     )
     eval_every: int = _f(20, "steps between evaluations")
-    eval_rows: int = _f(32, "validation rows (vision: questions) per evaluation (all if fewer)")
+    eval_rows: int = _f(
+        32,
+        "validation rows (vision: questions) per evaluation (all if fewer), from the validation documents in a fixed "
+        "shuffled order: the same rows for every seed",
+    )
     save_every: int = _f(0, "also checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(3, "newest checkpoints kept in the run directory (0: all)")
     samples: int = _f(3, "greedy continuations printed at the end")

@@ -227,3 +227,18 @@ def test_maxvio_three_forms(tmp_path, task, steps):
         assert r["maxvio_seq"] == pytest.approx(sum(seq) / len(seq), rel=1e-5)
         assert 0 <= r["maxvio"] <= r["maxvio_micro"] + 1e-6 and r["maxvio_micro"] <= r["maxvio_seq"] + 1e-6
         assert r["maxvio_seq"] > r["maxvio_micro"]  # packed documents differ: the per-sequence form is not the same
+
+
+def test_validation_rows_are_the_same_for_every_seed_and_span_the_split(tmp_path):
+    """The evaluation rows come from the validation documents in a fixed shuffled order: two seeds evaluate the same
+    tokens, and they are not just the split's first documents."""
+    from k3.data.text import PackedDataset, load_corpus
+    from k3.train.trainer import VALIDATION_SEED
+
+    a, b = (Trainer(tiny_cfg(tmp_path / f"s{s}", seed=s, eval_rows=64), progress=False) for s in (0, 1))
+    assert torch.equal(a.val_data.tokens, b.val_data.tokens)
+    assert not torch.equal(a.train_data.tokens[:1000], b.train_data.tokens[:1000])
+    in_order = PackedDataset(load_corpus(None, "validation"), a.tokenizer, 48, shuffle=False, max_tokens=64 * 48 + 1)
+    assert not torch.equal(a.val_data.tokens[:500], in_order.tokens[:500])
+    shuffled = PackedDataset(load_corpus(None, "validation"), a.tokenizer, 48, seed=VALIDATION_SEED, max_tokens=3073)
+    assert torch.equal(a.val_data.tokens, shuffled.tokens)
