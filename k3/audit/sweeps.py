@@ -74,7 +74,7 @@ PROPORTIONAL = dict(  # gpu5's design, also cpu5's: tokens grow with the model, 
     extra_seed_sizes=2,
     tokens_per_param=5.0,
     min_steps=100,
-    data="stdlib+pydoc-topics",
+    data=PACKAGES_MIXTURE,  # gpu5 needs up to 40.2M fresh tokens a run; cpu5 reads the same mixture
 )
 SWEEPS: dict[str, Sweep] = {
     "micro": Sweep(
@@ -118,8 +118,8 @@ SWEEPS: dict[str, Sweep] = {
     "cpu5": Sweep(
         name="cpu5",
         description="gpu5's design at CPU scale: 5 sizes x K3-style vs the K2-like baseline, tokens = 5 x activated "
-        "parameters in steps of 16 x 128, 3 seeds at the two smallest sizes, on code + prose (~17 minutes on 2 "
-        "cores with --jobs 2)",
+        "parameters in steps of 16 x 128, 3 seeds at the two smallest sizes, on gpu5's code + prose (~20 minutes "
+        "on 2 cores with --jobs 2)",
         preset="tiny",
         sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
         head_dim=16,
@@ -132,7 +132,7 @@ SWEEPS: dict[str, Sweep] = {
             tokenizer_train_bytes=1_000_000,
             max_tokens=3_500_000,
             eval_every=250,
-            eval_rows=64,
+            eval_rows=512,  # 65K tokens: validation documents from every part of the mixture
             keep_checkpoints=1,
             lr=1e-2,
         ),
@@ -166,7 +166,7 @@ SWEEPS: dict[str, Sweep] = {
         preset="small",
         sizes=((64, 4), (96, 4), (128, 4), (192, 4), (256, 6)),
         head_dim=32,
-        **{**PROPORTIONAL, "data": PACKAGES_MIXTURE},  # up to 40.2M fresh tokens a run
+        **PROPORTIONAL,
         train=dict(
             steps=1,
             batch_size=64,  # small models leave the GPU idle between launches: 4x the batch costs little time
