@@ -13,7 +13,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.audit.frontier import STRAGGLER_GPUS  # noqa: E402
 from k3.train.plots import ema  # noqa: E402
 from k3.train.trainer import read_metrics  # noqa: E402
 
@@ -176,9 +175,6 @@ def _trained_frontier_lines(rows: list[dict]) -> list[str]:
     ep = [g for g in (8, 64) if any(f"imbalance_ep{g}" in r for r in rows)]
     head = ["run", "val loss", "MaxVio batch / micro / seq", "over cap 1.0 / 1.25", "padding 8 / 128"]
     head += [f"EP {g}: imbalance, all-to-all KiB" for g in ep]
-    k3 = any("k3_straggler_s" in r for r in rows)
-    if k3:
-        head.append(f"K3 on {STRAGGLER_GPUS} GPUs: straggler ms / step")
     lines = [
         "### Router frontier from the trained routers",
         "",
@@ -186,14 +182,7 @@ def _trained_frontier_lines(rows: list[dict]) -> list[str]:
         "of the last steps), and from its router counts (`expert_loads.json`) the padding share of a step's "
         "expert rows, the rank imbalance (max / mean: the MoE phase's straggler factor) and the all-to-all bytes "
         "per token per MoE layer under expert parallelism with contiguous placement (`k3/audit/frontier.py`; "
-        "estimates from measured loads)"
-        + (
-            f"; and k3 plan's training straggler for K3 on {STRAGGLER_GPUS} H200s (its default 4M-token step, "
-            "activation checkpointing, experts placed by these loads; the run's layers repeated over K3's 92 MoE "
-            "layers): milliseconds per optimizer step and share of the step."
-            if k3
-            else "."
-        ),
+        "estimates from measured loads).",
         "",
         "| " + " | ".join(head) + " |",
         "|---" * len(head) + "|",
@@ -209,9 +198,6 @@ def _trained_frontier_lines(rows: list[dict]) -> list[str]:
         for g in ep:
             imb, a2a = r.get(f"imbalance_ep{g}"), r.get(f"a2a_bytes_ep{g}")
             cells.append("—" if imb is None else f"{imb:.2f}, {a2a / 1024:.1f}")
-        if k3:
-            t = r.get("k3_straggler_s")
-            cells.append("—" if t is None else f"{1e3 * t:,.0f} ({pct(r['k3_straggler_share'])})")
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -16,10 +16,6 @@ layer; shares f_j = count_j / sum), for a step of T tokens with top-k:
   bytes for the all-to-all bytes per token per layer.
 
 Means over MoE layers. An estimate from measured loads, not a measured all-to-all.
-
-At K3's scale (runs with K3's expert count): the run's per-layer shares repeated over K3's MoE layers, through
-k3 plan's training model (K3 on STRAGGLER_GPUS H200s, its default global batch; experts placed by these loads):
-the straggler's seconds per optimizer step and their share of the step.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import numpy as np
 
 EP_RANKS = (8, 64)
 ALIGNS = (8, 128)
-STRAGGLER_GPUS = 64
 
 
 def read_shares(run_dir: str | Path) -> list[np.ndarray]:
@@ -78,25 +73,6 @@ def layer_costs(shares: np.ndarray, tokens: int, k: int, latent: int, act_bytes:
     return out
 
 
-def k3_straggler(shares: list[np.ndarray], gpus: int = STRAGGLER_GPUS) -> dict:
-    """k3 plan's training straggler for K3 on ``gpus`` H200s under these per-layer expert shares (repeated over K3's
-    MoE layers): {k3_straggler_s, k3_straggler_share}; {} when the shares are not over K3's expert count."""
-    from k3.config import get_preset  # k3.plan imports k3.audit: imported when called
-    from k3.plan import cost
-    from k3.plan.cluster import cluster
-    from k3.plan.plan import Training, plan_training
-
-    config = get_preset("k3")
-    if not shares or len(shares[0]) != config.moe.num_experts:
-        return {}
-    layers = cost.model_shape(config).moe_layers
-    step = plan_training(
-        config, cluster(gpus=gpus), Training(), np.stack([shares[i % len(shares)] for i in range(layers)])
-    )
-    step = step["step"]
-    return {"k3_straggler_s": step["straggler_s"], "k3_straggler_share": step["straggler_s"] / step["step_s"]}
-
-
 def trained_frontier(summaries: list[dict], tokens: int, k: int, latent: int) -> list[dict]:
     """One row per run whose directory holds router counts, with its metrics and the layer-mean costs."""
     rows = []
@@ -112,6 +88,5 @@ def trained_frontier(summaries: list[dict], tokens: int, k: int, latent: int) ->
         row["layers"] = len(shares)
         for key in costs[0]:
             row[key] = float(np.mean([c[key] for c in costs]))
-        row.update(k3_straggler(shares))
         rows.append(row)
     return rows

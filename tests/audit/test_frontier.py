@@ -46,27 +46,3 @@ def test_trained_frontier_reads_run_directories(tmp_path):
     )
     assert len(rows) == 1 and rows[0]["layers"] == 2 and rows[0]["val_loss"] == 3.0
     assert rows[0]["imbalance_ep8"] == pytest.approx((1 + 8) / 2)  # layer means: even 1, one hot expert 8
-
-
-def test_k3_straggler_through_the_training_plan():
-    """Loads over K3's 896 experts go through k3 plan's training model for K3 on 64 GPUs, the run's layers repeated
-    over K3's MoE layers: uniform loads leave only the per-step sampling straggler, a few hot experts more; loads
-    over another expert count give nothing."""
-    from k3.audit.frontier import STRAGGLER_GPUS, k3_straggler
-    from k3.config import get_preset
-    from k3.plan import cost
-    from k3.plan.cluster import cluster
-    from k3.plan.plan import Training, plan_training
-
-    uniform = [np.full(896, 1 / 896)]
-    hot = np.full(896, 1.0)
-    hot[:4] = 400.0  # four experts take ~2/3 of the slots: no placement can spread one expert over ranks
-    hot = [hot / hot.sum(), np.full(896, 1 / 896)]
-    even, skewed = k3_straggler(uniform), k3_straggler(hot)
-    assert 0 <= even["k3_straggler_share"] < 0.01 < skewed["k3_straggler_share"] < 1
-    config = get_preset("k3")
-    layers = cost.model_shape(config).moe_layers
-    tiled = np.stack([hot[i % 2] for i in range(layers)])
-    want = plan_training(config, cluster(gpus=STRAGGLER_GPUS), Training(), tiled)["step"]
-    assert skewed["k3_straggler_s"] == pytest.approx(want["straggler_s"])
-    assert k3_straggler([np.full(32, 1 / 32)]) == {} and k3_straggler([]) == {}
