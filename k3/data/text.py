@@ -205,6 +205,22 @@ def load_documents(path: str | Path, split: str = "train") -> list[Document]:
     return chosen
 
 
+def _package_pins(names: str) -> list[tuple[str, str]]:
+    """``NAME[==VERSION],...`` -> [(name, version or "")]."""
+    return [n.strip().partition("==")[::2] for n in names.split(",") if n.strip()]
+
+
+def _public_version(name: str) -> str:
+    """The installed version of distribution ``name`` without its local part (``2.11.0+cu130`` -> ``2.11.0``);
+    ValueError when it is not installed."""
+    import importlib.metadata as metadata
+
+    try:
+        return metadata.version(name).split("+")[0]
+    except metadata.PackageNotFoundError:
+        raise ValueError(f"{PACKAGES}{name}: distribution {name!r} is not installed") from None
+
+
 def packages_corpus(names: str, split: str = "train") -> list[Document]:
     """The text files (``PACKAGE_SUFFIXES``) that installed distributions list in their metadata, one document
     each, named ``DIST/PATH`` (the version left out, so the split of a file survives an upgrade). ``names``: comma-
@@ -215,14 +231,11 @@ def packages_corpus(names: str, split: str = "train") -> list[Document]:
 
     _check_split(split)
     docs = []
-    for item in filter(None, (n.strip() for n in names.split(","))):
-        name, _, pin = item.partition("==")
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            raise ValueError(f"{PACKAGES}{names}: distribution {name!r} is not installed") from None
-        if pin and dist.version.split("+")[0] != pin:
-            raise ValueError(f"{PACKAGES}{names}: {name} is {dist.version} here, the corpus names {pin}")
+    for name, pin in _package_pins(names):
+        version = _public_version(name)
+        if pin and version != pin:
+            raise ValueError(f"{PACKAGES}{names}: {name} is {version} here, the corpus names {pin}")
+        dist = metadata.distribution(name)
         files = sorted(
             (f for f in dist.files or () if f.suffix in PACKAGE_SUFFIXES and not f.parts[0].endswith(".dist-info")),
             key=lambda f: f.as_posix(),
@@ -250,20 +263,14 @@ def corpus_parts(source: str) -> list[str] | None:
 def pin_corpus(source: str | None) -> str | None:
     """A built-in corpus spec with every ``packages:`` name pinned to its installed version (``torch`` ->
     ``torch==2.11.0``), so a run records the exact text it read; anything else unchanged."""
-    import importlib.metadata as metadata
-
     parts = None if source is None else corpus_parts(source)
     if parts is None:
         return source
     out = []
     for p in parts:
         if p.startswith(PACKAGES):
-            names = [n.strip() for n in p[len(PACKAGES) :].split(",") if n.strip()]
-            try:
-                names = [n if "==" in n else f"{n}=={metadata.version(n).split('+')[0]}" for n in names]
-            except metadata.PackageNotFoundError as e:
-                raise ValueError(f"{p}: distribution {e.name!r} is not installed") from None
-            p = PACKAGES + ",".join(names)
+            pins = _package_pins(p[len(PACKAGES) :])
+            p = PACKAGES + ",".join(f"{n}=={pin or _public_version(n)}" for n, pin in pins)
         out.append(p)
     return "+".join(out)
 
@@ -273,13 +280,8 @@ def load_corpus(source: str | Path | None, split: str = "train", max_docs: int |
     its parts in order, each split on its own (so each has documents in validation); otherwise
     :func:`load_documents`. The first ``max_docs`` are kept."""
     _check_max(max_docs, "max_docs")
-    parts = None if source is None else corpus_parts(str(source))
-    if source is None:
-        docs = stdlib_corpus(split)
-    elif parts is not None:
-        docs = [d for p in parts for d in _corpus_part(p, split)]
-    else:
-        docs = load_documents(source, split)
+    parts = ["stdlib"] if source is None else corpus_parts(str(source))
+    docs = load_documents(source, split) if parts is None else [d for p in parts for d in _corpus_part(p, split)]
     return docs if max_docs is None else docs[:max_docs]
 
 
