@@ -1,7 +1,7 @@
 """``k3 plan``: where a model's weights, experts and caches go on a cluster of GPUs, and what a step costs.
 
     k3 plan --preset k3 --gpus 64 --hbm-gib 141 [--precision mxfp4] [--concurrency 1024 --context 32768]
-            [--loads RUN_DIR | --zipf 0.5] [--workload serve|train] [--json] [--report DIR]
+            [--loads RUN_DIR | RUNS_DIR | --zipf 0.5] [--workload serve|train] [--json] [--report DIR]
 
 Prints the layout, each GPU's memory, the expert load before and after placement, and the predicted step with
 every term; exits 1 when the model does not fit, saying by how much.
@@ -21,6 +21,7 @@ from k3.plan.cluster import PROFILES, cluster
 from k3.plan.cost import model_shape
 from k3.plan.loads import read_loads, zipf_shares
 from k3.plan.plan import Serving, Training, plan_serving, plan_training, summary
+from k3.plan.runs import loads_runs, plan_runs, runs_markdown
 
 
 def add_parser(sub) -> None:
@@ -49,7 +50,11 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length (train)")
     p.add_argument("--micro-tokens", type=int, default=4096, help="tokens per GPU per micro-batch (train)")
     p.add_argument("--no-checkpointing", action="store_true", help="train without activation checkpointing")
-    p.add_argument("--loads", help="expert loads: a training run directory (expert_loads.json) or a JSON of counts")
+    p.add_argument(
+        "--loads",
+        help="expert loads: a training run directory (expert_loads.json), a JSON of counts, or a directory of runs "
+        "(a k3 ablate grid: one row per run, the straggler's time and share of the step)",
+    )
     p.add_argument(
         "--zipf",
         type=float,
@@ -63,7 +68,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--report",
         help="write DIR/report.md: the plan on 64 and 128 GPUs, layouts compared, "
-        "predicted vs measured, the simulated balance check",
+        "predicted vs measured, the simulated balance check (with --loads RUNS: DIR/straggler-WORKLOAD-GPUS.md and "
+        ".json, the per-run table)",
     )
     p.set_defaults(func=run)
 
@@ -93,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         inter_latency_s=args.inter_latency_us and args.inter_latency_us * 1e-6,
     )
     shape = model_shape(config)
+    if args.loads and loads_runs(args.loads):
+        return _runs(args, config, c)
     if args.loads:
         shares = read_loads(args.loads, shape.moe_layers, shape.experts).numpy()
     elif args.workload == "train":
@@ -123,6 +131,40 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(summary(plan), c)
     return 0 if plan["fits"] else 1
+
+
+def _runs(args: argparse.Namespace, config, c) -> int:
+    """--loads over a directory of runs: the per-run straggler table (k3.plan.runs)."""
+    shape = model_shape(config)
+    if args.workload == "train":
+        work = Training(args.global_tokens, args.seq_len, args.micro_tokens, not args.no_checkpointing)
+        plan_one = lambda shares: plan_training(config, c, work, shares)  # noqa: E731
+    else:
+        work = Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
+        plan_one = lambda shares: plan_serving(  # noqa: E731
+            config, c, args.precision, work, shares, tp=args.tp, replicas=args.replicas, placements=False
+        )
+    rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one)
+    what = "training step" if args.workload == "train" else f"decode step, {args.precision} experts"
+    title = f"Straggler of {config.name} on {c.gpus} GPUs ({c.hbm_gib:g} GiB each), {what}, under each run's loads"
+    command = f"k3 plan --preset {args.preset} --gpus {c.gpus} --workload {args.workload} --loads {args.loads}"
+    md = runs_markdown(rows, title, command)
+    if args.report:
+        out = Path(args.report)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"straggler-{args.workload}-{c.gpus}"
+        meta = {
+            "model": config.name,
+            "workload": args.workload,
+            "gpus": c.gpus,
+            "hbm_gib": c.hbm_gib,
+            "work": vars(work),
+        }
+        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "command": command, "rows": rows}, indent=1))
+        stem.with_suffix(".md").write_text(md)
+        print(f"report: {stem}.md")
+    print(json.dumps(rows, indent=1) if args.json else md, end="" if not args.json else "\n")
+    return 0
 
 
 def _print(plan: dict, c) -> None:

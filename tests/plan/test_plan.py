@@ -185,3 +185,39 @@ def test_validation_compares_the_slice_decode_with_its_prediction():
     for r in rows:
         assert 0.5 < r["ratio"] < 2, r
         assert float(r["measured"].split()[0]) > 0 and float(r["predicted"].split()[0]) > 0
+
+
+def test_cli_loads_over_a_directory_of_runs(tmp_path, capsys):
+    """--loads over a grid of runs: one row per run, each the training plan of that run's loads (its layers
+    repeated over K3's MoE layers); a few hot experts cost more straggler time than even loads; the report files
+    hold the same rows; a cluster the model does not fit and loads over another expert count are one-line errors."""
+    from k3.plan.plan import Training, plan_training
+
+    grid = tmp_path / "grid"
+    hot = np.full(896, 10.0)
+    hot[:4] = 4000.0  # four experts take ~2/3 of the slots: one copy each on 512 GPUs cannot spread them
+    for name, counts in (("even-s0", [np.full(896, 10.0)] * 2), ("hot-s1", [hot, np.full(896, 10.0)])):
+        run = grid / "runs" / name
+        run.mkdir(parents=True)
+        layers = {str(i): c.tolist() for i, c in enumerate(counts)}
+        (run / "expert_loads.json").write_text(json.dumps({"layers": layers}))
+        (run / "summary.json").write_text(json.dumps({"variant": name[:-3], "seed": int(name[-1]), "val_loss": 3.0}))
+    out = tmp_path / "out"
+    args = ["plan", "--preset", "k3", "--gpus", "512", "--workload", "train", "--loads", str(grid)]
+    assert main([*args, "--report", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((out / "straggler-train-512.json").read_text())["rows"]
+    assert [(r["variant"], r["seed"]) for r in rows] == [("even", 0), ("hot", 1)]
+    config = get_preset("k3")
+    shape = cost.model_shape(config)
+    for r in rows:
+        shares = read_loads(grid / r["run"], shape.moe_layers, shape.experts).numpy()
+        step = plan_training(config, cluster(gpus=512), Training(), shares)["step"]
+        assert r["straggler_s"] == pytest.approx(step["straggler_s"]) and r["step_s"] == pytest.approx(step["step_s"])
+    assert 0 <= rows[0]["straggler_share"] < 0.1 < rows[1]["straggler_share"] < 1
+    assert "| `hot` | 1 |" in printed and (out / "straggler-train-512.md").read_text() in printed
+    assert main([*args[:4], "256", *args[5:]]) == 2
+    assert "does not fit this cluster" in capsys.readouterr().err
+    (grid / "runs" / "even-s0" / "expert_loads.json").write_text(json.dumps([[1.0] * 32]))
+    assert main(args) == 2
+    assert "has 32 experts, the model has 896" in capsys.readouterr().err
