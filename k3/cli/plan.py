@@ -125,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
             }
             path = write_report(config, shares, work, Path(args.report), plans, args.zipf)
             print(f"report: {path}")
-    plan = {"model": config.name, "workload": args.workload, "precision": args.precision, **plan}
+    # training keeps bf16 master weights and optimizer state: --precision (experts' storage) is a serving choice
+    precision = {"precision": args.precision} if args.workload == "serve" else {}
+    plan = {"model": config.name, "workload": args.workload, **precision, **plan}
     if args.json:
         print(json.dumps(plan, indent=1))
     else:
@@ -170,7 +172,7 @@ def _runs(args: argparse.Namespace, config, c) -> int:
 def _print(plan: dict, c) -> None:
     print(
         f"{plan['model']} on {c.gpus} GPUs ({c.nodes} nodes of {c.per_node}, {c.hbm_gib:g} GiB each), "
-        f"{plan['workload']}, {plan['precision']} experts"
+        f"{plan['workload']}" + (f", {plan['precision']} experts" if "precision" in plan else "")
     )
     print("layout: " + ", ".join(f"{k} {v}" for k, v in plan["layout"].items()))
     print(
