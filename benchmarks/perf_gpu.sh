@@ -17,7 +17,7 @@
 # profile_decode, ab_kernels_a / ab_kernels_b (each of the router top-k, input-maps, MoE routing and fused up-projection
 # kernels off alone), profile_attn_res,
 # kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear, small_groups and profile_kernels on request,
-# train_fp8 (the step with FP8 experts against bf16), precision (bf16 vs FP8 experts over 3 seeds, 2000 steps),
+# train_fp8 (the step with FP8 experts against bf16), train_accum (262,144 tokens an optimizer step, bf16 and FP8 experts), precision (bf16 vs FP8 experts over 3 seeds, 2000 steps),
 # attn_res_depth (AttnRes at K3's depth), kda_chunk (our chunked KDA vs fla's), serve_load (k3 serve under load, random small-1b),
 # each under its own limit below (every step fits in 10 minutes)
 set -u
@@ -68,6 +68,7 @@ step multi_linear 200 python benchmarks/multi_linear_configs.py --batches 64  # 
 step small_groups 300 python benchmarks/small_groups_configs.py  # the expert matmuls' configurations vs the autotuner
 step profile_kernels 120 python benchmarks/profile_kernels.py
 step train_fp8 420 python -m k3 bench model --cases train,train_fp8
+step train_accum 570 python -m k3 bench model --cases train_accum,train_accum_fp8  # MFU at a realistic batch
 step precision 570 bash -c "source benchmarks/mps.sh; mps_start $OUTD/mps.txt; trap mps_stop EXIT; \
   python benchmarks/precision_convergence.py --arms bf16,fp8 --seeds 0,1,2 --steps 2000 --jobs 6"  # under MPS
 step attn_res_depth 560 python benchmarks/attn_res_depth.py  # none / snapshot / block_sum / full, compiles side by side
