@@ -149,8 +149,9 @@ def _runs(args: argparse.Namespace, config, c) -> int:
     rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one)
     what = "training step" if args.workload == "train" else f"decode step, {args.precision} experts"
     title = f"Straggler of {config.name} on {c.gpus} GPUs ({c.hbm_gib:g} GiB each), {what}, under each run's loads"
-    command = f"k3 plan --preset {args.preset} --gpus {c.gpus} --workload {args.workload} --loads {args.loads}"
-    md = runs_markdown(rows, title, command)
+    model = f"--config {args.config}" if args.config else f"--preset {args.preset}"
+    command = f"k3 plan {model} --gpus {c.gpus} --workload {args.workload} --loads {args.loads}"
+    md = runs_markdown(rows, title, command, str(work))
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)

@@ -79,13 +79,14 @@ def by_variant(rows: list[dict]) -> list[dict]:
     return out
 
 
-def runs_markdown(rows: list[dict], title: str, command: str) -> str:
-    """The per-variant and per-run tables, under ``title`` and the command that made them."""
+def runs_markdown(rows: list[dict], title: str, command: str, settings: str) -> str:
+    """The per-variant and per-run tables under ``title``, the ``command`` that made them and the workload's
+    ``settings``."""
     pct = lambda x: f"{100 * x:.2f}%"  # noqa: E731
     lines = [
         f"# {title}",
         "",
-        f"`{command}`",
+        f"`{command}`: {settings}",
         "",
         "Straggler: the most-loaded GPU's extra expert time in a step after experts are placed by load (serving: with "
         "replicas; training: one copy of each expert), each run's measured router counts (`expert_loads.json`) "
