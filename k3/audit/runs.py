@@ -34,24 +34,16 @@ def set_threads(n: int | None) -> None:
 
 
 def ensure_tokenizer(out: Path, data: str | None, vocab_size: int, train_bytes: int) -> Path:
-    """Train one byte-level BPE on the training split into ``OUT/tokenizer.json`` (kept if present)."""
-    from k3.data.text import load_corpus
+    """Train one byte-level BPE on a sample of the training split (k3.data.text.tokenizer_texts) into
+    ``OUT/tokenizer.json`` (kept if present)."""
+    from k3.data.text import load_corpus, tokenizer_texts
     from k3.data.tokenizer import train_bpe
 
     path = out / "tokenizer.json"
     if path.is_file():
         return path
     t0 = time.perf_counter()
-
-    def budget():
-        used = 0
-        for d in load_corpus(data, "train"):
-            if used >= train_bytes:
-                break
-            used += len(d.text)
-            yield d.text
-
-    train_bpe(budget(), vocab_size).save(out)
+    train_bpe(tokenizer_texts(load_corpus(data, "train"), train_bytes), vocab_size).save(out)
     log.info("shared tokenizer (vocab %d) trained in %.1fs: %s", vocab_size, time.perf_counter() - t0, path)
     return path
 

@@ -388,6 +388,19 @@ def seeded_permutation(n: int, seed: int, stream: str) -> np.ndarray:
     return np.argsort(_splitmix64(np.arange(n, dtype=np.uint64) ^ np.uint64(key)), kind="stable")
 
 
+def tokenizer_texts(docs: Sequence[Document], budget: int) -> list[str]:
+    """About ``budget`` characters of ``docs`` to train a tokenizer on: whole documents in a fixed shuffled order
+    until the budget is reached (all of them when they hold less), so every part of a mixture is in the sample in
+    proportion to its size, not only the split's first part."""
+    out, used = [], 0
+    for i in seeded_permutation(len(docs), 0, "tokenizer"):
+        if used >= budget:
+            break
+        out.append(docs[i].text)
+        used += len(docs[i].text)
+    return out
+
+
 class TokenizerLike(Protocol):
     """What packing needs: ``encode`` (``encode_batch`` is used when present) and the EOS id."""
 

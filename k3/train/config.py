@@ -71,7 +71,9 @@ class TrainConfig:
         None, "tokenizer.json (or its directory) or a tiktoken BPE file (default: train a byte-level BPE)"
     )
     vocab_size: int = _f(8192, "BPE vocabulary when training one")
-    tokenizer_train_bytes: int = _f(4_000_000, "BPE training text budget in characters (from the training split)")
+    tokenizer_train_bytes: int = _f(
+        4_000_000, "BPE training text budget in characters (whole training documents in a fixed shuffled order)"
+    )
     max_tokens: int | None = _f(3_000_000, "cap on the tokenised training stream")
     steps: int = _f(120, "optimizer steps")
     schedule_steps: int | None = _f(

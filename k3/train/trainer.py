@@ -39,7 +39,7 @@ from k3.config import get_preset
 from k3.convert.atomic import atomic_write_text
 from k3.convert.checkpoint import latest_checkpoint
 from k3.convert.load import from_pretrained
-from k3.data.text import PackedDataset, load_corpus
+from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
 from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.generate import greedy_generate
 from k3.model.balance import Balancer
@@ -86,15 +86,6 @@ def _load_tokenizer(path: str) -> Tokenizer:
     if p.is_dir() or p.suffix == ".json":
         return Tokenizer.load(p)
     return Tokenizer.from_tiktoken(p)
-
-
-def _text_budget(docs, budget: int):
-    used = 0
-    for d in docs:
-        if used >= budget:
-            break
-        used += len(d.text)
-        yield d.text
 
 
 def write_expert_loads(loads: dict[int, torch.Tensor], path: Path) -> None:
@@ -263,7 +254,7 @@ class Trainer(TrainStep, RunState):
         if cfg.tokenizer:
             return _load_tokenizer(cfg.tokenizer)
         t0 = time.perf_counter()
-        tokenizer = train_bpe(_text_budget(train_docs, cfg.tokenizer_train_bytes), cfg.vocab_size)
+        tokenizer = train_bpe(tokenizer_texts(train_docs, cfg.tokenizer_train_bytes), cfg.vocab_size)
         log.info(
             "trained a byte-level BPE tokenizer (vocab %d) in %.1fs", tokenizer.vocab_size, time.perf_counter() - t0
         )

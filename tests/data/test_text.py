@@ -67,6 +67,21 @@ def test_code_and_prose_mixture():
     assert load_corpus(MIXTURE, "train", max_docs=3) == train[:3]
 
 
+def test_tokenizer_texts_sample_the_whole_split():
+    """A tokenizer's training sample: whole documents in a fixed shuffled order up to the budget, so a mixture's
+    later part (here the prose, after every code document) is in it in about its share; all when they fit."""
+    from k3.data.text import Document, tokenizer_texts
+
+    docs = [Document(f"code{i}", "c" * 100) for i in range(300)] + [
+        Document(f"prose{i}", "p" * 100) for i in range(100)
+    ]
+    texts = tokenizer_texts(docs, 4_000)
+    assert len(texts) == 40 and texts == tokenizer_texts(docs, 4_000)  # 40 documents reach 4,000 characters
+    assert 4 <= sum(t[0] == "p" for t in texts) <= 20  # a quarter of the documents are prose: 10 expected
+    assert sorted(tokenizer_texts(docs, 10**9)) == sorted(d.text for d in docs)
+    assert tokenizer_texts([], 100) == []
+
+
 def test_packages_corpus():
     """packages:NAME[==VERSION]: an installed distribution's text files as documents named DIST/PATH (no metadata
     folder), split like any corpus, pins checked against the installed version; parts join with +."""
