@@ -137,6 +137,27 @@ SWEEPS: dict[str, Sweep] = {
             lr=1e-2,
         ),
     ),
+    "cpu5_512": Sweep(
+        name="cpu5_512",
+        description="cpu5 in rows of 512 tokens (4 x 512 a step, the same tokens a step): cpu5 and gpu5 differ in "
+        "row length (128 vs 512) among other things; this sweep changes only that",
+        preset="tiny",
+        sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
+        head_dim=16,
+        **PROPORTIONAL,
+        train=dict(
+            steps=1,
+            batch_size=4,
+            seq_len=512,
+            vocab_size=1024,
+            tokenizer_train_bytes=1_000_000,
+            max_tokens=3_500_000,
+            eval_every=250,
+            eval_rows=128,  # cpu5's 65K validation tokens
+            keep_checkpoints=1,
+            lr=1e-2,
+        ),
+    ),
     "gpu": Sweep(
         name="gpu",
         description="4 sizes x 2 architectures, 300 steps of 16 x 512 tokens each (H200)",
