@@ -76,6 +76,29 @@ PROPORTIONAL = dict(  # gpu5's design, also cpu5's: tokens grow with the model, 
     min_steps=100,
     data=PACKAGES_MIXTURE,  # gpu5 needs up to 40.2M fresh tokens a run; cpu5 reads the same mixture
 )
+CPU5 = Sweep(
+    name="cpu5",
+    description="gpu5's design at CPU scale: 5 sizes x K3-style vs the K2-like baseline, tokens = 5 x activated "
+    "parameters in steps of 16 x 128, 3 seeds at the two smallest sizes, on gpu5's code + prose (~20 minutes "
+    "on 2 cores with --jobs 2)",
+    preset="tiny",
+    sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
+    head_dim=16,
+    **PROPORTIONAL,
+    train=dict(
+        steps=1,
+        batch_size=16,
+        seq_len=128,
+        vocab_size=1024,
+        tokenizer_train_bytes=1_000_000,
+        max_tokens=3_500_000,
+        eval_every=250,
+        eval_rows=512,  # 65K tokens: validation documents from every part of the mixture
+        keep_checkpoints=1,
+        lr=1e-2,
+    ),
+)
+
 SWEEPS: dict[str, Sweep] = {
     "micro": Sweep(
         name="micro",
@@ -115,48 +138,13 @@ SWEEPS: dict[str, Sweep] = {
             eval_rows=32,
         ),
     ),
-    "cpu5": Sweep(
-        name="cpu5",
-        description="gpu5's design at CPU scale: 5 sizes x K3-style vs the K2-like baseline, tokens = 5 x activated "
-        "parameters in steps of 16 x 128, 3 seeds at the two smallest sizes, on gpu5's code + prose (~20 minutes "
-        "on 2 cores with --jobs 2)",
-        preset="tiny",
-        sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
-        head_dim=16,
-        **PROPORTIONAL,
-        train=dict(
-            steps=1,
-            batch_size=16,
-            seq_len=128,
-            vocab_size=1024,
-            tokenizer_train_bytes=1_000_000,
-            max_tokens=3_500_000,
-            eval_every=250,
-            eval_rows=512,  # 65K tokens: validation documents from every part of the mixture
-            keep_checkpoints=1,
-            lr=1e-2,
-        ),
-    ),
-    "cpu5_512": Sweep(
+    "cpu5": CPU5,
+    "cpu5_512": dataclasses.replace(
+        CPU5,
         name="cpu5_512",
         description="cpu5 in rows of 512 tokens (4 x 512 a step, the same tokens a step): cpu5 and gpu5 differ in "
         "row length (128 vs 512) among other things; this sweep changes only that",
-        preset="tiny",
-        sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
-        head_dim=16,
-        **PROPORTIONAL,
-        train=dict(
-            steps=1,
-            batch_size=4,
-            seq_len=512,
-            vocab_size=1024,
-            tokenizer_train_bytes=1_000_000,
-            max_tokens=3_500_000,
-            eval_every=250,
-            eval_rows=128,  # cpu5's 65K validation tokens
-            keep_checkpoints=1,
-            lr=1e-2,
-        ),
+        train={**CPU5.train, "batch_size": 4, "seq_len": 512, "eval_rows": 128},  # 128 rows: cpu5's 65K tokens
     ),
     "gpu": Sweep(
         name="gpu",
