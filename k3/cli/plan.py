@@ -4,13 +4,17 @@
             [--loads RUN_DIR | RUNS_DIR | --zipf 0.5] [--workload serve|train] [--json] [--report DIR]
 
 Prints the layout, each GPU's memory, the expert load before and after placement, and the predicted step with
-every term; exits 1 when the model does not fit, saying by how much.
+every term; exits 1 when the model does not fit, saying by how much. With ``--loads`` naming a directory of
+training runs (a grid), plans once per run and prints the straggler table (k3.plan.runs); there a cluster the
+model does not fit is an error (exit 2), since no row could be planned.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +25,7 @@ from k3.plan.cluster import PROFILES, cluster
 from k3.plan.cost import model_shape
 from k3.plan.loads import read_loads, zipf_shares
 from k3.plan.plan import Serving, Training, plan_serving, plan_training, summary
-from k3.plan.runs import loads_runs, plan_runs, runs_markdown
+from k3.plan.runs import is_runs_dir, plan_runs, runs_markdown
 
 
 def add_parser(sub) -> None:
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         inter_latency_s=args.inter_latency_us and args.inter_latency_us * 1e-6,
     )
     shape = model_shape(config)
-    if args.loads and loads_runs(args.loads):
+    if args.loads and is_runs_dir(args.loads):
         return _runs(args, config, c)
     if args.loads:
         shares = read_loads(args.loads, shape.moe_layers, shape.experts).numpy()
@@ -149,24 +153,18 @@ def _runs(args: argparse.Namespace, config, c) -> int:
     rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one)
     what = "training step" if args.workload == "train" else f"decode step, {args.precision} experts"
     title = f"Straggler of {config.name} on {c.gpus} GPUs ({c.hbm_gib:g} GiB each), {what}, under each run's loads"
-    model = f"--config {args.config}" if args.config else f"--preset {args.preset}"
-    command = f"k3 plan {model} --gpus {c.gpus} --workload {args.workload} --loads {args.loads}"
+    command = "k3 " + shlex.join(args.argv)
     md = runs_markdown(rows, title, command, str(work))
+    meta = {"model": config.name, "workload": args.workload, "gpus": c.gpus, "hbm_gib": c.hbm_gib, "work": vars(work)}
+    result = json.dumps({"meta": meta, "command": command, "rows": rows}, indent=1)
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"straggler-{args.workload}-{c.gpus}"
-        meta = {
-            "model": config.name,
-            "workload": args.workload,
-            "gpus": c.gpus,
-            "hbm_gib": c.hbm_gib,
-            "work": vars(work),
-        }
-        stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "command": command, "rows": rows}, indent=1))
+        stem.with_suffix(".json").write_text(result + "\n")
         stem.with_suffix(".md").write_text(md)
-        print(f"report: {stem}.md")
-    print(json.dumps(rows, indent=1) if args.json else md, end="" if not args.json else "\n")
+        print(f"report: {stem}.md", file=sys.stderr)
+    print(result if args.json else md, end="\n" if args.json else "")
     return 0
 
 

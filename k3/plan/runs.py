@@ -11,6 +11,7 @@ as time on the planned cluster, which the imbalance factor alone (docs/architect
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,34 +22,47 @@ from k3.plan.loads import read_loads
 LOADS = "expert_loads.json"
 
 
-def loads_runs(root: str | Path) -> list[Path]:
-    """Run directories under ``root`` that hold router counts, in path order; [] when ``root`` is not a directory
-    or is itself one run."""
+def is_runs_dir(root: str | Path) -> bool:
+    """Whether ``root`` is a directory of runs (a grid) rather than one run or a JSON file of counts."""
     p = Path(root)
-    if not p.is_dir() or (p / LOADS).is_file():
-        return []
-    return sorted(q.parent for q in p.rglob(LOADS))
+    return p.is_dir() and not (p / LOADS).is_file()
+
+
+def loads_runs(root: str | Path) -> list[Path]:
+    """Run directories under the directory of runs ``root`` that hold router counts, in path order."""
+    return sorted(q.parent for q in Path(root).rglob(LOADS))
 
 
 def plan_runs(root: str | Path, layers: int, experts: int, plan_one: Callable[[np.ndarray], dict]) -> list[dict]:
     """One row per run under ``root``: the run's name, variant, seed and validation loss (its summary.json, where
     present), and from ``plan_one(shares [layers, experts])`` the placed max / mean GPU load and the step's
     straggler and total seconds. ValueError when a run's loads do not match the model or the plan does not fit."""
+    runs = loads_runs(root)
+    if not runs:
+        raise ValueError(f"expert loads: no run under {root} holds {LOADS}")
     rows = []
-    for run in loads_runs(root):
-        plan = plan_one(read_loads(run, layers, experts).numpy())
+    for run in runs:
+        try:
+            plan = plan_one(read_loads(run, layers, experts).numpy())
+            meta = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+        except ValueError as e:  # also a summary.json that is not JSON
+            raise ValueError(f"{run}: {e}") from None
         if not plan["fits"]:
             mem = plan["memory_gib"]
             why = plan.get("why") or f"{mem['total']:.1f} GiB per GPU needed, {mem['hbm']:.1f} GiB held"
             raise ValueError(f"the model does not fit this cluster: {why}")
         step = plan.get("decode") or plan["step"]
-        meta = json.loads((run / "summary.json").read_text()) if (run / "summary.json").is_file() else {}
+        name = str(run.relative_to(root))
+        layout = plan["layout"]
         rows.append(
             {
-                "run": str(run.relative_to(root)),
-                "variant": meta.get("variant", run.name),
+                "run": name,
+                # runs of one variant differ by seed: the variant (its summary's, else the name without "-sN")
+                "variant": meta.get("variant", re.sub(r"-s\d+$", "", run.name)),
                 "seed": meta.get("seed"),
                 "val_loss": meta.get("val_loss"),
+                "tensor_parallel": layout.get("tensor_parallel", 1),
+                "replica_slots_per_gpu": layout.get("replica_slots_per_gpu", 0),
                 "max_over_mean_placed": plan["load"]["max_over_mean_after"]["mean"],
                 "straggler_s": step["straggler_s"],
                 "step_s": step["step_s"],
@@ -102,13 +116,14 @@ def runs_markdown(rows: list[dict], title: str, command: str, settings: str) -> 
         )
     lines += [
         "",
-        "| run | val loss | placed max / mean GPU load | straggler ms | step ms | share |",
-        "|---|---|---|---|---|---|",
+        "| run | val loss | TP, replica slots | placed max / mean GPU load | straggler ms | step ms | share |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         loss = "—" if r["val_loss"] is None else f"{r['val_loss']:.3f}"
         lines.append(
-            f"| {r['run']} | {loss} | {r['max_over_mean_placed']:.3f} | {1e3 * r['straggler_s']:,.2f} | "
-            f"{1e3 * r['step_s']:,.1f} | {pct(r['straggler_share'])} |"
+            f"| {r['run']} | {loss} | {r['tensor_parallel']}, {r['replica_slots_per_gpu']} | "
+            f"{r['max_over_mean_placed']:.3f} | {1e3 * r['straggler_s']:,.2f} | {1e3 * r['step_s']:,.1f} | "
+            f"{pct(r['straggler_share'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -196,18 +196,23 @@ def test_cli_loads_over_a_directory_of_runs(tmp_path, capsys):
     grid = tmp_path / "grid"
     hot = np.full(896, 10.0)
     hot[:4] = 4000.0  # four experts take ~2/3 of the slots: one copy each on 512 GPUs cannot spread them
-    for name, counts in (("even-s0", [np.full(896, 10.0)] * 2), ("hot-s1", [hot, np.full(896, 10.0)])):
+    runs = (("even-s0", [np.full(896, 10.0)] * 2), ("hot-s1", [hot, np.full(896, 10.0)]), ("hot-s2", [hot]))
+    for name, counts in runs:
         run = grid / "runs" / name
         run.mkdir(parents=True)
         layers = {str(i): c.tolist() for i, c in enumerate(counts)}
         (run / "expert_loads.json").write_text(json.dumps({"layers": layers}))
-        (run / "summary.json").write_text(json.dumps({"variant": name[:-3], "seed": int(name[-1]), "val_loss": 3.0}))
+        if name != "hot-s2":  # a run without its summary: its variant from its name
+            summary = {"variant": name[:-3], "seed": int(name[-1]), "val_loss": 3.0}
+            (run / "summary.json").write_text(json.dumps(summary))
     out = tmp_path / "out"
     args = ["plan", "--preset", "k3", "--gpus", "512", "--workload", "train", "--loads", str(grid)]
     assert main([*args, "--report", str(out)]) == 0
     printed = capsys.readouterr().out
-    rows = json.loads((out / "straggler-train-512.json").read_text())["rows"]
-    assert [(r["variant"], r["seed"]) for r in rows] == [("even", 0), ("hot", 1)]
+    report = json.loads((out / "straggler-train-512.json").read_text())
+    rows = report["rows"]
+    assert report["command"] == "k3 " + " ".join([*args, "--report", str(out)])
+    assert [(r["variant"], r["seed"]) for r in rows] == [("even", 0), ("hot", 1), ("hot", None)]
     config = get_preset("k3")
     shape = cost.model_shape(config)
     for r in rows:
@@ -215,9 +220,14 @@ def test_cli_loads_over_a_directory_of_runs(tmp_path, capsys):
         step = plan_training(config, cluster(gpus=512), Training(), shares)["step"]
         assert r["straggler_s"] == pytest.approx(step["straggler_s"]) and r["step_s"] == pytest.approx(step["step_s"])
     assert 0 <= rows[0]["straggler_share"] < 0.1 < rows[1]["straggler_share"] < 1
-    assert "| `hot` | 1 |" in printed and (out / "straggler-train-512.md").read_text() in printed
+    assert "| `hot` | 2 |" in printed and (out / "straggler-train-512.md").read_text() == printed
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == rows
+    (tmp_path / "empty").mkdir()
+    assert main([*args[:-1], str(tmp_path / "empty")]) == 2
+    assert "no run under" in capsys.readouterr().err
     assert main([*args[:4], "256", *args[5:]]) == 2
     assert "does not fit this cluster" in capsys.readouterr().err
     (grid / "runs" / "even-s0" / "expert_loads.json").write_text(json.dumps([[1.0] * 32]))
     assert main(args) == 2
-    assert "has 32 experts, the model has 896" in capsys.readouterr().err
+    assert "even-s0: expert loads: layer 0 has 32 experts, the model has 896" in capsys.readouterr().err
