@@ -4,6 +4,7 @@ with :func:`k3.audit.runs.run_one` (resumable, one shared tokenizer) into
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -195,7 +196,7 @@ SWEEPS: dict[str, Sweep] = {
 
 def get_sweep(name: str) -> Sweep:
     try:
-        return dataclasses.replace(SWEEPS[name])
+        return copy.deepcopy(SWEEPS[name])  # its dicts too: the sweeps share some
     except KeyError:
         raise ValueError(f"unknown sweep {name!r}; choose one of: {', '.join(SWEEPS)}") from None
 
