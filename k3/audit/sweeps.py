@@ -143,9 +143,17 @@ SWEEPS: dict[str, Sweep] = {
     "cpu5_512": dataclasses.replace(
         CPU5,
         name="cpu5_512",
-        description="cpu5 in rows of 512 tokens (4 x 512 a step, the same tokens a step): cpu5 and gpu5 differ in "
-        "row length (128 vs 512) among other things; this sweep changes only that",
+        description="cpu5 in rows of 512 tokens, 4 x 512 a step (the same tokens a step, a quarter of the rows): "
+        "cpu5 and gpu5 differ in row length (128 vs 512) among other things",
         train={**CPU5.train, "batch_size": 4, "seq_len": 512, "eval_rows": 128},  # 128 rows: cpu5's 65K tokens
+    ),
+    "cpu5_16x512": dataclasses.replace(
+        CPU5,
+        name="cpu5_16x512",
+        description="cpu5 in 16 rows of 512 tokens a step: cpu5's rows per step at cpu5_512's row length (4x the "
+        "tokens a step, a quarter of the steps; at least 50 steps)",
+        min_steps=50,
+        train={**CPU5.train, "seq_len": 512, "eval_rows": 128},
     ),
     "gpu": Sweep(
         name="gpu",
