@@ -17,7 +17,8 @@
 # profile_decode, ab_kernels_a / ab_kernels_b (each of the router top-k, input-maps, MoE routing and fused up-projection
 # kernels off alone), profile_attn_res,
 # kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear, small_groups and profile_kernels on request,
-# train_fp8 (the step with FP8 experts against bf16), train_accum (262,144 tokens an optimizer step, bf16 and FP8 experts), precision (bf16 vs FP8 experts over 3 seeds, 2000 steps),
+# train_fp8 (the step with FP8 experts against bf16), train_accum (262,144 tokens an optimizer step, bf16 and FP8
+# experts), precision (bf16 vs FP8 experts over 3 seeds, 2000 steps),
 # attn_res_depth (AttnRes at K3's depth), kda_chunk (our chunked KDA vs fla's), serve_load (k3 serve under load, random small-1b),
 # each under its own limit below (every step fits in 10 minutes)
 set -u

@@ -28,7 +28,7 @@ import numpy as np
 from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
 from k3.audit.stats import paired_difference
 from k3.bench.common import environment, write_results
-from k3.data.text import PACKAGES_MIXTURE, describe_corpus, pin_corpus
+from k3.data.text import PACKAGES_MIXTURE, describe_corpus, pin_corpus, stream_tokens
 from k3.train.state import read_metrics
 from k3.train.trainer import TrainConfig
 
@@ -51,7 +51,7 @@ def run_configs(a: argparse.Namespace, out: Path, tokenizer: Path) -> list[tuple
                 seq_len=a.seq_len,
                 tokenizer=str(tokenizer),
                 data=a.data,
-                max_tokens=a.steps * a.batch_size * a.seq_len + a.seq_len + 1,  # the rows the run trains on
+                max_tokens=stream_tokens(a.steps, a.batch_size, a.seq_len),  # the rows the run trains on
                 eval_every=max(1, a.steps // 10),
                 eval_rows=256,
                 save_every=max(1, a.steps // 4),

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.data.text import PACKAGES_MIXTURE, pin_corpus
+from k3.data.text import PACKAGES_MIXTURE, pin_corpus, stream_tokens
 
 log = logging.getLogger("k3.scaling")
 
@@ -80,7 +80,7 @@ PROPORTIONAL = dict(  # gpu5's design, also cpu5's: tokens grow with the model, 
 CPU5 = Sweep(
     name="cpu5",
     description="gpu5's design at CPU scale: 5 sizes x K3-style vs the K2-like baseline, tokens = 5 x activated "
-    "parameters in steps of 16 x 128, 3 seeds at the two smallest sizes, on gpu5's code + prose (~20 minutes "
+    "parameters in steps of 16 x 128, 3 seeds at the two smallest sizes, on gpu5's code + prose (~25 minutes "
     "on 2 cores with --jobs 2)",
     preset="tiny",
     sizes=((32, 4), (48, 4), (64, 4), (80, 4), (96, 4)),
@@ -279,7 +279,7 @@ def run_sweep(
         run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
         train = {**sweep.train, "steps": steps}
         if sweep.tokens_per_param and train.get("max_tokens") is None:  # tokenise only what the run reads
-            train["max_tokens"] = steps * train["batch_size"] * train.get("grad_accum", 1) * ctx + ctx + 1
+            train["max_tokens"] = stream_tokens(steps, train["batch_size"] * train.get("grad_accum", 1), ctx)
         train["eval_every"] = min(train.get("eval_every", 20), steps)
         cfg = variant_train_config(sweep.preset, sized_ov, train, v, label, seed, run_dir, tok_path, data, device)
         meta = {

@@ -103,32 +103,25 @@ def run(args: argparse.Namespace) -> int:
         inter_latency_s=args.inter_latency_us and args.inter_latency_us * 1e-6,
     )
     shape = model_shape(config)
+    work = _work(args)
     if args.loads and is_runs_dir(args.loads):
-        return _runs(args, config, c)
+        return _runs(args, config, c, work)
     if args.loads:
         shares = read_loads(args.loads, shape.moe_layers, shape.experts).numpy()
     elif args.workload == "train":
         shares = np.full((shape.moe_layers, shape.experts), 1 / shape.experts)
     else:
         shares = zipf_shares(shape.moe_layers, shape.experts, shape.top_k, args.zipf).numpy()
-    if args.workload == "train":
-        plan = plan_training(
-            config, c, Training(args.global_tokens, args.seq_len, args.micro_tokens, not args.no_checkpointing), shares
-        )
-    else:
-        work = Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
-        plan = plan_serving(config, c, args.precision, work, shares, tp=args.tp, replicas=args.replicas)
-        if args.report:
-            from k3.plan.report import write_report
+    plan = _plan(args, config, c, work, shares)
+    if args.workload == "serve" and args.report:
+        from k3.plan.report import write_report
 
-            plans = {
-                g: plan_serving(
-                    config, cluster(gpus=g, hbm_gib=c.hbm_gib), args.precision, work, shares, placements=False
-                )
-                for g in (64, 128)
-            }
-            path = write_report(config, shares, work, Path(args.report), plans, args.zipf)
-            print(f"report: {path}")
+        plans = {
+            g: plan_serving(config, cluster(gpus=g, hbm_gib=c.hbm_gib), args.precision, work, shares, placements=False)
+            for g in (64, 128)
+        }
+        path = write_report(config, shares, work, Path(args.report), plans, args.zipf)
+        print(f"report: {path}")
     # training keeps bf16 master weights and optimizer state: --precision (experts' storage) is a serving choice
     precision = {"precision": args.precision} if args.workload == "serve" else {}
     plan = {"model": config.name, "workload": args.workload, **precision, **plan}
@@ -139,17 +132,25 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan["fits"] else 1
 
 
-def _runs(args: argparse.Namespace, config, c) -> int:
+def _work(args: argparse.Namespace) -> Training | Serving:
+    if args.workload == "train":
+        return Training(args.global_tokens, args.seq_len, args.micro_tokens, not args.no_checkpointing)
+    return Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
+
+
+def _plan(args: argparse.Namespace, config, c, work: Training | Serving, shares, placements: bool = True) -> dict:
+    """The training or serving plan of ``work`` under expert shares [MoE layers, experts]."""
+    if isinstance(work, Training):
+        return plan_training(config, c, work, shares)
+    return plan_serving(
+        config, c, args.precision, work, shares, tp=args.tp, replicas=args.replicas, placements=placements
+    )
+
+
+def _runs(args: argparse.Namespace, config, c, work: Training | Serving) -> int:
     """--loads over a directory of runs: the per-run straggler table (k3.plan.runs)."""
     shape = model_shape(config)
-    if args.workload == "train":
-        work = Training(args.global_tokens, args.seq_len, args.micro_tokens, not args.no_checkpointing)
-        plan_one = lambda shares: plan_training(config, c, work, shares)  # noqa: E731
-    else:
-        work = Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
-        plan_one = lambda shares: plan_serving(  # noqa: E731
-            config, c, args.precision, work, shares, tp=args.tp, replicas=args.replicas, placements=False
-        )
+    plan_one = lambda shares: _plan(args, config, c, work, shares, placements=False)  # noqa: E731
     rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one)
     what = "training step" if args.workload == "train" else f"decode step, {args.precision} experts"
     title = f"Straggler of {config.name} on {c.gpus} GPUs ({c.hbm_gib:g} GiB each), {what}, under each run's loads"
@@ -164,7 +165,7 @@ def _runs(args: argparse.Namespace, config, c) -> int:
         stem.with_suffix(".json").write_text(result + "\n")
         stem.with_suffix(".md").write_text(md)
         print(f"report: {stem}.md", file=sys.stderr)
-    print(result if args.json else md, end="\n" if args.json else "")
+    print(result if args.json else md.rstrip("\n"))
     return 0
 
 

@@ -388,6 +388,12 @@ def seeded_permutation(n: int, seed: int, stream: str) -> np.ndarray:
     return np.argsort(_splitmix64(np.arange(n, dtype=np.uint64) ^ np.uint64(key)), kind="stable")
 
 
+def stream_tokens(steps: int, rows_per_step: int, seq_len: int) -> int:
+    """Tokens of the packed stream for ``steps`` steps of ``rows_per_step`` rows of ``seq_len`` (row r is
+    s[r T : r T + T + 1]), one row spare: what to tokenise (``max_tokens``) for a run that reads each token once."""
+    return (steps * rows_per_step + 1) * seq_len + 1
+
+
 def tokenizer_texts(docs: Sequence[Document], budget: int) -> list[str]:
     """About ``budget`` characters of ``docs`` to train a tokenizer on: whole documents in a fixed shuffled order
     until the budget is reached (all of them when they hold less), so every part of a mixture is in the sample in

@@ -14,6 +14,7 @@ from k3.data.text import (
     seeded_permutation,
     split_documents,
     stdlib_corpus,
+    stream_tokens,
 )
 
 
@@ -324,6 +325,16 @@ def test_max_tokens_and_errors():
         PackedDataset([Document("x", "a`b")], tok, seq_len=1)  # '`' encodes to 0
     with pytest.raises(ValueError, match="batch_size=0"):
         capped.batch(0, 0)
+
+
+def test_stream_tokens_cover_the_rows_a_run_reads():
+    """max_tokens = stream_tokens(steps, B, T) packs more than steps x B rows (one spare); packing stops after the
+    document that reaches the cap, so at most one document (< 25 characters + EOS here) more."""
+    docs, tok = toy_docs(200), CharTokenizer()
+    for steps, b, t in ((3, 2, 4), (5, 1, 7), (1, 4, 16)):
+        n = stream_tokens(steps, b, t)
+        rows = PackedDataset(docs, tok, seq_len=t, max_tokens=n).num_rows
+        assert steps * b < rows <= (n + 25 - 1) // t, (steps, b, t, rows)
 
 
 def test_real_tokenizer_stdlib_packing():
