@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 
@@ -52,6 +53,25 @@ def add_parser(sub) -> None:
         default=16.0,
         help="largest request body in MiB (larger answers 413; default 16, room for a ~10 MiB image)",
     )
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open")
+    p.add_argument(
+        "--timeout-request-read",
+        type=float,
+        default=30.0,
+        help="seconds a request's head may take to arrive, then its body (slower ones are cut off; default 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open connections served at once; requests beyond answer 503 (default 512, capped below ulimit -n)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on all but /health (default $K3_API_KEY, which keeps it out of ps)",
+    )
+    p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
     p.set_defaults(func=run)
 
 
@@ -115,7 +135,7 @@ def _server(config, async_engine: AsyncEngine | None = None, drain_timeout: floa
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from k3.infer.server import create_app
+    from k3.infer.server import connection_limit, create_app, http_options, limit_log_rate
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} must be in [0, 65535]")
@@ -123,6 +143,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--drain-timeout={args.drain_timeout} must be >= 0")
     if not 0 < args.max_request_mb <= 4096:
         raise ValueError(f"--max-request-mb={args.max_request_mb} must be in (0, 4096]")
+    for name in ("timeout_keep_alive", "timeout_request_read"):
+        if not 0 < getattr(args, name) < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be a positive number of seconds")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections={args.max_connections} must be >= 1")
+    api_key = os.environ.get("K3_API_KEY") if args.api_key is None else args.api_key
+    if api_key is not None:  # (a header cannot carry other characters, nor keep spaces at either end)
+        api_key = api_key.strip()
+        if not api_key or not (api_key.isascii() and api_key.isprintable()):
+            raise ValueError("the API key (--api-key or K3_API_KEY) must be non-empty printable ASCII")
     from k3.ops.plan import plan_table
 
     engine, tokenizer, path = build_engine(args)
@@ -135,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
         engine.max_context,
         args.drain_timeout,
         max_request_bytes=int(args.max_request_mb * 2**20),
+        read_timeout=args.timeout_request_read,
+        api_key=api_key,
+        docs=args.docs,
     )
     log.info(
         "serving %s as %r on http://%s:%d (context %d, batch %d, device %s)",
@@ -149,8 +182,14 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn cancels what is left after its timeout: give the engine's drain and the error responses it ends
     # with a few seconds more
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.drain_timeout + 5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.drain_timeout + 5,
+        **http_options(args.timeout_keep_alive, args.timeout_request_read, connection_limit(args.max_connections)),
     )
+    limit_log_rate()  # after uvicorn.Config, which installs uvicorn's log handlers
     _server(config, async_engine, args.drain_timeout).run()  # returns after a graceful shutdown
     log.info("k3 serve: stopped")
     return 0

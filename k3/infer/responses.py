@@ -31,8 +31,16 @@ def token_lps(out, text_only: bool) -> list:
     return lps[:-1] if text_only and out.stop_token else lps
 
 
+# characters a line splitter may break on that json.dumps leaves raw (it escapes \r, \n and other controls below
+# U+0020): written as their JSON escapes, the same value, so every event stays one ``data:`` line
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One SSE event: ``data: `` and ``obj`` as JSON (UTF-8 text, not ASCII escapes) on one line. NEL, LINE
+    SEPARATOR and PARAGRAPH SEPARATOR are escaped, since a client that splits lines on every Unicode line break
+    (as Python's ``str.splitlines`` does) would otherwise cut the JSON in two."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def stream_events(stream, first: list[dict], chunk, include_usage: bool, text_only: bool = False):

@@ -58,13 +58,14 @@ def ckpt(tmp_path_factory):
 
 
 class LiveServer:
-    """uvicorn in a background thread on a pre-bound 127.0.0.1 socket (no port race)."""
+    """uvicorn in a background thread on a pre-bound 127.0.0.1 socket (no port race); ``options`` go to its
+    Config."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
