@@ -72,7 +72,7 @@ def _decode_run(model, cfg: K3Config, batch: int, prompt_len: int, decode_steps:
         model,
         _IdTokenizer(),
         max_batch=batch,
-        prefill_chunk=prompt_len * batch,
+        max_num_batched_tokens=prompt_len * batch,
         max_context=prompt_len + decode_steps + 2,
     )
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
@@ -132,7 +132,7 @@ def serving(
                 model,
                 _IdTokenizer(),
                 max_batch=1,
-                prefill_chunk=max(shared, block),
+                max_num_batched_tokens=max(shared, block),
                 block_size=block,
                 prefix_cache_bytes=1 << 30,
                 max_context=prompt_len + 4,

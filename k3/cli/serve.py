@@ -36,7 +36,32 @@ def add_parser(sub) -> None:
         default=None,
         help="prompt + output tokens per request (default min(max_position_embeddings, 8192))",
     )
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens one engine step feeds: decode tokens first, prefill chunks in the rest (default 4096 on a "
+        "GPU, 512 on a CPU)",
+    )
+    p.add_argument(
+        "--prefill-wait-steps",
+        type=int,
+        default=None,
+        help="decode steps a new prompt may wait to be prefilled together with others (default 8 on a GPU, 0 on "
+        "a CPU; 0: prefill at once)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="read each step's tokens before launching the next (default on a GPU: overlapped)",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=None,
+        help="most tokens one request may ask for: prompt + max_tokens summed over its prompts and choices "
+        "(larger answers 400; default 262144)",
+    )
     p.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory for running requests")
     p.add_argument("--prefix-cache-gb", type=float, default=0.0, help="memory for cached prompt prefixes (0: off)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
@@ -81,6 +106,8 @@ def build_engine(args: argparse.Namespace):
         value = getattr(args, name)
         if value is not None and not value >= 0:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 0")
+    if args.max_request_tokens is not None and args.max_request_tokens < 1:
+        raise ValueError(f"--max-request-tokens={args.max_request_tokens} must be >= 1")
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context={args.max_context} must be >= 2")
     model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
@@ -92,7 +119,9 @@ def build_engine(args: argparse.Namespace):
         max_context=args.max_context,
         cuda_graphs=False if args.no_cuda_graphs else None,
         compile_decode=args.compile_decode,
-        prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_wait_steps=args.prefill_wait_steps,
+        overlap=False if args.no_overlap else None,
         memory_budget=budget,
         prefix_cache_bytes=int(args.prefix_cache_gb * GIB),
     )
@@ -168,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         read_timeout=args.timeout_request_read,
         api_key=api_key,
         docs=args.docs,
+        max_request_tokens=args.max_request_tokens,
     )
     log.info(
         "serving %s as %r on http://%s:%d (context %d, batch %d, device %s)",

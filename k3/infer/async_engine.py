@@ -2,8 +2,11 @@
 
 The thread is the only code that touches the engine or the model. Callers on any event loop submit requests
 and aborts through a lock-protected inbox and get each request's :class:`StepOutput` deltas through its own
-``asyncio.Queue``, fed with ``loop.call_soon_threadsafe``. The thread sleeps on a condition variable while
-there is nothing to do.
+``asyncio.Queue``; a step's outputs reach each event loop in one ``loop.call_soon_threadsafe`` call. All the
+sequences of one HTTP request (its prompts and choices) go in one inbox message (:meth:`AsyncEngine.submit_many`)
+and are added in one step, all or none. A reader that falls behind gets the deltas waiting for it merged into one
+(:func:`merge`), so a slow consumer costs one event per read, not one per token. The thread sleeps on a condition
+variable while there is nothing to do.
 
     ae = AsyncEngine(engine).start()
     async for out in ae.generate(prompt_ids, SamplingParams(max_tokens=32)):
@@ -18,6 +21,7 @@ ended with an error of its own (``StepOutput.error``) ends with :class:`EngineEr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -25,7 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from k3.infer.engine import StepOutput
+from k3.infer.engine import Request, StepOutput
 from k3.infer.sampling import SamplingParams
 
 log = logging.getLogger("k3.infer")
@@ -46,9 +50,39 @@ class _Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    accepted: asyncio.Future
     images: list | None = None  # image bytes / paths for the prompt's media placeholders
     media: object = None  # or the images already prepared (Engine.prepare), the prompt expanded
+
+
+@dataclass
+class _Submission:
+    """One inbox message: the sequences of one request, added together (``accepted`` resolves once)."""
+
+    requests: list[_Request]
+    group: str
+    accepted: asyncio.Future
+
+
+def merge(outputs: list[StepOutput]) -> StepOutput:
+    """Consecutive deltas of one request as one: texts and tokens joined, log-probabilities concatenated, the
+    prompt's from the first that has them, the rest (counts, finish) from the last."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    lps = [o.logprobs for o in outputs if o.logprobs is not None]
+    prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    return dataclasses.replace(
+        last,
+        token_ids=[t for o in outputs for t in o.token_ids],
+        text="".join(o.text for o in outputs),
+        logprobs=None if not lps else [e for part in lps for e in part],
+        prompt_logprobs=prompt,
+    )
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
@@ -71,12 +105,21 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[StepOutput]:
+        queue = self._req.queue
         try:
             while not self.finished:
-                item = await self._req.queue.get()
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
+                ready = [item]  # and every delta already waiting, up to an error (raised on the next read)
+                while not ready[-1].finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        queue.put_nowait(nxt)  # nothing else is queued behind an error
+                        break
+                    ready.append(nxt)
+                item = merge(ready)
                 self.finished = item.finished
                 yield item
         finally:
@@ -95,7 +138,7 @@ class AsyncEngine:
         self.engine = engine
         self._name = name
         self._cv = threading.Condition()
-        self._inbox: list[_Request] = []
+        self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
         self._live: dict[str, _Request] = {}  # owned by the engine thread
         self._thread: threading.Thread | None = None
@@ -149,28 +192,38 @@ class AsyncEngine:
         """Queue a request (``images``: one per media placeholder, or ``media`` from Engine.prepare; see
         Engine.add); returns once the engine accepted it. ValueError if the engine refuses it, EngineClosed if
         shutting down."""
+        return (await self.submit_many([Request(prompt_ids, params, request_id, images, media)]))[0]
+
+    async def submit_many(self, requests: list[Request], group: str | None = None) -> list[RequestStream]:
+        """Queue several sequences in one message (Engine.add_many: all or none, one admission group); returns
+        their streams once the engine accepted them all. ValueError if it refuses one, EngineClosed if shutting
+        down; cancelled while waiting, it aborts whatever was added."""
         loop = asyncio.get_running_loop()
-        req = _Request(
-            request_id or f"areq-{next(self._ids)}",
-            list(prompt_ids),
-            params,
-            loop,
-            asyncio.Queue(),
-            loop.create_future(),
-            images,
-            media,
-        )
+        reqs = [
+            _Request(
+                r.request_id or f"areq-{next(self._ids)}",
+                list(r.prompt),
+                r.params,
+                loop,
+                asyncio.Queue(),
+                r.images,
+                r.media,
+            )
+            for r in requests
+        ]
+        sub = _Submission(reqs, group or reqs[0].request_id, loop.create_future())
         with self._cv:
             if not self._accepting or self._thread is None or not self._thread.is_alive():
                 raise EngineClosed("the engine is not running (shutting down or not started)")
-            self._inbox.append(req)
+            self._inbox.append(sub)
             self._cv.notify()
         try:
-            await req.accepted
+            await sub.accepted
         except asyncio.CancelledError:
-            self.abort(req.request_id)  # queued after the add, so the thread drops it if it was added
+            for r in reqs:
+                self.abort(r.request_id)  # queued after the add, so the thread drops them if they were added
             raise
-        return RequestStream(self, req)
+        return [RequestStream(self, r) for r in reqs]
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -203,7 +256,7 @@ class AsyncEngine:
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             return False
 
-    def _take_inbox(self) -> tuple[list[_Request], list[str], bool]:
+    def _take_inbox(self) -> tuple[list[_Submission], list[str], bool]:
         with self._cv:
             while not (self._inbox or self._aborts or self.engine.has_work() or self._stop_at is not None):
                 self._cv.wait()
@@ -224,25 +277,31 @@ class AsyncEngine:
                 self._fail_all(EngineError("internal engine error"))
         with self._cv:
             self._stats = self.engine.stats()
-            for req in self._inbox:  # submitted while stopping (cannot happen after _accepting=False, but be safe)
-                req.loop.call_soon_threadsafe(_resolve, req.accepted, EngineClosed("the engine shut down"))
+            for sub in self._inbox:  # submitted while stopping (cannot happen after _accepting=False, but be safe)
+                sub.accepted.get_loop().call_soon_threadsafe(
+                    _resolve, sub.accepted, EngineClosed("the engine shut down")
+                )
             self._inbox = []
 
     def _iteration(self) -> bool:
         """Admit submissions, apply aborts, run one step; True when the thread should end."""
         inbox, aborts, stopping = self._take_inbox()
-        for req in inbox:
+        for sub in inbox:
+            loop = sub.accepted.get_loop()
             try:
-                self.engine.add(req.prompt, req.params, req.request_id, images=req.images, media=req.media)
+                self.engine.add_many(
+                    [Request(r.prompt, r.params, r.request_id, r.images, r.media) for r in sub.requests], sub.group
+                )
             except ValueError as e:
-                req.loop.call_soon_threadsafe(_resolve, req.accepted, ValueError(str(e)))
+                loop.call_soon_threadsafe(_resolve, sub.accepted, ValueError(str(e)))
                 continue
             except Exception as e:  # noqa: BLE001 - an engine bug: report it to the caller, keep serving
                 log.exception("engine.add failed")
-                req.loop.call_soon_threadsafe(_resolve, req.accepted, EngineError(f"{type(e).__name__}: {e}"))
+                loop.call_soon_threadsafe(_resolve, sub.accepted, EngineError(f"{type(e).__name__}: {e}"))
                 continue
-            self._live[req.request_id] = req
-            req.loop.call_soon_threadsafe(_resolve, req.accepted, None)
+            for r in sub.requests:
+                self._live[r.request_id] = r
+            loop.call_soon_threadsafe(_resolve, sub.accepted, None)
         for rid in aborts:
             if self._live.pop(rid, None) is not None:
                 self.engine.abort(rid)
@@ -265,18 +324,24 @@ class AsyncEngine:
             self._fail_all(EngineError(f"internal engine error: {type(e).__name__}: {e}"))
             return
         self.steps += 1
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             req = self._live.get(out.request_id)
             if req is None:
                 continue
             if out.finished:
                 del self._live[out.request_id]
-            if out.error is not None:  # this request alone failed
-                self._deliver(req, EngineError(f"the request failed: {out.error}"))
-                continue
-            if not self._deliver(req, out) and not out.finished:
-                del self._live[out.request_id]
-                self.engine.abort(out.request_id)
+            item = EngineError(f"the request failed: {out.error}") if out.error is not None else out
+            batches.setdefault(req.loop, []).append((req.queue, item))
+        for loop, items in batches.items():  # one wake-up per event loop per step
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                for queue, item in items:
+                    rid = next((r for r, q in self._live.items() if q.queue is queue), None)
+                    if rid is not None:
+                        del self._live[rid]
+                        self.engine.abort(rid)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, req in list(self._live.items()):

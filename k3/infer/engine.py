@@ -1,45 +1,67 @@
 """The inference engine: continuous batching with chunked prefill over the hybrid cache, and prefix caching.
 
-Every :meth:`Engine.step` packs one forward pass: each running sequence contributes either its next prefill
-chunk or (once its prompt is in) its one newest token; segments are delimited by ``cu_seqlens`` and point at
-their cache slot through ``seq_ids``, so sequences of any length join and leave between steps. The model
-returns logits only at each segment's last token (at every position in a pass that scores a prompt for its
-``prompt_logprobs``); a sequence whose prompt is fully in samples its next token from them. KDA runs its
-chunked form while any prefill is in the pass and the recurrent form for pure decode steps; MLA runs absorbed
-over the latent cache for decode steps. A pass where every sequence brings one token runs the model's sync-free
-``decode_step``, replayed from a CUDA graph on GPUs (k3.infer.graphs).
+Every :meth:`Engine.step` runs one pass: each running sequence contributes either its next prefill chunk or (once
+its prompt is in) its one newest token. The decoding sequences run the model's sync-free ``decode_step``, replayed
+from a CUDA graph on GPUs (k3.infer.graphs: graphs are captured at start for padded batch sizes, a step pads to
+the next one with free cache slots), also while other sequences prefill: their chunks run through the packed
+forward in the same step, segments delimited by ``cu_seqlens`` and pointing at their cache slot through
+``seq_ids``. KDA runs its chunked form for prefill chunks and the recurrent form for decode tokens; MLA runs
+absorbed over the latent cache for decode tokens. A step feeds at most ``max_num_batched_tokens`` tokens (decode
+tokens first, then prefill chunks); a prefill waits up to ``prefill_wait_steps`` decode steps to gather a fuller
+pass (a packed forward costs about as much host time for one prompt as for several), and never while no sequence
+decodes or once it has begun.
+
+Sampling runs once per step for every row on the device (k3.infer.sampling.sample_batch); the step's tokens (and
+the log-probabilities asked for) come back in one device-to-host copy. With ``overlap`` (the default on CUDA) the
+engine launches step N+1 before it reads step N's tokens: decode inputs are read from a device table of each
+slot's newest token, so the host turns step N's tokens into text while the GPU runs step N+1. A sequence that
+stopped at step N (a stop token or string) has one step computed for nothing. Text is decoded incrementally
+(k3.infer.detok): the cost per token does not grow with the output.
 
 Admission: a request needs a free slot and, under ``memory_budget``, the cache bytes of its whole context
-(prompt + max_tokens, :func:`k3.model.cache.cache_bytes_per_sequence`); otherwise it waits in FIFO order. A
-request that could never fit (too long for ``max_context`` or for the whole budget) is refused at ``add``.
-With a ``prefix_cache_bytes`` budget, prompts resume from their longest cached prefix (see prefix_cache.py), but
-for scored ones (``prompt_logprobs``), which run whole.
+(prompt + max_tokens, :func:`k3.model.cache.cache_bytes_per_sequence`). Requests are admitted fairly across
+groups (one HTTP request's prompts and choices form a group): a free slot goes to the waiting group with the
+fewest running sequences (the earliest on a tie), so one request with many choices cannot starve the others. A
+request that could never fit (too long for ``max_context`` or for the whole budget) is refused at ``add``. With a
+``prefix_cache_bytes`` budget, prompts resume from their longest cached prefix (see prefix_cache.py), but for
+scored ones (``prompt_logprobs``), which run whole.
 
-A sequence whose own part of a step fails (non-finite probabilities, any error while sampling its token) ends
-alone with a :class:`StepOutput` carrying ``error``; the other sequences of the step go on. Only a failure of the
+A sequence whose own part of a step fails (non-finite probabilities, an error while sampling its row) ends alone
+with a :class:`StepOutput` carrying ``error``; the other sequences of the step go on. Only a failure of the
 forward pass itself, shared by the whole batch, fails ``step()``.
 
 Log-probabilities (``logprobs``, ``prompt_logprobs``) are the model's log-softmax, before the mask that keeps image
-tokens from being sampled, the penalties, temperature and top-k / top-p.
+tokens from being sampled, the penalties, temperature and top-k / top-p / min-p.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
-from k3.infer.graphs import GraphedDecoder
+from k3.infer.detok import IncrementalDecoder, StopMatcher
+from k3.infer.graphs import GraphedDecoder, padded_sizes
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import SamplingParams, TokenLogprob, sample_next, token_logprobs
+from k3.infer.sampling import (
+    Sampled,
+    SamplingParams,
+    SamplingRows,
+    TokenLogprob,
+    sample_batch,
+    to_device,
+    token_logprobs,
+)
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
 from k3.ops.fused import raise_recompile_limit
 
 log = logging.getLogger("k3.infer")
+NOT_FINITE = "ValueError: the next-token probabilities are not finite (NaN or inf logits)"
 
 
 @dataclass
@@ -69,43 +91,67 @@ class _Sequence:
     prompt: list[int]
     params: SamplingParams
     need_bytes: int
-    generator: torch.Generator | None = None
+    seed: int  # unsigned 64-bit: the request's or a random one (k3.infer.sampling.uniform_noise)
+    group: str
+    stop_ids: frozenset[int]
+    decoder: IncrementalDecoder
+    stopper: StopMatcher
     slot: int = -1
-    fed: int = 0  # tokens already run through the model
-    output: list[int] = field(default_factory=list)
-    emitted: str = ""  # text already returned
+    fed: int = 0  # tokens already run through the model (launched)
+    launched: int = 0  # tokens sampled, those of a step still in flight included
+    output: list[int] = field(default_factory=list)  # tokens received
+    decoded: int = 0  # characters of text decoded from the output so far
+    emitted: int = 0  # characters of text returned
     ends: list[int] = field(default_factory=list)  # len(decode(output[:i + 1])) for each output token i
     held: list[TokenLogprob] = field(default_factory=list)  # log-probabilities of output[-len(held):], not yet out
     cached_tokens: int = 0
     remembered: int = 0  # tokens already stored in the prefix cache
-    image_features: torch.Tensor | None = None  # [M, d] encoded once at add(); M placeholders in the prompt
+    snapshot: tuple | None = None  # (fed, KDA state) taken at a block end whose last token is not received yet
+    image_features: Tensor | None = None  # [M, d] encoded once at add(); M placeholders in the prompt
     features_used: int = 0  # rows already fed with the prefill
     prompt_logprobs: list[TokenLogprob | None] | None = None  # gathered during the prefill, handed out once
+    done: bool = False  # finished, failed or aborted: results of a step in flight are dropped
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
 
-class _Pass(NamedTuple):
-    """One forward pass's results: tokens fed per sequence, their ``cu_seqlens``, which sequences score their
-    prompt, the logits ([T, V] at every position where a prompt is scored in a multi-token pass, else [S, V]), the
-    model's logits at each sequence's last position (``raw``, for log-probabilities) and the rows sampled from."""
+@dataclass
+class _Flight:
+    """One launched step whose results are not read yet: the sampled sequences (row order), their tokens and
+    ok flags and the asked log-probabilities (host copies, complete once ``event`` has passed), rows whose
+    sampling raised, and the scored-only sequences whose prompt is in."""
 
-    lengths: list[int]
-    cu: torch.Tensor
-    scored: list[bool]
-    logits: torch.Tensor
-    raw: torch.Tensor
-    rows: torch.Tensor
+    batch: list[_Sequence]
+    tokens: Tensor
+    ok: Tensor
+    logprob_rows: list[int]
+    chosen: Tensor | None
+    top_values: Tensor | None
+    top_ids: Tensor | None
+    errors: dict[int, str]
+    scored: list[_Sequence]
+    event: torch.cuda.Event | None
 
 
 @dataclass
 class Media:
     """A request's images after :meth:`Engine.prepare`: packed patches [N, 3*p*p] and patch grids [I, 2]."""
 
-    patches: torch.Tensor
-    grids: torch.Tensor
+    patches: Tensor
+    grids: Tensor
+
+
+@dataclass
+class Request:
+    """One sequence to add (:meth:`Engine.add_many`): a prompt, its params, an id; images or prepared media."""
+
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str | None = None
+    images: list | None = None
+    media: Media | None = None
 
 
 class Engine:
@@ -116,34 +162,44 @@ class Engine:
         *,
         max_batch: int = 16,
         max_context: int | None = None,
-        prefill_chunk: int = 256,
+        max_num_batched_tokens: int | None = None,
+        prefill_wait_steps: int | None = None,
         memory_budget: int | None = None,
         prefix_cache_bytes: int = 0,
         block_size: int = 64,
         state_dtype: torch.dtype = torch.float32,
         cuda_graphs: bool | None = None,
         compile_decode: bool = False,
+        overlap: bool | None = None,
     ):
+        """``max_num_batched_tokens`` (default 4096 on CUDA, 512 on a CPU) and ``prefill_wait_steps`` (default 8
+        on CUDA, 0 on a CPU: the packed forward's host cost is what waiting amortises) shape each step; ``overlap``
+        (default: on CUDA) launches a step before reading the previous one's tokens."""
         cfg = model.config
-        if prefill_chunk < 1 or max_batch < 1:
-            raise ValueError(f"prefill_chunk={prefill_chunk} and max_batch={max_batch} must be positive")
-        if prefix_cache_bytes and prefill_chunk % block_size:
+        self.device = next(model.parameters()).device
+        gpu = self.device.type == "cuda"
+        budget = max_num_batched_tokens if max_num_batched_tokens is not None else (4096 if gpu else 512)
+        self.min_chunk = block_size if prefix_cache_bytes else 1  # prefills always get this much of a step
+        if max_batch < 1 or budget < self.min_chunk:
             raise ValueError(
-                f"prefill_chunk={prefill_chunk} must be a multiple of block_size={block_size} when prefix caching is on"
+                f"max_batch={max_batch} must be positive and max_num_batched_tokens={budget} at least "
+                f"{self.min_chunk}{' (the prefix cache block)' if prefix_cache_bytes else ''}"
             )
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.max_batch, self.max_num_batched_tokens = max_batch, budget
+        self.prefill_wait_steps = prefill_wait_steps if prefill_wait_steps is not None else (8 if gpu else 0)
+        if self.prefill_wait_steps < 0:
+            raise ValueError(f"prefill_wait_steps={self.prefill_wait_steps} must be >= 0")
+        self.overlap = gpu if overlap is None else overlap
         self.max_context = max_context or min(cfg.max_position_embeddings, 8192)
         self.memory_budget = memory_budget
-        self.device = next(model.parameters()).device
-        self.cache = K3Cache(
-            cfg, max_batch, device=self.device, dtype=next(model.parameters()).dtype, state_dtype=state_dtype
-        )
+        dtype = next(model.parameters()).dtype
+        self.cache = K3Cache(cfg, max_batch, device=self.device, dtype=dtype, state_dtype=state_dtype)
         self.state_bytes = torch.empty((), dtype=state_dtype).element_size()
         self.kv_bytes = next(model.parameters()).element_size()
         self.prefix = PrefixCache(block_size, prefix_cache_bytes) if prefix_cache_bytes else None
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+            cuda_graphs = gpu
         if compile_decode and not cuda_graphs:
             raise ValueError(
                 "compile_decode compiles the decode step replayed from CUDA graphs: it needs "
@@ -157,18 +213,21 @@ class Engine:
                     f"max_context={self.max_context} tokens up front ({whole / 2**30:.2f} GiB), more "
                     f"than memory_budget ({memory_budget / 2**30:.2f} GiB): lower either"
                 )
-            self.cache.reserve(self.max_context + 1)
             raise_recompile_limit(max_batch + 8, "k3.infer.engine: compiled decode, one version per batch size")
-        self.graphs = GraphedDecoder(model, self.cache, compile=compile_decode) if cuda_graphs else None
-        log.info(
-            "engine: decode steps run %s",
-            ("compiled, in CUDA graphs" if compile_decode else "in CUDA graphs") if cuda_graphs else "eagerly",
-        )
+        if cuda_graphs and (compile_decode or self._whole_cache_fits()):
+            self.cache.reserve(self.max_context + 1)  # graphs are never recaptured for a grown cache
+        self.last_tokens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # each slot's newest
+        self.counts: Tensor | None = None  # [max_batch, V] int32 tokens generated, once a request is penalised
+        self.seen: Tensor | None = None  # [max_batch, V] bool tokens of the prompt, likewise
         self.free_slots = list(range(max_batch))
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
+        self.group_running: dict[str, int] = {}
         self.reserved = 0
         self._ids = itertools.count()
+        self._inflight: _Flight | None = None
+        self._prefill_waited = 0
+        self.timing = {"steps": 0, "decode_rows": 0, "prefill_passes": 0, "prefill_tokens": 0}
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.vision = cfg.vision if hasattr(model, "vision_tower") else None  # VisionConfig: takes images
         v = self.vision
@@ -182,6 +241,32 @@ class Engine:
             ]
         )
         self.media_ids = torch.tensor(media, dtype=torch.int64, device=self.device) if media else None
+        self.graphs = None
+        if cuda_graphs:
+            self.graphs = GraphedDecoder(model, self.cache, compile=compile_decode)
+            t0 = time.perf_counter()
+            sizes = self.graphs.capture(padded_sizes(max_batch))
+            log.info(
+                "engine: decode graphs%s captured for batch sizes %s in %.1f s",
+                " (compiled)" if compile_decode else "",
+                ",".join(map(str, sizes)),
+                time.perf_counter() - t0,
+            )
+        log.info(
+            "engine: decode steps %s; %d tokens a step, prefills wait up to %d decode steps; overlap %s",
+            "in CUDA graphs" if cuda_graphs else "eager",
+            self.max_num_batched_tokens,
+            self.prefill_wait_steps,
+            "on" if self.overlap else "off",
+        )
+
+    def _whole_cache_fits(self) -> bool:
+        """Whether the MLA cache of every slot at max_context takes under a quarter of the free device memory
+        (then it is reserved at start and the graphs never see it grow)."""
+        rows = sum(layer.kv.shape[0] * layer.kv.shape[2] for layer in self.cache.layers if isinstance(layer, MLAState))
+        need = rows * (self.max_context + 1) * self.kv_bytes
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return need <= free // 4 and (self.memory_budget is None or need <= self.memory_budget)
 
     # ------------------------------------------------------------------ requests
     def context_bytes(self, tokens: int) -> int:
@@ -201,12 +286,39 @@ class Engine:
         (in order); each placeholder is expanded to the image's tokens (:meth:`prepare`) and the images are
         encoded once the request passes every other check. ``media``: the prompt was expanded by :meth:`prepare`
         already (the server does, to count the expanded prompt against its context)."""
+        return self.add_many([Request(prompt, params, request_id, images, media)])[0]
+
+    def add_many(self, requests: list[Request], group: str | None = None) -> list[str]:
+        """Queue several sequences at once, all or none: each is checked as :meth:`add` checks one, and one
+        ValueError (naming the sequence's index when there are several) leaves nothing queued. They form one
+        admission group (default: their first id)."""
+        seqs, taken = [], {s.request_id for s in (*self.waiting, *self.running)}
+        for i, r in enumerate(requests):
+            try:
+                seq, media = self._check(r, taken)
+            except ValueError as e:
+                if len(requests) > 1:
+                    e.args = (f"choice {i}: {e}",)
+                raise
+            taken.add(seq.request_id)
+            seqs.append((seq, media))
+        group = group or (seqs[0][0].request_id if seqs else "")
+        for seq, media in seqs:
+            seq.group = group
+            if media is not None:
+                seq.image_features = self._encode(media)
+        self.waiting.extend(seq for seq, _ in seqs)
+        return [seq.request_id for seq, _ in seqs]
+
+    def _check(self, r: Request, taken: set[str]) -> tuple[_Sequence, Media | None]:
+        """The sequence of one request (not queued) and its prepared media, or one ValueError."""
+        params, prompt, media = r.params, r.prompt, r.media
         params.validate()
         if not prompt:
             raise ValueError("the prompt is empty")
         if media is None:
-            prompt, media = self.prepare(prompt, images or [])
-        elif images:
+            prompt, media = self.prepare(prompt, r.images or [])
+        elif r.images:
             raise ValueError("pass images or media (from Engine.prepare), not both")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
@@ -219,14 +331,24 @@ class Engine:
         need = self.context_bytes(len(prompt) + params.max_tokens)
         if self.memory_budget is not None and need > self.memory_budget:
             raise ValueError(f"the request needs {need} cache bytes, more than the whole budget {self.memory_budget}")
-        rid = request_id or f"req-{next(self._ids)}"
-        if any(s.request_id == rid for s in (*self.waiting, *self.running)):
+        rid = r.request_id or f"req-{next(self._ids)}"
+        if rid in taken:
             raise ValueError(f"request_id={rid!r} is already in use")
-        features = None if media is None else self._encode(media)
-        self.waiting.append(
-            _Sequence(rid, list(prompt), params, need, params.generator(self.device), image_features=features)
+        stop_ids = set(params.stop_token_ids)
+        if self.eos_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_id)
+        seq = _Sequence(
+            rid,
+            list(prompt),
+            params,
+            need,
+            params.draw_seed(),
+            rid,
+            frozenset(stop_ids),
+            IncrementalDecoder(self.tokenizer),
+            StopMatcher(params.stop),
         )
-        return rid
+        return seq, media
 
     def prepare(self, prompt: list[int], images: list) -> tuple[list[int], Media | None]:
         """The prompt with its media placeholders expanded for ``images``, and the images processed on the host
@@ -268,17 +390,36 @@ class Engine:
             self._release(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step would do anything: requests waiting or running, or results in flight for a live one."""
+        f = self._inflight
+        return bool(self.waiting or self.running) or (f is not None and any(not s.done for s in (*f.batch, *f.scored)))
+
+    def _next_waiting(self) -> _Sequence:
+        """The head of the waiting group with the fewest running sequences (the earliest group on a tie)."""
+        best, best_running, seen = None, None, set()
+        for seq in self.waiting:
+            if seq.group in seen:
+                continue
+            seen.add(seq.group)
+            n = self.group_running.get(seq.group, 0)
+            if best is None or n < best_running:
+                best, best_running = seq, n
+                if n == 0:
+                    break
+        return best
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if self.memory_budget is not None and self.reserved + seq.need_bytes > self.memory_budget:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.slot = self.free_slots.pop(0)
             self.reserved += seq.need_bytes
+            self.group_running[seq.group] = self.group_running.get(seq.group, 0) + 1
             self.cache.reset(seq.slot)
+            if seq.params.penalised:
+                self._track_penalties(seq)
             if seq.params.prompt_logprobs is not None:  # run whole: a cached prefix would skip logits it needs
                 seq.prompt_logprobs = [None]  # the first token has no context to be predicted from
             elif self.prefix is not None and seq.image_features is None:  # block hashes do not see pixels
@@ -288,105 +429,150 @@ class Engine:
                     seq.fed = seq.cached_tokens = seq.remembered = hit.length
             self.running.append(seq)
 
+    def _track_penalties(self, seq: _Sequence) -> None:
+        """Zero the slot's generated-token counts and mark its prompt's tokens (device tables, made at first use)."""
+        if self.counts is None:
+            v = self.model.config.vocab_size
+            self.counts = torch.zeros(self.max_batch, v, dtype=torch.int32, device=self.device)
+            self.seen = torch.zeros(self.max_batch, v, dtype=torch.bool, device=self.device)
+        self.counts[seq.slot].zero_()
+        self.seen[seq.slot].zero_()
+        self.seen[seq.slot, to_device(torch.tensor(seq.prompt, dtype=torch.int64), self.device)] = True
+
     def _release(self, seq: _Sequence) -> None:
+        seq.done = True
         self.running.remove(seq)
         self.cache.reset(seq.slot)
         self.free_slots.append(seq.slot)
         self.reserved -= seq.need_bytes
+        left = self.group_running[seq.group] - 1
+        if left:
+            self.group_running[seq.group] = left
+        else:
+            del self.group_running[seq.group]
 
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """One forward pass over every running sequence: admit waiting requests, pick each sequence's piece of the
-        pass, run the model, then advance each sequence on the pass's logits (its outputs, in batch order)."""
-        self._admit()
-        if not self.running:
-            return []
-        batch, pieces = self._schedule()
-        fwd = self._forward(batch, pieces)
-        return self._advance_all(batch, fwd)
-
-    def _schedule(self) -> tuple[list[_Sequence], list[list[int]]]:
-        """(sequences in this pass, the tokens each feeds): a prefill chunk (within the step's ``prefill_chunk``
-        budget; one that stops short of its prompt's end ends on a prefix-cache block boundary, and with the prefix
-        cache on a chunk that would end the prompt off a boundary stops at the last boundary first, so the cache
-        gets the KDA state there: the tail follows in the next pass) or, once the prompt is in, the newest output
-        token. A prefilling sequence left no budget sits this pass out."""
-        pieces, batch, budget = [], [], self.prefill_chunk
-        for seq in self.running:
-            if seq.fed < len(seq.prompt):
-                if budget <= 0:
-                    continue
-                take = min(len(seq.prompt) - seq.fed, budget)
-                if self.prefix is not None:
-                    end = seq.fed + take
-                    aligned = end - end % self.prefix.block_size
-                    if end < len(seq.prompt) or (aligned > seq.fed and seq.image_features is None):
-                        take = aligned - seq.fed
-                if take <= 0:
-                    continue
-                budget -= take
-                pieces.append(seq.prompt[seq.fed : seq.fed + take])
-            else:
-                pieces.append([seq.output[-1]])
-            batch.append(seq)
-        return batch, pieces
-
-    def _forward(self, batch: list[_Sequence], pieces: list[list[int]]) -> _Pass:
-        """Run the model once over the packed pieces: the sync-free decode step where each brings one token, else
-        the packed forward (logits at every position where a prompt is scored, else at each segment's last)."""
-        lengths = [len(p) for p in pieces]
-        ids = torch.tensor([t for p in pieces for t in p], device=self.device)[None]
-        images = self._image_rows(batch, pieces)
-        slots = [s.slot for s in batch]
-        scored = [s.prompt_logprobs is not None and s.fed < len(s.prompt) for s in batch]  # need every position
-        cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
-        full = any(scored) and max(lengths) > 1  # logits [T, V] at every position, else [S, V] at the last ones
-        if max(lengths) == 1:  # every sequence decodes one token: the sync-free step (graph-replayed on CUDA)
-            logits = self.graphs(ids[0], slots) if self.graphs else self.model.decode(ids[0], self.cache, slots)
-        else:
-            kwargs = {} if images is None else {"image_features": images}
-            logits = self.model(
-                ids, cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=not full, **kwargs
-            ).logits
-            logits = logits[0] if full else logits
-        raw = logits[cu[1:] - 1] if full else logits  # the model's, at each sequence's last position (logprobs)
-        # sampled from: image tokens only ever come from images
-        rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
-        return _Pass(lengths, cu, scored, logits, raw, rows)
-
-    def _advance_all(self, batch: list[_Sequence], fwd: _Pass) -> list[StepOutput]:
-        """:meth:`_advance` each sequence of the pass; one whose own part fails ends alone (:meth:`_fail`)."""
-        outputs = []
-        for i, seq in enumerate(batch):
-            try:
-                out = self._advance(seq, i, fwd)
-            except Exception as e:  # noqa: BLE001 - this sequence's sampling failed: end it alone, keep the rest
-                log.warning("request %s failed in sampling: %s: %s", seq.request_id, type(e).__name__, e)
-                out = self._fail(seq, f"{type(e).__name__}: {e}")
-            if out is not None:
-                outputs.append(out)
+        """Admit waiting requests, launch one pass over the running sequences and sample their next tokens, then
+        read a step's results: this one's, or with ``overlap`` the one launched before (read while this one runs).
+        Returns the outputs read, in row order."""
+        launched = self._launch()
+        done, self._inflight = self._inflight, launched
+        outputs = [] if done is None else self._finish(done)
+        if not self.overlap and self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            outputs += self._finish(done)
         return outputs
 
-    def _advance(self, seq: _Sequence, i: int, fwd: _Pass) -> StepOutput | None:
-        """Take the pass's results for batch entry ``i``: gather prompt log-probabilities, count the fed tokens
-        (storing completed blocks in the prefix cache), then, once its prompt is in, sample its next token; its
-        output or None."""
-        n = fwd.lengths[i]
-        if fwd.scored[i]:
-            self._score_prompt(seq, fwd.logits, int(fwd.cu[i]), n)
-        seq.fed += n
-        if self.prefix is not None and seq.image_features is None:
-            self._remember(seq)
-        if seq.fed < len(seq.prompt):
+    def _launch(self) -> _Flight | None:
+        self._admit()
+        decoders, prefills, pieces = self._schedule()
+        if not decoders and not prefills:
             return None
-        if seq.params.max_tokens == 0:  # scored only
-            return self._finish_scoring(seq)
-        token, lp = self._sample(seq, fwd.rows[i], fwd.raw[i : i + 1])
-        return self._emit(seq, token, lp)
+        rows, sampled, scored = [], list(decoders), []
+        if decoders:
+            rows.append(self._decode(decoders))
+            for seq in decoders:
+                seq.fed += 1
+        if prefills:
+            last = self._prefill(prefills, pieces)
+            ready = [i for i, s in enumerate(prefills) if s.fed == len(s.prompt)]
+            sampled += [prefills[i] for i in ready if prefills[i].params.max_tokens > 0]
+            scored = [prefills[i] for i in ready if prefills[i].params.max_tokens == 0]
+            picked = [i for i in ready if prefills[i].params.max_tokens > 0]
+            if picked:
+                rows.append(last if len(picked) == len(prefills) else last[picked])
+        if self.prefix is not None:
+            for seq in decoders + prefills:
+                self._remember(seq)
+        self.timing["steps"] += 1
+        self.timing["decode_rows"] += len(decoders)
+        if not sampled:
+            return _Flight(
+                [], torch.empty(0, dtype=torch.int64), torch.empty(0), [], None, None, None, {}, scored, None
+            )
+        return self._sample(sampled, rows[0] if len(rows) == 1 else torch.cat(rows), scored)
+
+    def _schedule(self) -> tuple[list[_Sequence], list[_Sequence], list[list[int]]]:
+        """(decoding sequences, prefilling ones, the prompt tokens each of those feeds). A sequence decodes once its
+        prompt is in and until it has launched max_tokens tokens. Prefill chunks fill what the decode tokens leave
+        of the step's budget; a chunk that stops short of its prompt's end ends on a prefix-cache block boundary,
+        and with the prefix cache on a chunk that would end the prompt off a boundary stops at the last boundary
+        first, so the cache gets the KDA state there (the tail follows in the next pass). Prefills wait (at most
+        ``prefill_wait_steps`` decode steps) while sequences decode, none has begun and they would not fill the
+        step. Prefills get at least one token (one block with the prefix cache) even when decode tokens fill the
+        budget, so they always progress."""
+        decoders, pending = [], []
+        for seq in self.running:
+            if seq.fed < len(seq.prompt):
+                pending.append(seq)
+            elif 0 < seq.launched < seq.params.max_tokens:
+                decoders.append(seq)
+        budget = max(self.max_num_batched_tokens - len(decoders), self.min_chunk)
+        if not pending:
+            return decoders, [], []
+        go = (
+            not decoders
+            or self._prefill_waited >= self.prefill_wait_steps
+            or any(s.fed > s.cached_tokens for s in pending)
+            or sum(len(s.prompt) - s.fed for s in pending) >= budget
+        )
+        if not go:
+            self._prefill_waited += 1
+            return decoders, [], []
+        self._prefill_waited = 0
+        prefills, pieces = [], []
+        for seq in pending:
+            if budget <= 0:
+                break
+            take = min(len(seq.prompt) - seq.fed, budget)
+            if self.prefix is not None:
+                end = seq.fed + take
+                aligned = end - end % self.prefix.block_size
+                if end < len(seq.prompt) or (aligned > seq.fed and seq.image_features is None):
+                    take = aligned - seq.fed
+            if take <= 0:
+                continue
+            budget -= take
+            pieces.append(seq.prompt[seq.fed : seq.fed + take])
+            prefills.append(seq)
+        return decoders, prefills, pieces
+
+    def _decode(self, seqs: list[_Sequence]) -> Tensor:
+        """Logits [N, V] of one decode token per sequence, each its slot's newest token (the device table)."""
+        slots = [s.slot for s in seqs]
+        if self.graphs is not None:
+            return self.graphs.replay_from(self.last_tokens, slots, self.free_slots)
+        ids = self.last_tokens[to_device(torch.tensor(slots, dtype=torch.int64), self.device)]
+        return self.model.decode(ids, self.cache, slots)
+
+    def _prefill(self, seqs: list[_Sequence], pieces: list[list[int]]) -> Tensor:
+        """Run the packed forward over the prefill chunks; logits [S, V] at each chunk's last position (gathering
+        prompt log-probabilities for scored sequences from the logits at every position)."""
+        lengths = [len(p) for p in pieces]
+        ids = to_device(torch.tensor([t for p in pieces for t in p], dtype=torch.int64), self.device)[None]
+        images = self._image_rows(seqs, pieces)
+        cu = torch.tensor([0] + lengths).cumsum(0)  # host offsets: the model reads them without a GPU sync
+        full = any(s.prompt_logprobs is not None for s in seqs)  # logits [T, V] at every position, else [S, V]
+        kwargs = {} if images is None else {"image_features": images}
+        logits = self.model(
+            ids, cu_seqlens=cu, cache=self.cache, seq_ids=[s.slot for s in seqs], last_only=not full, **kwargs
+        ).logits
+        if full:
+            logits = logits[0]
+            for i, seq in enumerate(seqs):
+                if seq.prompt_logprobs is not None:
+                    self._score_prompt(seq, logits, int(cu[i]), lengths[i])
+            logits = logits[cu[1:] - 1]
+        for seq, n in zip(seqs, lengths):
+            seq.fed += n
+        self.timing["prefill_passes"] += 1
+        self.timing["prefill_tokens"] += sum(lengths)
+        return logits
 
     @staticmethod
-    def _score_prompt(seq: _Sequence, logits: torch.Tensor, start: int, n: int) -> None:
+    def _score_prompt(seq: _Sequence, logits: Tensor, start: int, n: int) -> None:
         """The ``n`` positions fed from ``start`` predict the prompt's next tokens: their log-probabilities."""
         targets = seq.prompt[seq.fed + 1 : seq.fed + n + 1]
         if targets:
@@ -394,16 +580,106 @@ class Engine:
                 logits[start : start + len(targets)], targets, seq.params.prompt_logprobs
             )
 
-    def _sample(self, seq: _Sequence, row: torch.Tensor, raw: torch.Tensor) -> tuple[int, TokenLogprob | None]:
-        """The next token from ``row`` (sampling logits [V]) under the request's penalties and generator, appended
-        to its output, and its log-probability from ``raw`` (the model's logits [1, V]) if asked for."""
-        p = seq.params
-        seen = torch.tensor(seq.tokens, device=self.device) if p.repetition_penalty != 1.0 else None
-        penalised = p.presence_penalty != 0 or p.frequency_penalty != 0
-        generated = torch.tensor(seq.output, dtype=torch.int64, device=self.device) if penalised else None
-        token = sample_next(row, p, seq.generator, seen, generated)
-        seq.output.append(token)
-        return token, None if p.logprobs is None else token_logprobs(raw, [token], p.logprobs)[0]
+    def _sample(self, seqs: list[_Sequence], raw: Tensor, scored: list[_Sequence]) -> _Flight:
+        """Sample every row of ``raw`` (the model's logits [B, V], row i for seqs[i]) at once, record the tokens in
+        the device table (and the penalty counts), and start their copy to the host."""
+        rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
+        params = [s.params for s in seqs]
+        slots = to_device(torch.tensor([s.slot for s in seqs], dtype=torch.int64), self.device)
+        seen = counts = None
+        if self.counts is not None and any(p.penalised for p in params):
+            counts, seen = self.counts[slots], self.seen[slots] | (self.counts[slots] > 0)
+        errors: dict[int, str] = {}
+        try:
+            drawn = sample_batch(
+                rows,
+                SamplingRows.build(params, [s.seed for s in seqs], self._positions(seqs), self.device),
+                seen,
+                counts,
+            )
+        except Exception:  # noqa: BLE001 - find the rows that fail alone; the others keep their draws
+            drawn = self._sample_alone(seqs, rows, seen, counts, errors)
+        for seq in seqs:
+            seq.launched += 1
+        self.last_tokens.index_copy_(0, slots, drawn.tokens)
+        if self.counts is not None:
+            self.counts.index_put_((slots, drawn.tokens), torch.ones_like(drawn.tokens, dtype=torch.int32), True)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        chosen = top_values = top_ids = None
+        if want:
+            lp = raw[want].float().log_softmax(-1) if len(want) < len(seqs) else raw.float().log_softmax(-1)
+            picked = drawn.tokens[want] if len(want) < len(seqs) else drawn.tokens
+            chosen = lp.gather(1, picked[:, None])[:, 0]
+            n = max(params[i].logprobs for i in want)
+            if n:
+                top = lp.topk(n, dim=-1)
+                top_values, top_ids = top.values, top.indices
+        host = [
+            None if t is None else t.to("cpu", non_blocking=True)
+            for t in (drawn.tokens, drawn.ok, chosen, top_values, top_ids)
+        ]
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return _Flight(seqs, host[0], host[1], want, host[2], host[3], host[4], errors, scored, event)
+
+    @staticmethod
+    def _positions(seqs: list[_Sequence]) -> list[int]:
+        return [s.launched for s in seqs]
+
+    def _sample_alone(self, seqs, rows, seen, counts, errors: dict[int, str]) -> Sampled:
+        """Each row sampled on its own, after the batched call raised: a row that raises alone is recorded in
+        ``errors`` (its token is a placeholder) and the others keep their draws."""
+        tokens, oks = [], []
+        for i, seq in enumerate(seqs):
+            try:
+                one = sample_batch(
+                    rows[i : i + 1],
+                    SamplingRows.build([seq.params], [seq.seed], [seq.launched], self.device),
+                    None if seen is None else seen[i : i + 1],
+                    None if counts is None else counts[i : i + 1],
+                )
+            except Exception as e:  # noqa: BLE001 - this row's sampling failed: it ends alone
+                errors[i] = f"{type(e).__name__}: {e}"
+                one = Sampled(
+                    torch.zeros(1, dtype=torch.int64, device=rows.device),
+                    torch.zeros(1, dtype=torch.bool, device=rows.device),
+                )
+            tokens.append(one.tokens)
+            oks.append(one.ok)
+        return Sampled(torch.cat(tokens), torch.cat(oks))
+
+    def _finish(self, flight: _Flight) -> list[StepOutput]:
+        """Read a launched step's results: each sampled sequence's token becomes output (or ends it with an error)."""
+        if flight.event is not None:
+            flight.event.synchronize()
+        outputs = [self._finish_scoring(seq) for seq in flight.scored if not seq.done]
+        tokens, ok = flight.tokens.tolist(), flight.ok.tolist()
+        lps: dict[int, TokenLogprob] = {}
+        if flight.logprob_rows:
+            chosen = flight.chosen.tolist()
+            values = flight.top_values.tolist() if flight.top_values is not None else None
+            ids = flight.top_ids.tolist() if flight.top_ids is not None else None
+            for j, i in enumerate(flight.logprob_rows):
+                n = flight.batch[i].params.logprobs
+                top = [] if not n else list(zip(ids[j][:n], values[j][:n]))
+                lps[i] = TokenLogprob(tokens[i], chosen[j], top)
+        for i, seq in enumerate(flight.batch):
+            if seq.done:
+                continue
+            error = flight.errors.get(i) or (None if ok[i] else NOT_FINITE)
+            if error is not None:
+                log.warning("request %s failed in sampling: %s", seq.request_id, error)
+                outputs.append(self._fail(seq, error))
+                continue
+            seq.output.append(tokens[i])
+            outputs.append(self._emit(seq, tokens[i], lps.get(i)))
+        for seq in self.running:
+            if seq.snapshot is not None and seq.snapshot[0] <= len(seq.tokens):
+                self._store(seq, *seq.snapshot)
+                seq.snapshot = None
+        return outputs
 
     def _fail(self, seq: _Sequence, error: str) -> StepOutput:
         """End one sequence whose step failed: its slot is freed, its output carries ``error``."""
@@ -413,60 +689,64 @@ class Engine:
             seq.request_id, [], "", True, "error", len(seq.prompt), len(seq.output), seq.cached_tokens, error=error
         )
 
-    def _image_rows(self, batch: list[_Sequence], pieces: list[list[int]]) -> torch.Tensor | None:
+    def _image_rows(self, batch: list[_Sequence], pieces: list[list[int]]) -> Tensor | None:
         """The image-feature rows of this pass's prefill pieces, in packing order (None without images)."""
         if not any(s.image_features is not None for s in batch):
             return None
         pad = self.vision.media_placeholder_token_id
         rows = []
         for seq, piece in zip(batch, pieces):
-            n = sum(1 for t in piece if t == pad) if seq.fed < len(seq.prompt) else 0
+            n = sum(1 for t in piece if t == pad)
             if n:
                 rows.append(seq.image_features[seq.features_used : seq.features_used + n])
                 seq.features_used += n
         return torch.cat(rows) if rows else None  # None: no placeholder in this pass, nothing to splice
 
     def _remember(self, seq: _Sequence) -> None:
-        """Store the blocks this pass completed; the block ending exactly here also gets the KDA state."""
-        bs = self.prefix.block_size
-        if seq.fed % bs or seq.fed <= seq.remembered:
+        """At a block end, store the blocks this pass completed; the block ending exactly here also gets the KDA
+        state, snapshotted now (the next pass changes it). Where the block's last token is not received yet (it
+        was sampled by the step in flight), the blocks are stored once it is (:meth:`_finish`)."""
+        if seq.fed % self.prefix.block_size or seq.fed <= seq.remembered or seq.image_features is not None:
             return
-        keys = self.prefix.keys(seq.tokens[: seq.fed])
+        state = self.cache.kda_snapshot(seq.slot)
+        if seq.fed <= len(seq.tokens):
+            self._store(seq, seq.fed, state)
+        else:
+            seq.snapshot = (seq.fed, state)
+
+    def _store(self, seq: _Sequence, fed: int, state) -> None:
+        bs = self.prefix.block_size
+        keys = self.prefix.keys(seq.tokens[:fed])
         mla_layers = [layer for layer in self.cache.layers if isinstance(layer, MLAState)]
+        # a model without KDA layers can resume at any block; with them, only where a pass stopped
+        every = not any(m.mixer == "kda" for m in self.model.model.layers)
         for i in range(seq.remembered // bs, len(keys)):
             lo, hi = i * bs, (i + 1) * bs
-            # a model without KDA layers can resume at any block; with them, only where the pass stopped
-            at_end = i == len(keys) - 1 or not any(m.mixer == "kda" for m in self.model.model.layers)
-            state = self.cache.kda_snapshot(seq.slot) if at_end else None
-            self.prefix.insert(keys[i], keys[i - 1] if i else None, [m.kv[seq.slot, lo:hi] for m in mla_layers], state)
-        seq.remembered = seq.fed
+            at_end = i == len(keys) - 1 or every
+            latents = [m.kv[seq.slot, lo:hi] for m in mla_layers]
+            self.prefix.insert(keys[i], keys[i - 1] if i else None, latents, state if at_end else None)
+        seq.remembered = fed
 
     def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> StepOutput:
+        """The output of a received token: its text (decoded incrementally; held while it may begin a stop string
+        or ends inside a character), whether it ends the request, and the log-probabilities now out."""
         p = seq.params
-        reason = None
-        stop_ids = set(p.stop_token_ids) | ({self.eos_id} if self.eos_id is not None and not p.ignore_eos else set())
-        text = text_all = self.tokenizer.decode(seq.output)
-        if token in stop_ids:
-            reason = "stop"
-            text = self.tokenizer.decode(seq.output[:-1])
-        cut = min((text.find(s) for s in p.stop if s in text), default=-1)
-        if cut >= 0:
-            reason, text = "stop", text[:cut]
-        if reason is None and (len(seq.output) >= p.max_tokens or len(seq.tokens) >= self.max_context):
-            reason = "length"
-        if reason is None:
-            hold = max((len(s) - 1 for s in p.stop), default=0)
-            safe = text[: len(text) - hold] if hold else text
-            while safe.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-                safe = safe[:-1]
-        else:
-            safe = text
-        delta = safe[len(seq.emitted) :] if safe.startswith(seq.emitted) else ""
-        seq.emitted += delta
+        stop_token = token in seq.stop_ids
+        piece = "" if stop_token else seq.decoder.push(token)
+        at_length = not stop_token and (
+            len(seq.output) >= p.max_tokens or len(seq.prompt) + len(seq.output) >= self.max_context
+        )
+        if stop_token or at_length:
+            piece += seq.decoder.flush()
+        seq.decoded += len(piece)
+        end = seq.decoded + (1 if seq.decoder.holding else 0)  # an unfinished character decodes to one U+FFFD
+        text, cut = seq.stopper.feed(piece, final=stop_token or at_length)
+        reason = "stop" if stop_token or cut else "length" if at_length else None
+        seq.emitted += len(text)
         out = StepOutput(
             seq.request_id,
             [token],
-            delta,
+            text,
             reason is not None,
             reason,
             len(seq.prompt),
@@ -474,9 +754,9 @@ class Engine:
             seq.cached_tokens,
             logprobs=None
             if p.logprobs is None
-            else self._release_logprobs(seq, lp, len(text_all), reason is not None, cut >= 0, token in stop_ids),
+            else self._release_logprobs(seq, lp, end, reason is not None, cut, stop_token),
             prompt_logprobs=seq.prompt_logprobs,
-            stop_token=token in stop_ids,
+            stop_token=stop_token,
         )
         seq.prompt_logprobs = None  # handed out
         if reason is not None:
@@ -496,15 +776,13 @@ class Engine:
         first = len(seq.output) - len(seq.held)  # the output index of held[0]
         if not finished:
             ready = 0
-            while ready < len(seq.held) and seq.ends[first + ready] <= len(seq.emitted):
+            while ready < len(seq.held) and seq.ends[first + ready] <= seq.emitted:
                 ready += 1
             out, seq.held = seq.held[:ready], seq.held[ready:]
             return out
         text_tokens = seq.held[:-1] if stop else seq.held
         if cut:
-            text_tokens = [
-                e for i, e in enumerate(text_tokens, first) if (seq.ends[i - 1] if i else 0) < len(seq.emitted)
-            ]
+            text_tokens = [e for i, e in enumerate(text_tokens, first) if (seq.ends[i - 1] if i else 0) < seq.emitted]
         out, seq.held = text_tokens + seq.held[len(seq.held) - stop :], []
         return out
 
@@ -555,6 +833,7 @@ class Engine:
             "reserved_bytes": self.reserved,
             "memory_budget": self.memory_budget,
             "slots": self.max_batch,
+            **self.timing,
         }
         if self.prefix is not None:
             s["prefix_cache"] = self.prefix.stats()

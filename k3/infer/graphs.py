@@ -1,4 +1,4 @@
-"""CUDA-graph decode: one captured :meth:`K3ForCausalLM.decode_step` per batch size, replayed every step.
+"""CUDA-graph decode: one captured :meth:`K3ForCausalLM.decode_step` per padded batch size, replayed every step.
 
 An eager decode step of the hybrid model is a few hundred small kernels, so at small batch the GPU mostly waits
 for Python to launch them. ``decode_step`` reads nothing back to the host (slots and positions come as device
@@ -7,7 +7,13 @@ capacity is reserved ahead), so the whole step can be recorded once and replayed
 
 A graph is bound to the addresses it was captured with: the cache tensors and this runner's input buffers.
 When the MLA cache has to grow (a sequence outruns the capacity, here or in a prefill), every graph is dropped
-and recaptured against the new tensors; the runner grows the capacity by ``headroom`` rows so this is rare.
+and recaptured against the new tensors; the runner grows the capacity by ``headroom`` rows so this is rare (the
+engine reserves the whole context up front where memory allows, and then it never happens).
+
+Graphs are captured ahead for a few batch sizes (:func:`padded_sizes`: 1, 2, 4, 8, then steps of 8), largest
+first so the smaller ones reuse its memory pool; a step of N sequences replays the smallest size >= N, its extra
+rows decoding into free cache slots the caller names (their state is garbage, and a slot is reset when a
+request takes it).
 Capturing runs the step twice on a side stream first (Triton autotuning, lazy initialisation), the first time
 eagerly (a compiled step then traces ops whose backends are resolved and logged already: a first resolution inside
 the trace, with its log line, would cut the graph for good). Those runs write into the cache, so the KDA and conv
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from k3.infer.sampling import to_device as _on
 from k3.model.cache import K3Cache, KDAState
 from k3.ops import pdl
 
@@ -31,6 +38,12 @@ log = logging.getLogger("k3.infer")
 # CPU backend ignores it): at B=1 / 4K on an H200 it cut a step's kernels from 575 to 380 and its time from 1.65
 # to 1.40 ms (docs/decisions.md).
 COMPILE_OPTIONS = {"combo_kernels": True}
+
+
+def padded_sizes(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured for: 1, 2, 4, 8, then every multiple of 8, up to and with max_batch."""
+    sizes = {n for n in (1, 2, 4, 8) if n <= max_batch} | set(range(16, max_batch + 1, 8)) | {max_batch}
+    return sorted(sizes)
 
 
 @dataclass
@@ -62,7 +75,29 @@ class GraphedDecoder:
             )
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, _Captured] = {}
+        self.sizes: list[int] = []  # captured ahead (capture); a step pads to the next one
         self.bound = self._tensors()
+
+    def capture(self, sizes: list[int]) -> list[int]:
+        """Capture the graphs of ``sizes`` now (largest first), replayed later for any batch up to each size."""
+        self.sizes = sorted(set(sizes))
+        if self.sizes[-1] > self.cache.batch_size:
+            raise ValueError(f"batch sizes {self.sizes} exceed the cache's {self.cache.batch_size} slots")
+        self._check_bound(max(self.cache.seq_lens[: self.sizes[-1]]) + 1)
+        for n in reversed(self.sizes):
+            if n not in self.graphs:
+                self.graphs[n] = self._capture(n, *self._slot_tensors(list(range(n))))
+        return self.sizes
+
+    def replay_from(self, table: Tensor, seq_ids: list[int], pad_slots: list[int]) -> Tensor:
+        """Logits [N, V] of one decode step for ``seq_ids``, each fed ``table[slot]`` (a device tensor of token ids
+        per slot), padded to the next captured size with slots from ``pad_slots`` (free ones)."""
+        n = len(seq_ids)
+        size = next((s for s in self.sizes if s >= n), n)
+        pads = [s for s in pad_slots if s not in set(seq_ids)][: size - n]
+        slots = list(seq_ids) + (pads if len(pads) == size - n else [])
+        ids = table.index_select(0, _on(torch.tensor(slots, dtype=torch.int64), self.device))
+        return self._replay(ids, slots)[:n]
 
     def _tensors(self) -> list[int]:
         """Addresses of the cache tensors the graphs write (they change when the MLA capacity grows)."""
@@ -76,40 +111,55 @@ class GraphedDecoder:
         return out
 
     def __call__(self, input_ids: Tensor, seq_ids: list[int]) -> Tensor:
-        ids = [int(i) for i in seq_ids]
+        """Logits [N, V] of one decode step: input_ids [N] on the GPU extend sequences ``seq_ids``."""
+        return self._replay(input_ids, [int(i) for i in seq_ids])
+
+    def _replay(self, input_ids: Tensor, ids: list[int]) -> Tensor:
         n = len(ids)
         if input_ids.shape != (n,) or not self.cache.distinct_slots(ids):
             raise ValueError(
                 f"need input_ids [N] and N distinct seq_ids in [0, {self.cache.batch_size}); got "
                 f"shape {tuple(input_ids.shape)} and seq_ids={ids}"
             )
-        need = max(self.cache.seq_lens[i] for i in ids) + 1
-        if need > self.cache.capacity:
-            self.cache.reserve(need + self.headroom)
-        if self._tensors() != self.bound:  # the cache grew (here or in a prefill): graphs point at old tensors
-            if self.graphs:
-                log.info(
-                    "decode graphs: cache tensors replaced (MLA capacity %d rows); recapturing", self.cache.capacity
-                )
-            self.graphs.clear()  # frees their memory pool too: the next captures need a new one
-            self.pool = torch.cuda.graph_pool_handle()
-            self.bound = self._tensors()
-        slots = torch.tensor(ids, dtype=torch.int64)
-        positions = torch.tensor([self.cache.seq_lens[i] for i in ids], dtype=torch.int64)
+        self._check_bound(max(self.cache.seq_lens[i] for i in ids) + 1)
+        slots, positions = self._slot_tensors(ids)
         captured = self.graphs.get(n)
         if captured is None:
             captured = self.graphs[n] = self._capture(n, slots, positions)
-        captured.input_ids.copy_(input_ids, non_blocking=True)
-        captured.slots.copy_(slots, non_blocking=True)
-        captured.positions.copy_(positions, non_blocking=True)
+        captured.input_ids.copy_(input_ids)
+        captured.slots.copy_(slots)
+        captured.positions.copy_(positions)
         captured.graph.replay()
         self.cache.advance_decode(ids)
         return captured.logits
 
+    def _slot_tensors(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+        """(slots, positions) [N] on the device, copied from pinned memory in one transfer (no stream sync)."""
+        both = torch.tensor([ids, [self.cache.seq_lens[i] for i in ids]], dtype=torch.int64)
+        both = _on(both, self.device)
+        return both[0], both[1]
+
+    def _check_bound(self, need: int) -> None:
+        """Grow the MLA capacity to ``need`` rows (with headroom) if short, and recapture every graph whose cache
+        tensors were replaced (here or by a prefill)."""
+        if need > self.cache.capacity:
+            self.cache.reserve(need + self.headroom)
+        if self._tensors() != self.bound:  # the cache grew: graphs point at old tensors
+            had = sorted(self.graphs)
+            if had:
+                log.info(
+                    "decode graphs: cache tensors replaced (MLA capacity %d rows); recapturing", self.cache.capacity
+                )
+            self.graphs.clear()  # frees their memory pool too: the captures need a new one
+            self.pool = torch.cuda.graph_pool_handle()
+            self.bound = self._tensors()
+            for n in reversed(self.sizes):
+                self.graphs[n] = self._capture(n, *self._slot_tensors(list(range(n))))
+
     @torch.no_grad()
     def _capture(self, n: int, slots: Tensor, positions: Tensor) -> _Captured:
         input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        slots, positions = slots.to(self.device), positions.to(self.device)
+        slots, positions = slots.clone(), positions.clone()
         saved = self._save_states(slots)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -121,7 +171,7 @@ class GraphedDecoder:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.step(input_ids, self.cache, slots, positions)
         self._restore_states(slots, saved)
-        log.info("decode graphs: captured batch size %d (capacity %d rows)", n, self.cache.capacity)
+        log.debug("decode graphs: captured batch size %d (capacity %d rows)", n, self.cache.capacity)
         return _Captured(graph, input_ids, slots, positions, logits)
 
     def _save_states(self, slots: Tensor) -> list[list[Tensor]]:

@@ -1,8 +1,16 @@
-"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, repetition penalty, seed), and
-the log-probabilities a request may ask for."""
+"""Sampling parameters, next-token selection for a whole step at once, and the log-probabilities a request may ask
+for.
+
+:func:`sample_batch` samples every row of a step on the device in one pass (greedy, temperature, top-k, top-p,
+min-p, repetition / presence / frequency penalties) with no host sync. Its randomness is counter-based: row ``i``'s
+draw is a hash of (the request's seed, the index of the token it samples, the vocabulary id), turned into an
+exponential race (``argmax p / E`` with ``E ~ Exp(1)`` picks index ``j`` with probability ``p_j``). A request's
+tokens therefore depend on its seed and its own logits only, never on its batch mates or on the order rows come
+in. :func:`sample_row` is the per-row reference the batched path is tested against."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -59,6 +67,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the likeliest's (0: off)
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output (HF rule)
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated (OpenAI's rule)
     frequency_penalty: float = 0.0  # subtracted once per time a token was generated
@@ -98,6 +107,8 @@ class SamplingParams:
             or not MIN_DIVISOR <= self.repetition_penalty <= 10
         ):
             bad("repetition_penalty", f"must be in [{MIN_DIVISOR}, 10]")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
@@ -119,66 +130,209 @@ class SamplingParams:
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
                 bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """A generator of its own per request, so a seeded request samples the same tokens in any batch."""
-        if self.temperature == 0:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return g
+    def draw_seed(self) -> int:
+        """The request's seed as an unsigned 64-bit value: its own, or a fresh random one."""
+        return self.seed % 2**64 if self.seed is not None else random.SystemRandom().getrandbits(64)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty needs the request's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """HF's rule: for every token id in ``seen``, positive logits / penalty, negative logits * penalty."""
-    if penalty == 1.0 or seen.numel() == 0:
-        return logits
-    ids = seen.unique()
-    picked = logits[ids]
-    logits = logits.clone()
-    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
+# ---------------------------------------------------------------------- counter-based noise
+_M32 = 0xFFFFFFFF
 
 
-def apply_output_penalties(logits: Tensor, generated: Tensor, presence: float, frequency: float) -> Tensor:
-    """OpenAI's rule: logits[t] - frequency * count(t) - presence * (count(t) > 0), counted over ``generated``
-    (the tokens generated so far, not the prompt's)."""
-    if generated.numel() == 0 or presence == frequency == 0:
-        return logits
-    counts = torch.bincount(generated, minlength=logits.numel()).to(logits.dtype)
-    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+def _fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2**32) (products wrap mod 2**64, the
+    mask keeps their exact low 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
 
 
-def sample_next(
+def uniform_noise(seeds: Tensor, positions: Tensor, vocab: int) -> Tensor:
+    """[B, vocab] fp32 uniforms in (0, 1): a hash of (seeds[b] as 64 unsigned bits, positions[b], vocabulary id),
+    so row b depends on its own seed and position only. seeds, positions: [B] int64."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key_a = _fmix32(lo ^ _fmix32(positions & _M32))
+    key_b = _fmix32(hi ^ _fmix32((positions >> 32) & _M32 ^ 0x5BD1E995))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _fmix32(_fmix32(ids[None, :] ^ key_a[:, None]) ^ key_b[:, None])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _signed(seed: int) -> int:
+    """An unsigned 64-bit seed as the int64 holding the same bits."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+# ---------------------------------------------------------------------- one step's rows
+@dataclass
+class SamplingRows:
+    """The per-row parameters of one step's sampling, as device tensors ([B] each), and which features any row
+    uses (host flags, so a step of greedy rows runs none of the others' work)."""
+
+    temperature: Tensor
+    top_k: Tensor  # 0: off
+    top_p: Tensor
+    min_p: Tensor
+    repetition: Tensor
+    presence: Tensor
+    frequency: Tensor
+    seeds: Tensor  # int64 holding the unsigned 64-bit seeds
+    positions: Tensor  # the index of the token each row samples in its request's output
+    sampled: bool  # any row with temperature > 0
+    top_k_on: bool
+    top_p_on: bool
+    min_p_on: bool
+    repetition_on: bool
+    counts_on: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], device) -> SamplingRows:
+        """Rows for ``params`` (one per sampled sequence), their seeds (unsigned 64-bit) and output positions."""
+        floats = torch.tensor(
+            [
+                [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+                for p in params
+            ],
+            dtype=torch.float32,
+        )
+        ints = torch.tensor([[p.top_k, _signed(s), n] for p, s, n in zip(params, seeds, positions)], dtype=torch.int64)
+        floats, ints = to_device(floats, device), to_device(ints, device)
+        return cls(
+            temperature=floats[:, 0],
+            top_p=floats[:, 1],
+            min_p=floats[:, 2],
+            repetition=floats[:, 3],
+            presence=floats[:, 4],
+            frequency=floats[:, 5],
+            top_k=ints[:, 0],
+            seeds=ints[:, 1],
+            positions=ints[:, 2],
+            sampled=any(p.temperature > 0 for p in params),
+            top_k_on=any(p.top_k > 0 and p.temperature > 0 for p in params),
+            top_p_on=any(p.top_p < 1 and p.temperature > 0 for p in params),
+            min_p_on=any(p.min_p > 0 and p.temperature > 0 for p in params),
+            repetition_on=any(p.repetition_penalty != 1.0 for p in params),
+            counts_on=any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params),
+        )
+
+
+def to_device(t: Tensor, device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the device's queue: a copy from pinned memory is
+    asynchronous, where one from pageable memory first synchronises the stream."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class Sampled(NamedTuple):
+    """A step's draws on the device: tokens [B] int64 and ok [B] bool (False: the row's logits were NaN or its
+    probabilities not finite; its token is meaningless)."""
+
+    tokens: Tensor
+    ok: Tensor
+
+
+def penalised_logits(
+    logits: Tensor, rows: SamplingRows, seen: Tensor | None = None, counts: Tensor | None = None
+) -> Tensor:
+    """fp32 logits [B, V] after the repetition penalty (HF's rule over ``seen`` [B, V] bool: the prompt's and the
+    output's tokens) and the presence / frequency penalties (OpenAI's rule over ``counts`` [B, V]: times each token
+    was generated)."""
+    x = logits.float()
+    if rows.repetition_on:
+        r = rows.repetition[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if rows.counts_on:
+        c = counts.to(torch.float32)
+        x = x - rows.frequency[:, None] * c - rows.presence[:, None] * (c > 0).to(torch.float32)
+    return x
+
+
+def sample_batch(
+    logits: Tensor, rows: SamplingRows, seen: Tensor | None = None, counts: Tensor | None = None
+) -> Sampled:
+    """One token for each row of logits [B, V] under its row's parameters (see :class:`SamplingRows`), all on the
+    device. Greedy rows (temperature 0) take the argmax of the penalised logits; the others divide by their
+    temperature, keep their top-k (ranks after a stable sort, so ties go to the lower id), the smallest prefix
+    whose mass reaches top-p, and tokens of at least min-p x the likeliest's probability, then draw with
+    :func:`uniform_noise`."""
+    x = penalised_logits(logits, rows, seen, counts)
+    greedy = x.argmax(-1)
+    greedy_ok = ~torch.isnan(x).any(-1)
+    if not rows.sampled:
+        return Sampled(greedy, greedy_ok)
+    v = x.shape[-1]
+    is_sampled = rows.temperature > 0
+    y = x / torch.where(is_sampled, rows.temperature, 1.0)[:, None]
+    if rows.top_k_on or rows.top_p_on:
+        sv, si = y.sort(dim=-1, descending=True, stable=True)
+        drop = torch.zeros_like(sv, dtype=torch.bool)
+        if rows.top_k_on:
+            k = torch.where(rows.top_k > 0, rows.top_k, v)
+            drop |= torch.arange(v, device=y.device)[None, :] >= k[:, None]
+        if rows.top_p_on:
+            p = sv.masked_fill(drop, float("-inf")).softmax(-1)
+            drop |= p.cumsum(-1) - p > rows.top_p[:, None]
+        y = y.masked_fill(torch.zeros_like(drop).scatter(-1, si, drop), float("-inf"))
+    probs = y.softmax(-1)
+    if rows.min_p_on:
+        keep = probs >= rows.min_p[:, None] * probs.max(-1, keepdim=True).values
+        probs = torch.where(keep, probs, 0.0)
+    race = probs / -torch.log(uniform_noise(rows.seeds, rows.positions, v))
+    drawn = race.argmax(-1)
+    drawn_ok = torch.isfinite(probs).all(-1)
+    return Sampled(torch.where(is_sampled, drawn, greedy), torch.where(is_sampled, drawn_ok, greedy_ok))
+
+
+def sample_row(
     logits: Tensor,
     params: SamplingParams,
-    generator: torch.Generator | None,
-    seen: Tensor | None = None,
-    generated: Tensor | None = None,
+    seed: int,
+    position: int,
+    seen: list[int] | None = None,
+    generated: list[int] | None = None,
 ) -> int:
-    """Pick the next token from logits [V] (fp32). seen: the prompt and output tokens (repetition penalty);
-    generated: the output tokens (presence / frequency penalties)."""
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    if generated is not None:
-        logits = apply_output_penalties(logits, generated, params.presence_penalty, params.frequency_penalty)
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    # NaN logits would make multinomial fail (a device assert on a GPU): it draws from uniform weights instead, and
-    # the finiteness flag comes back with the token in one transfer, so sampling costs no extra host sync
-    finite = torch.isfinite(probs).all()
-    token = torch.multinomial(torch.where(finite, probs, torch.ones_like(probs)), 1, generator=generator)
-    ok, token = torch.stack([finite.to(token.dtype), token[0]]).tolist()
-    if not ok:
+    """Reference for one row of :func:`sample_batch`, written out step by step: logits [V]; seen: the prompt's and
+    output's tokens (repetition penalty); generated: the output's tokens (presence / frequency penalties). Raises
+    ValueError where the batched path reports a row not ok."""
+    x = [float(v) for v in logits.float()]
+    if params.repetition_penalty != 1.0:
+        for t in set(seen or []):
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    counts: dict[int, int] = {}
+    for t in generated or []:
+        counts[t] = counts.get(t, 0) + 1
+    for t, c in counts.items():
+        x[t] -= params.frequency_penalty * c + params.presence_penalty
+    if any(v != v for v in x):
         raise ValueError("the next-token probabilities are not finite (NaN or inf logits)")
-    return token
+    if params.temperature == 0:
+        return max(range(len(x)), key=lambda i: (x[i], -i))
+    y = [v / params.temperature for v in x]
+    order = sorted(range(len(y)), key=lambda i: (-y[i], i))
+    keep = set(order[: params.top_k] if params.top_k > 0 else order)
+    if params.top_p < 1:
+        kept = [i for i in order if i in keep]
+        z = torch.tensor([y[i] for i in kept], dtype=torch.float32).softmax(0).tolist()
+        mass, prefix = 0.0, []
+        for i, p in zip(kept, z):
+            if mass > params.top_p:
+                break
+            prefix.append(i)
+            mass += p
+        keep = set(prefix)
+    w = torch.tensor([y[i] if i in keep else float("-inf") for i in range(len(y))], dtype=torch.float32).softmax(0)
+    if params.min_p > 0:
+        w = torch.where(w >= params.min_p * w.max(), w, 0.0)
+    if not torch.isfinite(w).all():
+        raise ValueError("the next-token probabilities are not finite (NaN or inf logits)")
+    noise = uniform_noise(torch.tensor([_signed(seed)]), torch.tensor([position]), len(y))[0]
+    return int((w / -torch.log(noise)).argmax())

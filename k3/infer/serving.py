@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from k3.data.tokenizer import Tokenizer
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.chat import render_chat
+from k3.infer.engine import Request as EngineRequest
 from k3.infer.protocol import (
     APIError,
     BaseRequest,
@@ -42,6 +44,9 @@ from k3.infer.sampling import SamplingError, SamplingParams
 # token text and a float (~25 bytes of JSON), so 2**18 keeps a response near 6 MB; scoring a whole 8192-token
 # context with logprobs=20 (172k entries) fits.
 MAX_PROMPT_LOGPROB_ENTRIES = 2**18
+# The most tokens one request may make the engine process: the sum over its choices of prompt + max_tokens. A
+# request of 64 prompts x 16 choices of 1K tokens each would otherwise keep the engine busy for everyone.
+MAX_REQUEST_TOKENS = 2**18
 
 
 def private_copy(tokenizer: Tokenizer) -> Tokenizer:
@@ -70,14 +75,43 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
+async def watched(request: Request, work):
+    """Await ``work`` (a request's tokenising, checks and submission: a tuple whose last item is its streams)
+    unless the client disconnects first; then it is cancelled, whatever it submitted is aborted, and the request
+    ends with a 400."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if not task.cancelled() and task.exception() is None:  # submitted just before the cancel arrived
+            for stream in task.result()[-1]:
+                await stream.aclose()
+        raise APIError(400, "the client disconnected before the response", code="client_disconnected")
+    finally:
+        gone.cancel()
+
+
 class Serving:
     """One served model: its engine, a private tokenizer (encoding runs in one thread of its own: off the event
     loop, and calls never overlap, since Tokenizer.encode sets a flag on the shared HF tokenizer before each) and
     its context."""
 
-    def __init__(self, async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_context: int):
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_context: int,
+        max_request_tokens: int = MAX_REQUEST_TOKENS,
+    ):
         self.async_engine, self.engine = async_engine, async_engine.engine
         self.model_name, self.max_context = model_name, max_context
+        self.max_request_tokens = max_request_tokens
         self.tok = private_copy(tokenizer)
         self.forms = LogprobForms(self.tok)
         self.max_chars = max_context * max_token_chars(self.tok)
@@ -205,27 +239,31 @@ class Serving:
         return params
 
     # ------------------------------------------------------------------ running requests
-    async def start(self, prompt: list[int], params: SamplingParams, rid: str, media=None):
+    async def start_all(self, requests: list[tuple[list[int], SamplingParams, Any]], rid: str) -> list:
+        """Submit every (prompt, params, media) in one engine message (added together or not at all, admitted
+        fairly against other requests' sequences), within the request's token budget."""
+        total = sum(len(ids) + params.max_tokens for ids, params, _ in requests)
+        if total > self.max_request_tokens:
+            raise APIError(
+                400,
+                f"this request asks for {total} tokens (prompt + max_tokens, summed over its {len(requests)} "
+                f"prompts x choices); the limit is {self.max_request_tokens} (k3 serve --max-request-tokens): "
+                "send fewer prompts, a smaller n or a smaller max_tokens",
+                "max_tokens",
+                "request_too_large",
+            )
+        seqs = [
+            EngineRequest(ids, params, rid if len(requests) == 1 else f"{rid}-{i}", media=media)
+            for i, (ids, params, media) in enumerate(requests)
+        ]
         try:
-            return await self.async_engine.submit(prompt, params, rid, media=media)
+            return await self.async_engine.submit_many(seqs, rid)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except EngineClosed as e:
             raise APIError(503, str(e), kind="server_error") from None
         except EngineError as e:
             raise APIError(500, str(e), kind="server_error") from None
-
-    async def start_all(self, requests: list[tuple[list[int], SamplingParams, Any]], rid: str) -> list:
-        """Submit every (prompt, params, media); if one is refused, abort those already submitted."""
-        streams = []
-        try:
-            for i, (ids, params, media) in enumerate(requests):
-                streams.append(await self.start(ids, params, rid if len(requests) == 1 else f"{rid}-{i}", media))
-        except APIError:
-            for s in streams:
-                await s.aclose()
-            raise
-        return streams
 
     @staticmethod
     async def collect(stream, text_only: bool = False) -> tuple[str, Any, list, list | None]:
@@ -296,9 +334,13 @@ class Serving:
         if req.stream and len(req.prompt) * req.n > 1:
             raise APIError(400, "a streamed completion takes one prompt and n=1", "prompt" if req.n == 1 else "n")
         scored = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
-        jobs, prompt_tokens = await self.completion_jobs(req, scored)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.start_all([(ids, params, None) for _, ids, params in jobs], rid)
+
+        async def admit():
+            jobs, prompt_tokens = await self.completion_jobs(req, scored)
+            return jobs, prompt_tokens, await self.start_all([(ids, params, None) for _, ids, params in jobs], rid)
+
+        jobs, prompt_tokens, streams = await watched(request, admit())
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         echo = bool(req.echo)
         if req.stream:
@@ -340,21 +382,25 @@ class Serving:
         self.check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt, media, rendered = await self.chat_prompt(req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling(
-            req,
-            len(prompt),
-            max_tokens,
-            self.max_context,
-            rendered.stop,
-            rendered.stop_token_ids,
-            (req.top_logprobs or 0) if req.logprobs else None,
-        )
         if req.stream and req.n > 1:
             raise APIError(400, "a streamed chat completion takes n=1", "n")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.start_all([(prompt, p, media) for p in copies(params, req.n)], rid)
+
+        async def admit():
+            prompt, media, rendered = await self.chat_prompt(req)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            params = self.sampling(
+                req,
+                len(prompt),
+                max_tokens,
+                self.max_context,
+                rendered.stop,
+                rendered.stop_token_ids,
+                (req.top_logprobs or 0) if req.logprobs else None,
+            )
+            return prompt, await self.start_all([(prompt, p, media) for p in copies(params, req.n)], rid)
+
+        prompt, streams = await watched(request, admit())
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         chunk = ChatChoice(self.forms, base, bool(req.logprobs))
         if req.stream:

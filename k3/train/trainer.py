@@ -317,7 +317,9 @@ class Trainer(TrainStep, RunState):
 
         examples = [self.val_data.example(i) for i in range(n)]
         pad = self.model_cfg.vision.media_placeholder_token_id
-        engine = Engine(self.model, self.tokenizer, max_batch=min(n, 64), prefill_chunk=4096, cuda_graphs=False)
+        engine = Engine(
+            self.model, self.tokenizer, max_batch=min(n, 64), max_num_batched_tokens=4096, cuda_graphs=False
+        )
         prompts = [[pad] + self.tokenizer.encode(" " + e.question) for e in examples]
         ids = [
             engine.add(p, SamplingParams(max_tokens=4, temperature=0.0), images=[e.image])

@@ -540,7 +540,12 @@ def test_engine_with_cuda_graphs_equals_eager_engine(compile_decode):
     outs = []
     for graphs in (True, False):
         engine = Engine(
-            model, Ids(), max_batch=3, prefill_chunk=16, cuda_graphs=graphs, compile_decode=compile_decode and graphs
+            model,
+            Ids(),
+            max_batch=3,
+            max_num_batched_tokens=16,
+            cuda_graphs=graphs,
+            compile_decode=compile_decode and graphs,
         )
         outs.append([r["token_ids"] for r in engine.generate(prompts, params)])
     assert outs[0] == outs[1]

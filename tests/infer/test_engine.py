@@ -7,7 +7,7 @@ import k3.infer.engine as engine_mod
 from k3.config import get_preset
 from k3.infer.engine import Engine
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import SamplingParams, apply_repetition_penalty, sample_next
+from k3.infer.sampling import SamplingParams, sample_row
 from k3.model.decoder import K3ForCausalLM
 
 
@@ -28,14 +28,16 @@ def model(perturb):
 
 
 def record_logits(monkeypatch):
+    """The logits each sequence sampled from, per step, under its params' ``_tag``."""
     seen: dict[str, list[torch.Tensor]] = {}
-    real = engine_mod.sample_next
+    real = Engine._sample
 
-    def spy(logits, params, generator, *history):
-        seen.setdefault(params._tag, []).append(logits.clone())
-        return real(logits, params, generator, *history)
+    def spy(self, seqs, raw, scored):
+        for seq, row in zip(seqs, raw):
+            seen.setdefault(seq.params._tag, []).append(row.clone())
+        return real(self, seqs, raw, scored)
 
-    monkeypatch.setattr(engine_mod, "sample_next", spy)
+    monkeypatch.setattr(Engine, "_sample", spy)
     return seen
 
 
@@ -58,7 +60,7 @@ def test_continuous_batching_equals_full_forward(model, monkeypatch):
     torch.manual_seed(1)
     lengths = [5, 37, 70, 1, 20]
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in lengths]
-    eng = Engine(model, IdTokenizer(), max_batch=3, prefill_chunk=16, max_context=256)
+    eng = Engine(model, IdTokenizer(), max_batch=3, max_num_batched_tokens=16, max_context=256)
     results = eng.generate(prompts, [tagged(i, max_tokens=12) for i in range(5)])
     for i, (p, r) in enumerate(zip(prompts, results)):
         assert len(r["token_ids"]) == 12 and r["finish_reason"] == "length"
@@ -75,11 +77,13 @@ def test_prefix_cache_hit_equals_miss(model, monkeypatch):
     torch.manual_seed(2)
     shared = torch.randint(0, 512, (100,)).tolist()
     first, second = shared + [1, 2, 3], shared + [7, 8, 9, 10, 11]
-    cached = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=32, block_size=16, prefix_cache_bytes=10**8)
+    cached = Engine(
+        model, IdTokenizer(), max_batch=2, max_num_batched_tokens=32, block_size=16, prefix_cache_bytes=10**8
+    )
     cached.generate([first], tagged("first", max_tokens=4))
     hit = cached.generate([second], tagged("hit", max_tokens=6))[0]
     assert hit["cached_tokens"] == 96  # blocks of 16 up to the last chunk end inside the shared prefix
-    plain = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=32)
+    plain = Engine(model, IdTokenizer(), max_batch=2, max_num_batched_tokens=32)
     miss = plain.generate([second], tagged("miss", max_tokens=6))[0]
     assert hit["token_ids"] == miss["token_ids"]
     a, b = torch.stack(seen["hit"]), torch.stack(seen["miss"])
@@ -93,11 +97,11 @@ def test_prefix_cache_fills_from_a_prompt_shorter_than_the_chunk(model, monkeypa
     seen = record_logits(monkeypatch)
     torch.manual_seed(5)
     shared = torch.randint(0, 512, (100,)).tolist()
-    eng = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=256, block_size=16, prefix_cache_bytes=10**8)
+    eng = Engine(model, IdTokenizer(), max_batch=2, max_num_batched_tokens=256, block_size=16, prefix_cache_bytes=10**8)
     first = eng.generate([shared + [1, 2]], tagged("first", max_tokens=3))[0]
     hit = eng.generate([shared + [7, 8, 9]], tagged("hit", max_tokens=5))[0]
     assert first["cached_tokens"] == 0 and hit["cached_tokens"] == 96
-    plain = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=256)
+    plain = Engine(model, IdTokenizer(), max_batch=2, max_num_batched_tokens=256)
     miss = plain.generate([shared + [7, 8, 9]], tagged("miss", max_tokens=5))[0]
     assert hit["token_ids"] == miss["token_ids"]
     a, b = torch.stack(seen["hit"]), torch.stack(seen["miss"])
@@ -108,7 +112,7 @@ def test_prefix_cache_resumes_after_generated_text(model):
     """Blocks completed during decode are cached too: a follow-up turn resumes past the first answer."""
     torch.manual_seed(3)
     prompt = torch.randint(0, 512, (40,)).tolist()
-    eng = Engine(model, IdTokenizer(), max_batch=1, prefill_chunk=16, block_size=16, prefix_cache_bytes=10**8)
+    eng = Engine(model, IdTokenizer(), max_batch=1, max_num_batched_tokens=16, block_size=16, prefix_cache_bytes=10**8)
     out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=30))[0]
     follow = prompt + out["token_ids"] + [5, 6, 7]
     again = eng.generate([follow], SamplingParams(temperature=0, max_tokens=2))[0]
@@ -118,7 +122,7 @@ def test_prefix_cache_resumes_after_generated_text(model):
 def test_eviction_holds_the_budget(model):
     torch.manual_seed(4)
     probe = PrefixCache(16, 10**9)
-    eng = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=16, block_size=16, prefix_cache_bytes=60_000)
+    eng = Engine(model, IdTokenizer(), max_batch=2, max_num_batched_tokens=16, block_size=16, prefix_cache_bytes=60_000)
     for _ in range(8):
         eng.generate([torch.randint(0, 512, (50,)).tolist()], SamplingParams(temperature=0, max_tokens=2))
         assert eng.prefix.nbytes <= 60_000
@@ -129,7 +133,7 @@ def test_eviction_holds_the_budget(model):
 
 
 def test_memory_budget_admits_or_queues(model):
-    eng = Engine(model, IdTokenizer(), max_batch=8, prefill_chunk=64, max_context=512)
+    eng = Engine(model, IdTokenizer(), max_batch=8, max_num_batched_tokens=64, max_context=512)
     per_request = eng.context_bytes(10 + 8)
     eng.memory_budget = 2 * per_request
     for _ in range(4):
@@ -206,7 +210,7 @@ def test_logprobs_are_the_full_forward_log_softmax(model):
         SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=9, logprobs=5),
         SamplingParams(temperature=0, max_tokens=9, logprobs=0),
     ]
-    results = Engine(model, IdTokenizer(), max_batch=2, prefill_chunk=16).generate(prompts, params)
+    results = Engine(model, IdTokenizer(), max_batch=2, max_num_batched_tokens=16).generate(prompts, params)
     for p, r, n in zip(prompts, results, (5, 0)):
         want = full_forward_logits(model, p, r["token_ids"]).double().log_softmax(-1)
         lps = r["logprobs"]
@@ -268,7 +272,7 @@ def test_prompt_logprobs_score_the_prompt(model):
     (a scored prompt bypasses it: its cached blocks would skip logits); max_tokens=0 only scores."""
     torch.manual_seed(8)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (40, 40, 23, 1)]
-    eng = Engine(model, IdTokenizer(), max_batch=4, prefill_chunk=16, prefix_cache_bytes=1 << 24, block_size=8)
+    eng = Engine(model, IdTokenizer(), max_batch=4, max_num_batched_tokens=16, prefix_cache_bytes=1 << 24, block_size=8)
     eng.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # caches blocks of prompt 0
     params = [
         SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2),
@@ -329,11 +333,12 @@ def test_presence_and_frequency_penalties_follow_openais_rule(model):
 
 def test_sampling_rules():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
-    assert torch.equal(apply_repetition_penalty(logits, torch.tensor([0, 1]), 2.0), torch.tensor([1.0, -2.0, 0.5, 3.0]))
-    g = torch.Generator().manual_seed(0)
-    assert sample_next(logits, SamplingParams(temperature=1.0, top_k=1), g) == 3
-    assert sample_next(logits, SamplingParams(temperature=1.0, top_p=0.01), g) == 3
-    draws = {sample_next(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(50)}
+    rep = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample_row(logits, rep, 0, 0, seen=[3]) == 0  # 3.0 / 2 < 2.0
+    assert sample_row(torch.tensor([-2.0, -1.5]), rep, 0, 0, seen=[1]) == 0  # -1.5 * 2 < -2.0
+    assert sample_row(logits, SamplingParams(temperature=1.0, top_k=1), 0, 0) == 3
+    assert sample_row(logits, SamplingParams(temperature=1.0, top_p=0.01), 0, 0) == 3
+    draws = {sample_row(logits, SamplingParams(temperature=1.0, top_k=2), 7, n) for n in range(50)}
     assert draws == {0, 3}
     for bad in (
         dict(max_tokens=0),
@@ -343,6 +348,7 @@ def test_sampling_rules():
         dict(repetition_penalty=0),
         dict(seed=2**64),
         dict(temperature=True),
+        dict(min_p=1.5),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad).validate()
@@ -358,19 +364,19 @@ def test_sampler_refuses_what_it_cannot_compute():
             params.validate()
     SamplingParams(temperature=0.01, repetition_penalty=0.01).validate()
     with pytest.raises(ValueError, match="not finite"):
-        sample_next(torch.full((10,), float("nan")), SamplingParams(temperature=1.0), None)
+        sample_row(torch.full((10,), float("nan")), SamplingParams(temperature=1.0), 0, 0)
 
 
 def test_a_sequence_that_fails_in_sampling_ends_alone(model, monkeypatch):
     """Its output carries the error and frees its slot; the others of the step produce what they would alone."""
-    real = engine_mod.sample_next
+    real = engine_mod.sample_batch
 
-    def sampler(logits, params, generator, *history):
-        if params.seed == 4242:
+    def sampler(logits, rows, *tables):  # any batch holding the victim's row (seed 4242) raises
+        if bool((rows.seeds == 4242).any()):
             raise RuntimeError("simulated sampler failure")
-        return real(logits, params, generator, *history)
+        return real(logits, rows, *tables)
 
-    monkeypatch.setattr(engine_mod, "sample_next", sampler)
+    monkeypatch.setattr(engine_mod, "sample_batch", sampler)
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     alone = [Engine(model, IdTokenizer(), max_batch=4).generate([p], greedy)[0]["token_ids"] for p in prompts]

@@ -306,7 +306,7 @@ def test_usage_reports_prefix_cache_hits(ckpt):
     ignore_eos (a load test's fixed output length)."""
     model, tok, _ = load_for_inference(ckpt, "cpu", "float32")
     engine = Engine(
-        model, tok, max_batch=4, max_context=CONTEXT, prefill_chunk=32, block_size=16, prefix_cache_bytes=10**8
+        model, tok, max_batch=4, max_context=CONTEXT, max_num_batched_tokens=32, block_size=16, prefix_cache_bytes=10**8
     )
     live = LiveServer(create_app(AsyncEngine(engine), tok, MODEL, CONTEXT))
     try:
@@ -573,6 +573,9 @@ class FakeEngine:
         self.running[request_id] = [params.max_tokens, 0]
         return request_id
 
+    def add_many(self, requests, group=None):
+        return [self.add(r.prompt, r.params, r.request_id, r.images, r.media) for r in requests]
+
     def abort(self, rid):
         self.aborted.append(rid)
         self.running.pop(rid, None)
@@ -683,18 +686,17 @@ def test_temperature_has_one_range_with_one_message(served):
 
 
 def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
-    import dataclasses as dc
-
     import k3.infer.engine as engine_mod
 
-    real = engine_mod.sample_next
+    real = engine_mod.sample_batch
 
-    def sampler(logits, params, generator, *history):  # seed 4242 marks the victim: its logits turn NaN
-        if params.seed == 4242:
-            return real(torch.full_like(logits, float("nan")), dc.replace(params, temperature=1.0), None, *history)
-        return real(logits, params, generator, *history)
+    def sampler(logits, rows, *tables):  # seed 4242 marks the victim: its row's logits turn NaN
+        victim = rows.seeds == 4242
+        if bool(victim.any()):
+            logits = logits.masked_fill(victim[:, None], float("nan"))
+        return real(logits, rows, *tables)
 
-    monkeypatch.setattr(engine_mod, "sample_next", sampler)
+    monkeypatch.setattr(engine_mod, "sample_batch", sampler)
     prompts = [f"item {i}: json" for i in range(6)]
     alone = [
         client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts

@@ -108,7 +108,7 @@ def test_engine_generates_with_images_like_the_full_forward(model):
     a text-only request share passes, and greedy tokens equal a plain greedy loop over the full forward."""
     img = images(1)
     text = list(range(60, 66))
-    engine = Engine(model, Ids(), max_batch=2, prefill_chunk=5, cuda_graphs=False)
+    engine = Engine(model, Ids(), max_batch=2, max_num_batched_tokens=5, cuda_graphs=False)
     params = SamplingParams(max_tokens=6, temperature=0.0)
     rid = engine.add([PAD] + text, params, images=img)
     engine.add(list(range(70, 80)), params)
