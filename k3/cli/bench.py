@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-NAMES = ("decode", "kernels", "model", "slice")
+NAMES = ("decode", "kernels", "model", "slice", "serve")
 
 
 def add_parser(sub) -> None:
@@ -21,12 +21,32 @@ def add_parser(sub) -> None:
         "prefill (default all); decode: targets (only the performance targets' compiled rows, "
         "no transformers peer)",
     )
+    p.add_argument("--ckpt", default=None, help="serve: the checkpoint to serve (default: a random --preset one)")
+    p.add_argument(
+        "--preset", default=None, help="serve: preset of the random checkpoint (default small-1b, tiny on CPU)"
+    )
+    p.add_argument("--server-args", default="", help="serve: extra k3 serve flags, space-separated")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.name == "serve":  # the whole server under load: on a CPU too
+        from k3.bench import serve
+
+        gpu = torch.cuda.is_available()
+        serve.run(
+            out_dir=args.out,
+            quick=args.quick,
+            ckpt=args.ckpt,
+            preset=args.preset or ("small-1b" if gpu else "tiny"),
+            device="cuda" if gpu else "cpu",
+            concurrency=(1, 8, 32, 64) if gpu else (1, 4),
+            cases=((256, 128), (32, 512)) if gpu else ((64, 16),),
+            server_args=tuple(args.server_args.split()),
+        )
+        return 0
     kwargs = {}
     if args.cases is not None:
         if args.name == "decode":

@@ -1,0 +1,204 @@
+"""``k3 bench serve``: ``k3 serve`` under load, beside the graph-replayed decode step it is built on.
+
+A ``k3 serve`` child process serves a checkpoint (``--ckpt``, or a random one of ``--preset`` with a 400-token
+vocabulary); clients (asyncio, in this process, one connection each) stream greedy completions with ``ignore_eos``
+so each yields exactly ``output`` tokens from a distinct random prompt. At each concurrency C, after a warm-up
+round, C clients send requests back to back for ``rounds`` rounds: output tokens/s over the phase, TTFT (request
+sent to first text) and TPOT ((last text - first text) / (tokens - 1)) at p50 / p90. Then, in this process on the
+same device, the engine's captured decode step at B = max concurrency is timed (CUDA events over graph replays at
+a context of prompt + output / 2): ``limit_tok_s`` = B / step, the kernel throughput the server is measured against.
+
+Results: serve.{md,json} (k3.bench.common.write_results).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from k3.bench.common import environment, write_results
+from k3.bench.live_server import Server, tiny_checkpoint
+
+COLUMNS = [
+    "case",
+    "concurrency",
+    "requests",
+    "tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "tpot_p50_ms",
+    "tpot_p90_ms",
+    "of_limit",
+    "detail",
+]
+
+
+async def _stream(client, prompt: list[int], output: int) -> dict:
+    body = {
+        "model": "k3",
+        "prompt": prompt,
+        "max_tokens": output,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = last = usage = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            j = json.loads(line[6:])
+            if "error" in j:
+                raise RuntimeError(j["error"]["message"])
+            if j.get("usage"):
+                usage = j["usage"]
+            if j.get("choices") and j["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    if first is None or usage is None:
+        raise RuntimeError("the stream ended without text or usage")
+    return {"ttft": first - t0, "span": last - first, "tokens": usage["completion_tokens"]}
+
+
+async def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, rng) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def one():
+            return await _stream(client, [rng.randrange(3, vocab) for _ in range(prompt)], output)
+
+        await asyncio.gather(*(one() for _ in range(c)))  # warm-up round at this concurrency
+        results, errors = [], []
+
+        async def worker():
+            for _ in range(rounds):
+                try:
+                    results.append(await one())
+                except Exception as e:  # noqa: BLE001 - counted in the row
+                    errors.append(repr(e)[:200])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(c)))
+        wall = time.perf_counter() - t0
+    ttft = [r["ttft"] * 1e3 for r in results]
+    tpot = [r["span"] * 1e3 / max(1, r["tokens"] - 1) for r in results]
+    row = {
+        "case": f"prompt {prompt} / output {output}",
+        "concurrency": c,
+        "requests": len(results),
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "detail": f"{wall:.1f} s",
+    }
+    if results:
+        row |= {
+            "ttft_p50_ms": float(np.percentile(ttft, 50)),
+            "ttft_p90_ms": float(np.percentile(ttft, 90)),
+            "tpot_p50_ms": float(np.percentile(tpot, 50)),
+            "tpot_p90_ms": float(np.percentile(tpot, 90)),
+        }
+    if errors:
+        row["detail"] += f"; {len(errors)} failed: {errors[0]}"
+    return row
+
+
+def graph_step_ms(ckpt: Path, device: str, batch: int, context: int) -> float:
+    """The captured decode step at ``batch`` sequences of ``context`` tokens: median ms over CUDA-event replays."""
+    import torch
+
+    from k3.infer.engine import Engine
+    from k3.infer.load import load_for_inference
+
+    model, tokenizer, _ = load_for_inference(str(ckpt), device, "bfloat16")
+    engine = Engine(model, tokenizer, max_batch=batch, max_context=context + 8)
+    cache = engine.cache
+    for s in range(batch):
+        cache.seq_lens[s] = context
+        for layer in cache.layers:
+            if hasattr(layer, "lengths"):
+                layer.lengths[s] = context
+    slots = list(range(batch))
+    times = []
+    for i in range(30):
+        for s in slots:  # keep the context fixed: undo the step's advance
+            cache.seq_lens[s] = context
+            for layer in cache.layers:
+                if hasattr(layer, "lengths"):
+                    layer.lengths[s] = context
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.graphs.replay_from(engine.last_tokens, slots, [])
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def run(
+    out_dir: str | None = None,
+    quick: bool = False,
+    ckpt: str | None = None,
+    preset: str = "small-1b",
+    device: str = "cuda",
+    concurrency: tuple[int, ...] = (1, 8, 32, 64),
+    cases: tuple[tuple[int, int], ...] = ((256, 128), (32, 512)),
+    rounds: int = 2,
+    server_args: tuple[str, ...] = (),
+) -> list[dict]:
+    work = Path(tempfile.mkdtemp(prefix="k3-bench-serve-"))
+    path = Path(ckpt) if ckpt else tiny_checkpoint(work / "ckpt", preset)
+    config = json.loads((path / "config.json").read_text())
+    vocab = config.get("text_config", config)["vocab_size"]
+    top = max(concurrency)
+    context = max(p + o for p, o in cases) + 64
+    args = ["--device", device, "--max-batch", str(top), "--max-context", str(context), *server_args]
+    rows: list[dict] = []
+    rng = random.Random(0)
+    server = Server(path, work / "server.log", args, start_s=900)
+    try:
+        for prompt, output in cases:
+            levels = concurrency if (prompt, output) == cases[0] else tuple(c for c in concurrency if c >= 16)
+            for c in levels:
+                rows.append(asyncio.run(_phase(server.url, vocab, c, 1 if quick else rounds, prompt, output, rng)))
+                print(rows[-1], flush=True)
+    finally:
+        server.stop()
+    limits = {}
+    if device == "cuda":
+        for prompt, output in cases:
+            ms = graph_step_ms(path, device, top, prompt + output // 2)
+            limits[(prompt, output)] = top / ms * 1e3
+            rows.append(
+                {
+                    "case": f"graph decode step, B={top}, context {prompt + output // 2}",
+                    "concurrency": top,
+                    "tokens_per_s": limits[(prompt, output)],
+                    "detail": f"{ms:.3f} ms a step",
+                }
+            )
+        for row in rows:
+            for (prompt, output), lim in limits.items():
+                if row["case"] == f"prompt {prompt} / output {output}" and row["concurrency"] == top:
+                    row["of_limit"] = row["tokens_per_s"] / lim
+    notes = (
+        "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients in the benchmark "
+        "process, one connection each, a warm-up round per concurrency. TTFT: request sent to first text; TPOT: "
+        "(last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. of_limit (at concurrency "
+        f"{top}): tokens/s over the graph step's {top} / step time, measured after the server stopped, on the "
+        "same device."
+    )
+    meta = {**environment(), "checkpoint": ckpt or f"{preset} random (vocabulary 400)", "server_args": args}
+    write_results("serve", rows, COLUMNS, meta, notes, out_dir=out_dir)
+    return rows
