@@ -54,7 +54,8 @@ class StopMatcher:
     """Stop strings over text that arrives in pieces: ``feed(piece, final) -> (text to return now, stopped)``.
 
     While not final, the last ``max(len(stop)) - 1`` characters are held back (they may begin a stop string); once a
-    stop string appears, the text before it is returned and the rest never is."""
+    stop string appears, the text before it is returned and the rest never is. Where several appear in one piece,
+    the one that ends first wins, so the result does not depend on how the text was cut into pieces."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
@@ -63,7 +64,9 @@ class StopMatcher:
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, bool]:
         self.pending += piece
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        # the stop string that ends first wins (as if the text came a character at a time), then the earliest
+        found = [(i + len(s), i) for s, i in ((s, self.pending.find(s)) for s in self.stops) if i >= 0]
+        cut = min(found)[1] if found else -1
         if cut >= 0:
             out, self.pending = self.pending[:cut], ""
             return out, True

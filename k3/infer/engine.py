@@ -40,12 +40,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from k3.infer.detok import IncrementalDecoder, StopMatcher
+from k3.infer.sequence import Media, Request, StepOutput, _Flight, _Sequence
 from k3.infer.graphs import GraphedDecoder, padded_sizes
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import (
@@ -62,96 +62,6 @@ from k3.ops.fused import raise_recompile_limit
 
 log = logging.getLogger("k3.infer")
 NOT_FINITE = "ValueError: the next-token probabilities are not finite (NaN or inf logits)"
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one request (deltas; ``finished`` once)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "error"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # with params.logprobs: those of the tokens whose text is now out (text held back for a possible stop string
-    # holds its tokens' entries too; tokens cut off by a stop string get none); a stop token's, last, when it ends
-    logprobs: list[TokenLogprob] | None = None
-    stop_token: bool = False  # token_ids ends with a stop token (EOS / stop_token_ids), whose text is not returned
-    # with params.prompt_logprobs, in a request's first output: None for the first prompt token, then one each
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    error: str | None = None  # this request failed alone (finish_reason "error"); the others in the step go on
-
-
-@dataclass
-class _Sequence:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    need_bytes: int
-    seed: int  # unsigned 64-bit: the request's or a random one (k3.infer.sampling.uniform_noise)
-    group: str
-    stop_ids: frozenset[int]
-    decoder: IncrementalDecoder
-    stopper: StopMatcher
-    slot: int = -1
-    fed: int = 0  # tokens already run through the model (launched)
-    launched: int = 0  # tokens sampled, those of a step still in flight included
-    output: list[int] = field(default_factory=list)  # tokens received
-    decoded: int = 0  # characters of text decoded from the output so far
-    emitted: int = 0  # characters of text returned
-    ends: list[int] = field(default_factory=list)  # len(decode(output[:i + 1])) for each output token i
-    held: list[TokenLogprob] = field(default_factory=list)  # log-probabilities of output[-len(held):], not yet out
-    cached_tokens: int = 0
-    remembered: int = 0  # tokens already stored in the prefix cache
-    snapshot: tuple | None = None  # (fed, KDA state) taken at a block end whose last token is not received yet
-    image_features: Tensor | None = None  # [M, d] encoded once at add(); M placeholders in the prompt
-    features_used: int = 0  # rows already fed with the prefill
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # gathered during the prefill, handed out once
-    done: bool = False  # finished, failed or aborted: results of a step in flight are dropped
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-
-@dataclass
-class _Flight:
-    """One launched step whose results are not read yet: the sampled sequences (row order), their tokens and
-    ok flags and the asked log-probabilities (host copies, complete once ``event`` has passed), rows whose
-    sampling raised, and the scored-only sequences whose prompt is in."""
-
-    batch: list[_Sequence]
-    tokens: Tensor
-    ok: Tensor
-    logprob_rows: list[int]
-    chosen: Tensor | None
-    top_values: Tensor | None
-    top_ids: Tensor | None
-    errors: dict[int, str]
-    scored: list[_Sequence]
-    event: torch.cuda.Event | None
-
-
-@dataclass
-class Media:
-    """A request's images after :meth:`Engine.prepare`: packed patches [N, 3*p*p] and patch grids [I, 2]."""
-
-    patches: Tensor
-    grids: Tensor
-
-
-@dataclass
-class Request:
-    """One sequence to add (:meth:`Engine.add_many`): a prompt, its params, an id; images or prepared media."""
-
-    prompt: list[int]
-    params: SamplingParams
-    request_id: str | None = None
-    images: list | None = None
-    media: Media | None = None
 
 
 class Engine:
@@ -728,62 +638,10 @@ class Engine:
         seq.remembered = fed
 
     def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> StepOutput:
-        """The output of a received token: its text (decoded incrementally; held while it may begin a stop string
-        or ends inside a character), whether it ends the request, and the log-probabilities now out."""
-        p = seq.params
-        stop_token = token in seq.stop_ids
-        piece = "" if stop_token else seq.decoder.push(token)
-        at_length = not stop_token and (
-            len(seq.output) >= p.max_tokens or len(seq.prompt) + len(seq.output) >= self.max_context
-        )
-        if stop_token or at_length:
-            piece += seq.decoder.flush()
-        seq.decoded += len(piece)
-        end = seq.decoded + (1 if seq.decoder.holding else 0)  # an unfinished character decodes to one U+FFFD
-        text, cut = seq.stopper.feed(piece, final=stop_token or at_length)
-        reason = "stop" if stop_token or cut else "length" if at_length else None
-        seq.emitted += len(text)
-        out = StepOutput(
-            seq.request_id,
-            [token],
-            text,
-            reason is not None,
-            reason,
-            len(seq.prompt),
-            len(seq.output),
-            seq.cached_tokens,
-            logprobs=None
-            if p.logprobs is None
-            else self._release_logprobs(seq, lp, end, reason is not None, cut, stop_token),
-            prompt_logprobs=seq.prompt_logprobs,
-            stop_token=stop_token,
-        )
-        seq.prompt_logprobs = None  # handed out
-        if reason is not None:
+        """The output of a received token (:meth:`_Sequence.take`); a sequence that ends frees its slot."""
+        out = seq.take(token, lp, self.max_context)
+        if out.finished:
             self._release(seq)
-        return out
-
-    @staticmethod
-    def _release_logprobs(
-        seq: _Sequence, lp: TokenLogprob, end: int, finished: bool, cut: bool, stop: bool
-    ) -> list[TokenLogprob]:
-        """The newest token's entry (``end``: len(decode(output))) joins the held ones; out go those of the tokens
-        whose text is out. While the request runs: the held tokens whose text is wholly returned. When it ends: all,
-        except after a stop string's cut, where only the tokens whose text starts before the cut go (a token across
-        it counts, those wholly after it are dropped); a stop token's (``stop``) always, last."""
-        seq.ends.append(end)
-        seq.held.append(lp)
-        first = len(seq.output) - len(seq.held)  # the output index of held[0]
-        if not finished:
-            ready = 0
-            while ready < len(seq.held) and seq.ends[first + ready] <= seq.emitted:
-                ready += 1
-            out, seq.held = seq.held[:ready], seq.held[ready:]
-            return out
-        text_tokens = seq.held[:-1] if stop else seq.held
-        if cut:
-            text_tokens = [e for i, e in enumerate(text_tokens, first) if (seq.ends[i - 1] if i else 0) < seq.emitted]
-        out, seq.held = text_tokens + seq.held[len(seq.held) - stop :], []
         return out
 
     def _finish_scoring(self, seq: _Sequence) -> StepOutput:
