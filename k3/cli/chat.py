@@ -2,7 +2,7 @@
 
 Each line read is one user message. ``/reset`` clears the history (the ``--system`` message stays), ``/exit``
 or end of input quits, Ctrl-C stops a reply being generated. When the conversation outgrows the context, the
-oldest turns are dropped.
+oldest turns are dropped. A line that is not valid UTF-8 is answered with one line on stderr and skipped.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 
-from k3.cli.generate import add_model_args, add_sampling_args, sampling_from_args, stats_line, stream
+from k3.cli.generate import add_model_args, add_sampling_args, sampling_from_args, stats_line, stream, utf8_text
 from k3.infer.chat import chat_format, render_chat
 from k3.infer.engine import Engine
 from k3.infer.load import load_for_inference, load_line
@@ -40,6 +40,22 @@ class _Tee:
         self.out.flush()
 
 
+def read_line(stdin) -> str | None:
+    """The next line of ``stdin`` without its newline, None at the end of input; one ValueError for a line that
+    is not valid UTF-8. Read as bytes where stdin has them, so the terminal's or locale's decoding settings do
+    not decide what a bad byte does."""
+    buffer = getattr(stdin, "buffer", None)
+    raw = buffer.readline() if buffer is not None else stdin.readline()
+    if not raw:
+        return None
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"that line is not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start})") from None
+    return utf8_text(raw, "that line").rstrip("\n")
+
+
 def fit(history: list[dict], tokenizer, room: int):
     """Render ``history``, dropping the oldest non-system turns until the prompt leaves ``room`` tokens of the
     context; None when even the newest message alone does not fit."""
@@ -56,6 +72,7 @@ def fit(history: list[dict], tokenizer, room: int):
 
 def run(args: argparse.Namespace) -> int:
     base = sampling_from_args(args)
+    system = [{"role": "system", "content": utf8_text(args.system, "--system")}] if args.system else []
     load_stats: dict = {}
     model, tokenizer, path = load_for_inference(
         args.ckpt, args.device, args.dtype, stats=load_stats, packed=args.packed
@@ -63,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     interactive = sys.stdin.isatty()
-    system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     if interactive:
         print(
@@ -74,13 +90,15 @@ def run(args: argparse.Namespace) -> int:
         if interactive:
             print("you> ", end="", flush=True, file=sys.stderr)
         try:
-            line = sys.stdin.readline()
+            text = read_line(sys.stdin)
         except KeyboardInterrupt:
             print(file=sys.stderr)
             break
-        if not line:
+        except ValueError as e:
+            print(f"[{e}; skipped]", file=sys.stderr)
+            continue
+        if text is None:
             break
-        text = line.rstrip("\n")
         if text.strip() == "/exit":
             break
         if text.strip() == "/reset":

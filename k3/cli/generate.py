@@ -34,8 +34,22 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def utf8_text(text: str, what: str) -> str:
+    """``text`` itself, or one ValueError naming ``what`` when it holds bytes that were not valid UTF-8 (Python
+    keeps such bytes of argv or stdin as lone surrogates, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        found = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+        raise ValueError(f"{what} is not valid UTF-8 ({found} at character {e.start})") from None
+    return text
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as validated SamplingParams (one ValueError naming a bad flag)."""
+    for s in args.stop:
+        utf8_text(s, "--stop")
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -129,6 +143,7 @@ def stats_line(s: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
+    utf8_text(args.prompt, "--prompt")
     load_stats: dict = {}
     model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats, packed=args.packed)
     print(load_line(load_stats), file=sys.stderr)

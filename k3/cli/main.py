@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the system refused a read or write (a full disk, permissions): one line, status 1
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"k3 {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 A crash or exception before the swap leaves the previous target untouched (and at most a stray
 ``.NAME.tmp-*`` directory, removed on exceptions). On Linux the swap is one ``renameat2(RENAME_EXCHANGE)``,
-so the target name never points at a half-written or missing directory; elsewhere it is two renames.
+so the target name never points at a half-written or missing directory; elsewhere it is two renames. A target
+that is a file or a symbolic link is refused rather than swapped, and ``check_old`` may refuse the directory
+about to be replaced (it is called just before the swap).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import ctypes
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _AT_FDCWD = -100
@@ -65,16 +67,41 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+def make_directory(path: str | os.PathLike) -> Path:
+    """``mkdir -p path``; one ValueError naming the file when ``path`` or a directory above it is an existing
+    file (instead of ``FileExistsError`` / ``NotADirectoryError`` from deep inside a write)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        raise ValueError(f"{path}: {blocker} is a file, not a directory") from None
+    return path
+
+
+def _check_target(target: Path) -> None:
+    """Refuse to replace a file or a symbolic link: only a real directory is swapped (and its old copy removed)."""
+    if target.is_symlink():
+        raise ValueError(f"{target} is a symbolic link; give the directory it points to")
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{target} is an existing file, not a directory")
+
+
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
-    """``with atomic_directory(dir) as tmp:`` write files into tmp; on success they replace ``dir`` atomically."""
+def atomic_directory(target: str | os.PathLike, check_old: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """``with atomic_directory(dir) as tmp:`` write files into tmp; on success they replace ``dir`` atomically.
+    ``check_old(dir)``, when given and ``dir`` exists, runs just before the swap and may raise to keep it."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _check_target(target)
+    make_directory(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
         normal_mode(tmp, directory=True)
         fsync_tree(tmp)
+        _check_target(target)
+        if target.exists() and check_old is not None:
+            check_old(target)
         if not target.exists():
             os.rename(tmp, target)
         elif _exchange(tmp, target):
@@ -95,7 +122,7 @@ def atomic_file(target: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_file(path) as tmp:`` write tmp (a unique name beside path); on success it replaces ``path``
     (fsync + rename), so readers see the old file or the whole new one, never a partial write."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(target.parent)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     os.close(fd)
     tmp = Path(name)

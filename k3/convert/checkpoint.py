@@ -4,7 +4,8 @@ Saving is atomic (``atomic_directory``) and records a SHA-256 per weight file in
 ``quantize="mxfp4"`` packs the routed experts (compressed-tensors ``mxfp4-pack-quantized``, k3.quant.packed);
 loading dequantises them (``packed="dequantize"``) or keeps them packed for inference (``packed="keep"``).
 Loading refuses, with one clear message, a missing or malformed config, missing shards, a truncated or
-corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), non-finite
+corrupted safetensors file (bad header, or a checksum mismatch when checksums are present), a malformed
+``k3_checksums.json`` or one that leaves a weight file out (verification is never skipped silently), non-finite
 values, shard names outside the directory, non-float tensors, missing / unexpected tensors and shape mismatches.
 
 Loading streams (k3.convert.load). Writing streams too: one shard at a time is gathered on the host.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +36,19 @@ from k3.quant.qat import qat_settings
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CHECKSUMS = "k3_checksums.json"
+TRAINER_STATE = "trainer_state.pt"  # a training checkpoint's optimizer / data / RNG state (k3.train.checkpoint)
 DEFAULT_SHARD_BYTES = 5 * 10**9
+# What a tokenizer needs beside config.json (k3.data.tokenizer reads tokenizer.json and tokenizer_config.json;
+# the others are the HF names a release ships), copied along by k3 convert so its output can be served.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tiktoken.model",
+    "tokenizer.model",
+)
+log = logging.getLogger("k3.convert")
 _DTYPE_NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
@@ -73,6 +88,8 @@ def write_pretrained(
     Shards are written as they fill, so host memory holds one shard (a GPU model is never copied whole)."""
     if quantize not in (None, "mxfp4"):
         raise ValueError(f"quantize={quantize!r} must be None or 'mxfp4'")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes")
     directory = Path(directory)
     config = to_hf_config(model.config, fmt)
     state = model.state_dict()
@@ -122,27 +139,77 @@ def write_pretrained(
     return names
 
 
+def read_checksums(directory: str | os.PathLike) -> dict[str, str] | None:
+    """``k3_checksums.json`` of ``directory`` as {file name: SHA-256 hex digest}, or None when there is none; one
+    ValueError naming the file when it is not ``{"sha256": {name: digest, ...}}`` (so a damaged file never
+    turns verification off)."""
+    path = Path(directory) / CHECKSUMS
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint's checksums cannot be read") from None
+    sums = raw.get("sha256") if isinstance(raw, dict) else None
+    if not isinstance(sums, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
+        for k, v in sums.items()
+    ):
+        raise ValueError(
+            f'{path} is malformed: it must hold {{"sha256": {{file name: SHA-256 hex digest}}}}; the '
+            "checkpoint cannot be verified"
+        )
+    return sums
+
+
+def expected_checksums(directory: str | os.PathLike, files: list[str]) -> dict[str, str]:
+    """The recorded SHA-256 of each of ``files`` ({} when the directory has no ``k3_checksums.json``); a
+    checksums file that leaves one of them out is refused, not taken as leave to skip it."""
+    sums = read_checksums(directory)
+    if sums is None:
+        return {}
+    missing = [f for f in files if f not in sums]
+    if missing:
+        raise ValueError(f"{Path(directory) / CHECKSUMS} does not list {', '.join(missing)}; it cannot be verified")
+    return {f: sums[f] for f in files}
+
+
 def add_checksums(directory: str | os.PathLike, names: list[str]) -> None:
     """Record the SHA-256 of more files of ``directory`` (e.g. a training state) in its ``k3_checksums.json``."""
     directory = Path(directory)
-    path = directory / CHECKSUMS
-    sums = json.loads(path.read_text()) if path.is_file() else {"sha256": {}}
-    sums["sha256"].update({f: _sha256(directory / f) for f in names})
-    path.write_text(json.dumps(sums, indent=2))
+    sums = read_checksums(directory) or {}
+    sums.update({f: _sha256(directory / f) for f in names})
+    (directory / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=2))
 
 
 def verify_checksum(directory: str | os.PathLike, name: str) -> None:
     """Refuse ``directory/name`` unless ``k3_checksums.json`` lists it with a matching SHA-256."""
     directory = Path(directory)
-    path = directory / CHECKSUMS
-    try:
-        expected = json.loads(path.read_text())["sha256"][name]
-    except FileNotFoundError:
-        raise ValueError(f"{directory / name} is not covered by checksums: {path} is missing") from None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{directory / name} is not covered by checksums: {path} has no valid entry for it") from None
+    if read_checksums(directory) is None:
+        raise ValueError(f"{directory / name} is not covered by checksums: {directory / CHECKSUMS} is missing")
+    expected = expected_checksums(directory, [name])[name]
     if _sha256(directory / name) != expected:
         raise ValueError(f"{directory / name} is corrupted: its SHA-256 differs from {CHECKSUMS}")
+
+
+def verify_files(directory: str | os.PathLike) -> None:
+    """Check a k3 checkpoint without loading it: config.json, every weight file present, and every file that
+    ``k3_checksums.json`` lists (the weights among them) matching its SHA-256; one ValueError / FileNotFoundError
+    naming the first problem."""
+    directory = Path(directory)
+    read_config(directory)
+    weight_map = _weight_files(directory)
+    files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
+    sums = read_checksums(directory)
+    if sums is None:
+        raise ValueError(f"{directory} has no {CHECKSUMS}: it cannot be verified")
+    expected_checksums(directory, files)
+    for name, digest in sorted(sums.items()):
+        _inside(directory, name, CHECKSUMS)
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name} (listed in {CHECKSUMS}) is missing")
+        if _sha256(directory / name) != digest:
+            raise ValueError(f"{directory / name} is corrupted: its SHA-256 differs from {CHECKSUMS}")
 
 
 def save_pretrained(
@@ -162,19 +229,40 @@ def save_pretrained(
     return Path(directory)
 
 
-def read_config(directory: str | os.PathLike) -> K3Config:
+def copy_tokenizer(source: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files (``TOKENIZER_FILES``) of checkpoint ``source`` into ``directory``; returns their
+    names, and warns when there are none (the copy then cannot be served or sampled)."""
+    source, directory = Path(source), Path(directory)
+    names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
+    for name in names:
+        shutil.copyfile(source / name, directory / name)
+        normal_mode(directory / name)
+    if "tokenizer.json" not in names:
+        log.warning("%s has no tokenizer.json: copy the model's tokenizer next to the output's config.json", source)
+    return names
+
+
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """A checkpoint's ``config.json`` as a dict; one error naming the file when it is missing, not JSON, or JSON
+    that is not an object."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: not a checkpoint directory")
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return from_hf_config(raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(raw).__name__}")
+    return raw
 
 
-def _inside(directory: Path, fname: str) -> None:
-    """Refuse a shard name that could read a file outside the checkpoint (``..``, absolute, a link out)."""
+def read_config(directory: str | os.PathLike) -> K3Config:
+    return from_hf_config(read_config_json(directory))
+
+
+def _inside(directory: Path, fname: str, listed_in: str = INDEX) -> None:
+    """Refuse a file name that could read a file outside the checkpoint (``..``, absolute, a link out)."""
     root = directory.resolve()
     if (
         not isinstance(fname, str)
@@ -182,7 +270,7 @@ def _inside(directory: Path, fname: str) -> None:
         or ".." in Path(fname).parts
         or not (root / fname).resolve().is_relative_to(root)
     ):
-        raise ValueError(f"{directory / INDEX} names {fname!r}, which is outside the checkpoint directory")
+        raise ValueError(f"{directory / listed_in} names {fname!r}, which is outside the checkpoint directory")
 
 
 def _weight_files(directory: Path) -> dict[str, str | None]:
@@ -210,11 +298,9 @@ def read_tensors(directory: str | os.PathLike, verify: bool = True) -> dict[str,
     directory = Path(directory)
     weight_map = _weight_files(directory)
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
-    sums = directory / CHECKSUMS
-    if verify and sums.is_file():
-        expected = json.loads(sums.read_text()).get("sha256", {})
-        for fname in files:
-            if fname in expected and _sha256(directory / fname) != expected[fname]:
+    if verify:
+        for fname, digest in expected_checksums(directory, files).items():
+            if _sha256(directory / fname) != digest:
                 raise ValueError(f"{directory / fname} is corrupted: its SHA-256 differs from {CHECKSUMS}")
     tensors: dict[str, Tensor] = {}
     for fname in files:

@@ -30,7 +30,9 @@ from k3.convert.checkpoint import (
     _sha256,
     _weight_files,
     check_state,
+    expected_checksums,
     read_config,
+    read_config_json,
     read_tensors,
 )
 
@@ -186,8 +188,7 @@ def plan_load(directory: str | os.PathLike, packed: str = "dequantize", dtype: t
     """Read config-independent facts of a checkpoint from its headers (no tensor data) and map them to our names."""
     directory = Path(directory)
     config = read_config(directory)
-    raw_config = json.loads((directory / "config.json").read_text())
-    quantized = read_quantization(raw_config)
+    quantized = read_quantization(read_config_json(directory))
     weight_map = _weight_files(directory)
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
     entries, specs = {}, {}
@@ -420,7 +421,7 @@ def from_pretrained(
         if isinstance(device, dict):
             raise ValueError("a device map is not supported for a distributed training checkpoint; give one device")
         return _from_dcp(directory, config).cast(dtype or torch.float32).to(device)
-    quantized = read_quantization(json.loads((directory / "config.json").read_text()))
+    quantized = read_quantization(read_config_json(directory))
     if packed == "keep" and quantized is None:
         raise ValueError(
             f"packed='keep': {directory} has no packed experts (no quantization_config); write one "
@@ -439,8 +440,7 @@ def from_pretrained(
     check_state(plan.state, model.state_dict())
     _materialise(model, plan, dtype, _device_of(device))
     place = _Placer(model, plan, config, packed, verify)
-    sums = directory / CHECKSUMS
-    expected = json.loads(sums.read_text()).get("sha256", {}) if verify and sums.is_file() else {}
+    expected = expected_checksums(directory, plan.files) if verify else {}
     for fname in plan.files:
         path = directory / fname
         hasher = hashlib.sha256() if fname in expected else None
@@ -467,7 +467,7 @@ def load_eager(directory: str | os.PathLike, dtype: torch.dtype | None = None, v
     directory = Path(directory)
     config = read_config(directory)
     tensors = read_tensors(directory, verify)
-    if read_quantization(json.loads((directory / "config.json").read_text())) is not None:
+    if read_quantization(read_config_json(directory)) is not None:
         tensors = unpack_expert_tensors(tensors, dtype or torch.float32)
     state = from_files(tensors, config)
     with torch.device("meta"):

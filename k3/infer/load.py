@@ -6,7 +6,6 @@ their dtype and device; the load time and memory (host RSS peak, GPU memory) are
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from k3.convert.load import from_pretrained
-from k3.convert.checkpoint import resolve_checkpoint
+from k3.convert.checkpoint import read_config_json, resolve_checkpoint
 from k3.data.tokenizer import Tokenizer
 from k3.quant.packed import read_quantization
 
@@ -97,7 +96,7 @@ def load_for_inference(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    if packed == "keep" and read_quantization(json.loads((path / "config.json").read_text())) is None:
+    if packed == "keep" and read_quantization(read_config_json(path)) is None:
         packed = "dequantize"  # nothing packed to keep (from_pretrained checks any other value)
     model = from_pretrained(path, dtype=dt, device=dev, packed=packed).eval()
     if dev.type == "cuda":

@@ -6,7 +6,9 @@
     RUN/.lock                      held (``flock``) by the process training in RUN; holds its pid
 
 Each step directory is written with ``atomic_directory`` and the pointer is replaced atomically after it,
-so an interruption at any point leaves the previous checkpoint loadable and ``latest`` naming it.
+so an interruption at any point leaves the previous checkpoint loadable and ``latest`` naming it. A kill between
+the two (the run's first checkpoint complete, no ``latest`` yet) or a damaged step directory is what
+:func:`resume_checkpoint` gets past: it resumes from the newest step directory that is complete and verifies.
 ``trainer_state.pt`` holds tensors and plain data only (read with ``torch.load(weights_only=True)``, so a run
 directory from elsewhere cannot run code) and is covered by ``k3_checksums.json`` like the weights.
 """
@@ -25,12 +27,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3.convert.atomic import atomic_directory, atomic_write_text
-from k3.convert.checkpoint import add_checksums, verify_checksum, write_pretrained
+from k3.convert.atomic import atomic_directory, atomic_write_text, make_directory
+from k3.convert.checkpoint import (
+    TRAINER_STATE,
+    add_checksums,
+    expected_checksums,
+    read_config,
+    verify_checksum,
+    verify_files,
+    write_pretrained,
+)
 
 log = logging.getLogger("k3.train")
 
-STATE_FILE = "trainer_state.pt"
+STATE_FILE = TRAINER_STATE
 LOCK_FILE = ".lock"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _STRAY = re.compile(r"^\.(step-\d+|latest)\.(tmp|old)-")
@@ -94,7 +104,7 @@ class RunLock:
     def acquire(self) -> None:
         if self.file is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path.parent)
         f = open(self.path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,6 +146,55 @@ def clean_stray(run_dir: Path) -> list[Path]:
             ", ".join(p.name for p in removed),
         )
     return removed
+
+
+def verify_step(ckpt: Path) -> None:
+    """Refuse (one ValueError / FileNotFoundError naming the problem) a step directory that is not a complete
+    training checkpoint: tokenizer.json, config.json, the weights and ``trainer_state.pt`` all present, the last
+    three matching their SHA-256 in ``k3_checksums.json``; a multi-process run's DCP directory needs its
+    ``.metadata``, config.json and tokenizer.json (DCP checks its own shards when it loads)."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"{ckpt} does not exist")
+    if not (ckpt / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{ckpt / 'tokenizer.json'} is missing")
+    if (ckpt / ".metadata").is_file():
+        read_config(ckpt)
+        return
+    if not (ckpt / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{ckpt / STATE_FILE} is missing")
+    verify_files(ckpt)
+    expected_checksums(ckpt, [STATE_FILE])
+
+
+def resume_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``--resume`` continues from: the step directory ``latest`` names if it passes
+    :func:`verify_step` (its files are hashed once more here); otherwise (``latest`` missing, or naming a step
+    directory that is gone, incomplete or damaged) the newest step directory that passes, each one passed over
+    with a warning saying why. None when the run has no checkpoint at all; one ValueError when none is complete."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    name = pointer.read_text().strip() if pointer.is_file() else None
+    if name is not None and not _STEP_DIR.match(name):
+        log.warning("%s holds %r, not a step directory's name", pointer, name[:80])
+    named = root / name if name is not None and _STEP_DIR.match(name) else None
+    listing = root.iterdir() if root.is_dir() else ()
+    steps = sorted((p for p in listing if p.is_dir() and _STEP_DIR.match(p.name)), reverse=True)
+    candidates = ([named] if named is not None else []) + [p for p in steps if p != named]
+    problems = []
+    for step in candidates:
+        try:
+            verify_step(step)
+        except (ValueError, FileNotFoundError) as e:
+            log.warning("not resuming from %s, which is missing, incomplete or damaged: %s", step.name, e)
+            problems.append(f"{step.name}: {e}")
+            continue
+        if step != named:
+            log.warning("%s names no complete checkpoint; resuming from %s, the newest complete one", pointer, step)
+        return step
+    if problems:
+        raise ValueError(f"{root} holds no complete checkpoint to resume from ({'; '.join(problems)})")
+    return None
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 3) -> Path:

@@ -36,8 +36,7 @@ import torch
 from tqdm import tqdm
 
 from k3.config import get_preset
-from k3.convert.atomic import atomic_write_text
-from k3.convert.checkpoint import latest_checkpoint
+from k3.convert.atomic import atomic_write_text, make_directory
 from k3.convert.load import from_pretrained
 from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
 from k3.data.tokenizer import Tokenizer, train_bpe
@@ -49,7 +48,7 @@ from k3.quant.fp8 import enable_fp8_experts
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train import plots
 from k3.train.activation_checkpoint import apply_activation_checkpointing
-from k3.train.checkpoint import RunLock, clean_stray
+from k3.train.checkpoint import RunLock, clean_stray, resume_checkpoint
 from k3.train.config import RESUME_MAY_CHANGE, TASKS, TrainConfig, check_resume_config
 from k3.train.optim import K3Muon, describe_groups, param_groups_for
 from k3.train.state import RunState, TrainingDiverged, read_metrics
@@ -147,12 +146,12 @@ class Trainer(TrainStep, RunState):
         """Check the run directory against ``resume`` and create it; returns the checkpoint to resume from."""
         if self.is_main:
             clean_stray(self.run_dir)
-        ckpt = latest_checkpoint(self.run_dir) if resume else None
+        ckpt = resume_checkpoint(self.run_dir) if resume else None
         if resume and ckpt is None:
             raise FileNotFoundError(f"--resume: {self.run_dir} has no checkpoint to resume from")
         if not resume and self.metrics_path.exists():
             raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or another --out")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_directory(self.run_dir)
         return ckpt
 
     def _prepare_model(self) -> None:

@@ -3,18 +3,18 @@
 For each image (a path, encoded bytes, or a ``PIL.Image.Image``):
 
 1. Load. Encoded inputs are checked before any pixel is decoded: an empty file or byte string, one larger than
-   ``max_bytes``, data Pillow cannot identify, and a header whose width or height exceeds ``max_side`` (a
-   decompression-bomb guard; Pillow's own ``DecompressionBombError`` is reported the same way) all raise one
-   ``ValueError`` naming the image. So does a decoding failure (truncated data) and a zero-sized image. The EXIF
-   orientation is applied, animations contribute their first frame, transparency is composited over white, and
-   the result is converted to RGB.
-2. Size. Large images are *resized, not rejected*: only when width x height exceeds ``max_pixels`` (default
-   3584 x 3584, the largest input of docs/architecture.md#vision) are both sides scaled by sqrt(max_pixels / (width x
-   height)),
-   keeping the aspect ratio. Then each side is rounded to the nearest multiple of ``unit = patch_size x
-   merge_size`` (28), at least one unit, so the patch grid splits into whole 2x2 merge windows; if rounding up
-   pushed the area over the budget, both sides are rounded down instead. The image is resampled (bicubic, which
-   Pillow antialiases when shrinking) only if this changes its size.
+   ``max_bytes``, data Pillow cannot identify, and a header whose width or height exceeds ``max_side`` or whose
+   width x height exceeds ``max_decoded_pixels`` (decompression-bomb guards: a few KB of PNG can declare
+   13000 x 13000 pixels, half a GB once decoded to RGB; Pillow's own ``DecompressionBombError`` is reported the
+   same way) all raise one ``ValueError`` naming the image. So does a decoding failure (truncated data) and a
+   zero-sized image. The EXIF orientation is applied, animations contribute their first frame, transparency is
+   composited over white, and the result is converted to RGB.
+2. Size. Large images within those limits are *resized, not rejected*: only when width x height exceeds
+   ``max_pixels`` (default 3584 x 3584, the largest input of docs/architecture.md#vision) are both sides scaled by
+   sqrt(max_pixels / (width x height)), keeping the aspect ratio. Then each side is rounded to the nearest
+   multiple of ``unit = patch_size x merge_size`` (28), at least one unit, so the patch grid splits into whole 2x2
+   merge windows; if rounding up pushed the area over the budget, both sides are rounded down instead. The image
+   is resampled (bicubic, which Pillow antialiases when shrinking) only if this changes its size.
 3. Normalise: x / 255, then (x - mean) / std with mean = std = 0.5 per channel, i.e. values in [-1, 1].
 4. Patchify: [3, H, W] -> [(H / p) * (W / p), 3 * p * p], patches in row-major order over the (H / p, W / p)
    grid, each flattened channel-major (c, y, x): the layout ``k3.model.vision.VisionTower`` expects.
@@ -65,12 +65,13 @@ class ImageProcessor:
     merge_size: int = 2
     max_pixels: int = 3584 * 3584  # resize budget (width x height after resizing)
     max_side: int = 16384  # hard limit on the decoded width / height: larger is refused, not resized
+    max_decoded_pixels: int = 8192 * 8192  # hard limit on width x height, checked from the header before decoding
     max_bytes: int = 128 * 2**20  # hard limit on an encoded file / byte string
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "merge_size", "max_pixels", "max_side", "max_bytes"):
+        for name in ("patch_size", "merge_size", "max_pixels", "max_side", "max_decoded_pixels", "max_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -150,6 +151,11 @@ class ImageProcessor:
             raise ValueError(
                 f"{what} is {width} x {height}, a side over max_side={self.max_side} "
                 "(refused as a possible decompression bomb)"
+            )
+        if width * height > self.max_decoded_pixels:
+            raise ValueError(
+                f"{what} is {width} x {height} = {width * height} pixels, over max_decoded_pixels="
+                f"{self.max_decoded_pixels} (refused before decoding; send a smaller image)"
             )
 
     @staticmethod

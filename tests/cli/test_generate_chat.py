@@ -178,3 +178,37 @@ def test_generate_refuses_a_temperature_the_sampler_cannot_use(ckpt, capsys):
     assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hi", "--temperature", "1e-40", "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"k3 generate: error: {alone.value}\n"  # one line, the server's message too
+
+
+def test_a_config_that_is_not_an_object_is_one_line(ckpt, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "config.json").write_text("[]")
+    assert main(["generate", "--ckpt", str(bad), "--prompt", "Hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"k3 generate: error: {bad / 'config.json'} must hold a JSON object, not list\n", err
+
+
+def test_invalid_utf8_in_a_prompt_is_one_line(ckpt, capsys):
+    prompt = b"Hello \xff\xfe there".decode("utf-8", "surrogateescape")  # how Python hands over such argv bytes
+    for argv in (["generate", "--prompt", prompt], ["generate", "--prompt", "Hi", "--stop", prompt]):
+        assert main([*argv, "--ckpt", str(ckpt), "--device", "cpu", "--max-tokens", "2"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and "is not valid UTF-8 (byte 0xff at character 6)" in err
+    assert main(["chat", "--ckpt", str(ckpt), "--device", "cpu", "--system", prompt]) == 2
+    assert "--system is not valid UTF-8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("surrogates", [False, True])
+def test_chat_skips_a_line_that_is_not_utf8(ckpt, greedy, capsys, monkeypatch, surrogates):
+    """Bytes on stdin (a pipe) or text already decoded with surrogateescape: the bad line gets one line on stderr,
+    the conversation goes on as if it had not been typed."""
+    tok, run = greedy
+    data = b"Hello \xff there\nHello\n"
+    stdin = io.StringIO(data.decode("utf-8", "surrogateescape")) if surrogates else io.TextIOWrapper(io.BytesIO(data))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert main(["chat", "--ckpt", str(ckpt), "--max-tokens", "4", "--temperature", "0", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    r = render_chat([{"role": "user", "content": "Hello"}], tok)
+    assert out == run(r.token_ids, 4, stop=r.stop, stop_token_ids=r.stop_token_ids) + "\n"
+    assert "[that line is not valid UTF-8 (byte 0xff at " in err and "Traceback" not in err

@@ -357,3 +357,34 @@ def test_dcp_extra_is_read_as_plain_data_only(tmp_path):
     torch.save({"step": 3, "data": {"pos": [1, 2]}, "t": torch.ones(2)}, tmp_path / EXTRA_FILE)
     extra = read_extra(tmp_path)
     assert extra["step"] == 3 and extra["data"] == {"pos": [1, 2]} and torch.equal(extra["t"], torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        "null",
+        '"sha256"',
+        "{not json",
+        "{}",
+        '{"sha256": []}',
+        '{"sha256": {"model.safetensors": 5}}',
+        '{"sha256": {"model.safetensors": "abc"}}',
+        '{"sha256": {}}',
+        '{"sha256": {"other.safetensors": "' + "0" * 64 + '"}}',
+    ],
+)
+def test_malformed_checksums_are_one_error_never_skipped(saved, text, capsys, tmp_path):
+    """A damaged k3_checksums.json (wrong JSON type, wrong value types, or one that leaves the weights out) is one
+    error naming it, from every reader; it never turns verification off."""
+    _, path = saved
+    (path / ckpt.CHECKSUMS).write_text(text)
+    for load in (k3.from_pretrained, ckpt.read_tensors, lambda p: ckpt.verify_checksum(p, "model.safetensors")):
+        with pytest.raises(ValueError, match=ckpt.CHECKSUMS):
+            load(path)
+    if '"sha256": {}' not in text and "other" not in text:  # malformed, not merely leaving the weights out
+        with pytest.raises(ValueError, match=ckpt.CHECKSUMS):
+            ckpt.add_checksums(path, ["config.json"])
+    assert main(["convert", "--from", str(path), "--to", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and ckpt.CHECKSUMS in err and "Traceback" not in err, err

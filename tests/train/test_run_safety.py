@@ -14,7 +14,7 @@ from k3.cli.main import main
 from tests.train.train_cli import cli_args
 from k3.convert.checkpoint import CHECKSUMS
 from k3.convert.checkpoint import latest_checkpoint
-from k3.train.checkpoint import STATE_FILE
+from k3.train.checkpoint import STATE_FILE, resume_checkpoint
 from k3.train.trainer import Trainer, TrainingDiverged
 from tests.train.test_trainer import tiny_cfg
 
@@ -186,3 +186,66 @@ def test_lock_stray_temp_dirs_and_torn_metrics_line(tmp_path, caplog):
     assert "partial last line" in caplog.text
     resumed.run()
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_resume_without_latest_uses_the_newest_complete_checkpoint(tmp_path, caplog):
+    """A kill between a step directory's swap and the ``latest`` pointer's write leaves a complete step directory
+    and no pointer: --resume continues from it. A damaged newest step is passed over for the one before it."""
+    run = tmp_path / "run"
+    Trainer(small_cfg(run, steps=6, save_every=2), progress=False).run(stop_at=2)
+    (run / "checkpoints" / "latest").unlink()  # the state a kill during the first checkpoint's publish leaves
+    with pytest.raises(ValueError, match="already holds a run"):
+        Trainer(small_cfg(run, steps=6, save_every=2), progress=False)
+    resumed = Trainer(small_cfg(run, steps=6, save_every=2), resume=True, progress=False)
+    assert resumed.resume_from.name == "step-000002" and resumed.step == 2
+    resumed.run(stop_at=4)
+    ckpts = run / "checkpoints"
+    assert resume_checkpoint(run).name == "step-000004"
+    (ckpts / "latest").unlink()
+    weights = ckpts / "step-000004" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    caplog.clear()
+    assert resume_checkpoint(run).name == "step-000002"  # what Trainer(..., resume=True) continues from
+    assert "step-000004" in caplog.text and "corrupted" in caplog.text
+    (ckpts / "latest").write_text("step-000004")  # a pointer naming the damaged one
+    assert resume_checkpoint(run).name == "step-000002"
+    (ckpts / "latest").write_text("step-000009")  # a pointer naming a directory that is gone
+    assert resume_checkpoint(run).name == "step-000002"
+    (ckpts / "step-000002" / STATE_FILE).write_bytes(b"torn")
+    with pytest.raises(ValueError, match="no complete checkpoint to resume from.*step-000004.*step-000002"):
+        Trainer(small_cfg(run, steps=6, save_every=2), resume=True, progress=False)
+
+
+def test_out_at_or_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("keep")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        assert main(cli_args(out)) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"{tmp_path / 'file'} is a file, not a directory" in err, err
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import k3.train.checkpoint as run_ckpt
+
+    real, calls = run_ckpt.torch.save, []
+
+    def save(obj, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:  # the second checkpoint: the disk fills up half way through its trainer state
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(obj, path, *a, **k)
+
+    monkeypatch.setattr(run_ckpt.torch, "save", save)
+    out = tmp_path / "run"
+    assert main(cli_args(out, "--save-every", "2")) == 1  # saves after step 2, then at the end (step 4)
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "No space left on device" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-000002"]
+    assert latest_checkpoint(out).name == "step-000002" and all_finite(latest_checkpoint(out))

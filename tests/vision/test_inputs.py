@@ -65,6 +65,45 @@ def test_hard_limits_refuse_instead_of_resizing(tmp_path):
         ImageProcessor(max_pixels=100)
 
 
+def huge_png(side: int) -> bytes:
+    """A valid one-bit black PNG of side x side pixels, compressed to a few KB and built without ever holding
+    its pixels (Pillow would need them all to write it)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    row = bytes(1 + (side + 7) // 8)  # filter byte 0, then the packed bits
+    z = zlib.compressobj(9)
+    idat = b"".join(z.compress(row * 1000) for _ in range(side // 1000)) + z.compress(row * (side % 1000))
+    idat += z.flush()
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)  # bit depth 1, greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def test_a_huge_image_is_refused_from_its_header_before_decoding(monkeypatch, tmp_path):
+    """13000 x 13000 pixels in a few KB: decoded to RGB it would take half a GB of host memory before the resize.
+    It is refused from the header alone: no pixel is decoded (Pillow's decoding entry point is never called)."""
+    from PIL import ImageFile
+
+    data = huge_png(13000)
+    assert len(data) < 64 * 1024 and data[16:24] == (13000).to_bytes(4, "big") * 2  # IHDR width, height
+    decoded = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or real_load(self))
+    path = tmp_path / "huge.png"
+    path.write_bytes(data)
+    for image in (data, path):
+        with pytest.raises(ValueError, match="13000 x 13000 = 169000000 pixels, over max_decoded_pixels"):
+            ImageProcessor().process([image])
+    assert decoded == []
+    assert ImageProcessor().load(huge_png(2000)).size == (2000, 2000)  # under the limit: decoded, and seen doing so
+    assert decoded and set(decoded) == {(2000, 2000)}
+    with pytest.raises(ValueError, match="over max_decoded_pixels=1000000"):
+        ImageProcessor(max_decoded_pixels=1000 * 1000).load(huge_png(2000))
+
+
 def test_process_names_the_bad_image(proc):
     with pytest.raises(ValueError, match="image 1: cannot decode"):
         proc.process([noise_image(28, 28), b"garbage bytes here"])
