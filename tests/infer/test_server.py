@@ -93,8 +93,9 @@ def served(ckpt):
 
     engine.step = step
     async_engine = AsyncEngine(engine)
-    live = LiveServer(create_app(async_engine, tok, MODEL, CONTEXT, max_request_bytes=LIMIT))
-    yield argparse.Namespace(url=live.url, engine=engine, async_engine=async_engine, tok=tok, batches=batches)
+    app = create_app(async_engine, tok, MODEL, CONTEXT, max_request_bytes=LIMIT)
+    live = LiveServer(app)
+    yield argparse.Namespace(url=live.url, engine=engine, async_engine=async_engine, tok=tok, batches=batches, app=app)
     live.stop()
     # graceful shutdown: the lifespan stopped the engine thread
     assert not async_engine._thread.is_alive() and not async_engine.running
@@ -493,6 +494,31 @@ def test_client_disconnect_aborts_the_request(served):
             time.sleep(0.02)
     finally:
         served.engine.abort = real_abort
+
+
+def test_a_64x16_request_enters_in_one_step_and_is_aborted_on_disconnect(served):
+    """64 prompts x n=16 (1024 sequences) reach the engine in one message; the client leaving mid-response aborts
+    every one of them, and a request over the token budget answers 400 before anything runs."""
+    added = []
+    real_add = served.engine.add_many
+    served.engine.add_many = lambda reqs, group=None: (added.append(len(reqs)), real_add(reqs, group))[1]
+    serving, limit = served.app.state.serving, served.app.state.serving.max_request_tokens
+    try:
+        body = {**OK, "prompt": [f"p{i}" for i in range(64)], "n": 16, "max_tokens": 40}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(served.url + "/v1/completions", json=body, timeout=1.0)
+        assert added == [1024]
+        deadline = time.monotonic() + 10
+        while served.engine.has_work():
+            assert time.monotonic() < deadline, "the abandoned request kept the engine busy"
+            time.sleep(0.05)
+        serving.max_request_tokens = 64 * 16 * 40  # below what this request asks for (prompt + max_tokens each)
+        r = post(served, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large"
+        assert added == [1024]  # refused before it reached the engine
+    finally:
+        served.engine.add_many = real_add
+        serving.max_request_tokens = limit
 
 
 def free_port() -> int:
