@@ -19,10 +19,12 @@ the block: the bank (snapshot, block_sum) or the outputs before the block (full)
 sources (r; the partial sum; the block's own outputs) by online softmax, at most MERGE_SOURCES of them at once.
 Phase 1 materialises o [M, N, d] for M mixes; it covers as many of the block's mixes at once as fit in
 TWO_PHASE_BYTES (at least one), so long passes (1M-token prefill) do it mix by mix, and it scores at most
-PHASE1_SOURCES fixed sources at a time (mode full's long lists in pieces). Passes of at most
-DIRECT_TOKENS tokens (decode steps) skip phase 1 in modes snapshot and block_sum: each mix reads all its sources
-in one pass (``attn_res_mix_norm``: compiled, one kernel per mix). Recording the depth weights (audit) mixes with
-the reference instead.
+PHASE1_SOURCES fixed sources at a time (mode full's long lists in pieces). In modes snapshot and block_sum,
+passes that build no autograd graph (inference) and passes of at most DIRECT_TOKENS tokens skip phase 1: each mix
+reads all its sources in one pass (``attn_res_mix_norm``: compiled, one kernel per mix). The two forms round
+differently (phase 1 stores o in the sources' dtype), so inference never switches between them by the pass's
+length: a token's mix is the same whether its pass holds it alone or packed with other sequences. Recording the
+depth weights (audit) mixes with the reference instead.
 The stream also applies the sub-layer's pre-norm (and the final norm) to the mix, compiled together with the
 merge (``attn_res_merge_norm``).
 """
@@ -38,9 +40,10 @@ from k3.ops.attn_res.two_phase import source_logit
 from k3.ops.fused import fused
 
 TWO_PHASE_BYTES = 1 << 30  # phase 1 computes at most this many bytes of o [M, N, d] at once (at least one mix)
-DIRECT_TOKENS = 512  # passes of at most this many tokens (decode steps) mix every source in one pass, no phase 1,
-# in modes snapshot and block_sum: their few sources (the bank + 1) are cheap to re-read at every mix, and the
-# compiled mix is one version per source count (mode full has a count per layer: it keeps the two phases)
+DIRECT_TOKENS = 512  # training passes of at most this many tokens mix every source in one pass, no phase 1, in
+# modes snapshot and block_sum (inference passes always do): their few sources (the bank + 1) are cheap to re-read
+# at every mix, and the compiled mix is one version per source count (mode full has a count per layer: it keeps
+# the two phases)
 MERGE_SOURCES = 4  # a merge takes at most this many live sources; mode full folds the block's earlier outputs
 # into phase 1's result this many at a time first (attn_res_fold), so the compiled merge and fold have a few
 # versions, not one per sub-layer of a block (up to 24 at K3's blocks of 12 layers)
@@ -171,7 +174,9 @@ class ResidualStream:
                 w = depth_weights(fixed + live, q, eps)
             self.records.append((layer, sublayer, w.mean(1).cpu()))
             return norm(depth_mix(fixed + live, q, eps))
-        if fixed[0].shape[0] <= DIRECT_TOKENS and self.mode != "full":
+        if self.mode != "full" and (
+            fixed[0].shape[0] <= DIRECT_TOKENS or not any(t.requires_grad for t in fixed + live)
+        ):  # inference: one form whatever the pass's length, so a row does not depend on its batch mates
             return attn_res_mix_norm(q, fixed + live, eps, norm.weight, norm.eps, norm.out_dtype(fixed[0]))
         if self.phase1 is None or j >= self.phase1[0] + len(self.phase1[1]):
             self._phase1(j, fixed)

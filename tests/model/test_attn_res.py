@@ -230,7 +230,7 @@ def test_two_phase_low_precision(dtype, tol):
 @pytest.mark.parametrize("mode", ["snapshot", "block_sum", "full"])
 def test_mode_equals_plain_loop(mode, direct, perturb, monkeypatch):
     """Each mode's logits == a plain loop over the reference mixes (fp64), with the mixes computed in one pass
-    (few tokens: DIRECT_TOKENS) or in two phases."""
+    (few tokens: DIRECT_TOKENS, or no gradient) or in two phases (a pass that builds a graph)."""
     import k3.model.attn_res as attn_res
 
     monkeypatch.setattr(attn_res, "DIRECT_TOKENS", 1 << 20 if direct else 0)
@@ -239,9 +239,9 @@ def test_mode_equals_plain_loop(mode, direct, perturb, monkeypatch):
     model = perturb(K3ForCausalLM(cfg).double().eval(), query_std=1.0, bias_std=0)
     tokens = torch.randint(0, 512, (9,))
     cu = torch.tensor([0, 9])
-    with torch.no_grad():
-        ours = model(tokens[None]).logits[0]
-        ref = plain_loop(model, tokens, cu)
+    with torch.set_grad_enabled(not direct):  # inference passes always mix in one pass
+        ours = model(tokens[None]).logits[0].detach()
+        ref = plain_loop(model, tokens, cu).detach()
     err = ((ours - ref).norm() / ref.norm()).item()
     assert err <= 1e-10, err
 
@@ -304,3 +304,34 @@ def test_two_phase_model_equals_reference_mixes_with_gradients(
         assert grads.keys() == ref_grads.keys() and any("_res_proj" in n for n in grads)
         for n, b in ref_grads.items():
             assert ((grads[n] - b).norm() / b.norm().clamp_min(1e-30)).item() <= 1e-9, n
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "block_sum"])
+def test_inference_mix_of_a_token_does_not_depend_on_its_pass(mode, perturb):
+    """Without a gradient a token's mixes are the same whatever else its pass holds: rows 100..106 of a 600-token
+    pass (above DIRECT_TOKENS) equal a 7-token pass of the same rows, bitwise in bf16, at every sub-layer and the
+    output. (Phase 1 stores o in the sources' dtype and the one-pass mix does not: a pass that switched between
+    them by its length made packed prefill differ from a prompt alone.)"""
+    from k3.model.attn_res import DIRECT_TOKENS, ResidualStream
+
+    cfg = get_preset("tiny").replace(**{"attn_res.mode": mode})
+    torch.manual_seed(0)
+    model = perturb(K3ForCausalLM(cfg), query_std=1.0, bias_std=0).cast(torch.bfloat16)
+    n, d, layers = 600, cfg.hidden_size, model.model.layers
+    assert n > DIRECT_TOKENS
+    emb = torch.randn(n, d).bfloat16()
+    outs = [torch.randn(n, d).bfloat16() * (i + 1) for i in range(2 * len(layers))]
+
+    def inputs(rows):
+        stream = ResidualStream(mode, cfg.attn_res.block_size, emb[rows], model.model.mixers())
+        got = []
+        for i, layer in enumerate(layers):
+            for j, (sub, norm) in enumerate((("attn", layer.input_layernorm), ("mlp", layer.post_attention_layernorm))):
+                got.append(stream.input(i, sub, norm))
+                stream.add(outs[2 * i + j][rows])
+        return got + [stream.output(model.model.norm)]
+
+    with torch.no_grad():
+        packed, alone = inputs(slice(0, n)), inputs(slice(100, 107))
+    for k, (a, b) in enumerate(zip(packed, alone)):
+        assert torch.equal(a[100:107], b), k
