@@ -503,7 +503,7 @@ class Engine:
         try:
             drawn = sample_batch(
                 rows,
-                SamplingRows.build(params, [s.seed for s in seqs], self._positions(seqs), self.device),
+                SamplingRows.build(params, [s.seed for s in seqs], [s.launched for s in seqs], self.device),
                 seen,
                 counts,
             )
@@ -533,10 +533,6 @@ class Engine:
             event = torch.cuda.Event()
             event.record()
         return _Flight(seqs, host[0], host[1], want, host[2], host[3], host[4], errors, scored, event)
-
-    @staticmethod
-    def _positions(seqs: list[_Sequence]) -> list[int]:
-        return [s.launched for s in seqs]
 
     def _sample_alone(self, seqs, rows, seen, counts, errors: dict[int, str]) -> Sampled:
         """Each row sampled on its own, after the batched call raised: a row that raises alone is recorded in
