@@ -45,7 +45,9 @@ def test_fp32_tokens_do_not_depend_on_batch_mates(models):
     torch.manual_seed(7)
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (3, 21, 40, 9, 1)]
     params = [SamplingParams(temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, max_tokens=8) for i in range(5)]
-    together = Engine(model, IdTokenizer(), max_batch=4, max_num_batched_tokens=16, max_context=64).generate(prompts, params)
+    together = Engine(model, IdTokenizer(), max_batch=4, max_num_batched_tokens=16, max_context=64).generate(
+        prompts, params
+    )
     alone = [
         Engine(model, IdTokenizer(), max_batch=1, max_num_batched_tokens=16, max_context=64).generate([p], [sp])[0]
         for p, sp in zip(prompts, params)
