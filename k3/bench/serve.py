@@ -122,16 +122,9 @@ def graph_step_ms(ckpt: Path, device: str, batch: int, context: int) -> float:
 
     model, tokenizer, _ = load_for_inference(str(ckpt), device, "bfloat16")
     engine = Engine(model, tokenizer, max_batch=batch, max_context=context + 8)
-    cache = engine.cache
-    for s in range(batch):
-        cache.seq_lens[s] = context
-        for layer in cache.layers:
-            if hasattr(layer, "lengths"):
-                layer.lengths[s] = context
-    slots = list(range(batch))
-    times = []
+    cache, slots, times = engine.cache, list(range(batch)), []
     for i in range(30):
-        for s in slots:  # keep the context fixed: undo the step's advance
+        for s in slots:  # every replay at the same context: undo the previous step's advance
             cache.seq_lens[s] = context
             for layer in cache.layers:
                 if hasattr(layer, "lengths"):
