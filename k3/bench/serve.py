@@ -1,12 +1,13 @@
 """``k3 bench serve``: ``k3 serve`` under load, beside the graph-replayed decode step it is built on.
 
 A ``k3 serve`` child process serves a checkpoint (``--ckpt``, or a random one of ``--preset`` with a 400-token
-vocabulary); clients (asyncio, in this process, one connection each) stream greedy completions with ``ignore_eos``
-so each yields exactly ``output`` tokens from a distinct random prompt. At each concurrency C, after a warm-up
-round, C clients send requests back to back for ``rounds`` rounds: output tokens/s over the phase, TTFT (request
-sent to first text) and TPOT ((last text - first text) / (tokens - 1)) at p50 / p90. Then, in this process on the
-same device, the engine's captured decode step at B = max concurrency is timed (CUDA events over graph replays at
-a context of prompt + output / 2): ``limit_tok_s`` = B / step, the kernel throughput the server is measured against.
+vocabulary); clients (asyncio, one connection each, spread over up to 4 processes) stream greedy completions with
+``ignore_eos`` so each yields exactly ``output`` tokens from a distinct random prompt. At each concurrency C, after
+a warm-up round, C clients send requests back to back for ``rounds`` rounds: output tokens/s over the phase, TTFT
+(request sent to first text) and TPOT ((last text - first text) / (tokens - 1)) at p50 / p90. Then, in this process
+on the same device, the engine's captured decode step at B = max concurrency is timed (CUDA events over graph
+replays at a context of prompt + output / 2): ``limit_tok_s`` = B / step, the kernel throughput the server is
+measured against.
 
 Results: serve.{md,json} (k3.bench.common.write_results).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -70,9 +72,12 @@ async def _stream(client, prompt: list[int], output: int) -> dict:
     return {"ttft": first - t0, "span": last - first, "tokens": usage["completion_tokens"]}
 
 
-async def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, rng) -> dict:
+async def _clients(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, seed: int, ready=None):
+    """``c`` clients on one event loop: a warm-up request each, then (after ``ready``, a barrier shared with the
+    other client processes) ``rounds`` requests each back to back; (results, errors, start, end)."""
     import httpx
 
+    rng = random.Random(seed)
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
 
@@ -80,6 +85,8 @@ async def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output:
             return await _stream(client, [rng.randrange(3, vocab) for _ in range(prompt)], output)
 
         await asyncio.gather(*(one() for _ in range(c)))  # warm-up round at this concurrency
+        if ready is not None:
+            await asyncio.to_thread(ready.wait)
         results, errors = [], []
 
         async def worker():
@@ -91,7 +98,39 @@ async def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output:
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(c)))
-        wall = time.perf_counter() - t0
+        return results, errors, t0, time.perf_counter()
+
+
+def _client_process(out, *args) -> None:
+    out.put(asyncio.run(_clients(*args)))
+
+
+def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, seed: int, procs: int) -> dict:
+    """One concurrency level: ``c`` clients spread over ``procs`` processes (so that parsing the streams does not
+    throttle them), timed from the first start to the last end (perf_counter: one clock for all processes)."""
+    procs = max(1, min(procs, c))
+    if procs == 1:
+        parts = [asyncio.run(_clients(url, vocab, c, rounds, prompt, output, seed))]
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        out, ready = ctx.Queue(), ctx.Barrier(procs)
+        shares = [c // procs + (i < c % procs) for i in range(procs)]
+        workers = [
+            ctx.Process(
+                target=_client_process, args=(out, url, vocab, n, rounds, prompt, output, seed * 1000 + i, ready)
+            )
+            for i, n in enumerate(shares)
+        ]
+        for w in workers:
+            w.start()
+        parts = [out.get(timeout=1800) for _ in workers]
+        for w in workers:
+            w.join()
+    results = [r for p in parts for r in p[0]]
+    errors = [e for p in parts for e in p[1]]
+    wall = max(p[3] for p in parts) - min(p[2] for p in parts)
     ttft = [r["ttft"] * 1e3 for r in results]
     tpot = [r["span"] * 1e3 / max(1, r["tokens"] - 1) for r in results]
     row = {
@@ -149,6 +188,7 @@ def run(
     cases: tuple[tuple[int, int], ...] = ((256, 128), (32, 512)),
     rounds: int = 2,
     server_args: tuple[str, ...] = (),
+    client_procs: int | None = None,
 ) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="k3-bench-serve-"))
     path = Path(ckpt) if ckpt else tiny_checkpoint(work / "ckpt", preset)
@@ -159,12 +199,15 @@ def run(
     args = ["--device", device, "--max-batch", str(top), "--max-context", str(context), *server_args]
     rows: list[dict] = []
     rng = random.Random(0)
+    if client_procs is None:  # a process of clients per 4 cores, at most 4: the server keeps the rest
+        client_procs = max(1, min(4, (os.cpu_count() or 1) // 4))
     server = Server(path, work / "server.log", args, start_s=900)
     try:
         for prompt, output in cases:
             levels = concurrency if (prompt, output) == cases[0] else tuple(c for c in concurrency if c >= 16)
             for c in levels:
-                rows.append(asyncio.run(_phase(server.url, vocab, c, 1 if quick else rounds, prompt, output, rng)))
+                seed = rng.randrange(2**31)
+                rows.append(_phase(server.url, vocab, c, 1 if quick else rounds, prompt, output, seed, client_procs))
                 print(rows[-1], flush=True)
     finally:
         server.stop()
@@ -186,12 +229,20 @@ def run(
                 if row["case"] == f"prompt {prompt} / output {output}" and row["concurrency"] == top:
                     row["of_limit"] = row["tokens_per_s"] / lim
     notes = (
-        "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients in the benchmark "
-        "process, one connection each, a warm-up round per concurrency. TTFT: request sent to first text; TPOT: "
+        "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients, one connection "
+        f"each, spread over {client_procs} client process(es), a warm-up round per concurrency. TTFT: request sent "
+        "to first text; TPOT: "
         "(last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. of_limit (at concurrency "
         f"{top}): tokens/s over the graph step's {top} / step time, measured after the server stopped, on the "
         "same device."
     )
-    meta = {**environment(), "checkpoint": ckpt or f"{preset} random (vocabulary 400)", "server_args": args}
+    engine = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--engine"), None)
+    meta = {
+        **environment(),
+        "checkpoint": ckpt or f"{preset} random (vocabulary 400)",
+        "server_args": args,
+        "engine": engine or ("process" if device == "cuda" else "thread"),
+        "client_processes": client_procs,
+    }
     write_results("serve", rows, COLUMNS, meta, notes, out_dir=out_dir)
     return rows

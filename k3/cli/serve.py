@@ -14,10 +14,11 @@ import os
 import signal
 import threading
 
+from k3.cli.generate import add_model_args
 from k3.infer.async_engine import AsyncEngine
 from k3.infer.engine import Engine
-from k3.cli.generate import add_model_args
-from k3.infer.load import load_for_inference
+from k3.infer.engine_process import EngineProcess
+from k3.infer.load import load_for_inference, load_tokenizer, resolve_device
 
 log = logging.getLogger("k3.serve")
 GIB = 2**30
@@ -54,6 +55,14 @@ def add_parser(sub) -> None:
         "--no-overlap",
         action="store_true",
         help="read each step's tokens before launching the next (default on a GPU: overlapped)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("process", "thread"),
+        default=None,
+        help="run the engine core in a process of its own, apart from the HTTP server's interpreter, or in a thread "
+        "of it (default: process on a GPU, thread on a CPU, where the model's compute already runs outside the "
+        "interpreter lock)",
     )
     p.add_argument(
         "--max-request-tokens",
@@ -100,8 +109,8 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_engine(args: argparse.Namespace):
-    """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path)."""
+def check_args(args: argparse.Namespace) -> None:
+    """One ValueError for an engine argument out of range (before anything loads)."""
     for name in ("memory_budget_gb", "prefix_cache_gb"):
         value = getattr(args, name)
         if value is not None and not value >= 0:
@@ -110,6 +119,11 @@ def build_engine(args: argparse.Namespace):
         raise ValueError(f"--max-request-tokens={args.max_request_tokens} must be >= 1")
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context={args.max_context} must be >= 2")
+
+
+def build_engine(args: argparse.Namespace):
+    """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path)."""
+    check_args(args)
     model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
     engine = Engine(
@@ -126,6 +140,30 @@ def build_engine(args: argparse.Namespace):
         prefix_cache_bytes=int(args.prefix_cache_gb * GIB),
     )
     return engine, tokenizer, path
+
+
+def engine_core(args: argparse.Namespace) -> Engine:
+    """The engine process's engine (k3.infer.engine_process): built there, with its kernel plan printed."""
+    from k3.ops.plan import plan_table
+
+    engine = build_engine(args)[0]
+    print(plan_table(engine.device), flush=True)
+    return engine
+
+
+def start_engine(args: argparse.Namespace):
+    """(started AsyncEngine or EngineProcess, tokenizer, checkpoint path) for ``--engine``."""
+    mode = args.engine or ("process" if resolve_device(args.device).type == "cuda" else "thread")
+    if mode == "thread":
+        from k3.ops.plan import plan_table
+
+        engine, tokenizer, path = build_engine(args)
+        print(plan_table(engine.device), flush=True)
+        return AsyncEngine(engine).start(), tokenizer, path
+    check_args(args)
+    tokenizer, path = load_tokenizer(args.ckpt)
+    log.info("engine core: starting its process")
+    return EngineProcess(engine_core, (args,)).start(), tokenizer, path
 
 
 def _server(config, async_engine: AsyncEngine | None = None, drain_timeout: float = 30.0):
@@ -182,11 +220,8 @@ def run(args: argparse.Namespace) -> int:
         api_key = api_key.strip()
         if not api_key or not (api_key.isascii() and api_key.isprintable()):
             raise ValueError("the API key (--api-key or K3_API_KEY) must be non-empty printable ASCII")
-    from k3.ops.plan import plan_table
-
-    engine, tokenizer, path = build_engine(args)
-    print(plan_table(engine.device), flush=True)
-    async_engine = AsyncEngine(engine)
+    async_engine, tokenizer, path = start_engine(args)
+    engine = async_engine.engine
     app = create_app(
         async_engine,
         tokenizer,
@@ -200,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_tokens=args.max_request_tokens,
     )
     log.info(
-        "serving %s as %r on http://%s:%d (context %d, batch %d, device %s)",
+        "serving %s as %r on http://%s:%d (context %d, batch %d, device %s, engine in a %s)",
         path,
         args.model_name,
         args.host,
@@ -208,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         engine.max_context,
         engine.max_batch,
         engine.device,
+        "process" if isinstance(async_engine, EngineProcess) else "thread",
     )
     # uvicorn cancels what is left after its timeout: give the engine's drain and the error responses it ends
     # with a few seconds more
@@ -220,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
         **http_options(args.timeout_keep_alive, args.timeout_request_read, connection_limit(args.max_connections)),
     )
     limit_log_rate()  # after uvicorn.Config, which installs uvicorn's log handlers
-    _server(config, async_engine, args.drain_timeout).run()  # returns after a graceful shutdown
+    try:
+        _server(config, async_engine, args.drain_timeout).run()  # returns after a graceful shutdown
+    finally:
+        async_engine.shutdown(0)  # a no-op after the graceful drain; stops the engine if uvicorn failed to start
     log.info("k3 serve: stopped")
     return 0

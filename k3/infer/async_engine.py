@@ -324,6 +324,11 @@ class AsyncEngine:
             self._fail_all(EngineError(f"internal engine error: {type(e).__name__}: {e}"))
             return
         self.steps += 1
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        """Hand one step's outputs to their requests' queues, one wake-up per event loop (called by the one
+        thread that owns ``_live``)."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             req = self._live.get(out.request_id)
@@ -333,20 +338,24 @@ class AsyncEngine:
                 del self._live[out.request_id]
             item = EngineError(f"the request failed: {out.error}") if out.error is not None else out
             batches.setdefault(req.loop, []).append((req.queue, item))
-        for loop, items in batches.items():  # one wake-up per event loop per step
+        for loop, items in batches.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the loop is closed: nobody is listening
-                for queue, item in items:
+                for queue, _ in items:
                     rid = next((r for r, q in self._live.items() if q.queue is queue), None)
                     if rid is not None:
-                        del self._live[rid]
-                        self.engine.abort(rid)
+                        self._drop(rid)
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request nobody listens to any more and stop it in the engine."""
+        self._live.pop(request_id, None)
+        self.engine.abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid, req in list(self._live.items()):
             try:
-                self.engine.abort(rid)
+                self._drop(rid)
             except Exception:  # noqa: BLE001
                 log.exception("engine.abort(%s) failed", rid)
             self._deliver(req, type(error)(*error.args))  # one instance per request

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from k3.infer.detok import IncrementalDecoder, StopMatcher
-from k3.infer.sequence import Media, Request, StepOutput, _Flight, _Sequence
+from k3.infer.sequence import Media, Request, StepOutput, _Flight, _Sequence, prepare_media
 from k3.infer.graphs import GraphedDecoder, padded_sizes
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import (
@@ -261,31 +261,8 @@ class Engine:
         return seq, media
 
     def prepare(self, prompt: list[int], images: list) -> tuple[list[int], Media | None]:
-        """The prompt with its media placeholders expanded for ``images``, and the images processed on the host
-        (decoded, resized, cut into patches; the tower runs later, in :meth:`add`): (expanded prompt, Media or
-        None). One ValueError for images a model cannot take, bad images or placeholder / image count mismatch."""
-        from k3.vision.media import expand_placeholders, merged_tokens
-        from k3.vision.processor import ImageProcessor
-
-        v = self.vision
-        if v is None:
-            if images:
-                raise ValueError("this model has no vision tower: it cannot take images")
-            return list(prompt), None
-        if not images:
-            found = prompt.count(v.media_placeholder_token_id)
-            if found:
-                raise ValueError(
-                    f"the prompt has {found} media placeholder token(s) (id "
-                    f"{v.media_placeholder_token_id}) but 0 image(s) were given"
-                )
-            return list(prompt), None
-        patches, grids = ImageProcessor.from_config(v).process(images)
-        counts = [merged_tokens(g, v.merge_size) for g in grids.tolist()]
-        prompt, _ = expand_placeholders(
-            prompt, counts, v.media_placeholder_token_id, v.media_begin_token_id, v.media_end_token_id
-        )
-        return prompt, Media(patches, grids)
+        """See :func:`k3.infer.sequence.prepare_media` (this engine's vision config)."""
+        return prepare_media(self.vision, prompt, images)
 
     @torch.no_grad()
     def _encode(self, media: Media) -> torch.Tensor:

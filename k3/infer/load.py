@@ -77,6 +77,13 @@ def find_tokenizer(checkpoint: Path, given: str | os.PathLike) -> Path:
     )
 
 
+def load_tokenizer(ckpt: str | os.PathLike) -> tuple[Tokenizer, Path]:
+    """The tokenizer of a checkpoint directory or training run directory (its latest checkpoint), without the
+    model: ``(Tokenizer, checkpoint path)``."""
+    path = resolve_checkpoint(ckpt)
+    return Tokenizer.load(find_tokenizer(path, ckpt)), path
+
+
 def load_for_inference(
     ckpt: str | os.PathLike,
     device: str | torch.device = "auto",
@@ -91,8 +98,7 @@ def load_for_inference(
     experts stay packed (``packed="keep"``: only the experts a batch selects are dequantised, k3.ops.moe.mxfp4) or
     are dequantised once at load (``packed="dequantize"``)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    path = resolve_checkpoint(ckpt)
-    tokenizer = Tokenizer.load(find_tokenizer(path, ckpt))
+    tokenizer, path = load_tokenizer(ckpt)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()

@@ -158,3 +158,32 @@ class Request:
     request_id: str | None = None
     images: list | None = None
     media: Media | None = None
+
+
+def prepare_media(vision, prompt: list[int], images: list) -> tuple[list[int], Media | None]:
+    """The prompt with its media placeholders expanded for ``images``, and the images processed on the host
+    (decoded, resized, cut into patches; the tower runs later, in Engine.add): (expanded prompt, Media or None).
+    ``vision``: the model's vision config (None: no tower). One ValueError for images a model cannot take, bad
+    images or placeholder / image count mismatch. Host work only, so the API process runs it."""
+    from k3.vision.media import expand_placeholders, merged_tokens
+    from k3.vision.processor import ImageProcessor
+
+    v = vision
+    if v is None:
+        if images:
+            raise ValueError("this model has no vision tower: it cannot take images")
+        return list(prompt), None
+    if not images:
+        found = prompt.count(v.media_placeholder_token_id)
+        if found:
+            raise ValueError(
+                f"the prompt has {found} media placeholder token(s) (id "
+                f"{v.media_placeholder_token_id}) but 0 image(s) were given"
+            )
+        return list(prompt), None
+    patches, grids = ImageProcessor.from_config(v).process(images)
+    counts = [merged_tokens(g, v.merge_size) for g in grids.tolist()]
+    prompt, _ = expand_placeholders(
+        prompt, counts, v.media_placeholder_token_id, v.media_begin_token_id, v.media_end_token_id
+    )
+    return prompt, Media(patches, grids)

@@ -551,8 +551,10 @@ def start_serve(ckpt, *flags: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)
 
 
-def test_k3_serve_cli_graceful_sigterm(ckpt):
-    proc, url = start_serve(ckpt, "--max-context", "512")
+@pytest.mark.parametrize("engine", ["thread", "process"])
+def test_k3_serve_cli_graceful_sigterm(ckpt, engine):
+    """SIGTERM mid-stream: the request completes, the server (and its engine process) exits 0."""
+    proc, url = start_serve(ckpt, "--max-context", "512", "--engine", engine)
     try:
         events = []
         with httpx.stream(
@@ -578,7 +580,7 @@ def test_k3_serve_cli_graceful_sigterm(ckpt):
         assert finishes[-1] in ("stop", "length") and last["usage"]["completion_tokens"] >= 1
         assert proc.wait(30) == 0
         out = proc.stdout.read()
-        assert "stopped" in out and "Traceback" not in out
+        assert "stopped" in out and "Traceback" not in out and f"engine in a {engine}" in out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -21,9 +21,9 @@ def moe_inputs(
     [N, I_s] each). One op so that a decode step reads x once for all of them: k3.ops.linear's kernel where the plan
     chose it, the router's products accumulated in fp32."""
     maps = ([] if down_weight is None else [down_weight]) + list(shared_weights) + [router_weight]
-    *outs, logits = multi_linear(x, maps, fp32=1)
-    z = None if down_weight is None else outs.pop(0)
-    return logits, z, outs
+    outs = list(multi_linear(x, maps, fp32=1))  # a list: dynamo may trace a starred unpack as a tuple
+    z = None if down_weight is None else outs[0]
+    return outs[-1], z, outs[0 if down_weight is None else 1 : -1]
 
 
 def moe_experts(x, topk_idx, topk_weight, w1, w2, w3, glu, act_quant=None, fp8=False):

@@ -1,0 +1,101 @@
+"""Where a serving step's time goes: the Engine alone (no HTTP), then under cProfile.
+
+    python benchmarks/profile_engine.py [--preset small-1b] [--batches 1,8,64] [--prompt 256] [--output 128]
+        [--profile 64] [--top 35]
+
+For each batch B: B random prompts of ``--prompt`` tokens, greedy, ``--output`` tokens each with ignore_eos, run
+by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, and the captured graph step at B
+(CUDA events) beside it, so the host work a step adds is visible. Then one run at ``--profile`` under cProfile:
+the functions with the most own time. Writes $K3_BENCH_OUT/profile_engine.txt when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import random
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_batch(engine, batch: int, prompt: int, output: int, vocab: int, rng: random.Random) -> dict:
+    from k3.infer.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add([rng.randrange(vocab) for _ in range(prompt)], params)
+    marks, tokens = [], 0
+    t0 = time.perf_counter()
+    while engine.has_work():
+        out = engine.step()
+        tokens += sum(len(o.token_ids) for o in out)
+        marks.append((time.perf_counter(), len(out)))
+    wall = time.perf_counter() - t0
+    full = [b - a for (a, _), (b, n) in zip(marks, marks[1:]) if n == batch]
+    full.sort()
+    return {
+        "batch": batch,
+        "tokens_per_s": tokens / wall,
+        "steps": len(marks),
+        "step_ms_p50": 1e3 * full[len(full) // 2] if full else float("nan"),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="small-1b")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--output", type=int, default=128)
+    p.add_argument("--profile", type=int, default=64)
+    p.add_argument("--top", type=int, default=35)
+    a = p.parse_args()
+
+    from k3.bench.live_server import tiny_checkpoint
+    from k3.bench.serve import graph_step_ms
+    from k3.infer.engine import Engine
+    from k3.infer.load import load_for_inference
+
+    work = Path(tempfile.mkdtemp(prefix="k3-profile-engine-"))
+    ckpt = tiny_checkpoint(work / "ckpt", a.preset)
+    model, tokenizer, _ = load_for_inference(str(ckpt), "cuda", "bfloat16")
+    batches = [int(b) for b in a.batches.split(",")]
+    engine = Engine(model, tokenizer, max_batch=max(batches + [a.profile]), max_context=a.prompt + a.output + 64)
+    vocab, rng, lines = model.config.vocab_size, random.Random(0), []
+    run_batch(engine, max(batches), a.prompt, 8, vocab, rng)  # warm-up
+    for b in batches:
+        r = run_batch(engine, b, a.prompt, a.output, vocab, rng)
+        lines.append(
+            f"engine B={b}: {r['tokens_per_s']:.0f} tok/s, {r['steps']} steps, decode step p50 "
+            f"{r['step_ms_p50']:.3f} ms, wall {r['wall_s']:.2f} s"
+        )
+        print(lines[-1], flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    r = run_batch(engine, a.profile, a.prompt, a.output, vocab, rng)
+    prof.disable()
+    lines.append(f"profiled B={a.profile}: {r['tokens_per_s']:.0f} tok/s, step p50 {r['step_ms_p50']:.3f} ms")
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+    lines.append(s.getvalue())
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(a.top)
+    lines.append(s.getvalue())
+    del engine
+    for b in batches:
+        ms = graph_step_ms(ckpt, "cuda", b, a.prompt + a.output // 2)
+        lines.append(f"graph step B={b}: {ms:.3f} ms ({b / ms * 1e3:.0f} tok/s)")
+        print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if os.environ.get("K3_BENCH_OUT"):
+        Path(os.environ["K3_BENCH_OUT"], "profile_engine.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
