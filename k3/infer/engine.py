@@ -369,7 +369,7 @@ class Engine:
             scored = [prefills[i] for i in ready if prefills[i].params.max_tokens == 0]
             picked = [i for i in ready if prefills[i].params.max_tokens > 0]
             if picked:
-                rows.append(last if len(picked) == len(prefills) else last[picked])
+                rows.append(last if len(picked) == len(prefills) else last.index_select(0, self._on_device(picked)))
         if self.prefix is not None:
             for seq in decoders + prefills:
                 self._remember(seq)
@@ -426,12 +426,17 @@ class Engine:
             prefills.append(seq)
         return decoders, prefills, pieces
 
+    def _on_device(self, values: list[int]) -> Tensor:
+        """An int64 index tensor on the engine's device, copied without waiting for the device (a list or a host
+        tensor used as a CUDA index is copied from pageable memory: a sync)."""
+        return to_device(torch.tensor(values, dtype=torch.int64), self.device)
+
     def _decode(self, seqs: list[_Sequence]) -> Tensor:
         """Logits [N, V] of one decode token per sequence, each its slot's newest token (the device table)."""
         slots = [s.slot for s in seqs]
         if self.graphs is not None:
             return self.graphs.replay_from(self.last_tokens, slots, self.free_slots)
-        ids = self.last_tokens[to_device(torch.tensor(slots, dtype=torch.int64), self.device)]
+        ids = self.last_tokens[self._on_device(slots)]
         return self.model.decode(ids, self.cache, slots)
 
     def _prefill(self, seqs: list[_Sequence], pieces: list[list[int]]) -> Tensor:
@@ -472,7 +477,7 @@ class Engine:
         the device table (and the penalty counts), and start their copy to the host."""
         rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
         params = [s.params for s in seqs]
-        slots = to_device(torch.tensor([s.slot for s in seqs], dtype=torch.int64), self.device)
+        slots = self._on_device([s.slot for s in seqs])
         seen = counts = None
         if self.counts is not None and any(p.penalised for p in params):
             counts, seen = self.counts[slots], self.seen[slots] | (self.counts[slots] > 0)
@@ -494,8 +499,9 @@ class Engine:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         chosen = top_values = top_ids = None
         if want:
-            lp = raw[want].float().log_softmax(-1) if len(want) < len(seqs) else raw.float().log_softmax(-1)
-            picked = drawn.tokens[want] if len(want) < len(seqs) else drawn.tokens
+            where = self._on_device(want) if len(want) < len(seqs) else None
+            lp = (raw if where is None else raw.index_select(0, where)).float().log_softmax(-1)
+            picked = drawn.tokens if where is None else drawn.tokens.index_select(0, where)
             chosen = lp.gather(1, picked[:, None])[:, 0]
             n = max(params[i].logprobs for i in want)
             if n:

@@ -28,7 +28,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import MoE, RoutedExperts, Router
 from k3.model.norm import RMSNorm
-from k3.ops.segments import attach_host, host_list, offsets_to, segment_lengths
+from k3.ops.segments import attach_host, host_list, offsets_to, segment_lengths, to_device
 
 # Parameters and buffers that stay fp32 whatever dtype the rest of the model is cast to.
 FP32_NAMES = ("e_score_correction_bias", "gate.weight", "A_log", "dt_bias")
@@ -240,8 +240,8 @@ class K3ForCausalLM(nn.Module):
             )
         cache.reserve(max(cache.seq_lens[i] for i in ids) + 1)
         device = input_ids.device
-        slots = torch.tensor(ids, dtype=torch.int64).to(device)
-        positions = torch.tensor([cache.seq_lens[i] for i in ids], dtype=torch.int64).to(device)
+        slots = to_device(torch.tensor(ids, dtype=torch.int64), device)
+        positions = to_device(torch.tensor([cache.seq_lens[i] for i in ids], dtype=torch.int64), device)
         logits = self.decode_step(input_ids, cache, slots, positions)
         cache.advance_decode(ids)
         return logits
@@ -274,7 +274,7 @@ class K3ForCausalLM(nn.Module):
             listed = host_list(seq_ids) if seq_ids.device.type == "cpu" else seq_ids.tolist()
         else:
             listed = [int(i) for i in seq_ids]
-        ids = attach_host(torch.as_tensor(listed, dtype=torch.int64).to(device), listed)
+        ids = attach_host(to_device(torch.as_tensor(listed, dtype=torch.int64), device), listed)
         if len(listed) != segments or not cache.distinct_slots(listed):
             raise ValueError(
                 f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})"

@@ -22,7 +22,7 @@ from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
 from k3.ops.linear import multi_linear
 from k3.ops.mla import attention, latent_attention
-from k3.ops.segments import attach_host, host_list
+from k3.ops.segments import attach_host, host_list, to_device
 from k3.ops.dtypes import upcast
 
 
@@ -154,7 +154,7 @@ class MultiheadLatentAttention(nn.Module):
             o = self.attend(q_nope, q_pe, rows, cu_seqlens, cu_seqlens, absorb)
         elif absorb:  # straight over the latent cache
             host_lens = [state.lengths[i] for i in ids]
-            key_lens = attach_host(torch.tensor(host_lens).to(x.device, non_blocking=True), host_lens)
+            key_lens = attach_host(to_device(torch.tensor(host_lens), x.device), host_lens)
             o_lat = latent_attention(
                 self.absorbed_query(q_nope, q_pe),
                 state.kv,
@@ -170,7 +170,7 @@ class MultiheadLatentAttention(nn.Module):
             offsets = [0]
             for i in ids:
                 offsets.append(offsets[-1] + state.lengths[i])
-            cu_k = attach_host(torch.tensor(offsets, dtype=cu_seqlens.dtype).to(x.device), offsets)
+            cu_k = attach_host(to_device(torch.tensor(offsets, dtype=cu_seqlens.dtype), x.device), offsets)
             o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), cu_seqlens, cu_k, False)
         return self._output(x, o)
 
