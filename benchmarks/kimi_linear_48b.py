@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from k3.bench.common import environment, read_bandwidth, write_results
+from k3.bench.live_server import random_model
 from k3.config import get_preset
 from k3.convert.checkpoint import save_pretrained
 from k3.model.decoder import K3ForCausalLM
@@ -45,16 +46,8 @@ def sync(device: torch.device) -> None:
 
 
 def build(cfg, device: torch.device, seed: int = 0) -> K3ForCausalLM:
-    """The model straight on ``device`` in bf16 (router, A_log, dt_bias fp32), filled with small random values:
-    no fp32 copy and no host round trip."""
-    with torch.device("meta"):
-        model = K3ForCausalLM(cfg).to(torch.bfloat16)
-    model.to_empty(device=device).cast(torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            t.normal_(0, 0.02, generator=gen) if not name.endswith("A_log") else t.uniform_(0, 1, generator=gen)
-    return model.eval()
+    """The model straight on ``device`` in bf16 (k3.bench.live_server.random_model)."""
+    return random_model(cfg, device, torch.bfloat16, seed)
 
 
 def drop_page_cache(directory: Path) -> None:

@@ -5,7 +5,8 @@
 
 For each batch B: B random prompts of ``--prompt`` tokens, greedy, ``--output`` tokens each with ignore_eos, run
 by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, and the captured graph step at B
-(CUDA events) beside it, so the host work a step adds is visible. Then one run at ``--profile`` under cProfile:
+(CUDA events) beside it, so the host work a step adds is visible (random bf16 weights, the serving benchmark's
+400-token vocabulary). Then one run at ``--profile`` under cProfile:
 the functions with the most own time. Writes $K3_BENCH_OUT/profile_engine.txt when set.
 """
 
@@ -17,7 +18,6 @@ import io
 import os
 import pstats
 import random
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,14 +56,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=35)
     a = p.parse_args()
 
-    from k3.bench.live_server import tiny_checkpoint
+    from k3.bench.live_server import bench_tokenizer, random_config, random_model
     from k3.bench.serve import graph_step_ms
     from k3.infer.engine import Engine
-    from k3.infer.load import load_for_inference
 
-    work = Path(tempfile.mkdtemp(prefix="k3-profile-engine-"))
-    ckpt = tiny_checkpoint(work / "ckpt", a.preset)
-    model, tokenizer, _ = load_for_inference(str(ckpt), "cuda", "bfloat16")
+    tokenizer = bench_tokenizer()
+    model = random_model(random_config(a.preset, tokenizer), "cuda")
     batches = [int(b) for b in a.batches.split(",")]
     engine = Engine(model, tokenizer, max_batch=max(batches + [a.profile]), max_context=a.prompt + a.output + 64)
     vocab, rng, lines = model.config.vocab_size, random.Random(0), []
@@ -88,7 +86,7 @@ def main() -> None:
     lines.append(s.getvalue())
     del engine
     for b in batches:
-        ms = graph_step_ms(ckpt, "cuda", b, a.prompt + a.output // 2)
+        ms = graph_step_ms(model, tokenizer, b, a.prompt + a.output // 2)
         lines.append(f"graph step B={b}: {ms:.3f} ms ({b / ms * 1e3:.0f} tok/s)")
         print(lines[-1], flush=True)
     text = "\n".join(lines)

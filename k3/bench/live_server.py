@@ -30,25 +30,57 @@ DEFAULT_ARGS = [
 ]
 
 
-def tiny_checkpoint(path: Path, preset: str = "tiny") -> Path:
-    """A random model of ``preset`` (``tiny`` by default) with a 400-token BPE trained on standard-library
-    docstrings (the model's vocabulary narrowed to it), for serving benchmarks that need no trained weights."""
+def bench_tokenizer():
+    """A 400-token BPE trained on standard-library docstrings: the tokenizer of the serving benchmarks' random
+    models (deterministic, so the server and its engine process build the same one)."""
     import collections
     import email
     import inspect
     import textwrap
 
-    import torch
-
-    from k3.config import get_preset
-    from k3.convert.checkpoint import save_pretrained
     from k3.data.tokenizer import train_bpe
-    from k3.model.decoder import K3ForCausalLM
 
     text = "\n".join(m.__doc__ for m in (argparse, collections, email, inspect, json, textwrap))
-    tok = train_bpe([text], vocab_size=400)
+    return train_bpe([text], vocab_size=400)
+
+
+def random_config(preset: str, tokenizer):
+    """``preset`` text-only, its vocabulary narrowed to ``tokenizer``'s."""
+    from k3.config import get_preset
+
+    return get_preset(preset).replace(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_id, vision=None)
+
+
+def random_model(config, device, dtype=None, seed: int = 0):
+    """A model of ``config`` built straight on ``device`` (bfloat16 by default; the router, A_log and dt_bias stay
+    fp32) and filled with small random values: no fp32 copy, no host round trip, no checkpoint on disk (a 48B
+    model does not fit a benchmark machine's disk). Eval mode."""
+    import torch
+
+    from k3.model.decoder import K3ForCausalLM
+
+    dtype = dtype or torch.bfloat16
+    with torch.device("meta"):
+        model = K3ForCausalLM(config).to(dtype)
+    model.to_empty(device=device).cast(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            t.normal_(0, 0.02, generator=gen) if not name.endswith("A_log") else t.uniform_(0, 1, generator=gen)
+    return model.eval()
+
+
+def tiny_checkpoint(path: Path, preset: str = "tiny") -> Path:
+    """A random model of ``preset`` (``tiny`` by default) with :func:`bench_tokenizer` (the model's vocabulary
+    narrowed to it), for serving benchmarks that need no trained weights."""
+    import torch
+
+    from k3.convert.checkpoint import save_pretrained
+    from k3.model.decoder import K3ForCausalLM
+
+    tok = bench_tokenizer()
     torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset(preset).replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, vision=None))
+    model = K3ForCausalLM(random_config(preset, tok))
     save_pretrained(model, path)
     tok.save(path)
     return path
@@ -61,7 +93,8 @@ def free_port() -> int:
 
 
 class Server:
-    """``k3 serve --ckpt CKPT`` in a child process on 127.0.0.1 with ``args`` (default: the fault benchmark's CPU
+    """``k3 serve --ckpt CKPT`` (``ckpt`` None: the model named in ``args``, e.g. ``--random PRESET``) in a child
+    process on 127.0.0.1 with ``args`` (default: the fault benchmark's CPU
     settings); its output goes to ``log``. Waits (at most ``start_s``) until /health answers."""
 
     def __init__(self, ckpt: Path, log: Path, args: list[str] | None = None, start_s: float = 120):
@@ -74,8 +107,7 @@ class Server:
                 "-m",
                 "k3",
                 "serve",
-                "--ckpt",
-                str(ckpt),
+                *([] if ckpt is None else ["--ckpt", str(ckpt)]),
                 "--host",
                 "127.0.0.1",
                 "--port",

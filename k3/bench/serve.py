@@ -25,9 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from k3.bench.common import environment, write_results
-from k3.bench.live_server import Server, tiny_checkpoint
+from k3.bench.live_server import Server, bench_tokenizer, random_config, random_model
 
+LEVELS = {"kimi-linear-48b": (1, 16, 64)}  # concurrencies by preset, where not 1, 8, 32, 64
 COLUMNS = [
+    "model",
     "case",
     "concurrency",
     "requests",
@@ -152,14 +154,13 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
     return row
 
 
-def graph_step_ms(ckpt: Path, device: str, batch: int, context: int) -> float:
-    """The captured decode step at ``batch`` sequences of ``context`` tokens: median ms over CUDA-event replays."""
+def graph_step_ms(model, tokenizer, batch: int, context: int) -> float:
+    """The captured decode step of ``model`` at ``batch`` sequences of ``context`` tokens: median ms over CUDA-event
+    replays."""
     import torch
 
     from k3.infer.engine import Engine
-    from k3.infer.load import load_for_inference
 
-    model, tokenizer, _ = load_for_inference(str(ckpt), device, "bfloat16")
     engine = Engine(model, tokenizer, max_batch=batch, max_context=context + 8)
     cache, slots, times = engine.cache, list(range(batch)), []
     for i in range(30):
@@ -178,69 +179,117 @@ def graph_step_ms(ckpt: Path, device: str, batch: int, context: int) -> float:
     return float(np.median(times))
 
 
+def _served_model(ckpt: str | None, preset: str, device: str):
+    """(model, tokenizer) the server served: the checkpoint, or the same random model (seed 0) rebuilt here."""
+    if ckpt:
+        from k3.infer.load import load_for_inference
+
+        model, tokenizer, _ = load_for_inference(ckpt, device, "bfloat16")
+        return model, tokenizer
+    tokenizer = bench_tokenizer()
+    return random_model(random_config(preset, tokenizer), device), tokenizer
+
+
+def _one_model(rows, label, source, vocab, device, levels, cases, rounds, server_args, client_procs, rng, log):
+    """Every case and concurrency through one ``k3 serve`` of one model; returns its server arguments."""
+    top = max(levels)
+    context = max(p + o for p, o in cases) + 64
+    args = ["--device", device, "--max-batch", str(top), "--max-context", str(context), *source, *server_args]
+    server = Server(None, log, args, start_s=1800)
+    try:
+        for prompt, output in cases:
+            for c in levels if (prompt, output) == cases[0] else tuple(c for c in levels if c >= 16):
+                row = _phase(server.url, vocab, c, rounds, prompt, output, rng.randrange(2**31), client_procs)
+                rows.append({"model": label, **row})
+                print(rows[-1], flush=True)
+    finally:
+        server.stop()
+    return args
+
+
 def run(
     out_dir: str | None = None,
     quick: bool = False,
     ckpt: str | None = None,
-    preset: str = "small-1b",
+    presets: tuple[str, ...] = ("small-1b",),
     device: str = "cuda",
-    concurrency: tuple[int, ...] = (1, 8, 32, 64),
+    concurrency: tuple[int, ...] | None = None,
     cases: tuple[tuple[int, int], ...] = ((256, 128), (32, 512)),
     rounds: int = 2,
     server_args: tuple[str, ...] = (),
     client_procs: int | None = None,
 ) -> list[dict]:
+    """Serve each model (``ckpt``, else each preset with random weights built on the device: ``k3 serve
+    --random``) and load it at each concurrency (default: LEVELS, else 1, 8, 32, 64); on a GPU time its graph step
+    at the largest concurrency after its server stopped. One results file for all."""
+    import torch
+
     work = Path(tempfile.mkdtemp(prefix="k3-bench-serve-"))
-    path = Path(ckpt) if ckpt else tiny_checkpoint(work / "ckpt", preset)
-    config = json.loads((path / "config.json").read_text())
-    vocab = config.get("text_config", config)["vocab_size"]
-    top = max(concurrency)
-    context = max(p + o for p, o in cases) + 64
-    args = ["--device", device, "--max-batch", str(top), "--max-context", str(context), *server_args]
     rows: list[dict] = []
     rng = random.Random(0)
     if client_procs is None:  # a process of clients per 4 cores, at most 4: the server keeps the rest
         client_procs = max(1, min(4, (os.cpu_count() or 1) // 4))
-    server = Server(path, work / "server.log", args, start_s=900)
-    try:
+    models = [(ckpt, None)] if ckpt else [(None, p) for p in presets]
+    served = {}
+    for path, preset in models:
+        label = Path(path).name if path else f"{preset} (random)"
+        source = ["--ckpt", str(path)] if path else ["--random", preset]
+        if path:
+            config = json.loads((Path(path) / "config.json").read_text())
+            vocab = config.get("text_config", config)["vocab_size"]
+        else:
+            vocab = bench_tokenizer().vocab_size
+        levels = concurrency or LEVELS.get(preset, (1, 8, 32, 64))
+        log = work / f"server-{len(served)}.log"
+        args = _one_model(
+            rows,
+            label,
+            source,
+            vocab,
+            device,
+            levels,
+            cases,
+            1 if quick else rounds,
+            server_args,
+            client_procs,
+            rng,
+            log,
+        )
+        served[label] = args
+        if device != "cuda":
+            continue
+        top = max(levels)
+        model, tokenizer = _served_model(path, preset, device)
+        limits = {}
         for prompt, output in cases:
-            levels = concurrency if (prompt, output) == cases[0] else tuple(c for c in concurrency if c >= 16)
-            for c in levels:
-                seed = rng.randrange(2**31)
-                rows.append(_phase(server.url, vocab, c, 1 if quick else rounds, prompt, output, seed, client_procs))
-                print(rows[-1], flush=True)
-    finally:
-        server.stop()
-    limits = {}
-    if device == "cuda":
-        for prompt, output in cases:
-            ms = graph_step_ms(path, device, top, prompt + output // 2)
-            limits[(prompt, output)] = top / ms * 1e3
+            ms = graph_step_ms(model, tokenizer, top, prompt + output // 2)
+            limits[f"prompt {prompt} / output {output}"] = top / ms * 1e3
             rows.append(
                 {
+                    "model": label,
                     "case": f"graph decode step, B={top}, context {prompt + output // 2}",
                     "concurrency": top,
-                    "tokens_per_s": limits[(prompt, output)],
+                    "tokens_per_s": top / ms * 1e3,
                     "detail": f"{ms:.3f} ms a step",
                 }
             )
+        del model
+        torch.cuda.empty_cache()
         for row in rows:
-            for (prompt, output), lim in limits.items():
-                if row["case"] == f"prompt {prompt} / output {output}" and row["concurrency"] == top:
-                    row["of_limit"] = row["tokens_per_s"] / lim
+            if row["model"] == label and row["concurrency"] == top and row["case"] in limits:
+                row["of_limit"] = row["tokens_per_s"] / limits[row["case"]]
     notes = (
         "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients, one connection "
         f"each, spread over {client_procs} client process(es), a warm-up round per concurrency. TTFT: request sent "
-        "to first text; TPOT: "
-        "(last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. of_limit (at concurrency "
-        f"{top}): tokens/s over the graph step's {top} / step time, measured after the server stopped, on the "
-        "same device."
+        "to first text; TPOT: (last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. "
+        "of_limit (at a model's largest concurrency): tokens/s over B / the graph decode step at that B, measured "
+        "after its server stopped, on the same device. Random models: bfloat16 weights built on the device, "
+        "vocabulary narrowed to a 400-token BPE (their lm_head is that much smaller than the preset's)."
     )
-    engine = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--engine"), None)
+    engine = next((server_args[i + 1] for i, a in enumerate(server_args[:-1]) if a == "--engine"), None)
     meta = {
         **environment(),
-        "checkpoint": ckpt or f"{preset} random (vocabulary 400)",
-        "server_args": args,
+        "server_args": served,
         "engine": engine or ("process" if device == "cuda" else "thread"),
         "client_processes": client_procs,
     }

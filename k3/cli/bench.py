@@ -23,7 +23,16 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--ckpt", default=None, help="serve: the checkpoint to serve (default: a random --preset one)")
     p.add_argument(
-        "--preset", default=None, help="serve: preset of the random checkpoint (default small-1b, tiny on CPU)"
+        "--preset",
+        default=None,
+        help="serve: comma-separated presets served with random weights (default small-1b, tiny on CPU; e.g. "
+        "small-1b,kimi-linear-48b: one results file)",
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="serve: comma-separated client counts (default 1,8,32,64 on a GPU, 1,16,64 for kimi-linear-48b; 1,4 "
+        "on a CPU)",
     )
     p.add_argument("--server-args", default="", help="serve: extra k3 serve flags, space-separated")
     p.set_defaults(func=run)
@@ -36,13 +45,19 @@ def run(args: argparse.Namespace) -> int:
         from k3.bench import serve
 
         gpu = torch.cuda.is_available()
+        try:
+            levels = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
+        except ValueError:
+            raise ValueError(f"--concurrency={args.concurrency!r} must be comma-separated integers") from None
+        if levels and min(levels) < 1:
+            raise ValueError(f"--concurrency={args.concurrency!r}: each must be >= 1")
         serve.run(
             out_dir=args.out,
             quick=args.quick,
             ckpt=args.ckpt,
-            preset=args.preset or ("small-1b" if gpu else "tiny"),
+            presets=tuple((args.preset or ("small-1b" if gpu else "tiny")).split(",")),
             device="cuda" if gpu else "cpu",
-            concurrency=(1, 8, 32, 64) if gpu else (1, 4),
+            concurrency=levels if levels or gpu else (1, 4),
             cases=((256, 128), (32, 512)) if gpu else ((64, 16),),
             server_args=tuple(args.server_args.split()),
         )

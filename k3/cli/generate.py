@@ -11,8 +11,8 @@ from k3.infer.load import DTYPE_CHOICES, load_for_inference, load_line
 from k3.infer.sampling import SamplingParams
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory (latest)")
+def add_model_args(p: argparse.ArgumentParser, ckpt_required: bool = True) -> None:
+    p.add_argument("--ckpt", required=ckpt_required, help="checkpoint directory or training run directory (latest)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument(
         "--dtype",

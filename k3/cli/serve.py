@@ -26,7 +26,14 @@ GIB = 2**30
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
-    add_model_args(p)
+    add_model_args(p, ckpt_required=False)
+    p.add_argument(
+        "--random",
+        metavar="PRESET",
+        default=None,
+        help="instead of --ckpt: random weights of a preset, built on the device (bfloat16 unless --dtype), with a "
+        "400-token BPE tokenizer: for load tests of models too large to write to disk",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default="k3", help="the model id clients pass (default k3)")
@@ -111,6 +118,12 @@ def add_parser(sub) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """One ValueError for an engine argument out of range (before anything loads)."""
+    if (args.ckpt is None) == (args.random is None):
+        raise ValueError("give --ckpt DIR or --random PRESET (one of them)")
+    if args.random is not None:
+        from k3.config import get_preset
+
+        get_preset(args.random)  # one ValueError naming the presets
     for name in ("memory_budget_gb", "prefix_cache_gb"):
         value = getattr(args, name)
         if value is not None and not value >= 0:
@@ -124,7 +137,10 @@ def check_args(args: argparse.Namespace) -> None:
 def build_engine(args: argparse.Namespace):
     """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path)."""
     check_args(args)
-    model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
+    if args.random is not None:
+        model, tokenizer, path = random_for_serving(args)
+    else:
+        model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
     engine = Engine(
         model,
@@ -140,6 +156,18 @@ def build_engine(args: argparse.Namespace):
         prefix_cache_bytes=int(args.prefix_cache_gb * GIB),
     )
     return engine, tokenizer, path
+
+
+def random_for_serving(args: argparse.Namespace):
+    """(random model of ``--random`` on the device, its tokenizer, a name for it) (k3.bench.live_server)."""
+    from k3.bench.live_server import bench_tokenizer, random_config, random_model
+    from k3.infer.load import resolve_dtype
+
+    tokenizer = bench_tokenizer()
+    device = resolve_device(args.device)
+    model = random_model(random_config(args.random, tokenizer), device, resolve_dtype(args.dtype))
+    log.info("random %s: %.1fM parameters on %s", args.random, sum(p.numel() for p in model.parameters()) / 1e6, device)
+    return model, tokenizer, f"random {args.random}"
 
 
 def engine_core(args: argparse.Namespace) -> Engine:
@@ -161,7 +189,12 @@ def start_engine(args: argparse.Namespace):
         print(plan_table(engine.device), flush=True)
         return AsyncEngine(engine).start(), tokenizer, path
     check_args(args)
-    tokenizer, path = load_tokenizer(args.ckpt)
+    if args.random is not None:
+        from k3.bench.live_server import bench_tokenizer
+
+        tokenizer, path = bench_tokenizer(), f"random {args.random}"
+    else:
+        tokenizer, path = load_tokenizer(args.ckpt)
     log.info("engine core: starting its process")
     return EngineProcess(engine_core, (args,)).start(), tokenizer, path
 

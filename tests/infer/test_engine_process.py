@@ -39,14 +39,14 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def serve_args(ckpt, **over) -> argparse.Namespace:
+def serve_args(path, **over) -> argparse.Namespace:
     from k3.cli.main import build_parser
 
     args = build_parser().parse_args(
         [
             "serve",
             "--ckpt",
-            str(ckpt),
+            str(path),
             "--device",
             "cpu",
             "--dtype",
@@ -171,3 +171,23 @@ def test_shutdown_ends_what_is_left_and_a_killed_child_fails_its_requests(ckpt):
         assert not ep.running
     finally:
         ep.shutdown(0)
+
+
+def test_serve_takes_a_checkpoint_or_random_weights(ckpt):
+    from k3.cli.serve import check_args, engine_core
+
+    for over in ({"ckpt": None}, {"random": "tiny"}):  # neither, both
+        with pytest.raises(ValueError, match="--ckpt DIR or --random PRESET"):
+            check_args(serve_args(ckpt, **over))
+    with pytest.raises(ValueError, match="unknown preset"):
+        check_args(serve_args(ckpt, ckpt=None, random="nope"))
+    ep = EngineProcess(engine_core, (serve_args(ckpt, ckpt=None, random="tiny", dtype="auto"),)).start()
+    try:
+
+        async def one():
+            return [o async for o in ep.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))]
+
+        outs = asyncio.run(one())
+        assert sum(len(o.token_ids) for o in outs) == 4 and outs[-1].finished
+    finally:
+        ep.shutdown(5)
