@@ -1,9 +1,12 @@
-"""The OpenAI request schema of the server (k3.infer.server): the pydantic models of ``/v1/completions`` and
-``/v1/chat/completions`` with their validation, the error OpenAI's clients expect (:class:`APIError`, answered as
-``{"error": {"message", "type", "param", "code"}}``), and chat message content (text and ``data:`` image parts).
+"""The request schema of the server (k3.infer.server): the pydantic models of ``/v1/completions``,
+``/v1/chat/completions``, ``/tokenize`` and ``/detokenize`` with their validation, the error OpenAI's clients
+expect (:class:`APIError`, answered as ``{"error": {"message", "type", "param", "code"}}``), and chat message
+content (text and ``data:`` image parts).
 
-Models are strict (``"5"`` is not an integer) and ignore unknown fields; known options this server does not
-implement are accepted only at their no-op values (:meth:`BaseRequest.refuse_unsupported`). The sampling ranges
+Models are strict (``"5"`` is not an integer) and ignore unknown fields; known OpenAI options this server does not
+implement (tools, functions, response formats, audio, ...) are accepted only at their no-op values, any other value
+answering 400 naming the field (:meth:`StrictRequest.refuse_unsupported`). ``model`` may be left out (null): it
+means the served model, as vLLM takes it. The sampling ranges
 are the sampler's own (:meth:`k3.infer.sampling.SamplingParams.validate`, which the server runs on every request):
 ``temperature`` is only type-checked here so that an out-of-range value gets the sampler's one message and range
 (0, or [0.01, 2] within OpenAI's [0, 2])."""
@@ -16,15 +19,15 @@ import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from k3.infer.chat import IMAGE_SLOT
-from k3.infer.sampling import MAX_LOGPROBS
+from k3.infer.sampling import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS
 
-MAX_STOP = 4
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_IMAGE_BYTES = 32 << 20
+MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize request
 
 
 class APIError(Exception):
@@ -71,15 +74,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class BaseRequest(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored; known unsupported ones are refused."""
+class StrictRequest(BaseModel):
+    """A request body: strict types, unknown fields ignored, known unsupported options refused
+    (:meth:`refuse_unsupported`); ``model`` None (left out) is the served model."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-    model: str
+    model: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        """One 400 naming the first option set to a value this server does not implement."""
+        for name, (noop, allowed) in _NOOP.items():
+            if name in type(self).model_fields and not noop(getattr(self, name)):
+                shown = json.dumps(getattr(self, name))
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise APIError(400, f"{name}={shown} is not supported (only {allowed})", name, "unsupported_parameter")
+
+
+class BaseRequest(StrictRequest):
+    """Fields both generating endpoints share."""
+
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = 1.0  # range: SamplingParams.validate (0 or [0.01, 2]), with its one message
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
@@ -88,7 +106,7 @@ class BaseRequest(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt (not streamed); choice j is seeded seed + j
+    n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt; choice j is seeded seed + j
     ignore_eos: bool = False  # generate max_tokens whatever the model emits (as vLLM's; load tests use it)
     # accepted only at their no-op values
     logit_bias: dict[str, Any] | None = None
@@ -97,20 +115,12 @@ class BaseRequest(BaseModel):
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > MAX_STOP or not all(stops):
-            raise ValueError(f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+        if len(stops) > MAX_STOP or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings, "
+                f"each of at most {MAX_STOP_CHARS} characters"
+            )
         return stops
-
-    def refuse_unsupported(self) -> None:
-        """One 400 naming the first option set to a value this server does not implement."""
-        for name, (noop, allowed) in _NOOP.items():
-            if name in type(self).model_fields and not noop(getattr(self, name)):
-                raise APIError(
-                    400,
-                    f"{name}={json.dumps(getattr(self, name))} is not supported (only {allowed})",
-                    name,
-                    "unsupported_parameter",
-                )
 
 
 _NOOP = {  # option -> (is it at a value we implement?, what we accept)
@@ -118,6 +128,14 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "suffix": (lambda v: not v, "null or an empty string"),
     "tools": (lambda v: not v, "null or []"),
+    "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
+    "functions": (lambda v: not v, "null or []"),
+    "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
+    "response_format": (lambda v: v in (None, {"type": "text"}), 'null or {"type": "text"}'),
+    "modalities": (lambda v: v in (None, ["text"]), 'null or ["text"]'),
+    "audio": (lambda v: v is None, "null"),
+    "reasoning_effort": (lambda v: v is None, "null"),
+    "web_search_options": (lambda v: v is None, "null"),
 }
 
 
@@ -153,7 +171,47 @@ class ChatRequest(BaseRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI options accepted only at their no-op values (_NOOP); parallel_tool_calls is harmless without tools
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+class TokenizeRequest(StrictRequest):
+    """``/tokenize`` (vLLM's): a ``prompt`` or chat ``messages``. ``add_special_tokens``: this server adds no
+    special token to a prompt (no BOS), so both values give the same ids."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # messages: end with the assistant's header, as a chat request does
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(StrictRequest):
+    """``/detokenize`` (vLLM's): token ids -> their text."""
+
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
 
 
 def image_part(i: int, part: dict) -> bytes:

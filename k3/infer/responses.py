@@ -1,5 +1,5 @@
 """Response bodies of the OpenAI server (k3.infer.server): usage, the completions and chat forms of
-log-probabilities, the completion object of one choice, and the SSE stream of a request's outputs.
+log-probabilities, the completion object of one choice, and the SSE stream of a request's choices.
 
 Each token is shown as its own decoded text (a piece of a multi-byte character decodes to U+FFFD) and
 ``text_offset`` counts those texts. Chat leaves a stop token's log-probability out (its text is not in the
@@ -8,6 +8,7 @@ message); completions keep it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -43,34 +44,57 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
-async def stream_events(stream, first: list[dict], chunk, include_usage: bool, text_only: bool = False):
-    """SSE: ``first`` chunks, one chunk per text delta, a finish chunk, optional usage chunk, [DONE].
+async def stream_events(
+    streams: list, first: list[dict], chunks: list, include_usage: bool, usage_of, text_only: bool = False
+):
+    """SSE of a request's choices: ``first`` chunks, then each choice's text deltas as its stream yields them
+    (the choices interleaved, each chunk carrying its choice's index, as vLLM streams n > 1), one finish chunk per
+    choice, an optional usage chunk once every choice has finished, then [DONE] once.
 
-    ``chunk(text, finish_reason, token logprobs, prompt logprobs)`` builds one chunk object. The log-probabilities
-    of tokens whose text is held back (it may begin a stop string) go out with the chunk that carries their text.
-    An engine failure ends the stream with an ``error`` event, then [DONE]."""
+    ``chunks[i](text, finish_reason, token logprobs, prompt logprobs)`` builds choice i's chunk object (from
+    ``streams[i]``); ``usage_of(last output of each choice)`` the usage object. The log-probabilities of tokens
+    whose text is held back (it may begin a stop string) go out with the chunk that carries their text. An engine
+    failure ends the stream with an ``error`` event, then [DONE]; closing the stream (the client went away) aborts
+    every choice still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - raised where the events are written
+            queue.put_nowait((i, e))
+        else:
+            queue.put_nowait((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         for obj in first:
             yield sse(obj)
-        pending, prompt = [], None
-        async for out in stream:
-            pending += token_lps(out, text_only)
-            prompt = out.prompt_logprobs if out.prompt_logprobs is not None else prompt
+        pending, prompt = [[] for _ in streams], [None] * len(streams)
+        lasts, running = [None] * len(streams), len(streams)
+        while running:
+            i, out = await queue.get()
+            if out is None:
+                running -= 1
+                continue
+            if isinstance(out, BaseException):
+                raise out
+            pending[i] += token_lps(out, text_only)
+            prompt[i] = out.prompt_logprobs if out.prompt_logprobs is not None else prompt[i]
             if out.text or out.finished:
-                yield sse(chunk(out.text, out.finish_reason, pending, prompt))
-                pending, prompt = [], None
-            if out.finished and include_usage:
-                yield sse(
-                    {
-                        **chunk(None, None, [], None),
-                        "choices": [],
-                        "usage": usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens),
-                    }
-                )
+                yield sse(chunks[i](out.text, out.finish_reason, pending[i], prompt[i]))
+                pending[i], prompt[i] = [], None
+            lasts[i] = out
+        if include_usage:
+            yield sse({**chunks[0](None, None, [], None), "choices": [], "usage": usage_of(lasts)})
     except (EngineError, EngineClosed) as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
     finally:
-        await stream.aclose()  # a client that went away aborts its request
+        for p in pumps:
+            p.cancel()
+        for stream in streams:
+            await stream.aclose()  # a client that went away aborts its requests
     yield "data: [DONE]\n\n"
 
 
@@ -142,12 +166,12 @@ class CompletionChoice:
 
 
 class ChatChoice:
-    """Builds the ``chat.completion.chunk`` objects of choice 0 (called as ``chunk(text, reason, lps, prompt_lps)``:
-    the text delta, none in a finish chunk without text) and the log-probabilities of a message (``logprobs``:
-    whether the request asked for them)."""
+    """Builds the ``chat.completion.chunk`` objects of choice ``index`` (called as ``chunk(text, reason, lps,
+    prompt_lps)``: the text delta, none in a finish chunk without text) and the log-probabilities of a message
+    (``logprobs``: whether the request asked for them)."""
 
-    def __init__(self, forms: LogprobForms, base: dict, logprobs: bool):
-        self.forms, self.base, self.want = forms, base, logprobs
+    def __init__(self, forms: LogprobForms, base: dict, logprobs: bool, index: int = 0):
+        self.forms, self.base, self.want, self.index = forms, base, logprobs, index
 
     def logprobs(self, lps: list) -> dict | None:
         return self.forms.chat(lps) if self.want else None
@@ -158,7 +182,12 @@ class ChatChoice:
             **self.base,
             "object": "chat.completion.chunk",
             "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {
+                    "index": self.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
             ],
         }
 
@@ -167,5 +196,5 @@ class ChatChoice:
         return {
             **self.base,
             "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "logprobs": self.logprobs(lps), "finish_reason": reason}],
+            "choices": [{"index": self.index, "delta": delta, "logprobs": self.logprobs(lps), "finish_reason": reason}],
         }

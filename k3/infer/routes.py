@@ -8,7 +8,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.infer.protocol import APIError, ChatRequest, CompletionRequest, error_response
+from k3.infer.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_response,
+)
 from k3.infer.serving import Serving
 
 router = APIRouter()
@@ -41,6 +48,21 @@ async def completions(req: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request):
     return await serving(request).chat_completions(req, request)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    return serving(request).tokenizer_info()
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request):
+    return await serving(request).tokenize(req)
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request):
+    return await serving(request).detokenize(req)
 
 
 async def invalid_request(request: Request, exc: RequestValidationError):

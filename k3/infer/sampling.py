@@ -18,6 +18,11 @@ import torch
 from torch import Tensor
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's chat limit)
+# Stop strings: a request may give MAX_STOP (evaluation harnesses add their end-of-text string to a task's list;
+# OpenAI's 4 is too few), each at most MAX_STOP_CHARS long, so matching them costs a bounded time per token
+# (k3.infer.detok.StopMatcher). The sampler takes one more: the stop string a chat format adds to the request's.
+MAX_STOP = 64
+MAX_STOP_CHARS = 256
 # The smallest temperature and repetition penalty above 0: both divide fp32 logits, and a divisor of 1e-2 keeps
 # |logit| / divisor <= 100 |logit|, finite for any logit a model produces (fp32 overflows at 3.4e38, so 1e-40, a
 # denormal, turns logit 10 into inf and softmax into NaN). Below 0.01 sampling is greedy in all but name (vLLM
@@ -119,10 +124,12 @@ class SamplingParams:
             bad("seed", "must be None or an integer in [-2**63, 2**64)")
         if (
             not isinstance(self.stop, list)
-            or not all(isinstance(s, str) and s for s in self.stop)
-            or len(self.stop) > 16
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
+            or len(self.stop) > MAX_STOP + 1
         ):
-            bad("stop", "must be a list of at most 16 non-empty strings")
+            bad(
+                "stop", f"must be a list of at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):

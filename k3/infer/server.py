@@ -1,11 +1,13 @@
 """An OpenAI-compatible HTTP server over :class:`AsyncEngine`: ``/v1/models``, ``/v1/completions``,
-``/v1/chat/completions`` (both with SSE streaming) and ``/health``.
+``/v1/chat/completions`` (both with SSE streaming), vLLM's ``/tokenizer_info``, ``/tokenize`` and ``/detokenize``
+(what lm-evaluation-harness's remote tokenizer calls) and ``/health``.
 
 Every request body is validated by a pydantic model (strict types: ``"5"`` is not an integer); a bad field,
-bad JSON, an unsupported option (``logit_bias``, ``best_of``, ``suffix``, ...) or a prompt that does not fit the
+bad JSON, an unsupported option (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ``response_format``, ...:
+every OpenAI option the server does not honour, at any but its no-op value) or a prompt that does not fit the
 context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
 model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
-serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off) and ``repetition_penalty``; OpenAI's
+serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off), ``min_p`` and ``repetition_penalty``; OpenAI's
 ``presence_penalty`` / ``frequency_penalty`` count the generated tokens (k3.infer.sampling.apply_output_penalties).
 
 Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_logprobs`` N on chat; N <= 20, also
@@ -15,7 +17,8 @@ alternatives (N + 1 entries where it is not among the N likeliest, as OpenAI's) 
 leaves the stop token out (its text is not in the message). An entry goes out with its token's text: held while the
 text is (it may begin a stop string), none for tokens a stop string cuts off (one across the cut keeps its). A
 completions ``prompt`` may be a list of up to MAX_PROMPTS prompts, and ``n`` asks for up to MAX_N choices per prompt
-(neither streamed): choices come prompt by prompt, choice j seeded ``seed + j``. Each token is shown as its own
+(streamed too, every choice's chunks interleaved with their ``index``, usage once at the end): choices come
+prompt by prompt, choice j seeded ``seed + j``. ``stop`` takes up to MAX_STOP strings. Each token is shown as its own
 decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts. Completions
 with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too (null for the
 first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for log-likelihoods). A

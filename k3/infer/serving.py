@@ -1,7 +1,9 @@
 """The serving logic of the OpenAI server (k3.infer.server), behind its thin routes (k3.infer.routes): checks a
 parsed request, builds the prompt and its :class:`SamplingParams`, submits every choice to the
-:class:`AsyncEngine` and answers with the whole response or an SSE stream. Any refusal is an :class:`APIError`
-(one message, OpenAI's error body); engine failures are 500, a draining engine 503.
+:class:`AsyncEngine` and answers with the whole response or an SSE stream (every choice of every prompt in one
+stream, as vLLM's); it also answers vLLM's tokenizer endpoints (``/tokenizer_info``, ``/tokenize``,
+``/detokenize``), which evaluation harnesses use to tokenise with the server's own tokenizer. Any refusal is an
+:class:`APIError` (one message, OpenAI's error body); engine failures are 500, a draining engine 503.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from k3.data.tokenizer import Tokenizer
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
-from k3.infer.chat import render_chat
+from k3.infer.chat import chat_format, render_chat
 from k3.infer.engine import Request as EngineRequest
 from k3.infer.protocol import (
     APIError,
     BaseRequest,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    StrictRequest,
+    TokenizeRequest,
     bad_text,
     message_content,
 )
@@ -117,6 +122,7 @@ class Serving:
         self.max_chars = max_context * max_token_chars(self.tok)
         self.tok_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="k3-tokenize")
         self.created = int(time.time())
+        self.info: dict | None = None  # /tokenizer_info's answer, built on first use
         vision = self.engine.vision
         self.image_token_id = None if vision is None else vision.media_placeholder_token_id
 
@@ -137,8 +143,9 @@ class Serving:
             "max_model_len": self.max_context,
         }
 
-    def model(self, name: str) -> dict:
-        if name != self.model_name:
+    def model(self, name: str | None) -> dict:
+        """The model card of ``name`` (None: the served model); 404 for another model."""
+        if name is not None and name != self.model_name:
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}",
@@ -155,8 +162,8 @@ class Serving:
         return {"status": "ok", "model": self.model_name, "max_context": self.max_context, **stats}
 
     # ------------------------------------------------------------------ checks and sampling parameters
-    def check(self, req: BaseRequest) -> None:
-        """Valid Unicode everywhere, this server's model, no unsupported option."""
+    def check(self, req: StrictRequest) -> None:
+        """Valid Unicode everywhere, this server's model (or none named), no unsupported option."""
         bad = bad_text({name: getattr(req, name) for name in type(req).model_fields})
         if bad is not None:
             raise APIError(
@@ -165,14 +172,7 @@ class Serving:
                 bad,
                 "invalid_text",
             )
-        if req.model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-                "not_found_error",
-            )
+        self.model(req.model)
         req.refuse_unsupported()
 
     def check_chars(self, chars: int, param: str) -> None:
@@ -222,6 +222,7 @@ class Serving:
             temperature=req.temperature,
             top_k=req.top_k,
             top_p=req.top_p,
+            min_p=req.min_p,
             repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
@@ -327,12 +328,23 @@ class Serving:
             )
         return jobs, prompt_tokens
 
+    @staticmethod
+    def completion_usage(prompt_tokens: int, lasts: list, n: int) -> dict:
+        """The usage of a completions request from each choice's last output: every choice's tokens; each prompt
+        (its n choices in a row) counts once, as in ``prompt_tokens``, with the most cached tokens of its choices."""
+        cached = sum(max(last.cached_tokens for last in lasts[i : i + n]) for i in range(0, len(lasts), n))
+        return usage(prompt_tokens, sum(last.completion_tokens for last in lasts), cached)
+
+    @staticmethod
+    def chat_usage(prompt_tokens: int, lasts: list) -> dict:
+        """The usage of a chat request (one prompt, n choices) from each choice's last output."""
+        completion_tokens = sum(last.completion_tokens for last in lasts)
+        return usage(prompt_tokens, completion_tokens, max(last.cached_tokens for last in lasts))
+
     async def completions(self, req: CompletionRequest, request: Request):
         self.check(req)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
-        if req.stream and len(req.prompt) * req.n > 1:
-            raise APIError(400, "a streamed completion takes one prompt and n=1", "prompt" if req.n == 1 else "n")
         scored = bool(req.echo) and (req.logprobs is not None or req.max_tokens == 0)
         rid = f"cmpl-{uuid.uuid4().hex}"
 
@@ -343,24 +355,25 @@ class Serving:
         jobs, prompt_tokens, streams = await watched(request, admit())
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         echo = bool(req.echo)
+        builders = [
+            CompletionChoice(self.forms, base, i, p, ids, echo, req.logprobs) for i, (p, ids, _) in enumerate(jobs)
+        ]
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            chunk = CompletionChoice(self.forms, base, 0, *jobs[0][:2], echo, req.logprobs)
-            return StreamingResponse(stream_events(streams[0], [], chunk, include), media_type="text/event-stream")
+            events = stream_events(
+                streams, [], builders, include, lambda lasts: self.completion_usage(prompt_tokens, lasts, req.n)
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
         results = await self.collect_all(request, streams)
         choices = [
-            CompletionChoice(self.forms, base, i, p, ids, echo, req.logprobs)(
-                text, last.finish_reason, lps, prompt_lps
-            )["choices"][0]
-            for i, ((p, ids, _), (text, last, lps, prompt_lps)) in enumerate(zip(jobs, results))
+            chunk(text, last.finish_reason, lps, prompt_lps)["choices"][0]
+            for chunk, (text, last, lps, prompt_lps) in zip(builders, results)
         ]
-        completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
-        n = req.n  # each prompt's choices are n jobs in a row; its tokens count once, as in prompt_tokens
-        cached = sum(max(r[1].cached_tokens for r in results[i : i + n]) for i in range(0, len(results), n))
-        return {**base, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
+        lasts = [last for _, last, _, _ in results]
+        return {**base, "choices": choices, "usage": self.completion_usage(prompt_tokens, lasts, req.n)}
 
-    async def chat_prompt(self, req: ChatRequest) -> tuple[list[int], Any, Any]:
-        """(prompt ids with image tokens expanded, the images' media, the rendered chat) of the messages."""
+    async def chat_prompt(self, req, add_generation_prompt: bool = True) -> tuple[list[int], Any, Any]:
+        """(prompt ids with image tokens expanded, the images' media, the rendered chat) of ``req.messages``."""
         images: list[bytes] = []
         messages = [message_content(i, m, images) for i, m in enumerate(req.messages)]
         if images and self.image_token_id is None:
@@ -368,7 +381,11 @@ class Serving:
         self.check_chars(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), "messages")
         try:
             rendered = await self.off_loop(
-                render_chat, messages, self.tok, image_token_id=self.image_token_id if images else None
+                render_chat,
+                messages,
+                self.tok,
+                add_generation_prompt,
+                image_token_id=self.image_token_id if images else None,
             )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
@@ -382,8 +399,6 @@ class Serving:
         self.check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if req.stream and req.n > 1:
-            raise APIError(400, "a streamed chat completion takes n=1", "n")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def admit():
@@ -402,15 +417,19 @@ class Serving:
 
         prompt, streams = await watched(request, admit())
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
-        chunk = ChatChoice(self.forms, base, bool(req.logprobs))
+        builders = [ChatChoice(self.forms, base, bool(req.logprobs), j) for j in range(req.n)]
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                stream_events(streams[0], [chunk.first()], chunk, include, text_only=True),
-                media_type="text/event-stream",
+            events = stream_events(
+                streams,
+                [chunk.first() for chunk in builders],
+                builders,
+                include,
+                lambda lasts: self.chat_usage(len(prompt), lasts),
+                text_only=True,
             )
+            return StreamingResponse(events, media_type="text/event-stream")
         results = await self.collect_all(request, streams, text_only=True)
-        completion_tokens = sum(last.completion_tokens for _, last, _, _ in results)
         return {
             **base,
             "object": "chat.completion",
@@ -418,10 +437,66 @@ class Serving:
                 {
                     "index": j,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": chunk.logprobs(lps),
+                    "logprobs": builders[j].logprobs(lps),
                     "finish_reason": last.finish_reason,
                 }
                 for j, (text, last, lps, _) in enumerate(results)
             ],
-            "usage": usage(len(prompt), completion_tokens, max(last.cached_tokens for _, last, _, _ in results)),
+            "usage": self.chat_usage(len(prompt), [last for _, last, _, _ in results]),
         }
+
+    # ------------------------------------------------------------------ tokenizer endpoints (vLLM's)
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's configuration, as vLLM's ``/tokenizer_info`` gives it (tokenizer_config.json's fields:
+        what lm-evaluation-harness's remote tokenizer reads, ``eos_token`` first), with the ids, the vocabulary
+        size, the context and the chat format (k3.infer.chat) besides; built once."""
+        if self.info is None:
+            self.info = self._tokenizer_info()
+        return self.info
+
+    def _tokenizer_info(self) -> dict:
+        tok = self.tok
+        added = tok.hf.get_added_tokens_decoder()
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # a tokenizers tokenizer.json, as transformers loads it
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": None,
+            "eos_token_id": tok.eos_id,
+            "bos_token_id": tok.bos_id,
+            "vocab_size": tok.vocab_size,
+            "model_max_length": self.max_context,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "chat_format": chat_format(tok),
+            "added_tokens_decoder": {
+                str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())
+            },
+        }
+
+    async def tokenize(self, req: TokenizeRequest) -> dict:
+        """A prompt's ids (special-token text such as ``<|endoftext|>`` read as that token, as an HF tokenizer
+        reads it, so a client can look a special token's id up) or a chat's ids as a chat request renders them;
+        any length (the body limit bounds it): harnesses tokenise whole documents, longer than the context."""
+        self.check(req)
+        if req.messages is not None:
+            ids, _, _ = await self.chat_prompt(req, req.add_generation_prompt)
+        else:
+            ids = await self.off_loop(self.tok.encode, req.prompt, True)
+        out = {"count": len(ids), "max_model_len": self.max_context, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = await self.off_loop(lambda: [self.tok.hf.id_to_token(t) for t in ids])
+        return out
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict:
+        """The text of token ids (special tokens kept as their text); an id outside the vocabulary is a 400."""
+        self.check(req)
+
+        def decode(ids: list[int]) -> str:
+            vocab = self.tok.vocab_size
+            bad = next((t for t in ids if t >= vocab or self.tok.hf.id_to_token(t) is None), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is not in the vocabulary", "tokens", "invalid_token")
+            return self.tok.decode(ids)
+
+        return {"prompt": await self.off_loop(decode, req.tokens)}

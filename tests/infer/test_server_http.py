@@ -118,12 +118,34 @@ def test_api_key_is_required_on_v1_but_not_health(guarded):
     post = httpx.post(guarded.url + "/v1/completions", json={"model": MODEL, "prompt": "a"}, timeout=10)
     assert post.status_code == 401  # refused before the body is read or the model runs
     assert httpx.get(guarded.url + "/health", timeout=10).status_code == 200
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for method, path, body in (
+        ("GET", "/tokenizer_info", None),
+        ("POST", "/tokenize", {"prompt": "a"}),
+        ("POST", "/detokenize", {"tokens": [7]}),
+    ):  # the tokenizer endpoints need the key as the others do
+        assert httpx.request(method, guarded.url + path, json=body, timeout=10).status_code == 401, path
+        assert httpx.request(method, guarded.url + path, json=body, headers=auth, timeout=10).status_code == 200
     client = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = client.completions.create(model=MODEL, prompt="The json module", max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_lm_eval_with_the_api_key(guarded, monkeypatch):
+    """lm-evaluation-harness's local-completions on a server with a key: its remote tokenizer sends the key given
+    as auth_token, its completions the one in OPENAI_API_KEY."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    url = f"{guarded.url}/v1/completions"
+    lm = get_model("local-completions").create_from_arg_string(f"base_url={url},auth_token={KEY}")
+    assert lm.tokenizer_backend == "remote"
+    [(logprob, _)] = lm.loglikelihood([Instance("loglikelihood", {}, ("The json", " module"), 0)], disable_tqdm=True)
+    assert logprob < 0
 
 
 def test_docs_are_off_unless_asked_for(ckpt, guarded):
