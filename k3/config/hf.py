@@ -1,16 +1,22 @@
 """``config.json`` <-> ``K3Config``.
 
-Two formats, both ``model_type: kimi_linear`` (K3's text model is a Kimi-Linear model with extra keys):
+A config names what it is. One transformers' ``KimiLinearForCausalLM`` can run (no K3-only feature) says
+``model_type: kimi_linear``; one with K3's features (SiTU, AttnRes, LatentMoE, the bounded gate, Gated MLA, a
+vision tower, ...) says the K3 release's ``model_type: kimi_k3`` with ``architectures: [KimiK3ForCausalLM]``,
+the text-model counterpart of the release's ``KimiK3ForConditionalGeneration`` (transformers runs it through the
+modeling code the checkpoint carries: k3.convert.hf_code). Three formats:
 - ``k3``: the released K3 text-config keys (docs/architecture.md#layer-schedule): 1-indexed
-``linear_attn_config.kda_layers`` /
-  ``full_attn_layers``, ``gate_lower_bound``, ``use_full_rank_gate``, ``mla_use_output_gate``,
-  ``routed_expert_hidden_size``, ``latent_moe_use_norm``, ``attn_res_block_size``, ``activation_situ_*``,
-  plus a ``k3`` sub-dict for what the release does not spell out (AttnRes mode, gate ranks, chunk size, ...).
+  ``linear_attn_config.kda_layers`` / ``full_attn_layers``, ``gate_lower_bound``, ``use_full_rank_gate``,
+  ``mla_use_output_gate``, ``routed_expert_hidden_size``, ``latent_moe_use_norm``, ``attn_res_block_size``,
+  ``activation_situ_*``, plus a ``k3`` sub-dict for what the release does not spell out (AttnRes mode, gate
+  ranks, chunk size, ...), flat at the top level.
 - ``kimi_linear``: the Kimi-Linear keys only, loadable by transformers' ``KimiLinearForCausalLM``; only
   Kimi-Linear-shaped configs can be written this way.
-- ``k3-release``: the multimodal release's ``kimi_k3`` wrapper: ``text_config`` (the ``k3`` format),
-  ``vision_config`` (``vt_*`` keys) and the media token ids at the top level; needs a vision tower.
-Reading accepts both, transformers' native spellings (``layer_types``, ``mlp_layer_types``, ``linear_num_heads``,
+- ``k3-release``: the multimodal release's ``kimi_k3`` wrapper: ``text_config`` (the ``k3`` format, named
+  ``kimi_linear`` as the release names it), ``vision_config`` (``vt_*`` keys) and the media token ids at the top
+  level; needs a vision tower.
+Reading accepts all of these and what earlier versions wrote (a ``k3``-format config named ``kimi_linear``),
+transformers' native spellings (``layer_types``, ``mlp_layer_types``, ``linear_num_heads``,
 ``num_local_experts``, ``num_experts_per_tok``, ``n_shared_experts``, ``norm_topk_prob``, ``model_max_length``)
 and the multimodal ``kimi_k3`` wrapper: its ``text_config`` gives the text model, its ``vision_config`` and media
 token ids the vision tower (K3's tower and media ids, ``k3.config.presets.k3_vision``, for what it does not spell).
@@ -25,6 +31,9 @@ from k3.config.config import AttnResConfig, K3Config, KDAConfig, MLAConfig, MoEC
 from k3.config.presets import k3_vision
 
 FORMATS = ("k3", "kimi_linear", "k3-release")
+KIMI_LINEAR = ("kimi_linear", "KimiLinearForCausalLM")  # model_type, architecture: transformers runs it natively
+KIMI_K3 = ("kimi_k3", "KimiK3ForCausalLM")  # a text model with K3's features (the checkpoint carries its code)
+KIMI_K3_RELEASE = ("kimi_k3", "KimiK3ForConditionalGeneration")  # the multimodal release wrapper
 
 
 _REQUIRED = object()
@@ -98,6 +107,12 @@ def kimi_linear_incompatibilities(cfg: K3Config) -> list[str]:
     return why
 
 
+def model_names(cfg: K3Config) -> tuple[str, str]:
+    """(model_type, architecture) a flat config.json of ``cfg`` says: Kimi-Linear's when transformers'
+    ``KimiLinearForCausalLM`` runs it as it is (no K3-only feature, no vision tower), else K3's."""
+    return KIMI_LINEAR if cfg.vision is None and not kimi_linear_incompatibilities(cfg) else KIMI_K3
+
+
 def _release_config(cfg: K3Config) -> dict[str, Any]:
     """The ``kimi_k3`` wrapper of a multimodal config (read back by :func:`from_hf_config` to the same config)."""
     if cfg.vision is None:
@@ -108,9 +123,11 @@ def _release_config(cfg: K3Config) -> dict[str, Any]:
     v = cfg.vision
     text = to_hf_config(cfg, "k3")
     text["k3"].pop("vision", None)
+    text["model_type"], arch = KIMI_LINEAR  # the release names its text_config so
+    text["architectures"] = [arch]
     return {
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "model_type": "kimi_k3",
+        "architectures": [KIMI_K3_RELEASE[1]],
+        "model_type": KIMI_K3_RELEASE[0],
         "text_config": text,
         "vision_config": {
             "vt_num_hidden_layers": v.num_layers,
@@ -165,8 +182,8 @@ def _kimi_linear_keys(cfg: K3Config) -> dict[str, Any]:
     """The keys both formats share: what transformers' ``KimiLinearForCausalLM`` reads (layers 1-indexed)."""
     kda = cfg.kda
     return {
-        "architectures": ["KimiLinearForCausalLM"],
-        "model_type": "kimi_linear",
+        "architectures": [KIMI_LINEAR[1]],
+        "model_type": KIMI_LINEAR[0],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -239,6 +256,8 @@ def to_hf_config(cfg: K3Config, fmt: str = "k3") -> dict[str, Any]:
     d = _kimi_linear_keys(cfg)
     if fmt == "k3":
         _add_k3_keys(d, cfg)
+        model_type, arch = model_names(cfg)
+        d["model_type"], d["architectures"] = model_type, [arch]
     return d
 
 
@@ -336,13 +355,19 @@ def _vision(v: Any) -> VisionConfig:
 
 
 def _unwrap_release(d: Any) -> tuple[dict[str, Any], VisionConfig | None]:
-    """The text config of ``d`` and, for the multimodal ``kimi_k3`` wrapper, its vision tower (else None)."""
+    """The text config of ``d`` and, for the multimodal ``kimi_k3`` wrapper, its vision tower (else None). A
+    ``kimi_k3`` config without ``text_config`` is a flat text config (the ``k3`` format of a K3-featured model)."""
     if not isinstance(d, dict):
         raise ValueError(f"config.json must hold a JSON object, not {type(d).__name__}")
     if d.get("model_type") != "kimi_k3":
         return d, None
     if "text_config" not in d:
-        raise ValueError("config.json: model_type kimi_k3 without text_config")
+        if "num_hidden_layers" not in d:
+            raise ValueError(
+                "config.json: model_type kimi_k3 needs a text_config (the multimodal release) or the text "
+                "model's keys at the top level"
+            )
+        return d, None
     release_vision = _release_vision(d)
     return _dict(d, "text_config"), release_vision
 
@@ -350,7 +375,7 @@ def _unwrap_release(d: Any) -> tuple[dict[str, Any], VisionConfig | None]:
 def _check_supported(d: dict) -> None:
     """One ValueError for a config this model cannot express (wrong model type, GQA, sparse MoE placement, MTP,
     grouped routing, tied embeddings, a non-sigmoid router); also that the layer and head counts are given."""
-    if d.get("model_type") not in ("kimi_linear", None):
+    if d.get("model_type") not in ("kimi_linear", "kimi_k3", None):
         raise ValueError(f"config.json: model_type {d.get('model_type')!r} is not kimi_linear / kimi_k3")
     _int(d, "num_hidden_layers")
     heads = _int(d, "num_attention_heads")

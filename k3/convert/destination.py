@@ -8,9 +8,9 @@ DIR removed), so these checks decide what a conversion may delete:
   under one;
 - an empty or missing DIR is written;
 - a non-empty DIR is replaced only with ``--force``, and only when it is a k3 checkpoint (config.json, weights,
-  ``k3_checksums.json``) holding nothing but checkpoint files; anything else in it is refused even with
-  ``--force``, so nothing but the old checkpoint is ever removed. :func:`check_replaceable` runs again just
-  before the swap.
+  ``k3_checksums.json``) holding nothing but checkpoint files (the tokenizer's and the transformers code too);
+  anything else in it is refused even with ``--force``, so nothing but the old checkpoint is ever removed.
+  :func:`check_replaceable` runs again just before the swap.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import re
 from pathlib import Path
 
+from k3.convert import hf_code
 from k3.convert.checkpoint import (
     CHECKSUMS,
     INDEX,
@@ -29,7 +30,7 @@ from k3.convert.checkpoint import (
     read_config_json,
 )
 
-_FILES = {"config.json", SINGLE, INDEX, CHECKSUMS, TRAINER_STATE, *TOKENIZER_FILES}
+_FILES = {"config.json", SINGLE, INDEX, CHECKSUMS, TRAINER_STATE, *TOKENIZER_FILES, *hf_code.FILES}
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 

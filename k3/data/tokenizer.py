@@ -11,8 +11,11 @@ Two sources:
   ``base64(token bytes) rank`` per line) without the tiktoken package, and rebuilds the BPE merges from the
   ranks so that HF ``tokenizers`` encodes like tiktoken's rank-based BPE does.
 
-``Tokenizer.save(dir)`` writes ``tokenizer.json`` (HF format) plus ``tokenizer_config.json`` naming the EOS
-and BOS tokens; ``Tokenizer.load`` reads either a directory or a ``tokenizer.json`` file.
+``Tokenizer.save(dir)`` writes ``tokenizer.json`` (HF format) plus ``tokenizer_config.json`` naming the BOS, EOS
+and pad tokens, the class transformers loads it as (``PreTrainedTokenizerFast``) and the chat template (Jinja,
+k3.infer.chat.chat_template), so ``transformers.AutoTokenizer.from_pretrained(dir)`` works and its
+``apply_chat_template`` renders as k3's chat does. ``Tokenizer.load`` reads either a directory or a
+``tokenizer.json`` file.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ DEFAULT_SPECIAL_TOKENS = (
 )
 EOS_CANDIDATES = ("<|endoftext|>", "[EOS]", "</s>", "<|end_of_text|>", "<eos>")
 BOS_CANDIDATES = ("[BOS]", "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+PAD_CANDIDATES = ("[PAD]", "<pad>", "<|pad|>", "<|padding|>")  # none in the vocabulary: EOS pads
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -92,9 +96,16 @@ class Tokenizer:
         vocab_size: largest id + 1 (the embedding rows the model needs; ids may have gaps).
         eos_token / eos_id: the end-of-document token (None if the vocabulary has none).
         bos_token / bos_id: the beginning-of-sequence token, or None.
+        pad_token / pad_id: what pads a batch for transformers (a well-known pad token, else the EOS, else None).
     """
 
-    def __init__(self, hf: HFTokenizer, eos_token: str | None = None, bos_token: str | None = None):
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ):
         self.hf = hf
         vocab = hf.get_vocab(with_added_tokens=True)
         if not vocab:
@@ -102,8 +113,10 @@ class Tokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self.eos_token = self._pick(vocab, eos_token, EOS_CANDIDATES, "eos_token")
         self.bos_token = self._pick(vocab, bos_token, BOS_CANDIDATES, "bos_token")
+        self.pad_token = self._pick(vocab, pad_token, PAD_CANDIDATES, "pad_token") or self.eos_token
         self.eos_id = None if self.eos_token is None else vocab[self.eos_token]
         self.bos_id = None if self.bos_token is None else vocab[self.bos_token]
+        self.pad_id = None if self.pad_token is None else vocab[self.pad_token]
 
     @staticmethod
     def _pick(vocab: dict[str, int], token: str | None, candidates: Sequence[str], what: str) -> str | None:
@@ -147,20 +160,36 @@ class Tokenizer:
             return piece.encode("utf-8")
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``tokenizer.json`` (HF format) and ``tokenizer_config.json`` (eos/bos names) into ``directory``;
-        returns the path of ``tokenizer.json``."""
+        """Write ``tokenizer.json`` (HF format) and ``tokenizer_config.json`` (the bos/eos/pad names, the chat
+        template, ``tokenizer_class: PreTrainedTokenizerFast``) into ``directory``; returns the path of
+        ``tokenizer.json``."""
+        from k3.infer.chat import chat_template
+
         directory = Path(directory)
         path = directory / "tokenizer.json"
         with atomic_file(path) as tmp:  # other processes may be reading the same files (resumed runs)
             self.hf.save(str(tmp))
-        config = {"eos_token": self.eos_token, "bos_token": self.bos_token}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "clean_up_tokenization_spaces": False,  # decoding is byte-exact
+            "chat_template": chat_template(self),
+        }
         atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
         return path
 
     @classmethod
-    def load(cls, path: str | Path, eos_token: str | None = None, bos_token: str | None = None) -> Tokenizer:
-        """Read a directory holding ``tokenizer.json`` or the file itself. EOS/BOS come from the arguments, else
-        from a ``tokenizer_config.json`` beside it (HF convention), else from well-known token names."""
+    def load(
+        cls,
+        path: str | Path,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> Tokenizer:
+        """Read a directory holding ``tokenizer.json`` or the file itself. EOS/BOS/pad come from the arguments,
+        else from a ``tokenizer_config.json`` beside it (HF convention), else from well-known token names."""
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
@@ -177,7 +206,8 @@ class Tokenizer:
                 raise ValueError(f"{config_file}: invalid JSON ({e})") from None
             eos_token = eos_token if eos_token is not None else _token_name(config.get("eos_token"))
             bos_token = bos_token if bos_token is not None else _token_name(config.get("bos_token"))
-        return cls(hf, eos_token=eos_token, bos_token=bos_token)
+            pad_token = pad_token if pad_token is not None else _token_name(config.get("pad_token"))
+        return cls(hf, eos_token=eos_token, bos_token=bos_token, pad_token=pad_token)
 
     @classmethod
     def from_tiktoken(

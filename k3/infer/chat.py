@@ -15,6 +15,9 @@ The format follows the tokenizer's special tokens:
 Special tokens are spliced in by id while every message content is encoded as plain text, so a user who types
 ``<|im_end|>`` gets the characters, not the token. Where contents hold no special-token text the ids equal
 ``tokenizer.encode(text, allow_special=True)`` of the rendered text.
+
+:func:`chat_template` is the same rendering as a Jinja template, the ``chat_template`` of the tokenizer_config.json
+that ``Tokenizer.save`` writes, so transformers' ``apply_chat_template`` renders as :func:`render_chat` does.
 """
 
 from __future__ import annotations
@@ -67,6 +70,33 @@ def validate_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": content})
     return out
+
+
+def chat_template(tokenizer) -> str:
+    """The Jinja chat template (transformers' ``apply_chat_template``) of ``tokenizer``'s chat format: the text of
+    :func:`render_chat`, with and without the generation prompt; a bad role, a non-string content or no
+    messages raise, as render_chat does. (Rendered by transformers, special-token text typed inside a content
+    becomes the special token: only render_chat keeps it plain text.)"""
+    fmt = chat_format(tokenizer)
+    if fmt == "plain":
+        body, prompt = "{{ message['role'] | capitalize }}: {{ message['content'] }}{{ '\\n' }}", "Assistant:"
+    elif fmt == "k3":
+        body = "<|open|>{{ message['role'] }}<|sep|>{{ message['content'] }}<|end_of_msg|>"
+        prompt = "<|open|>assistant<|sep|>"
+    else:
+        body = "<|im_{{ message['role'] }}|>{{ message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>"
+        prompt = "<|im_assistant|>assistant<|im_middle|>"
+    roles = ", ".join(f"'{r}'" for r in ROLES)
+    return (
+        "{%- if not messages -%}{{ raise_exception('messages must be a non-empty list') }}{%- endif -%}"
+        "{%- for message in messages -%}"
+        f"{{%- if message['role'] not in [{roles}] -%}}"
+        f"{{{{ raise_exception('message role must be one of {', '.join(ROLES)}') }}}}{{%- endif -%}}"
+        "{%- if message['content'] is not string -%}"
+        "{{ raise_exception('message content must be a string') }}{%- endif -%}"
+        f"{body}{{%- endfor -%}}"
+        f"{{%- if add_generation_prompt -%}}{prompt}{{%- endif -%}}"
+    )
 
 
 IMAGE_SLOT = "\ufffc"  # stands for an image inside a message content (rendered as image_token_id)

@@ -257,3 +257,53 @@ def test_config_json_transformers_spellings_read_the_same():
         model_max_length=d.pop("max_position_embeddings"),
     )
     assert from_hf_config(d) == from_hf_config(to_hf_config(c, "kimi_linear"))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_config_json_names_what_it_is(name):
+    """A config transformers' KimiLinear runs says kimi_linear; one with K3's features (or a vision tower) says
+    kimi_k3 / KimiK3ForCausalLM (before: kimi_linear, which transformers then failed on with KeyError 'situ').
+    Either reads back to the same config."""
+    from k3.config.hf import from_hf_config, kimi_linear_incompatibilities, to_hf_config
+
+    cfg = get_preset(name)
+    d = to_hf_config(cfg, "k3")
+    pure = cfg.vision is None and not kimi_linear_incompatibilities(cfg)
+    want = ("kimi_linear", ["KimiLinearForCausalLM"]) if pure else ("kimi_k3", ["KimiK3ForCausalLM"])
+    assert (d["model_type"], d["architectures"]) == want
+    assert from_hf_config(d) == cfg
+
+
+def test_which_presets_are_kimi_linear():
+    from k3.config.hf import to_hf_config
+    from k3.config.presets import tiny_vision, with_vision
+
+    names = {n: to_hf_config(get_preset(n))["model_type"] for n in ("tiny", "k3", "kimi-linear-48b", "k2")}
+    assert names == {"tiny": "kimi_k3", "k3": "kimi_k3", "kimi-linear-48b": "kimi_linear", "k2": "kimi_k3"}
+    plain_with_tower = with_vision(get_preset("kimi-linear-48b"), tiny_vision())
+    assert to_hf_config(plain_with_tower)["architectures"] == ["KimiK3ForCausalLM"]
+    release = to_hf_config(with_vision(get_preset("tiny")), "k3-release")
+    assert (release["model_type"], release["architectures"]) == ("kimi_k3", ["KimiK3ForConditionalGeneration"])
+    assert (release["text_config"]["model_type"], release["text_config"]["architectures"]) == (
+        "kimi_linear",
+        ["KimiLinearForCausalLM"],
+    )  # as the K3 release names its text_config
+
+
+def test_config_json_written_before_still_reads():
+    """config.json as earlier versions wrote it: K3's keys under model_type kimi_linear."""
+    import json
+    from pathlib import Path
+
+    from k3.config.hf import from_hf_config
+
+    old = json.loads((Path(__file__).parent / "data" / "tiny_config_kimi_linear_named.json").read_text())
+    assert old["model_type"] == "kimi_linear" and old["hidden_act"] == "situ"
+    assert from_hf_config(old) == get_preset("tiny")
+
+
+def test_kimi_k3_without_text_or_layers_is_refused():
+    from k3.config.hf import from_hf_config
+
+    with pytest.raises(ValueError, match="model_type kimi_k3 needs a text_config .* or the text model's keys"):
+        from_hf_config({"model_type": "kimi_k3", "vocab_size": 512})

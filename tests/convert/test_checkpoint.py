@@ -72,7 +72,24 @@ def test_k3_config_json_uses_the_released_keys(tmp_path):
     assert lac["gate_lower_bound"] == -5.0 and lac["use_full_rank_gate"] is True
     assert d["attn_res_block_size"] == 2 and d["routed_expert_hidden_size"] == 32 and d["latent_moe_use_norm"]
     assert d["hidden_act"] == "situ" and d["activation_situ_beta"] == 4.0 and d["activation_situ_linear_beta"] == 25.0
-    assert d["mla_use_nope"] is True and d["mla_use_output_gate"] is True and d["model_type"] == "kimi_linear"
+    assert d["mla_use_nope"] is True and d["mla_use_output_gate"] is True
+    assert d["model_type"] == "kimi_k3" and d["architectures"] == ["KimiK3ForCausalLM"]  # K3's features: K3's name
+
+
+def test_checkpoint_written_before_still_loads(tmp_path):
+    """A checkpoint as earlier versions wrote it (K3's keys named kimi_linear, no auto_map, no code files) loads."""
+    from pathlib import Path
+
+    model = random_model(get_preset("tiny"))
+    save_pretrained(model, tmp_path / "ck")
+    old = Path(__file__).parents[1] / "config" / "data" / "tiny_config_kimi_linear_named.json"
+    (tmp_path / "ck" / "config.json").write_text(old.read_text())
+    for name in ("configuration_k3.py", "modeling_k3.py"):
+        os.remove(tmp_path / "ck" / name)
+    sums = ckpt.read_checksums(tmp_path / "ck")
+    (tmp_path / "ck" / ckpt.CHECKSUMS).write_text(json.dumps({"sha256": {ckpt.SINGLE: sums[ckpt.SINGLE]}}))
+    ckpt.verify_files(tmp_path / "ck")
+    assert_same(model, k3.from_pretrained(tmp_path / "ck"))
 
 
 def test_convert_k3_kimi_linear_k3_is_exact(tmp_path):

@@ -204,3 +204,28 @@ def test_save_writes_through_temp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
     again = Tokenizer.load(tmp_path)
     assert again.encode("return x") == tok.encode("return x") and again.eos_id == tok.eos_id
+
+
+def test_saved_tokenizer_config_loads_in_transformers(tmp_path):
+    """tokenizer_config.json names the class, the bos / eos / pad tokens and the chat template, so
+    transformers' AutoTokenizer loads the directory and encodes as k3 does; pad comes back on load."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    tok = train_bpe([" ".join(SAMPLES) * 5], 300, special_tokens=("<|endoftext|>", "[BOS]", "[PAD]"))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("[BOS]", "<|endoftext|>", "[PAD]")
+    tok.save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert (
+        config["tokenizer_class"] == "PreTrainedTokenizerFast"
+        and "{%- for message in messages" in config["chat_template"]
+    )
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (hf.bos_token, hf.eos_token, hf.pad_token) == ("[BOS]", "<|endoftext|>", "[PAD]")
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    for text in SAMPLES:
+        assert hf(text)["input_ids"] == tok.encode(text, allow_special=True)  # no BOS / EOS added
+    assert Tokenizer.load(tmp_path).pad_id == tok.pad_id
+    no_pad = train_bpe([" ".join(SAMPLES) * 5], 300)
+    assert no_pad.pad_token == no_pad.eos_token == "<|endoftext|>"  # no pad token: EOS pads
+    assert Tokenizer.load(tmp_path, pad_token="[BOS]").pad_id == tok.bos_id

@@ -115,3 +115,46 @@ def test_empty_content_and_unicode(toks):
             add_generation_prompt=False,
         )
         assert tok.decode(r.token_ids) == r.text and "héllo ✓ 你好" in r.text
+
+
+@pytest.fixture(scope="module")
+def hf_toks(toks, tmp_path_factory):
+    """Each tokenizer saved (Tokenizer.save) and loaded back by transformers' AutoTokenizer."""
+    transformers = pytest.importorskip("transformers")
+    out = {}
+    for name, tok in toks.items():
+        path = tmp_path_factory.mktemp(f"tok_{name}")
+        tok.save(path)
+        out[name] = transformers.AutoTokenizer.from_pretrained(path)
+    return out
+
+
+TURNS = MSGS + [
+    {"role": "assistant", "content": " 4, with spaces \n\n and newlines "},
+    {"role": "user", "content": "héllo ✓ 你好"},
+]
+
+
+@pytest.mark.parametrize("fmt", ["k3", "k2", "plain"])
+@pytest.mark.parametrize("prompt", [True, False])
+def test_transformers_chat_template_renders_like_k3(toks, hf_toks, fmt, prompt):
+    """apply_chat_template of the saved tokenizer_config.json's chat_template: the text and the token ids of
+    render_chat, for multi-turn system / user / assistant chats, with and without the generation prompt."""
+    tok, hf = toks[fmt], hf_toks[fmt]
+    for messages in (TURNS, TURNS[1:2], TURNS[:3]):
+        want = render_chat(messages, tok, add_generation_prompt=prompt)
+        assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == want.text
+        ids = hf.apply_chat_template(messages, add_generation_prompt=prompt)["input_ids"]
+        assert ids == want.token_ids
+
+
+def test_transformers_chat_template_refuses_what_k3_refuses(hf_toks):
+    from jinja2.exceptions import TemplateError
+
+    for hf in hf_toks.values():
+        for messages, words in (
+            ([{"role": "robot", "content": "x"}], "role must be one of system, user, assistant"),
+            ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "content must be a string"),
+        ):
+            with pytest.raises(TemplateError, match=words):
+                hf.apply_chat_template(messages, tokenize=False)
