@@ -22,17 +22,6 @@ from k3.train.trainer import read_metrics
 log = logging.getLogger("k3.ablate")
 
 
-def set_threads(n: int | None) -> None:
-    """``torch.set_num_threads(n)`` when n is given (CLI ``--threads``)."""
-    if n is None:
-        return
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"--threads={n!r} must be a positive integer")
-    import torch
-
-    torch.set_num_threads(n)
-
-
 def ensure_tokenizer(out: Path, data: str | None, vocab_size: int, train_bytes: int) -> Path:
     """Train one byte-level BPE on a sample of the training split (k3.data.text.tokenizer_texts) into
     ``OUT/tokenizer.json`` (kept if present)."""

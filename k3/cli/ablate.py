@@ -13,9 +13,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from k3.audit.ablate import TRANSFORMS, run_grid
-from k3.audit.runs import set_threads
 from k3.audit.grids import GRIDS, get_grid
+from k3.cli.threads import set_threads
 
 log = logging.getLogger("k3.ablate")
 
@@ -64,15 +63,14 @@ def add_run_flags(p) -> None:
     )
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("ablate", help="run an ablation grid (variants x seeds, MQAR recall) and write its report")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", default="smoke", choices=sorted(GRIDS), help="which grid (default smoke)")
     p.add_argument("--out", default=None, help="output directory (default runs/ablate-GRID)")
     p.add_argument("--data", default=None, help="training data as for k3 train (default: the stdlib sources)")
     p.add_argument(
         "--variants",
         default=None,
-        help=f"comma-separated variants instead of the grid's ({', '.join(TRANSFORMS)}; compose with +)",
+        help="comma-separated variants instead of the grid's (k3 ablate --list names them; compose with +)",
     )
     p.add_argument("--seeds", type=_int_list, default=None, help="comma-separated seeds instead of the grid's")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run instead of the grid's")
@@ -92,10 +90,11 @@ def add_parser(sub) -> None:
         help="train nothing: write the report from the finished runs on disk, listing the missing ones",
     )
     p.add_argument("--list", action="store_true", help="print the grids and variants and exit")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3.audit.ablate import TRANSFORMS, run_grid
+
     set_threads(args.threads)
     if args.list:
         for name, g in GRIDS.items():

@@ -13,8 +13,7 @@ import sys
 from k3.config import PRESETS, get_preset
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("audit", help="audit report (block recipe, parameters by path, router, long context, AttnRes)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
     src.add_argument("--ckpt", help="checkpoint or training run directory (its config.json only)")
@@ -31,7 +30,6 @@ def add_parser(sub) -> None:
         action="store_true",
         help="also time prefill/decode, prefix caching and AttnRes modes on this CPU (small model)",
     )
-    p.set_defaults(func=run)
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:

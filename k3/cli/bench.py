@@ -9,8 +9,7 @@ import importlib
 NAMES = ("decode", "kernels", "model", "slice", "serve")
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="GPU benchmarks: decode, kernels, model, slice (writes benchmarks/results/)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=NAMES)
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="fewer cases")
@@ -35,7 +34,6 @@ def add_parser(sub) -> None:
         "on a CPU)",
     )
     p.add_argument("--server-args", default="", help="serve: extra k3 serve flags, space-separated")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("k3 bench needs a CUDA GPU")
     from k3.ops import backend
-    from k3.ops.plan import plan_table
+    from k3.ops.plan import plan_report
 
     backend.set_backend("fast")  # benchmarks measure the fast paths, and fail where one cannot run
-    print(plan_table("cuda"), flush=True)
+    print(plan_report("cuda", args.verbose), flush=True)
     importlib.import_module(f"k3.bench.{args.name}").run(out_dir=args.out, quick=args.quick, **kwargs)
     return 0

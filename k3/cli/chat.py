@@ -11,19 +11,24 @@ import argparse
 import dataclasses
 import sys
 
-from k3.cli.generate import add_model_args, add_sampling_args, sampling_from_args, stats_line, stream, utf8_text
-from k3.infer.chat import chat_format, render_chat
-from k3.infer.engine import Engine
-from k3.infer.load import load_for_inference, load_line
+from k3.cli.generate import (
+    add_model_args,
+    add_sampling_args,
+    add_threads_arg,
+    load,
+    sampling_from_args,
+    stats_line,
+    stream,
+    utf8_text,
+)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("chat", help="chat with a checkpoint on the terminal (/reset, /exit)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--system", default=None, help="a system message at the start of every conversation")
     add_sampling_args(p, max_tokens=256)
+    add_threads_arg(p)
     p.add_argument("--stats", action="store_true", help="print a stats line to stderr after each reply")
-    p.set_defaults(func=run)
 
 
 class _Tee:
@@ -59,6 +64,8 @@ def read_line(stdin) -> str | None:
 def fit(history: list[dict], tokenizer, room: int):
     """Render ``history``, dropping the oldest non-system turns until the prompt leaves ``room`` tokens of the
     context; None when even the newest message alone does not fit."""
+    from k3.infer.chat import render_chat
+
     history = list(history)
     while True:
         rendered = render_chat(history, tokenizer)
@@ -71,12 +78,14 @@ def fit(history: list[dict], tokenizer, room: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3.infer.chat import chat_format
+    from k3.infer.engine import Engine
+    from k3.infer.load import load_line
+
     base = sampling_from_args(args)
     system = [{"role": "system", "content": utf8_text(args.system, "--system")}] if args.system else []
     load_stats: dict = {}
-    model, tokenizer, path = load_for_inference(
-        args.ckpt, args.device, args.dtype, stats=load_stats, packed=args.packed
-    )
+    model, tokenizer, path = load(args, load_stats)
     print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     interactive = sys.stdin.isatty()

@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from k3.infer.engine import Engine
-from k3.infer.load import DTYPE_CHOICES, load_for_inference, load_line
-from k3.infer.sampling import SamplingParams
+from k3.cli.threads import single_stream_threads
+
+if TYPE_CHECKING:
+    from k3.infer.engine import Engine
+    from k3.infer.sampling import SamplingParams
+
+# k3.infer.load.DTYPE_CHOICES, copied so that building the parser imports no torch (tests/cli/test_help.py keeps the
+# two equal)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_model_args(p: argparse.ArgumentParser, ckpt_required: bool = True) -> None:
@@ -32,7 +39,9 @@ def add_model_args(p: argparse.ArgumentParser, ckpt_required: bool = True) -> No
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -53,8 +62,19 @@ def utf8_text(text: str, what: str) -> str:
     return text
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default on a CPU: 1, fastest for one stream's decode, unless OMP_NUM_THREADS is set)",
+    )
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as validated SamplingParams (one ValueError naming a bad flag)."""
+    from k3.infer.sampling import SamplingParams
+
     for s in args.stop:
         utf8_text(s, "--stop")
     params = SamplingParams(
@@ -70,8 +90,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="continue a prompt (streams to stdout)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument(
@@ -83,7 +102,7 @@ def add_parser(sub) -> None:
         "<|media_pad|> token, else before the text",
     )
     add_sampling_args(p, max_tokens=128)
-    p.set_defaults(func=run)
+    add_threads_arg(p)
 
 
 def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, images: list | None = None) -> dict:
@@ -148,11 +167,23 @@ def stats_line(s: dict) -> str:
     )
 
 
+def load(args: argparse.Namespace, stats: dict):
+    """(model, tokenizer, checkpoint path) for ``k3 generate`` / ``k3 chat``, torch's CPU threads set for one
+    stream first (:func:`k3.cli.threads.single_stream_threads`)."""
+    from k3.infer.load import load_for_inference, resolve_device
+
+    single_stream_threads(args.threads, resolve_device(args.device))
+    return load_for_inference(args.ckpt, args.device, args.dtype, stats=stats, packed=args.packed)
+
+
 def run(args: argparse.Namespace) -> int:
+    from k3.infer.engine import Engine
+    from k3.infer.load import load_line
+
     params = sampling_from_args(args)
     utf8_text(args.prompt, "--prompt")
     load_stats: dict = {}
-    model, tokenizer, _ = load_for_inference(args.ckpt, args.device, args.dtype, stats=load_stats, packed=args.packed)
+    model, tokenizer, _ = load(args, load_stats)
     print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     prompt = image_prompt(model, tokenizer, args.prompt, len(args.image))

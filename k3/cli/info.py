@@ -1,4 +1,5 @@
 """``k3 info --preset NAME [--context N] [--json]``: layer schedule, parameters, FLOPs and cache bytes.
+``k3 info --kernels [--device D]``: the kernel plan on a device, the full table (k3.ops.plan).
 
 Counts come from the module tree built on the meta device (no weights are allocated).
 """
@@ -8,23 +9,30 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3.audit.accounting import report
-from k3.audit.format import human as _human
-from k3.audit.format import human_bytes as _bytes
 from k3.config import PRESETS, get_preset
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("info", help="layer schedule and parameter / FLOP / cache accounting of a preset")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="small", help=f"one of: {', '.join(PRESETS)}")
     p.add_argument("--context", type=int, default=4096, help="context length for attention FLOPs and cache bytes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="print the kernel plan instead: what runs each op and each of our kernels on --device, and why",
+    )
+    p.add_argument("--device", default="auto", help="with --kernels: auto, cpu or cuda[:N]")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kernels:
+        return kernels(args)
     if args.context <= 0:
         raise ValueError(f"--context={args.context} must be positive")
+    from k3.audit.accounting import report
+    from k3.audit.format import human as _human
+    from k3.audit.format import human_bytes as _bytes
+
     r = report(get_preset(args.preset), context=args.context)
     if args.json:
         print(json.dumps(r, indent=1))
@@ -63,4 +71,18 @@ def run(args: argparse.Namespace) -> int:
         f"(KDA state {_bytes(c['kda_state_bytes'])} fp32, conv {_bytes(c['conv_state_bytes'])}, "
         f"MLA latents {_bytes(c['mla_cache_bytes'])} bf16)"
     )
+    return 0
+
+
+def kernels(args: argparse.Namespace) -> int:
+    """``--kernels``: the kernel plan table on ``--device`` (with ``--json``, its rows as objects)."""
+    from k3.infer.load import resolve_device
+    from k3.ops.plan import plan, plan_table
+
+    device = resolve_device(args.device)
+    if args.json:
+        rows = [{"name": name, "runs": runs, "why": why} for name, runs, why in plan(device)]
+        print(json.dumps({"device": str(device), "rows": rows}, indent=1))
+    else:
+        print(plan_table(device))
     return 0

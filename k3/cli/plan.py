@@ -16,20 +16,17 @@ import json
 import shlex
 import sys
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from k3.config import PRESETS, get_preset
 from k3.config.hf import from_hf_config
 from k3.plan.cluster import PROFILES, cluster
-from k3.plan.cost import model_shape
-from k3.plan.loads import read_loads, zipf_shares
-from k3.plan.plan import Serving, Training, plan_serving, plan_training, summary
-from k3.plan.runs import is_runs_dir, plan_runs, runs_markdown
+
+if TYPE_CHECKING:
+    from k3.plan.plan import Serving, Training
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="place a model on a cluster: layout, memory per GPU, expert placement, step time")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="k3", help=f"one of: {', '.join(PRESETS)}")
     p.add_argument("--config", help="a config.json (a checkpoint's) instead of --preset")
     p.add_argument("--profile", help=f"cluster profile: {', '.join(PROFILES)}")
@@ -75,7 +72,6 @@ def add_parser(sub) -> None:
         "predicted vs measured, the simulated balance check (with --loads RUNS: DIR/straggler-WORKLOAD-GPUS.md and "
         ".json, the per-run table)",
     )
-    p.set_defaults(func=run)
 
 
 def _contexts(text: str) -> tuple:
@@ -88,6 +84,13 @@ def _contexts(text: str) -> tuple:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from k3.plan.cost import model_shape
+    from k3.plan.loads import read_loads, zipf_shares
+    from k3.plan.plan import plan_serving, summary
+    from k3.plan.runs import is_runs_dir
+
     config = from_hf_config(json.loads(Path(args.config).read_text())) if args.config else get_preset(args.preset)
     if config.moe is None or not any(config.ffn(i) == "moe" for i in range(config.num_hidden_layers)):
         raise ValueError(f"{config.name} has no MoE layers: nothing to place")
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _work(args: argparse.Namespace) -> Training | Serving:
+    from k3.plan.plan import Serving, Training
+
     if args.workload == "train":
         return Training(args.global_tokens, args.seq_len, args.micro_tokens, not args.no_checkpointing)
     return Serving(args.concurrency, _contexts(args.context), args.prefix_hit)
@@ -140,6 +145,8 @@ def _work(args: argparse.Namespace) -> Training | Serving:
 
 def _plan(args: argparse.Namespace, config, c, work: Training | Serving, shares, placements: bool = True) -> dict:
     """The training or serving plan of ``work`` under expert shares [MoE layers, experts]."""
+    from k3.plan.plan import Training, plan_serving, plan_training
+
     if isinstance(work, Training):
         return plan_training(config, c, work, shares)
     return plan_serving(
@@ -149,6 +156,9 @@ def _plan(args: argparse.Namespace, config, c, work: Training | Serving, shares,
 
 def _runs(args: argparse.Namespace, config, c, work: Training | Serving) -> int:
     """--loads over a directory of runs: the per-run straggler table (k3.plan.runs)."""
+    from k3.plan.cost import model_shape
+    from k3.plan.runs import plan_runs, runs_markdown
+
     shape = model_shape(config)
     plan_one = lambda shares: _plan(args, config, c, work, shares, placements=False)  # noqa: E731
     rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one)

@@ -10,14 +10,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k3.audit.runs import set_threads
+from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep  # (imports torch: --sweep's choices are its SWEEPS)
 from k3.cli.ablate import add_run_flags
-from k3.audit.scaling import analyse, load_runs, write_outputs
-from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep
+from k3.cli.threads import set_threads
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("scaling", help="fit loss-vs-compute power laws per architecture; compute multipliers")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--runs", default=None, help="directory of training runs to fit (searched recursively)")
     src.add_argument("--sweep", default=None, choices=sorted(SWEEPS), help="train this sweep into OUT/runs, then fit")
@@ -40,10 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="--sweep: auto, cpu or cuda[:N]")
     p.add_argument("--progress", action="store_true", help="--sweep: per-run progress bars")
     add_run_flags(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3.audit.scaling import analyse, load_runs, write_outputs
+
     set_threads(args.threads)
     if args.bootstrap < 1:
         raise ValueError(f"--bootstrap={args.bootstrap} must be a positive integer")

@@ -13,19 +13,19 @@ import logging
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 from k3.cli.generate import add_model_args
-from k3.infer.async_engine import AsyncEngine
-from k3.infer.engine import Engine
-from k3.infer.engine_process import EngineProcess
-from k3.infer.load import load_for_inference, load_tokenizer, resolve_device
+
+if TYPE_CHECKING:
+    from k3.infer.async_engine import AsyncEngine
+    from k3.infer.engine import Engine
 
 log = logging.getLogger("k3.serve")
 GIB = 2**30
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p, ckpt_required=False)
     p.add_argument(
         "--random",
@@ -113,7 +113,6 @@ def add_parser(sub) -> None:
         help="require 'Authorization: Bearer KEY' on all but /health (default $K3_API_KEY, which keeps it out of ps)",
     )
     p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
-    p.set_defaults(func=run)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -136,6 +135,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 def build_engine(args: argparse.Namespace):
     """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path)."""
+    from k3.infer.engine import Engine
+    from k3.infer.load import load_for_inference
+
     check_args(args)
     if args.random is not None:
         model, tokenizer, path = random_for_serving(args)
@@ -161,7 +163,7 @@ def build_engine(args: argparse.Namespace):
 def random_for_serving(args: argparse.Namespace):
     """(random model of ``--random`` on the device, its tokenizer, a name for it) (k3.bench.live_server)."""
     from k3.bench.live_server import bench_tokenizer, random_config, random_model
-    from k3.infer.load import resolve_dtype
+    from k3.infer.load import resolve_device, resolve_dtype
 
     tokenizer = bench_tokenizer()
     device = resolve_device(args.device)
@@ -172,21 +174,25 @@ def random_for_serving(args: argparse.Namespace):
 
 def engine_core(args: argparse.Namespace) -> Engine:
     """The engine process's engine (k3.infer.engine_process): built there, with its kernel plan printed."""
-    from k3.ops.plan import plan_table
+    from k3.ops.plan import plan_report
 
     engine = build_engine(args)[0]
-    print(plan_table(engine.device), flush=True)
+    print(plan_report(engine.device, args.verbose), flush=True)
     return engine
 
 
 def start_engine(args: argparse.Namespace):
     """(started AsyncEngine or EngineProcess, tokenizer, checkpoint path) for ``--engine``."""
+    from k3.infer.async_engine import AsyncEngine
+    from k3.infer.engine_process import EngineProcess
+    from k3.infer.load import load_tokenizer, resolve_device
+
     mode = args.engine or ("process" if resolve_device(args.device).type == "cuda" else "thread")
     if mode == "thread":
-        from k3.ops.plan import plan_table
+        from k3.ops.plan import plan_report
 
         engine, tokenizer, path = build_engine(args)
-        print(plan_table(engine.device), flush=True)
+        print(plan_report(engine.device, args.verbose), flush=True)
         return AsyncEngine(engine).start(), tokenizer, path
     check_args(args)
     if args.random is not None:
@@ -235,6 +241,7 @@ def _server(config, async_engine: AsyncEngine | None = None, drain_timeout: floa
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from k3.infer.engine_process import EngineProcess
     from k3.infer.server import connection_limit, create_app, http_options, limit_log_rate
 
     if not 0 <= args.port < 65536:

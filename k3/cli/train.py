@@ -23,7 +23,7 @@ import os
 import typing
 from pathlib import Path
 
-from k3.train.trainer import RESUME_MAY_CHANGE, TrainConfig, Trainer, TrainingDiverged
+from k3.train.config import RESUME_MAY_CHANGE, TrainConfig
 
 log = logging.getLogger("k3.train")
 
@@ -97,8 +97,7 @@ def add_config_flags(parser) -> None:
             )
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model (default: small preset on the stdlib corpus), then sample")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flags(p.add_argument_group("training settings (k3.train.config.TrainConfig)"))
     run_flags = p.add_argument_group("run")
     run_flags.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
@@ -111,7 +110,6 @@ def add_parser(sub) -> None:
         "--cp", type=int, default=1, help="context-parallel ranks (each sequence split in --cp pieces)"
     )
     run_flags.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=run)
 
 
 def _given(args: argparse.Namespace) -> dict:
@@ -163,6 +161,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3.train.trainer import Trainer, TrainingDiverged
+
     cfg = config_from_args(args)
     if cfg.task == "vision" and args.vision_eval < 1:  # checked before training, not after it
         raise ValueError(f"--vision-eval={args.vision_eval} must be a positive number of questions")
@@ -177,9 +177,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         trainer = Trainer(cfg, resume=args.resume, progress=args.progress)
     if int(os.environ.get("RANK", "0")) == 0:
-        from k3.ops.plan import plan_table
+        from k3.ops.plan import plan_report
 
-        print(plan_table(trainer.device), flush=True)
+        print(plan_report(trainer.device, args.verbose), flush=True)
+        log.info(
+            "%d of %d steps to run; the run goes to %s (metrics.jsonl, *.png, checkpoints/)",
+            cfg.steps - trainer.step,
+            cfg.steps,
+            trainer.run_dir,
+        )
     try:
         result = trainer.run()
     except TrainingDiverged as e:

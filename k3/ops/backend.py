@@ -16,7 +16,8 @@ Both are resolved once: an op's backend per device on first use, the kernels' ch
 are kept (a compiled step reads them as constants) and :func:`set_backend` / :func:`set_kernels` resolve again.
 Within a chosen kernel, a call that needs what the kernel lacks (a gradient, a shape it does not take) runs the
 torch form; that fork lives in the op (:func:`triton_or_torch`) and is logged once with its reason. Nothing falls
-back silently: each op logs the backend it runs the first time, and k3.ops.plan shows the whole plan.
+back silently: each op logs the backend it runs the first time (at DEBUG: ``k3 -v``), and k3.ops.plan shows the whole
+plan.
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ BACKENDS = ("auto", "reference", "fast")
 class Kernel:
     """One of our kernels: ``on`` is its name when chosen, ``off`` what runs instead; ``what`` it fuses;
     ``why_not`` says what else it needs beyond Triton ("" where it can run; None: nothing else); ``off_unless_asked``
-    (non-empty: why) keeps it off until K3_KERNELS turns it on."""
+    (non-empty: why) keeps it off until K3_KERNELS turns it on; ``no_triton`` (non-empty), for a kernel whose ``off``
+    is Triton code too, names what runs where Triton is not usable (what the kernel plan shows there)."""
 
     on: str
     off: str
     what: str
     why_not: Callable[[], str] | None = None
     off_unless_asked: str = ""
+    no_triton: str = ""
 
 
 def _nvrtc_kernel_why_not() -> str:
@@ -65,12 +68,14 @@ KERNELS: dict[str, Kernel] = {
         "triton",
         "packed MXFP4 experts' decode matmuls: the weights decoded into mma.sync's register operand (NVRTC)",
         _nvrtc_kernel_why_not,
+        no_triton="torch",  # off is kernel moe_mxfp4, whose own off is torch
     ),
     "kda_chunk": Kernel(
         "triton",
         "fla",
         "a KDA layer's chunked forward and backward (training, prefill)",
         off_unless_asked="our Triton kernels are slower than fla's (benchmarks/results/kda-chunk.md)",
+        no_triton="torch",  # fla's kernels are Triton's too: the reference recurrence runs
     ),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }
@@ -216,7 +221,7 @@ def resolve(op: str, device: torch.device) -> tuple[str, Callable]:
     if (name, device.type) not in entry.logged:
         entry.logged.add((name, device.type))
         label = f" ({entry.labels[name]})" if name in entry.labels else ""
-        log.info("op %s runs backend %s%s on %s", op, name, label, device.type)
+        log.debug("op %s runs backend %s%s on %s", op, name, label, device.type)
     return name, entry.impls[name]
 
 

@@ -11,11 +11,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from k3.model.balance import BALANCE_METHODS, DEFAULT_GAMMA
-from k3.ops.mx import MODES as MX_MODES
-from k3.quant.qat import RECIPES as QAT_RECIPES
-
 TASKS = ("text", "vision")
+# copies of the values some fields offer, which their modules define beside torch code: this module (and with it
+# ``k3 train --help``, whose flags it defines) imports no torch. tests/cli/test_help.py keeps each equal to its source.
+BALANCE_METHODS = ("qb", "qb_exact", "sign", "aux", "seqaux", "none")  # k3.model.balance.BALANCE_METHODS
+DEFAULT_GAMMA = 1e-3  # k3.model.balance.DEFAULT_GAMMA
+MX_MODES = ("floor", "rceil")  # k3.ops.mx.MODES
+QAT_RECIPES = ("mxfp4", "mxfp4-weights")  # the names of k3.quant.qat.RECIPES
 
 # fields a resume may change: where and how often it reports and saves, the device, the step count (the schedule
 # keeps its recorded length, ``schedule_steps``), and the tokenizer (a resumed run reads its checkpoint's)

@@ -189,7 +189,7 @@ class Trainer(TrainStep, RunState):
         groups = param_groups_for(self.model, cfg.lr, cfg.weight_decay, per_head=cfg.per_head_muon)
         ns_dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.optimizer = K3Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, ns_dtype=ns_dtype)
-        log.info("optimizer groups:\n%s", describe_groups(self.optimizer.param_groups))
+        log.debug("optimizer groups:\n%s", describe_groups(self.optimizer.param_groups))
         moe = self.model_cfg.moe
         self.balancer = Balancer(
             cfg.balance, moe.num_experts, moe.num_experts_per_token, gamma=cfg.balance_gamma, alpha=cfg.balance_alpha
@@ -233,7 +233,17 @@ class Trainer(TrainStep, RunState):
             max_tokens=cfg.eval_rows * cfg.seq_len + 1,
         )
         self.val_docs = val_docs
-        log.info("data: train %r, validation %r (%.1fs)", self.train_data, self.val_data, time.perf_counter() - t0)
+        seconds, train, val = time.perf_counter() - t0, self.train_data, self.val_data
+        log.info(
+            "data %s: %.2fM training tokens (%d documents), %d validation rows of %d tokens (%.1fs)",
+            cfg.data or "stdlib",
+            train.tokens.numel() / 1e6,
+            train.num_documents,
+            min(cfg.eval_rows, val.num_rows),
+            cfg.seq_len,
+            seconds,
+        )
+        log.debug("data: train %r, validation %r", train, val)
         if ckpt is not None:
             self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
         else:

@@ -212,3 +212,39 @@ def test_chat_skips_a_line_that_is_not_utf8(ckpt, greedy, capsys, monkeypatch, s
     r = render_chat([{"role": "user", "content": "Hello"}], tok)
     assert out == run(r.token_ids, 4, stop=r.stop, stop_token_ids=r.stop_token_ids) + "\n"
     assert "[that line is not valid UTF-8 (byte 0xff at " in err and "Traceback" not in err
+
+
+@pytest.fixture
+def keep_threads(monkeypatch):
+    from k3.cli.threads import THREAD_ENV
+
+    for name in THREAD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_single_stream_decode_runs_one_cpu_thread_unless_told(keep_threads, monkeypatch):
+    from k3.cli.threads import single_stream_threads
+
+    cpu = torch.device("cpu")
+    torch.set_num_threads(2)
+    assert single_stream_threads(None, torch.device("cuda")) == 2  # a GPU's decode: torch's own count
+    assert single_stream_threads(None, cpu) == 1
+    assert single_stream_threads(2, cpu) == 2  # --threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    assert single_stream_threads(None, cpu) == 2  # the user's OMP_NUM_THREADS stands
+    with pytest.raises(ValueError, match="--threads=0 must be a positive integer"):
+        single_stream_threads(0, cpu)
+
+
+def test_generate_sets_its_threads(ckpt, keep_threads, capsys):
+    base = ["generate", "--ckpt", str(ckpt), "--prompt", "Hi", "--max-tokens", "2", "--device", "cpu"]
+    torch.set_num_threads(2)
+    assert main(base) == 0 and torch.get_num_threads() == 1
+    assert main([*base, "--threads", "2"]) == 0 and torch.get_num_threads() == 2
+    capsys.readouterr()
+    assert main([*base, "--threads", "0"]) == 2
+    assert capsys.readouterr().err == "k3 generate: error: --threads=0 must be a positive integer\n"

@@ -68,3 +68,15 @@ def test_console_script_runs():
     ).stdout
     r = json.loads(out)
     assert 20e6 <= r["params_total"] <= 50e6
+
+
+def test_kernels_prints_the_whole_plan(capsys):
+    from k3.ops.plan import plan, plan_table
+
+    assert main(["info", "--kernels", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == plan_table("cpu") + "\n"
+    assert main(["info", "--kernels", "--device", "cpu", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["device"] == "cpu" and [(x["name"], x["runs"], x["why"]) for x in r["rows"]] == plan("cpu")
+    assert main(["info", "--kernels", "--device", "tpu"]) == 2
+    assert "--device='tpu' must be auto, cpu or cuda[:N]" in capsys.readouterr().err

@@ -52,9 +52,9 @@ FIELDS = dataclasses.fields(TrainConfig)
 
 
 def train_parser() -> argparse.ArgumentParser:
-    sub = argparse.ArgumentParser().add_subparsers()
-    train_cli.add_parser(sub)
-    return sub.choices["train"]
+    p = argparse.ArgumentParser()
+    train_cli.add_arguments(p)
+    return p
 
 
 def flag_of(name: str) -> argparse.Action:
@@ -147,3 +147,34 @@ def test_resume_keeps_recorded_settings(tmp_path):
     assert {"steps", "schedule_steps", "save_every"} <= set(RESUME_MAY_CHANGE)
     with pytest.raises(ValueError, match="--lr"):
         config("--resume", "--out", str(out), "--lr", "0.5")
+
+
+def test_start_up_says_what_runs_and_where_in_a_few_lines(tmp_path, monkeypatch, capsys, caplog):
+    """Before the first step, `k3 train` on a CPU prints at most 10 lines (logs included): the tokenizer, the data,
+    the model, the kernel plan in one line, the steps and the run directory; the detail waits for -v."""
+    import logging
+
+    from k3.cli.main import main
+    from k3.train.trainer import Trainer
+    from tests.train.train_cli import cli_args
+
+    seen = {}
+
+    def stop(self):
+        seen["out"] = capsys.readouterr().out
+        records = [r for r in caplog.records if r.levelno >= logging.INFO]
+        seen["logs"] = [line for r in records for line in r.getMessage().split("\n")]
+        raise ValueError("stopped before the first step")
+
+    monkeypatch.setattr(Trainer, "run", stop)
+    caplog.set_level(logging.INFO)
+    out, data = tmp_path / "run", tmp_path / "corpus"
+    data.mkdir()
+    for i in range(8):  # a small corpus: documents are files, a few held out for validation
+        (data / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 60)
+    assert main(cli_args(out, "--data", str(data))) == 2
+    lines = seen["out"].splitlines() + seen["logs"]
+    assert len(lines) <= 10, "\n".join(lines)
+    text = "\n".join(lines)
+    for words in ("tokenizer", f"data {data}:", "model tiny:", "kernel plan on cpu:", f"the run goes to {out}"):
+        assert words in text, (words, text)

@@ -150,3 +150,24 @@ def test_max_shard_gb_must_be_positive(src, tmp_path, capsys, value):
     assert convert(src, tmp_path / "out", f"--max-shard-gb={value}") == 2
     one_error(capsys, "--max-shard-gb", "positive")
     assert not (tmp_path / "out").exists()
+
+
+def test_from_a_training_run_directory_converts_its_latest_checkpoint(src, tmp_path, capsys):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-000002"
+    shutil.copytree(src, step)
+    (step.parent / "latest").write_text(step.name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a run keeps its tokenizer beside the checkpoints too
+        shutil.copyfile(src / name, run / name)
+    (step / "tokenizer.json").unlink()
+    before = tree(run)
+    assert convert(run, tmp_path / "out") == 0
+    assert_same(k3.from_pretrained(src), k3.from_pretrained(tmp_path / "out"))
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    # --to is kept apart from the run directory given, which holds the checkpoint read
+    for dst, words in ((run / "export", ["inside --from"]), (step, ["inside --from"]), (tmp_path, ["holds --from"])):
+        assert convert(run, dst) == 2
+        one_error(capsys, *words)
+    assert tree(run) == before
+    assert convert(tmp_path / "empty-run", tmp_path / "out2") == 2
+    one_error(capsys, "neither a checkpoint directory")

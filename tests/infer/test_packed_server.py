@@ -60,7 +60,7 @@ def test_k3_serve_runs_a_packed_checkpoint(packed_ckpt):
         proc.terminate()
         proc.wait(30)
     printed = proc.stdout.read()
-    assert "kernel plan on cpu" in printed and "moe_experts_packed" in printed  # the plan, printed once at start
+    assert printed.count("kernel plan on cpu: PyTorch reference ops") == 1  # the plan, one line, once at start
     for prompt, text in zip(PROMPTS, served):
         ids = torch.tensor([tok.encode(prompt)])
         new = greedy_generate(model, ids, 12, tok.eos_id)[0, ids.shape[1] :].tolist()

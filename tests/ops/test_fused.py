@@ -31,7 +31,7 @@ def test_dispatcher_returns_the_reference_result_and_logs_the_backend(caplog):
         return torch.tanh(x) * s
 
     x = torch.randn(5, 3)
-    with caplog.at_level(logging.INFO, logger="k3.ops"):
+    with caplog.at_level(logging.DEBUG, logger="k3.ops"):
         y = scaled_tanh_test_op(x, 2.0)
     assert torch.equal(y, torch.tanh(x) * 2.0) and calls == [(5, 3)]
     assert "op scaled_tanh_test_op runs backend reference on cpu" in caplog.text
@@ -94,7 +94,7 @@ def test_a_failed_compilation_answers_with_the_reference_and_says_so(monkeypatch
         return x * 3
 
     x = torch.randn(4, 2)
-    with caplog.at_level(logging.INFO, logger="k3.ops"):
+    with caplog.at_level(logging.DEBUG, logger="k3.ops"):
         assert torch.equal(broken_compile_test_op(x), x * 3)
         assert torch.equal(broken_compile_test_op(x + 1), (x + 1) * 3)
     assert "op broken_compile_test_op runs backend fast" in caplog.text

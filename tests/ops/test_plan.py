@@ -1,12 +1,14 @@
 """The kernel plan (k3.ops.backend, k3.ops.plan): resolved from the device, Triton's usability and the user's
 choice, without a GPU."""
 
+import logging
+
 import pytest
 import torch
 
 from k3.ops import backend
 from k3.ops.moe import cuda_mxfp4
-from k3.ops.plan import plan, plan_table
+from k3.ops.plan import plan, plan_report, plan_summary, plan_table
 from tests.ops.kernel_switch import keep_kernel_plan
 
 CPU = torch.device("cpu")
@@ -108,3 +110,45 @@ def test_chunked_kda_kernel_takes_only_the_calls_it_suits(fresh):
     assert chunk_kernel(x128, x128, -6.0, 64) == "fla"
     assert chunk_kernel(x256, x128, -5.0, 64) == "fla"
     assert chunk_kernel(x128, x128, -5.0, 32) == "fla"
+
+
+def test_without_triton_no_kernel_row_claims_triton_code(fresh):
+    """Where Triton is not usable, a kernel whose off form is Triton code too (moe_mxfp4_rows: kernel moe_mxfp4;
+    kda_chunk: fla's kernels) shows what runs instead."""
+    backend.set_kernels(None, triton=False)
+    kernels = {name.removeprefix("kernel "): runs for name, runs, _ in plan(CPU) if name.startswith("kernel ")}
+    assert kernels["moe_mxfp4_rows"] == "torch" and kernels["kda_chunk"] == "torch"
+    assert not {"triton", "fla", "cuda", "on"} & set(kernels.values()), kernels
+    backend.set_kernels(None, triton=True)  # where Triton runs, the off forms stand
+    kernels = {name.removeprefix("kernel "): runs for name, runs, _ in plan(CPU) if name.startswith("kernel ")}
+    assert kernels["kda_chunk"] == "fla"
+
+
+def test_a_plan_where_nothing_of_ours_runs_is_one_line(fresh):
+    backend.set_kernels(None, triton=False)
+    line = plan_report(CPU)
+    assert line == plan_summary(CPU) and "\n" not in line
+    assert line.startswith("kernel plan on cpu: PyTorch reference ops (causal_conv1d: its fast path)")
+    assert "none of our kernels (Triton is not usable here)" in line and "k3 info --kernels or -v" in line
+    assert plan_report(CPU, verbose=True) == plan_table(CPU)
+    backend.set_backend("reference")
+    assert plan_summary(CPU).startswith("kernel plan on cpu: PyTorch reference ops (K3_BACKEND=reference), none")
+    backend.set_backend("fast")  # an op that cannot run: the table says which
+    assert plan_summary(CPU) is None and plan_report(CPU) == plan_table(CPU)
+    backend.set_backend("auto")
+    backend.set_kernels(None, triton=True)  # a kernel on: the table
+    assert plan_summary(CPU) is None
+
+
+def test_each_op_backend_is_logged_at_debug(fresh, monkeypatch, caplog):
+    entry = backend.registered()["rms_norm"]
+    monkeypatch.setattr(entry, "logged", set())
+    with caplog.at_level(logging.INFO, logger="k3.ops"):
+        backend.resolve("rms_norm", CPU)
+    assert not [r for r in caplog.records if "runs backend" in r.getMessage()]
+    monkeypatch.setattr(entry, "logged", set())
+    with caplog.at_level(logging.DEBUG, logger="k3.ops"):
+        backend.resolve("rms_norm", CPU)
+    assert [r.levelno for r in caplog.records if "op rms_norm runs backend reference" in r.getMessage()] == [
+        logging.DEBUG
+    ]

@@ -212,7 +212,7 @@ def test_k3_train_vision_runs_end_to_end(tmp_path, capsys):
         )
         == 0
     )
-    assert "kernel plan on cpu (K3_BACKEND=" in capsys.readouterr().out  # printed once at start
+    assert capsys.readouterr().out.count("kernel plan on cpu: ") == 1  # printed once at start
     result = json.loads((out / "vision_eval.json").read_text())
     assert set(result) == {"examples", "count", "colour", "position", "text", "all"}
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -27,7 +27,7 @@ def _fast(x, weight, **kwargs):
     use_fla = _fla.available(x.device) and x.dtype in _fla.DTYPES
     if (x.device.type, use_fla) not in _named:
         _named.add((x.device.type, use_fla))
-        logging.getLogger("k3.ops").info(
+        logging.getLogger("k3.ops").debug(
             "op causal_conv1d fast path on %s: %s",
             x.device.type,
             "fla Triton kernel" if use_fla else "flat form (PyTorch)",
