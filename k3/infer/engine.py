@@ -30,8 +30,13 @@ A sequence whose own part of a step fails (non-finite probabilities, an error wh
 with a :class:`StepOutput` carrying ``error``; the other sequences of the step go on. Only a failure of the
 forward pass itself, shared by the whole batch, fails ``step()``.
 
-Log-probabilities (``logprobs``, ``prompt_logprobs``) are the model's log-softmax, before the mask that keeps image
-tokens from being sampled, the penalties, temperature and top-k / top-p / min-p.
+Structured output (``SamplingParams.grammar``, k3.infer.grammar): each constrained sequence has an llguidance
+matcher; its row's logits are masked to the tokens the grammar allows before sampling, the matcher consumes the
+token once it reaches the host, and the output ends ("stop") where the grammar is complete. Such a mask needs the
+previous token, so while a constrained sequence runs the steps do not overlap; other steps pay nothing.
+
+Log-probabilities (``logprobs``, ``prompt_logprobs``) are the model's log-softmax, before the masks that keep image
+tokens (and a grammar's refused tokens) from being sampled, the penalties, temperature and top-k / top-p / min-p.
 """
 
 from __future__ import annotations
@@ -137,6 +142,8 @@ class Engine:
         self._ids = itertools.count()
         self._inflight: _Flight | None = None
         self._prefill_waited = 0
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built for the first constrained request
+        self.constrained = 0  # running sequences with a grammar (their steps do not overlap)
         self.timing = {"steps": 0, "decode_rows": 0, "prefill_passes": 0, "prefill_tokens": 0}
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.vision = cfg.vision if hasattr(model, "vision_tower") else None  # VisionConfig: takes images
@@ -245,8 +252,15 @@ class Engine:
         if rid in taken:
             raise ValueError(f"request_id={rid!r} is already in use")
         stop_ids = set(params.stop_token_ids)
-        if self.eos_id is not None and not params.ignore_eos:
-            stop_ids.add(self.eos_id)
+        if self.eos_id is not None and (not params.ignore_eos or params.grammar is not None):
+            stop_ids.add(self.eos_id)  # a grammar allows EOS only where the output may end
+        constraint = None
+        if params.grammar is not None:
+            from k3.infer.grammar import Constraint, ll_tokenizer
+
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = ll_tokenizer(self.tokenizer, self.model.config.vocab_size)
+            constraint = Constraint(self._ll_tokenizer, params.grammar)
         seq = _Sequence(
             rid,
             list(prompt),
@@ -257,6 +271,7 @@ class Engine:
             frozenset(stop_ids),
             IncrementalDecoder(self.tokenizer),
             StopMatcher(params.stop),
+            constraint=constraint,
         )
         return seq, media
 
@@ -307,6 +322,8 @@ class Engine:
             self.cache.reset(seq.slot)
             if seq.params.penalised:
                 self._track_penalties(seq)
+            if seq.constraint is not None:
+                self.constrained += 1
             if seq.params.prompt_logprobs is not None:  # run whole: a cached prefix would skip logits it needs
                 seq.prompt_logprobs = [None]  # the first token has no context to be predicted from
             elif self.prefix is not None and seq.image_features is None:  # block hashes do not see pixels
@@ -332,6 +349,8 @@ class Engine:
         self.cache.reset(seq.slot)
         self.free_slots.append(seq.slot)
         self.reserved -= seq.need_bytes
+        if seq.constraint is not None:
+            self.constrained -= 1
         left = self.group_running[seq.group] - 1
         if left:
             self.group_running[seq.group] = left
@@ -343,10 +362,15 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Admit waiting requests, launch one pass over the running sequences and sample their next tokens, then
         read a step's results: this one's, or with ``overlap`` the one launched before (read while this one runs).
-        Returns the outputs read, in row order."""
+        Returns the outputs read, in row order. While a constrained sequence runs, the step in flight is read
+        first: its tokens advance the grammars the next step's masks come from."""
+        outputs = []
+        if self.constrained and self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            outputs = self._finish(done)
         launched = self._launch()
         done, self._inflight = self._inflight, launched
-        outputs = [] if done is None else self._finish(done)
+        outputs += [] if done is None else self._finish(done)
         if not self.overlap and self._inflight is not None:
             done, self._inflight = self._inflight, None
             outputs += self._finish(done)
@@ -474,14 +498,20 @@ class Engine:
 
     def _sample(self, seqs: list[_Sequence], raw: Tensor, scored: list[_Sequence]) -> _Flight:
         """Sample every row of ``raw`` (the model's logits [B, V], row i for seqs[i]) at once, record the tokens in
-        the device table (and the penalty counts), and start their copy to the host."""
+        the device table (and the penalty counts), and start their copy to the host. Rows with a grammar sample
+        only the tokens it allows (one masked_fill for the step; none where no row is constrained)."""
         rows = raw if self.media_ids is None else raw.index_fill(-1, self.media_ids, float("-inf"))
+        errors: dict[int, str] = {}
+        if self.constrained and any(s.constraint is not None for s in seqs):
+            from k3.infer.grammar import allowed_rows
+
+            allowed, errors = allowed_rows([s.constraint for s in seqs], rows.shape[-1], self.device)
+            rows = rows.masked_fill(~allowed, float("-inf"))
         params = [s.params for s in seqs]
         slots = self._on_device([s.slot for s in seqs])
         seen = counts = None
         if self.counts is not None and any(p.penalised for p in params):
             counts, seen = self.counts[slots], self.seen[slots] | (self.counts[slots] > 0)
-        errors: dict[int, str] = {}
         try:
             drawn = sample_batch(
                 rows,
@@ -562,8 +592,15 @@ class Engine:
                 log.warning("request %s failed in sampling: %s", seq.request_id, error)
                 outputs.append(self._fail(seq, error))
                 continue
+            complete = False
+            if seq.constraint is not None:
+                error = seq.constraint.consume(tokens[i])
+                if error is not None:
+                    outputs.append(self._fail(seq, error))
+                    continue
+                complete = seq.constraint.complete
             seq.output.append(tokens[i])
-            outputs.append(self._emit(seq, tokens[i], lps.get(i)))
+            outputs.append(self._emit(seq, tokens[i], lps.get(i), complete))
         for seq in self.running:
             if seq.snapshot is not None and seq.snapshot[0] <= len(seq.tokens):
                 self._store(seq, *seq.snapshot)
@@ -616,9 +653,9 @@ class Engine:
             self.prefix.insert(keys[i], keys[i - 1] if i else None, latents, state if at_end else None)
         seq.remembered = fed
 
-    def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None) -> StepOutput:
+    def _emit(self, seq: _Sequence, token: int, lp: TokenLogprob | None = None, complete: bool = False) -> StepOutput:
         """The output of a received token (:meth:`_Sequence.take`); a sequence that ends frees its slot."""
-        out = seq.take(token, lp, self.max_context)
+        out = seq.take(token, lp, self.max_context, complete)
         if out.finished:
             self._release(seq)
         return out

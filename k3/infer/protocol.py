@@ -4,7 +4,7 @@ expect (:class:`APIError`, answered as ``{"error": {"message", "type", "param", 
 content (text and ``data:`` image parts).
 
 Models are strict (``"5"`` is not an integer) and ignore unknown fields; known OpenAI options this server does not
-implement (tools, functions, response formats, audio, ...) are accepted only at their no-op values, any other value
+implement (tools, functions, audio, ...) are accepted only at their no-op values, any other value
 answering 400 naming the field (:meth:`StrictRequest.refuse_unsupported`). ``model`` may be left out (null): it
 means the served model, as vLLM takes it. The sampling ranges
 are the sampler's own (:meth:`k3.infer.sampling.SamplingParams.validate`, which the server runs on every request):
@@ -108,6 +108,8 @@ class BaseRequest(StrictRequest):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     n: int = Field(1, ge=1, le=MAX_N)  # choices per prompt; choice j is seeded seed + j
     ignore_eos: bool = False  # generate max_tokens whatever the model emits (as vLLM's; load tests use it)
+    # structured output (k3.infer.grammar.grammar_for): text, json_object or json_schema; other types refused
+    response_format: Any = None
     # accepted only at their no-op values
     logit_bias: dict[str, Any] | None = None
 
@@ -131,7 +133,10 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
     "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
     "functions": (lambda v: not v, "null or []"),
     "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
-    "response_format": (lambda v: v in (None, {"type": "text"}), 'null or {"type": "text"}'),
+    "response_format": (
+        lambda v: v is None or isinstance(v, dict) and v.get("type") in ("text", "json_object", "json_schema"),
+        'null or a "type" of "text", "json_object" or "json_schema"',
+    ),
     "modalities": (lambda v: v in (None, ["text"]), 'null or ["text"]'),
     "audio": (lambda v: v is None, "null"),
     "reasoning_effort": (lambda v: v is None, "null"),
@@ -177,7 +182,6 @@ class ChatRequest(BaseRequest):
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     reasoning_effort: Any = None

@@ -82,6 +82,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # N: each generated token's log-probability and the N likeliest (TokenLogprob)
     prompt_logprobs: int | None = None  # N: the same for every prompt token but the first (scoring; no prefix cache)
+    # structured output: an llguidance grammar (a JSON string, k3.infer.grammar.grammar_for) the output must match;
+    # the engine masks the tokens it does not allow and ends the output where it is complete
+    grammar: str | None = None
 
     def validate(self) -> None:
         """One ValueError naming the field for any out-of-range value."""
@@ -136,6 +139,8 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
                 bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise SamplingError("grammar", "grammar must be None or a grammar string (k3.infer.grammar.grammar_for)")
 
     def draw_seed(self) -> int:
         """The request's seed as an unsigned 64-bit value: its own, or a fresh random one."""

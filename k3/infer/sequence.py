@@ -60,27 +60,29 @@ class _Sequence:
     features_used: int = 0  # rows already fed with the prefill
     prompt_logprobs: list[TokenLogprob | None] | None = None  # gathered during the prefill, handed out once
     done: bool = False  # finished, failed or aborted: results of a step in flight are dropped
+    constraint: object | None = None  # k3.infer.grammar.Constraint of a structured-output request
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    def take(self, token: int, lp: TokenLogprob | None, max_context: int) -> StepOutput:
+    def take(self, token: int, lp: TokenLogprob | None, max_context: int, complete: bool = False) -> StepOutput:
         """The output of a received token (already appended to ``output``): its text (decoded incrementally; held
         while it may begin a stop string or ends inside a character), whether it ends the request, and the
-        log-probabilities now out."""
+        log-probabilities now out. ``complete``: the request's grammar ended with this token (a "stop")."""
         p = self.params
         stop_token = token in self.stop_ids
         piece = "" if stop_token else self.decoder.push(token)
+        complete = complete and not stop_token
         at_length = not stop_token and (
             len(self.output) >= p.max_tokens or len(self.prompt) + len(self.output) >= max_context
         )
-        if stop_token or at_length:
+        if stop_token or at_length or complete:
             piece += self.decoder.flush()
         self.decoded += len(piece)
         end = self.decoded + (1 if self.decoder.holding else 0)  # an unfinished character decodes to one U+FFFD
-        text, cut = self.stopper.feed(piece, final=stop_token or at_length)
-        reason = "stop" if stop_token or cut else "length" if at_length else None
+        text, cut = self.stopper.feed(piece, final=stop_token or at_length or complete)
+        reason = "stop" if stop_token or cut or complete else "length" if at_length else None
         self.emitted += len(text)
         out = StepOutput(
             self.request_id,

@@ -3,12 +3,13 @@
 (what lm-evaluation-harness's remote tokenizer calls) and ``/health``.
 
 Every request body is validated by a pydantic model (strict types: ``"5"`` is not an integer); a bad field,
-bad JSON, an unsupported option (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ``response_format``, ...:
+bad JSON, an unsupported option (``logit_bias``, ``best_of``, ``suffix``, ``tools``, ...:
 every OpenAI option the server does not honour, at any but its no-op value) or a prompt that does not fit the
 context answers 400 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; an unknown
 model answers 404; an engine failure answers 500 (or ends a stream with an error event) and the server keeps
 serving. Sampling extensions beyond OpenAI's fields: ``top_k`` (0 = off), ``min_p`` and ``repetition_penalty``; OpenAI's
 ``presence_penalty`` / ``frequency_penalty`` count the generated tokens (k3.infer.sampling.apply_output_penalties).
+``response_format`` ``json_object`` / ``json_schema`` constrains the output (k3.infer.grammar, with llguidance).
 
 Log-probabilities (``logprobs`` N on completions; ``logprobs: true`` with ``top_logprobs`` N on chat; N <= 20, also
 when streaming) are the model's: the log-softmax of its logits at each generated token, before temperature,

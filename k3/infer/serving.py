@@ -43,6 +43,7 @@ from k3.infer.responses import (
     token_lps,
     usage,
 )
+from k3.infer.grammar import grammar_for
 from k3.infer.sampling import SamplingError, SamplingParams
 
 # Echoed prompt log-probabilities: (prompt tokens x choices) x (logprobs + 1) entries at most. Each renders as a
@@ -217,6 +218,10 @@ class Serving:
                 "max_tokens",
                 "context_length_exceeded",
             )
+        try:
+            grammar = grammar_for(req.response_format)
+        except SamplingError as e:
+            raise APIError(400, str(e), e.param) from None
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -232,6 +237,7 @@ class Serving:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             ignore_eos=req.ignore_eos,
+            grammar=grammar,
         )
         try:
             params.validate()

@@ -8,6 +8,7 @@ is left with EngineClosed; a killed child fails the requests in flight with Engi
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import signal
 import time
@@ -21,11 +22,14 @@ from k3.data.tokenizer import train_bpe
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.engine import Engine
 from k3.infer.engine_process import EngineProcess
+from k3.infer.grammar import grammar_for
 from k3.infer.load import load_for_inference
 from k3.infer.sampling import SamplingParams
 from k3.model.decoder import K3ForCausalLM
 
 CONTEXT = 128
+# a structured-output request: its grammar crosses the pipe as a string, its matcher is built in the child
+JSON = grammar_for({"type": "json_object"}) if importlib.util.find_spec("llguidance") else None
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def requests():
         ([5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0)),
         ([9, 10], SamplingParams(max_tokens=9, temperature=0.9, top_p=0.9, seed=7)),
         ([11, 12, 13], SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=3, logprobs=2)),
-    ]
+    ] + ([([14, 15], SamplingParams(max_tokens=16, temperature=1.0, seed=1, grammar=JSON))] if JSON else [])
 
 
 async def run_all(ae) -> list[tuple[list[int], str, str]]:
@@ -96,6 +100,7 @@ def test_outputs_equal_the_thread_engine(ckpt, proc_engine):
     got = asyncio.run(run_all(proc_engine))
     assert got == want
     assert all(len(t) > 0 for t, *_ in got)
+    assert JSON is None or got[3][1].startswith("{")
     assert proc_engine.engine.max_context == CONTEXT and proc_engine.engine.vision is None
     stats = proc_engine.stats()
     assert stats["steps"] > 0 and stats["accepting"] and proc_engine.running

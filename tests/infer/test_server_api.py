@@ -159,8 +159,8 @@ def test_bad_tokenizer_requests(served, path, body, status, words, param):
 
 
 UNSUPPORTED = [  # (path, field, a value the server does not honour, its no-op value or None)
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}, {"type": "text"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, None),
+    ("/v1/chat/completions", "response_format", {"type": "grammar", "grammar": "x"}, {"type": "text"}),
+    ("/v1/completions", "response_format", {"type": "regex"}, None),
     ("/v1/chat/completions", "tool_choice", "auto", "none"),
     ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}, None),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], []),
