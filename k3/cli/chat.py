@@ -64,7 +64,7 @@ def read_line(stdin) -> str | None:
 def fit(history: list[dict], tokenizer, room: int):
     """Render ``history``, dropping the oldest non-system turns until the prompt leaves ``room`` tokens of the
     context; None when even the newest message alone does not fit."""
-    from k3.infer.chat import render_chat
+    from k3.data.chat import render_chat
 
     history = list(history)
     while True:
@@ -78,7 +78,7 @@ def fit(history: list[dict], tokenizer, room: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3.infer.chat import chat_format
+    from k3.data.chat import chat_format
     from k3.infer.engine import Engine
     from k3.infer.load import load_line
 

@@ -13,7 +13,7 @@ Two sources:
 
 ``Tokenizer.save(dir)`` writes ``tokenizer.json`` (HF format) plus ``tokenizer_config.json`` naming the BOS, EOS
 and pad tokens, the class transformers loads it as (``PreTrainedTokenizerFast``) and the chat template (Jinja,
-k3.infer.chat.chat_template), so ``transformers.AutoTokenizer.from_pretrained(dir)`` works and its
+k3.data.chat.chat_template), so ``transformers.AutoTokenizer.from_pretrained(dir)`` works and its
 ``apply_chat_template`` renders as k3's chat does. ``Tokenizer.load`` reads either a directory or a
 ``tokenizer.json`` file.
 """
@@ -163,7 +163,7 @@ class Tokenizer:
         """Write ``tokenizer.json`` (HF format) and ``tokenizer_config.json`` (the bos/eos/pad names, the chat
         template, ``tokenizer_class: PreTrainedTokenizerFast``) into ``directory``; returns the path of
         ``tokenizer.json``."""
-        from k3.infer.chat import chat_template
+        from k3.data.chat import chat_template
 
         directory = Path(directory)
         path = directory / "tokenizer.json"

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from k3.infer.chat import IMAGE_SLOT
+from k3.data.chat import IMAGE_SLOT
 from k3.infer.sampling import MAX_LOGPROBS, MAX_STOP, MAX_STOP_CHARS
 
 MAX_N = 16

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from k3.data.tokenizer import Tokenizer
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
-from k3.infer.chat import chat_format, render_chat
+from k3.data.chat import chat_format, render_chat
 from k3.infer.engine import Request as EngineRequest
 from k3.infer.protocol import (
     APIError,
@@ -455,7 +455,7 @@ class Serving:
     def tokenizer_info(self) -> dict:
         """The tokenizer's configuration, as vLLM's ``/tokenizer_info`` gives it (tokenizer_config.json's fields:
         what lm-evaluation-harness's remote tokenizer reads, ``eos_token`` first), with the ids, the vocabulary
-        size, the context and the chat format (k3.infer.chat) besides; built once."""
+        size, the context and the chat format (k3.data.chat) besides; built once."""
         if self.info is None:
             self.info = self._tokenizer_info()
         return self.info

@@ -11,7 +11,7 @@ import torch
 
 from k3.cli.main import main
 from k3.config import get_preset
-from k3.infer.chat import render_chat
+from k3.data.chat import render_chat
 from k3.infer.engine import Engine
 from k3.infer.load import load_for_inference
 from k3.infer.sampling import SamplingParams

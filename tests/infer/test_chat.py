@@ -3,7 +3,7 @@ message contents cannot inject special tokens, one ValueError per bad message.""
 
 import pytest
 
-from k3.infer.chat import PLAIN_STOP, chat_format, render_chat
+from k3.data.chat import PLAIN_STOP, chat_format, render_chat
 from k3.data.tokenizer import train_bpe
 
 TEXT = (

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from k3.infer.chat import render_chat
+from k3.data.chat import render_chat
 from k3.infer.sampling import MAX_STOP, MAX_STOP_CHARS
 from tests.infer import test_server
 from tests.infer.test_server import CHAT, CONTEXT, MODEL, OK, post
