@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from k3.data.tokenizer import Tokenizer
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
-from k3.data.chat import chat_format, render_chat
+from k3.data.chat import chat_format, chat_template, render_chat
 from k3.infer.engine import Request as EngineRequest
 from k3.infer.protocol import (
     APIError,
@@ -455,7 +455,7 @@ class Serving:
     def tokenizer_info(self) -> dict:
         """The tokenizer's configuration, as vLLM's ``/tokenizer_info`` gives it (tokenizer_config.json's fields:
         what lm-evaluation-harness's remote tokenizer reads, ``eos_token`` first), with the ids, the vocabulary
-        size, the context and the chat format (k3.data.chat) besides; built once."""
+        size, the context, the chat format and its Jinja template (k3.data.chat) besides; built once."""
         if self.info is None:
             self.info = self._tokenizer_info()
         return self.info
@@ -467,7 +467,7 @@ class Serving:
             "tokenizer_class": "PreTrainedTokenizerFast",  # a tokenizers tokenizer.json, as transformers loads it
             "eos_token": tok.eos_token,
             "bos_token": tok.bos_token,
-            "pad_token": None,
+            "pad_token": tok.pad_token,
             "eos_token_id": tok.eos_id,
             "bos_token_id": tok.bos_id,
             "vocab_size": tok.vocab_size,
@@ -475,6 +475,7 @@ class Serving:
             "add_bos_token": False,
             "add_eos_token": False,
             "chat_format": chat_format(tok),
+            "chat_template": chat_template(tok),  # the checkpoint's tokenizer_config.json carries the same
             "added_tokens_decoder": {
                 str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())
             },

@@ -115,6 +115,14 @@ def test_tokenizer_endpoints(served, client):
     assert info["eos_token"] == tok.eos_token and info["eos_token_id"] == tok.eos_id and info["bos_token"] is None
     assert info["tokenizer_class"] and info["model_max_length"] == CONTEXT and info["chat_format"] == "k2"
     assert info["added_tokens_decoder"][str(tok.eos_id)] == {"content": tok.eos_token, "special": True}
+    assert info["pad_token"] == tok.pad_token
+    import jinja2  # the template renders the messages as the server does (as transformers' apply_chat_template)
+
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is JSON?"}]
+    rendered = (
+        jinja2.Environment().from_string(info["chat_template"]).render(messages=turns, add_generation_prompt=True)
+    )
+    assert tok.hf.encode(rendered, add_special_tokens=False).ids == render_chat(turns, tok).token_ids
     text = "The json module exposes an API"
     r = post(served, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()
     assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == CONTEXT
