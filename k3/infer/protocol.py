@@ -9,7 +9,7 @@ answering 400 naming the field (:meth:`StrictRequest.refuse_unsupported`). ``mod
 means the served model, as vLLM takes it. The sampling ranges
 are the sampler's own (:meth:`k3.infer.sampling.SamplingParams.validate`, which the server runs on every request):
 ``temperature`` is only type-checked here so that an out-of-range value gets the sampler's one message and range
-(0, or [0.01, 2] within OpenAI's [0, 2])."""
+(OpenAI's [0, 2]; below 0.01 it samples at 0.01)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class BaseRequest(StrictRequest):
     """Fields both generating endpoints share."""
 
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = 1.0  # range: SamplingParams.validate (0 or [0.01, 2]), with its one message
+    temperature: float = 1.0  # range: SamplingParams.validate ([0, 2]), with its one message
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0, le=1)

@@ -25,8 +25,8 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 256
 # The smallest temperature and repetition penalty above 0: both divide fp32 logits, and a divisor of 1e-2 keeps
 # |logit| / divisor <= 100 |logit|, finite for any logit a model produces (fp32 overflows at 3.4e38, so 1e-40, a
-# denormal, turns logit 10 into inf and softmax into NaN). Below 0.01 sampling is greedy in all but name (vLLM
-# raises smaller temperatures to the same 0.01 for the same reason).
+# denormal, turns logit 10 into inf and softmax into NaN). Below 0.01 sampling is greedy in all but name: a
+# temperature in (0, 0.01), which OpenAI accepts, samples at 0.01 (as vLLM raises it), see :func:`divisor`.
 MIN_DIVISOR = 1e-2
 MAX_TEMPERATURE = 2.0  # OpenAI's documented upper bound; the server and `k3 generate` both check this one range
 
@@ -99,12 +99,8 @@ class SamplingParams:
         ):
             bad("max_tokens", "must be an integer >= 1 (0 only to score a prompt, with prompt_logprobs)")
         t = self.temperature
-        if (
-            isinstance(t, bool)
-            or not isinstance(t, (int, float))
-            or not (t == 0 or MIN_DIVISOR <= t <= MAX_TEMPERATURE)
-        ):
-            bad("temperature", f"must be 0 (greedy) or in [{MIN_DIVISOR}, {MAX_TEMPERATURE:g}]")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0: greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -154,6 +150,12 @@ class SamplingParams:
 
 # ---------------------------------------------------------------------- counter-based noise
 _M32 = 0xFFFFFFFF
+
+
+def divisor(temperature: float) -> float:
+    """What a sampled row's logits are divided by: its temperature, raised to MIN_DIVISOR below it (0 is greedy
+    and divides nothing)."""
+    return max(float(temperature), MIN_DIVISOR) if temperature > 0 else 0.0
 
 
 def _fmix32(h: Tensor) -> Tensor:
@@ -209,7 +211,14 @@ class SamplingRows:
         """Rows for ``params`` (one per sampled sequence), their seeds (unsigned 64-bit) and output positions."""
         floats = torch.tensor(
             [
-                [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+                [
+                    divisor(p.temperature),
+                    p.top_p,
+                    p.min_p,
+                    p.repetition_penalty,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                ]
                 for p in params
             ],
             dtype=torch.float32,
@@ -328,7 +337,7 @@ def sample_row(
         raise ValueError("the next-token probabilities are not finite (NaN or inf logits)")
     if params.temperature == 0:
         return max(range(len(x)), key=lambda i: (x[i], -i))
-    y = [v / params.temperature for v in x]
+    y = [v / divisor(params.temperature) for v in x]
     order = sorted(range(len(y)), key=lambda i: (-y[i], i))
     keep = set(order[: params.top_k] if params.top_k > 0 else order)
     if params.top_p < 1:

@@ -23,8 +23,9 @@ prompt by prompt, choice j seeded ``seed + j``. ``stop`` takes up to MAX_STOP st
 decoded text (a piece of a multi-byte character decodes to U+FFFD), ``text_offset`` counts those texts. Completions
 with ``echo`` return the prompt before the completion and, with ``logprobs``, the prompt tokens' too (null for the
 first); ``max_tokens: 0`` with ``echo`` only scores the prompt (how evaluation harnesses ask for log-likelihoods). A
-scored prompt runs whole (the prefix cache is not used for it). ``temperature`` is 0 (greedy) or in [0.01, 2]
-(OpenAI's range, the sampler's own: :meth:`k3.infer.sampling.SamplingParams.validate`, whose message a bad value gets).
+scored prompt runs whole (the prefix cache is not used for it). ``temperature`` is in [0, 2] (0: greedy; below
+0.01 it samples at 0.01; OpenAI's range, the sampler's own: :meth:`k3.infer.sampling.SamplingParams.validate`,
+whose message a bad value gets).
 
 Hostile or careless requests cost bounded work: a body over ``max_request_bytes`` answers 413 (checked from
 Content-Length and counted as a chunked body arrives); a text prompt longer than the context could hold in

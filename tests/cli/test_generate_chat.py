@@ -174,8 +174,8 @@ def test_chat_over_a_pipe(ckpt):
 
 def test_generate_refuses_a_temperature_the_sampler_cannot_use(ckpt, capsys):
     with pytest.raises(ValueError) as alone:
-        SamplingParams(temperature=1e-40).validate()
-    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hi", "--temperature", "1e-40", "--device", "cpu"]) == 2
+        SamplingParams(temperature=-1e-40).validate()
+    assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hi", "--temperature=-1e-40", "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"k3 generate: error: {alone.value}\n"  # one line, the server's message too
 

@@ -356,13 +356,16 @@ def test_sampling_rules():
 
 def test_sampler_refuses_what_it_cannot_compute():
     for params in (
-        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=-1e-40),
         SamplingParams(repetition_penalty=1e-40),
         SamplingParams(temperature=float("nan")),
     ):
         with pytest.raises(ValueError, match="temperature|repetition_penalty"):
             params.validate()
     SamplingParams(temperature=0.01, repetition_penalty=0.01).validate()
+    SamplingParams(temperature=1e-40).validate()  # OpenAI takes it: it samples at 0.01, finite
+    logits = torch.tensor([10.0, 9.0, -3.0])
+    assert sample_row(logits, SamplingParams(temperature=1e-40), 5, 0) == 0
     with pytest.raises(ValueError, match="not finite"):
         sample_row(torch.full((10,), float("nan")), SamplingParams(temperature=1.0), 0, 0)
 

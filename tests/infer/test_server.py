@@ -399,8 +399,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "top_k": -1}, 400, "top_k"),
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {**OK, "repetition_penalty": 1e-40}, 400, "repetition_penalty=1e-40 must be in [0.01"),
-    ("/v1/completions", {**OK, "temperature": 1e-40}, 400, "temperature=1e-40 must be 0 (greedy) or in [0.01"),
-    ("/v1/chat/completions", {**CHAT, "temperature": 1e-3}, 400, "temperature"),
+    ("/v1/completions", {**OK, "temperature": -1e-40}, 400, "temperature=-1e-40 must be in [0, 2]"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 2.01}, 400, "temperature"),
     ("/v1/completions", {**OK, "prompt": "x" * 100_000}, 400, "characters"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x" * 100_000}]}, 400, "characters"),
     ("/v1/completions", b'{"model": "k3-test", "prompt": "ab\\ud800cd", "max_tokens": 2}', 400, "surrogate"),
@@ -682,10 +682,10 @@ def test_async_engine_generate_errors_idle_and_shutdown():
 def test_sampling_ranges_are_the_samplers_with_its_message(served):
     from k3.infer.sampling import SamplingParams
 
-    for name in ("temperature", "repetition_penalty"):
+    for name, value in (("temperature", -1e-40), ("repetition_penalty", 1e-40)):
         with pytest.raises(ValueError) as alone:
-            SamplingParams(**{name: 1e-40}).validate()
-        r = post(served, "/v1/completions", {**OK, name: 1e-40})
+            SamplingParams(**{name: value}).validate()
+        r = post(served, "/v1/completions", {**OK, name: value})
         assert r.status_code == 400 and r.json()["error"]["message"] == str(alone.value), r.text
         assert r.json()["error"]["param"] == name
     assert post(served, "/v1/completions", {**OK, "temperature": 0.01, "repetition_penalty": 0.01}).status_code == 200
@@ -698,17 +698,24 @@ def test_temperature_has_one_range_with_one_message(served):
 
     assert MAX_TEMPERATURE == 2
     for path, body in (("/v1/completions", OK), ("/v1/chat/completions", CHAT)):
-        for t in (-1.0, 1e-3, 2.5, 100.0):  # floats: the schema parses a JSON number into one
+        for t in (-1.0, -1e-3, 2.5, 100.0):  # floats: the schema parses a JSON number into one
             with pytest.raises(ValueError) as alone:
                 SamplingParams(temperature=t).validate()
             r = post(served, path, {**body, "temperature": t})
             assert r.status_code == 400, r.text
             err = r.json()["error"]
-            assert err["message"] == str(alone.value) and "[0.01, 2]" in err["message"], err
+            assert err["message"] == str(alone.value) and "[0, 2]" in err["message"], err
             assert err["param"] == "temperature" and err["type"] == "invalid_request_error"
-        for t in (0, 0.01, 2):
+        for t in (0, 1e-40, 1e-3, 0.01, 2):
             SamplingParams(temperature=t).validate()
             assert post(served, path, {**body, "temperature": t}).status_code == 200
+    # below 0.01 a row samples at 0.01 (OpenAI accepts it; its logits / 1e-40 would overflow to NaN)
+    seeded = {**OK, "max_tokens": 6, "seed": 11}
+    texts = [
+        post(served, "/v1/completions", {**seeded, "temperature": t}).json()["choices"][0]["text"]
+        for t in (1e-40, 0.01)
+    ]
+    assert texts[0] == texts[1]
 
 
 def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
