@@ -212,11 +212,7 @@ class AsyncEngine:
             for r in requests
         ]
         sub = _Submission(reqs, group or reqs[0].request_id, loop.create_future())
-        with self._cv:
-            if not self._accepting or self._thread is None or not self._thread.is_alive():
-                raise EngineClosed("the engine is not running (shutting down or not started)")
-            self._inbox.append(sub)
-            self._cv.notify()
+        self._enqueue(sub)
         try:
             await sub.accepted
         except asyncio.CancelledError:
@@ -224,6 +220,14 @@ class AsyncEngine:
                 self.abort(r.request_id)  # queued after the add, so the thread drops them if they were added
             raise
         return [RequestStream(self, r) for r in reqs]
+
+    def _enqueue(self, sub: _Submission) -> None:
+        """Hand a submission to the engine's thread; EngineClosed if it is not running."""
+        with self._cv:
+            if not self._accepting or self._thread is None or not self._thread.is_alive():
+                raise EngineClosed("the engine is not running (shutting down or not started)")
+            self._inbox.append(sub)
+            self._cv.notify()
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None

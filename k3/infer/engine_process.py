@@ -22,7 +22,6 @@ the pipe closes, so it never outlives the server. It ignores SIGINT and SIGTERM:
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import multiprocessing as mp
@@ -37,8 +36,6 @@ from k3.infer.async_engine import (
     AsyncEngine,
     EngineClosed,
     EngineError,
-    RequestStream,
-    _Request,
     _resolve,
     _Submission,
 )
@@ -248,37 +245,21 @@ class EngineProcess(AsyncEngine):
         self._outbox.put(None)
 
     # ------------------------------------------------------------------ requests
-    async def submit_many(self, requests: list[Request], group: str | None = None) -> list[RequestStream]:
-        """As :meth:`AsyncEngine.submit_many`; the engine process accepts or refuses the sequences."""
-        loop = asyncio.get_running_loop()
-        reqs = [
-            _Request(
-                r.request_id or f"preq-{next(self._ids)}",
-                list(r.prompt),
-                r.params,
-                loop,
-                asyncio.Queue(),
-                r.images,
-                r.media,
-            )
-            for r in requests
-        ]
-        sub = _Submission(reqs, group or reqs[0].request_id, loop.create_future())
+    def _enqueue(self, sub: _Submission) -> None:
+        """Send a submission to the engine process (its acceptance comes back on the pipe)."""
         with self._cv:
             if not self.running:
                 raise EngineClosed("the engine is not running (shutting down or not started)")
             sub_id = next(self._sub_ids)
             self._pending[sub_id] = sub
             self._outbox.put(
-                ("add", sub_id, [Request(r.prompt, r.params, r.request_id, r.images, r.media) for r in reqs], sub.group)
+                (
+                    "add",
+                    sub_id,
+                    [Request(r.prompt, r.params, r.request_id, r.images, r.media) for r in sub.requests],
+                    sub.group,
+                )
             )
-        try:
-            await sub.accepted
-        except asyncio.CancelledError:
-            for r in reqs:
-                self.abort(r.request_id)  # queued after the add: the process drops them if it added them
-            raise
-        return [RequestStream(self, r) for r in reqs]
 
     def abort(self, request_id: str) -> None:
         """Drop a request (thread-safe; a no-op for finished or unknown ids)."""
