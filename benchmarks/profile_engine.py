@@ -1,13 +1,16 @@
 """Where a serving step's time goes: the Engine alone (no HTTP), then under cProfile.
 
     python benchmarks/profile_engine.py [--preset small-1b] [--batches 1,8,64] [--prompt 256] [--output 128]
-        [--profile 64] [--top 35]
+        [--profile 64] [--top 35] [--closed 64] [--rounds 3] [--no-warm-up]
 
 For each batch B: B random prompts of ``--prompt`` tokens, greedy, ``--output`` tokens each with ignore_eos, run
 by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, and the captured graph step at B
 (CUDA events) beside it, so the host work a step adds is visible (random bf16 weights, the serving benchmark's
 400-token vocabulary). Then one run at ``--profile`` under cProfile:
-the functions with the most own time. Writes $K3_BENCH_OUT/profile_engine.txt when set.
+the functions with the most own time. With ``--closed C``: C closed-loop clients first (each adds its next request
+when its last one finishes, ``--rounds`` each, as the serving benchmark's clients do): time to first token in
+engine steps and wall time, and the slowest steps with what they ran, so a stall (a compilation, an autotuner)
+shows with the pass that caused it. Writes $K3_BENCH_OUT/profile_engine.txt when set.
 """
 
 from __future__ import annotations
@@ -46,14 +49,69 @@ def run_batch(engine, batch: int, prompt: int, output: int, vocab: int, rng: ran
     }
 
 
+def run_closed(engine, clients: int, rounds: int, prompt: int, output: int, vocab: int, rng) -> list[str]:
+    """``clients`` closed-loop clients of ``rounds`` requests each; TTFT percentiles and the 8 slowest steps."""
+    from k3.infer.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+    left, added, ttft, steps = {}, {}, [], []
+
+    def submit(client: int) -> None:
+        rid = engine.add([rng.randrange(vocab) for _ in range(prompt)], params)
+        left[rid], added[rid] = client, time.perf_counter()
+
+    todo = {c: rounds - 1 for c in range(clients)}
+    for c in range(clients):
+        submit(c)
+    tokens, t0 = 0, time.perf_counter()
+    while engine.has_work():
+        timing = dict(engine.timing)
+        a = time.perf_counter()
+        out = engine.step()
+        b = time.perf_counter()
+        passes = engine.timing["prefill_passes"] - timing["prefill_passes"]
+        fed = engine.timing["prefill_tokens"] - timing["prefill_tokens"]
+        steps.append((b - a, len(engine.running), passes, fed, b - t0))
+        for o in out:
+            tokens += len(o.token_ids)
+            if o.request_id in added and o.token_ids:
+                ttft.append(b - added.pop(o.request_id))
+            if o.finished:
+                c = left.pop(o.request_id)
+                if todo[c]:
+                    todo[c] -= 1
+                    submit(c)
+    wall = time.perf_counter() - t0
+    ttft.sort()
+    q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    lines = [
+        f"closed loop, {clients} clients x {rounds}: {tokens / wall:.0f} tok/s, wall {wall:.2f} s, {len(steps)} steps, "
+        f"TTFT p50 {1e3 * q(ttft, 0.5):.1f} ms p90 {1e3 * q(ttft, 0.9):.1f} ms max {1e3 * ttft[-1]:.1f} ms"
+    ]
+    for dt, running, passes, fed, at in sorted(steps, reverse=True)[:8]:
+        lines.append(
+            f"  slow step {1e3 * dt:.1f} ms at {at:.2f} s: {running} running, {passes} prefill pass(es), {fed} tokens"
+        )
+    step_ms = sorted(1e3 * s[0] for s in steps)
+    lines.append(f"  step p50 {q(step_ms, 0.5):.3f} ms, p90 {q(step_ms, 0.9):.3f} ms")
+    mixed = sorted(1e3 * s[0] for s in steps if s[2])
+    if mixed:
+        lines.append(f"  steps with a prefill: {len(mixed)}, p50 {q(mixed, 0.5):.3f} ms, p90 {q(mixed, 0.9):.3f} ms")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="small-1b")
+    p.add_argument("--device", default="cuda")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--profile", type=int, default=64)
     p.add_argument("--top", type=int, default=35)
+    p.add_argument("--closed", type=int, default=0, help="closed-loop clients (0: none)")
+    p.add_argument("--rounds", type=int, default=3, help="requests per closed-loop client")
+    p.add_argument("--no-warm-up", action="store_true", help="build the engine without its prefill warm-up")
     a = p.parse_args()
 
     from k3.bench.live_server import bench_tokenizer, random_config, random_model
@@ -61,10 +119,20 @@ def main() -> None:
     from k3.infer.engine import Engine
 
     tokenizer = bench_tokenizer()
-    model = random_model(random_config(a.preset, tokenizer), "cuda")
+    model = random_model(random_config(a.preset, tokenizer), a.device)
     batches = [int(b) for b in a.batches.split(",")]
-    engine = Engine(model, tokenizer, max_batch=max(batches + [a.profile]), max_context=a.prompt + a.output + 64)
+    engine = Engine(
+        model,
+        tokenizer,
+        max_batch=max(batches + [a.profile, a.closed]),
+        max_context=a.prompt + a.output + 64,
+        warm_up=False if a.no_warm_up else None,
+    )
     vocab, rng, lines = model.config.vocab_size, random.Random(0), []
+    if a.closed:
+        for line in run_closed(engine, a.closed, a.rounds, a.prompt, a.output, vocab, rng):
+            lines.append(line)
+            print(line, flush=True)
     run_batch(engine, max(batches), a.prompt, 8, vocab, rng)  # warm-up
     for b in batches:
         r = run_batch(engine, b, a.prompt, a.output, vocab, rng)
@@ -85,7 +153,7 @@ def main() -> None:
     pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(a.top)
     lines.append(s.getvalue())
     del engine
-    for b in batches:
+    for b in batches if model.lm_head.weight.is_cuda else []:
         ms = graph_step_ms(model, tokenizer, b, a.prompt + a.output // 2)
         lines.append(f"graph step B={b}: {ms:.3f} ms ({b / ms * 1e3:.0f} tok/s)")
         print(lines[-1], flush=True)

@@ -11,6 +11,10 @@ tokens first, then prefill chunks); a prefill waits up to ``prefill_wait_steps``
 pass (a packed forward costs about as much host time for one prompt as for several), and never while no sequence
 decodes or once it has begun.
 
+On a GPU the engine first runs :meth:`Engine.warm_up` (prefill passes of 1, 2, 4, ... tokens) and then captures
+the graphs: the kernels' autotuners and torch.compile's versions run at start, not as stalls of seconds in the
+first requests of each size.
+
 Sampling runs once per step for every row on the device (k3.infer.sampling.sample_batch); the step's tokens (and
 the log-probabilities asked for) come back in one device-to-host copy. With ``overlap`` (the default on CUDA) the
 engine launches step N+1 before it reads step N's tokens: decode inputs are read from a device table of each
@@ -86,10 +90,12 @@ class Engine:
         cuda_graphs: bool | None = None,
         compile_decode: bool = False,
         overlap: bool | None = None,
+        warm_up: bool | None = None,
     ):
         """``max_num_batched_tokens`` (default 4096 on CUDA, 512 on a CPU) and ``prefill_wait_steps`` (default 8
         on CUDA, 0 on a CPU: the packed forward's host cost is what waiting amortises) shape each step; ``overlap``
-        (default: on CUDA) launches a step before reading the previous one's tokens."""
+        (default: on CUDA) launches a step before reading the previous one's tokens; ``warm_up`` (default: on
+        CUDA) runs :meth:`warm_up` before the decode graphs are captured."""
         cfg = model.config
         self.device = next(model.parameters()).device
         gpu = self.device.type == "cuda"
@@ -159,6 +165,15 @@ class Engine:
         )
         self.media_ids = torch.tensor(media, dtype=torch.int64, device=self.device) if media else None
         self.graphs = None
+        if gpu if warm_up is None else warm_up:
+            t0 = time.perf_counter()
+            counts = self.warm_up()
+            log.info(
+                "engine: prefill warmed up for %d..%d tokens a pass in %.1f s",
+                counts[0],
+                counts[-1],
+                time.perf_counter() - t0,
+            )
         if cuda_graphs:
             self.graphs = GraphedDecoder(model, self.cache, compile=compile_decode)
             t0 = time.perf_counter()
@@ -176,6 +191,48 @@ class Engine:
             self.prefill_wait_steps,
             "on" if self.overlap else "off",
         )
+
+    @torch.no_grad()
+    def warm_up(self, segment: int = 1024) -> list[int]:
+        """Run the packed prefill forward once for each token count of the ladder 1, 2, 4, ... up to
+        ``max_num_batched_tokens`` (split into segments of at most ``segment`` tokens on free slots), then once more
+        continuing the last pass's sequences, and empty the slots. The first pass of a new size class otherwise
+        stalls live traffic for seconds: the kernels' autotuners run for each new key (the MoE kernels' rows per
+        group, fla's chunked kernels) and torch.compile'd ops compile a static first shape, then a dynamic one.
+        Returns the token counts run. Must run while no request does (at start)."""
+        if self.running or self._inflight is not None:
+            raise RuntimeError("warm_up runs before any request")
+        vocab = self.model.config.vocab_size
+        media = set() if self.media_ids is None else set(self.media_ids.tolist())
+        plain = next(i for i in range(vocab) if i not in media)
+        gen = torch.Generator().manual_seed(0)
+        seg = max(1, min(segment, self.max_context // 2))  # the continuing pass doubles a slot's length
+        counts, t = [], 1
+        while t <= min(self.max_num_batched_tokens, seg * len(self.free_slots)):
+            counts.append(t)
+            t *= 2
+        if counts[-1] < self.max_num_batched_tokens <= seg * len(self.free_slots):
+            counts.append(self.max_num_batched_tokens)
+        slots: list[int] = []
+        again = counts[-1:] if 2 * seg <= self.max_context else []
+        for i, total in enumerate(counts + again):
+            if i < len(counts):  # a fresh pass: empty slots; the last one continues the pass before it
+                for slot in slots:
+                    self.cache.reset(slot)
+                lengths = [seg] * (total // seg) + ([total % seg] if total % seg else [])
+                slots = self.free_slots[: len(lengths)]
+            ids = torch.randint(vocab, (total,), generator=gen)
+            if media:
+                ids[torch.isin(ids, torch.tensor(sorted(media)))] = plain
+            cu = torch.tensor([0] + lengths).cumsum(0)
+            self.model(
+                to_device(ids, self.device)[None], cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True
+            )
+        for slot in slots:
+            self.cache.reset(slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return counts
 
     def _whole_cache_fits(self) -> bool:
         """Whether the MLA cache of every slot at max_context takes under a quarter of the free device memory

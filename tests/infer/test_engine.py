@@ -54,13 +54,15 @@ def full_forward_logits(model, prompt, generated):
         return model(seq).logits[0, len(prompt) - 1 :]
 
 
-def test_continuous_batching_equals_full_forward(model, monkeypatch):
-    """Different lengths, chunked prefill (chunk 16), sequences joining late (3 slots for 5 requests)."""
+@pytest.mark.parametrize("warm_up", [False, True])
+def test_continuous_batching_equals_full_forward(model, monkeypatch, warm_up):
+    """Different lengths, chunked prefill (chunk 16), sequences joining late (3 slots for 5 requests); after a
+    warm-up too (it must leave nothing in the cache)."""
     seen = record_logits(monkeypatch)
     torch.manual_seed(1)
     lengths = [5, 37, 70, 1, 20]
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in lengths]
-    eng = Engine(model, IdTokenizer(), max_batch=3, max_num_batched_tokens=16, max_context=256)
+    eng = Engine(model, IdTokenizer(), max_batch=3, max_num_batched_tokens=16, max_context=256, warm_up=warm_up)
     results = eng.generate(prompts, [tagged(i, max_tokens=12) for i in range(5)])
     for i, (p, r) in enumerate(zip(prompts, results)):
         assert len(r["token_ids"]) == 12 and r["finish_reason"] == "length"
@@ -70,6 +72,28 @@ def test_continuous_batching_equals_full_forward(model, monkeypatch):
         assert err <= 1e-4, (i, err)
         assert r["token_ids"] == want.argmax(-1).tolist()
     assert eng.reserved == 0 and sorted(eng.free_slots) == [0, 1, 2]
+
+
+def test_warm_up_runs_the_ladder_and_empties_its_slots(model, monkeypatch):
+    """Token counts 1, 2, 4, ... capped by the budget and by what the slots hold, in segments of at most half the
+    context; one more pass continues the last one; every slot ends empty."""
+    eng = Engine(model, IdTokenizer(), max_batch=3, max_num_batched_tokens=40, max_context=24)
+    passes = []
+    real = type(model).forward
+
+    def spy(self, ids, *args, cu_seqlens=None, seq_ids=None, cache=None, **kw):
+        passes.append((ids.shape[1], cu_seqlens.diff().tolist(), list(seq_ids), [cache.seq_lens[i] for i in seq_ids]))
+        return real(self, ids, *args, cu_seqlens=cu_seqlens, seq_ids=seq_ids, cache=cache, **kw)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    assert eng.warm_up() == [1, 2, 4, 8, 16, 32]  # 40 tokens would not fit 3 slots of 12
+    assert [p[0] for p in passes] == [1, 2, 4, 8, 16, 32, 32]
+    assert passes[-2][1:3] == ([12, 12, 8], [0, 1, 2])
+    assert passes[-1][3] == [12, 12, 8]  # the continuing pass starts where the last one ended
+    assert eng.cache.seq_lens == [0, 0, 0] and eng.free_slots == [0, 1, 2]
+    for layer in eng.cache.layers:
+        if hasattr(layer, "recurrent"):
+            assert not layer.recurrent.any() and not any(c.any() for c in layer.conv)
 
 
 def test_prefix_cache_hit_equals_miss(model, monkeypatch):
