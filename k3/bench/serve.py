@@ -191,7 +191,8 @@ def _served_model(ckpt: str | None, preset: str, device: str):
 
 
 def _one_model(rows, label, source, vocab, device, levels, cases, rounds, server_args, client_procs, rng, log):
-    """Every case and concurrency through one ``k3 serve`` of one model; returns its server arguments."""
+    """Every case and concurrency through one ``k3 serve`` of one model; returns its server arguments and the
+    engine's start-up lines of its log (warm-up and graph capture times)."""
     top = max(levels)
     context = max(p + o for p, o in cases) + 64
     args = ["--device", device, "--max-batch", str(top), "--max-context", str(context), *source, *server_args]
@@ -204,7 +205,7 @@ def _one_model(rows, label, source, vocab, device, levels, cases, rounds, server
                 print(rows[-1], flush=True)
     finally:
         server.stop()
-    return args
+    return args, [line for line in Path(log).read_text(errors="replace").splitlines() if "k3.infer: engine:" in line]
 
 
 def run(
@@ -230,7 +231,7 @@ def run(
     if client_procs is None:  # a process of clients per 4 cores, at most 4: the server keeps the rest
         client_procs = max(1, min(4, (os.cpu_count() or 1) // 4))
     models = [(ckpt, None)] if ckpt else [(None, p) for p in presets]
-    served = {}
+    served, started = {}, {}
     for path, preset in models:
         label = Path(path).name if path else f"{preset} (random)"
         source = ["--ckpt", str(path)] if path else ["--random", preset]
@@ -241,7 +242,7 @@ def run(
             vocab = bench_tokenizer().vocab_size
         levels = concurrency or LEVELS.get(preset, (1, 8, 32, 64))
         log = work / f"server-{len(served)}.log"
-        args = _one_model(
+        args, started[label] = _one_model(
             rows,
             label,
             source,
@@ -290,6 +291,7 @@ def run(
     meta = {
         **environment(),
         "server_args": served,
+        "server_start": started,
         "engine": engine or ("process" if device == "cuda" else "thread"),
         "client_processes": client_procs,
     }
