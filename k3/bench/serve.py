@@ -76,7 +76,8 @@ async def _stream(client, prompt: list[int], output: int) -> dict:
 
 async def _clients(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, seed: int, ready=None):
     """``c`` clients on one event loop: a warm-up request each, then (after ``ready``, a barrier shared with the
-    other client processes) ``rounds`` requests each back to back; (results, errors, start, end)."""
+    other client processes) ``rounds`` requests each back to back; (results, errors, start, end, the share of a
+    core this process used meanwhile: near 1, the clients themselves were the limit)."""
     import httpx
 
     rng = random.Random(seed)
@@ -98,9 +99,10 @@ async def _clients(url: str, vocab: int, c: int, rounds: int, prompt: int, outpu
                 except Exception as e:  # noqa: BLE001 - counted in the row
                     errors.append(repr(e)[:200])
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(c)))
-        return results, errors, t0, time.perf_counter()
+        t1 = time.perf_counter()
+        return results, errors, t0, t1, (time.process_time() - cpu0) / max(t1 - t0, 1e-9)
 
 
 def _client_process(out, *args) -> None:
@@ -110,7 +112,10 @@ def _client_process(out, *args) -> None:
 def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, seed: int, procs: int) -> dict:
     """One concurrency level: ``c`` clients spread over ``procs`` processes (so that parsing the streams does not
     throttle them), timed from the first start to the last end (perf_counter: one clock for all processes)."""
+    import httpx
+
     procs = max(1, min(procs, c))
+    before, t_before = httpx.get(url + "/health", timeout=30).json(), time.perf_counter()
     if procs == 1:
         parts = [asyncio.run(_clients(url, vocab, c, rounds, prompt, output, seed))]
     else:
@@ -130,6 +135,7 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
         parts = [out.get(timeout=1800) for _ in workers]
         for w in workers:
             w.join()
+    after, t_after = httpx.get(url + "/health", timeout=30).json(), time.perf_counter()
     results = [r for p in parts for r in p[0]]
     errors = [e for p in parts for e in p[1]]
     wall = max(p[3] for p in parts) - min(p[2] for p in parts)
@@ -140,7 +146,8 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
         "concurrency": c,
         "requests": len(results),
         "tokens_per_s": sum(r["tokens"] for r in results) / wall,
-        "detail": f"{wall:.1f} s",
+        "detail": f"{wall:.1f} s; {_engine_share(before, after, t_after - t_before)}; clients' CPU "
+        f"{max(p[4] for p in parts):.0%} of a core at most",
     }
     if results:
         row |= {
@@ -152,6 +159,18 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
     if errors:
         row["detail"] += f"; {len(errors)} failed: {errors[0]}"
     return row
+
+
+def _engine_share(before: dict, after: dict, seconds: float) -> str:
+    """What the engine did between two /health answers (the phase and its warm-up round): steps a second, decode
+    rows a step, the share of the time inside ``Engine.step`` (near 100%: the engine is the limit; far below: it
+    waited for requests) and the prefill passes."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "decode_rows", "busy_s", "prefill_passes")}
+    steps = max(d["steps"], 1)
+    return (
+        f"engine {d['steps'] / seconds:.0f} steps/s, {d['decode_rows'] / steps:.1f} rows a step, busy "
+        f"{d['busy_s'] / seconds:.0%}, {d['prefill_passes']} prefill passes"
+    )
 
 
 def graph_step_ms(model, tokenizer, batch: int, context: int) -> float:
@@ -283,6 +302,8 @@ def run(
         "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients, one connection "
         f"each, spread over {client_procs} client process(es), a warm-up round per concurrency. TTFT: request sent "
         "to first text; TPOT: (last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. "
+        "detail: the phase's wall time; what the engine did from a /health answer before the warm-up round to one "
+        "after the phase (busy: time inside Engine.step); the busiest client process's CPU share. "
         "of_limit (at a model's largest concurrency): tokens/s over B / the graph decode step at that B, measured "
         "after its server stopped, on the same device. Random models: bfloat16 weights built on the device, "
         "vocabulary narrowed to a 400-token BPE (their lm_head is that much smaller than the preset's)."

@@ -150,7 +150,8 @@ class Engine:
         self._prefill_waited = 0
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built for the first constrained request
         self.constrained = 0  # running sequences with a grammar (their steps do not overlap)
-        self.timing = {"steps": 0, "decode_rows": 0, "prefill_passes": 0, "prefill_tokens": 0}
+        # counters since start; busy_s: seconds inside step() (host time, and device time where a step waits on it)
+        self.timing = {"steps": 0, "decode_rows": 0, "prefill_passes": 0, "prefill_tokens": 0, "busy_s": 0.0}
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.vision = cfg.vision if hasattr(model, "vision_tower") else None  # VisionConfig: takes images
         v = self.vision
@@ -421,6 +422,7 @@ class Engine:
         read a step's results: this one's, or with ``overlap`` the one launched before (read while this one runs).
         Returns the outputs read, in row order. While a constrained sequence runs, the step in flight is read
         first: its tokens advance the grammars the next step's masks come from."""
+        t0 = time.perf_counter()
         outputs = []
         if self.constrained and self._inflight is not None:
             done, self._inflight = self._inflight, None
@@ -431,6 +433,7 @@ class Engine:
         if not self.overlap and self._inflight is not None:
             done, self._inflight = self._inflight, None
             outputs += self._finish(done)
+        self.timing["busy_s"] += time.perf_counter() - t0
         return outputs
 
     def _launch(self) -> _Flight | None:
