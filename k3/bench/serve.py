@@ -71,7 +71,7 @@ async def _stream(client, prompt: list[int], output: int) -> dict:
                 first = first or last
     if first is None or usage is None:
         raise RuntimeError("the stream ended without text or usage")
-    return {"ttft": first - t0, "span": last - first, "tokens": usage["completion_tokens"]}
+    return {"start": t0, "ttft": first - t0, "span": last - first, "tokens": usage["completion_tokens"]}
 
 
 async def _clients(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, seed: int, ready=None):
@@ -150,6 +150,12 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
         f"{max(p[4] for p in parts):.0%} of a core at most",
     }
     if results:
+        t0 = min(p[2] for p in parts)
+        # per request (JSON only): [sent, s after the phase began; TTFT ms; TPOT ms], in the order sent
+        row["timeline"] = sorted(
+            [round(r["start"] - t0, 3), round(r["ttft"] * 1e3, 1), round(r["span"] * 1e3 / max(1, r["tokens"] - 1), 2)]
+            for r in results
+        )
         row |= {
             "ttft_p50_ms": float(np.percentile(ttft, 50)),
             "ttft_p90_ms": float(np.percentile(ttft, 90)),
@@ -221,7 +227,7 @@ def _one_model(rows, label, source, vocab, device, levels, cases, rounds, server
             for c in levels if (prompt, output) == cases[0] else tuple(c for c in levels if c >= 16):
                 row = _phase(server.url, vocab, c, rounds, prompt, output, rng.randrange(2**31), client_procs)
                 rows.append({"model": label, **row})
-                print(rows[-1], flush=True)
+                print({k: v for k, v in row.items() if k != "timeline"}, flush=True)
     finally:
         server.stop()
     return args, [line for line in Path(log).read_text(errors="replace").splitlines() if "k3.infer: engine:" in line]
