@@ -63,11 +63,60 @@ def _error(kind: str, message: str) -> BaseException:
     return {"value": ValueError, "closed": EngineClosed}.get(kind, EngineError)(message)
 
 
+def coalesce(messages: list[tuple]) -> list[tuple]:
+    """``messages`` in order, consecutive ``out`` messages merged into one (their outputs and aborted ids in order,
+    the latest stats): a parent that fell behind gets one message for the steps it missed."""
+    merged: list[tuple] = []
+    for m in messages:
+        if merged and m[0] == "out" and merged[-1][0] == "out":
+            _, outputs, aborted, stats = merged[-1]
+            merged[-1] = ("out", outputs + m[1], aborted + m[2], m[3] if m[3] is not None else stats)
+        else:
+            merged.append(m)
+    return merged
+
+
+class _Outbox:
+    """Sends the child's messages from a thread of its own, in order. A pipe whose reader falls behind blocks its
+    writer: sent from the step loop, a busy API process would hold up every decode step. Here the step loop only
+    queues; whatever queued while a send was under way goes out as one message (:func:`coalesce`)."""
+
+    def __init__(self, conn):
+        self.conn, self.queue = conn, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="k3-engine-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, msg: tuple) -> None:
+        self.queue.put(msg)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued, then end the thread."""
+        self.queue.put(None)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self.queue.get()]
+            while True:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                for msg in coalesce([m for m in batch if m is not None]):
+                    self.conn.send(msg)
+            except (EOFError, OSError):  # the parent went away: the step loop reads EOF next
+                return
+            if batch[-1] is None:
+                return
+
+
 class _Core:
-    """The child's loop over one Engine: apply messages, step, send the step's outputs."""
+    """The child's loop over one Engine: apply messages, step, queue the step's outputs (:class:`_Outbox`)."""
 
     def __init__(self, engine, conn):
         self.engine, self.conn = engine, conn
+        self.outbox = _Outbox(conn)
         self.live: set[str] = set()
         self.aborted: list[str] = []
         self.stop_at: float | None = None
@@ -82,19 +131,19 @@ class _Core:
         if kind == "add":
             _, sub_id, requests, group = msg
             if self.stop_at is not None:
-                self.conn.send(("accepted", sub_id, "closed", "the engine is shutting down"))
+                self.outbox.put(("accepted", sub_id, "closed", "the engine is shutting down"))
                 return
             try:
                 self.engine.add_many(requests, group)
             except ValueError as e:
-                self.conn.send(("accepted", sub_id, "value", str(e)))
+                self.outbox.put(("accepted", sub_id, "value", str(e)))
                 return
             except Exception as e:  # noqa: BLE001 - an engine bug: report it to the caller, keep serving
                 log.exception("engine.add failed")
-                self.conn.send(("accepted", sub_id, "error", f"{type(e).__name__}: {e}"))
+                self.outbox.put(("accepted", sub_id, "error", f"{type(e).__name__}: {e}"))
                 return
             self.live.update(r.request_id for r in requests)
-            self.conn.send(("accepted", sub_id, None, None))
+            self.outbox.put(("accepted", sub_id, None, None))
         elif kind == "abort":
             if msg[1] in self.live:
                 self.live.discard(msg[1])
@@ -106,7 +155,7 @@ class _Core:
     def fail_all(self, kind: str, message: str) -> None:
         for rid in self.live:
             self.engine.abort(rid)
-        self.conn.send(("failed", sorted(self.live), kind, message))
+        self.outbox.put(("failed", sorted(self.live), kind, message))
         self.live.clear()
 
     def run(self) -> None:
@@ -118,7 +167,7 @@ class _Core:
             if self.stop_at is not None and (time.monotonic() >= self.stop_at or not self.engine.has_work()):
                 if self.live:
                     self.fail_all("closed", "the engine shut down before the request finished")
-                self.conn.send(("stopped", self.stats()))
+                self.outbox.put(("stopped", self.stats()))
                 return
             if self.engine.has_work():
                 self.step()
@@ -139,7 +188,7 @@ class _Core:
         stats = None
         if now - self.stats_at >= STATS_EVERY_S or not self.engine.has_work():
             stats, self.stats_at = self.stats(), now
-        self.conn.send(("out", outputs, self.aborted, stats))
+        self.outbox.put(("out", outputs, self.aborted, stats))
         self.aborted = []
 
 
@@ -157,10 +206,13 @@ def _child_main(conn, factory: Callable, args: tuple, level: int) -> None:
             conn.send(("start_failed", RuntimeError(f"{type(e).__name__}: {e}")))
         return
     conn.send(("ready", EngineInfo(engine.max_context, engine.max_batch, str(engine.device), engine.vision)))
+    core = _Core(engine, conn)
     try:
-        _Core(engine, conn).run()
+        core.run()
     except (EOFError, OSError):  # the parent went away
         pass
+    finally:
+        core.outbox.close()
 
 
 class EngineProcess(AsyncEngine):

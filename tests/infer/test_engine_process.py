@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -21,7 +22,7 @@ from k3.convert.checkpoint import save_pretrained
 from k3.data.tokenizer import train_bpe
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.engine import Engine
-from k3.infer.engine_process import EngineProcess
+from k3.infer.engine_process import EngineProcess, _Outbox, coalesce
 from k3.infer.grammar import grammar_for
 from k3.infer.load import load_for_inference
 from k3.infer.sampling import SamplingParams
@@ -196,3 +197,38 @@ def test_serve_takes_a_checkpoint_or_random_weights(ckpt):
         assert sum(len(o.token_ids) for o in outs) == 4 and outs[-1].finished
     finally:
         ep.shutdown(5)
+
+
+def test_outbox_merges_the_steps_a_slow_reader_missed_in_order():
+    """Step outputs queued behind a send go out as one message; other messages keep their place between them."""
+    a = ("out", ["a1"], [], None)
+    b = ("out", ["b1", "b2"], ["x"], {"steps": 2})
+    acc = ("accepted", 7, None, None)
+    c = ("out", ["c1"], [], None)
+    assert coalesce([a, b, acc, c, ("stopped", {})]) == [
+        ("out", ["a1", "b1", "b2"], ["x"], {"steps": 2}),
+        acc,
+        c,
+        ("stopped", {}),
+    ]
+
+    class SlowPipe:
+        def __init__(self):
+            self.sent, self.sending = [], threading.Event()
+
+        def send(self, msg):
+            if not self.sending.is_set():  # the reader is busy: what is queued meanwhile waits for this send
+                self.sending.set()
+                time.sleep(0.3)
+            self.sent.append(msg)
+
+    pipe = SlowPipe()
+    box = _Outbox(pipe)
+    box.put(("out", [0], [], None))
+    assert pipe.sending.wait(5)
+    t0 = time.perf_counter()
+    for i in range(1, 5):
+        box.put(("out", [i], [], None))
+    assert time.perf_counter() - t0 < 0.2  # the step loop did not wait for the reader
+    box.close()
+    assert pipe.sent == [("out", [0], [], None), ("out", [1, 2, 3, 4], [], None)]
