@@ -1,7 +1,7 @@
 """The import directions between k3's top-level packages, and no import cycles between its modules.
 
 Layers, lowest first (a package may import its own layer's packages only where no cycle results, and any lower
-layer): config <- ops <- model <- {quant, convert} <- {data, vision} <- {train, infer, distributed}
+layer): {config, tables} <- ops <- model <- {quant, convert} <- {data, vision} <- {train, infer, distributed}
 <- {audit, plan, bench} <- cli. Every import counts, also one inside a function (a lazy import still couples the
 packages). The package ``k3`` itself (its ``__init__``: the public shortcuts) and ``k3.__main__`` are exempt."""
 
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "k3"
 LAYERS = [
-    ("config",),
+    ("config", "tables"),
     ("ops",),
     ("model",),
     ("quant", "convert"),
@@ -153,3 +153,15 @@ def test_code_cites_the_architecture_doc_not_an_outside_spec():
             if a not in anchors
         ]
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_reads_the_repository():
+    """The installed package reads only its own files and what it is given: no path built from ``__file__`` leaves
+    the package (``parents[N]`` towards a checkout's benchmarks/ or docs/)."""
+    found = [
+        f"{p.relative_to(ROOT.parent)}:{i}"
+        for p in ROOT.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"parents\[\d+\]", line) and not line.lstrip().startswith("#")
+    ]
+    assert not found, f"paths outside the package: {found}"

@@ -1,12 +1,13 @@
-"""The checked-in benchmark results (``benchmarks/results``, written by k3.bench.common.write_results) that
-``k3 audit`` and ``k3 plan`` read."""
+"""The benchmark results ``k3 audit`` reads: ``benchmarks/results`` under the working directory, where ``k3 bench``
+and the benchmark scripts write them (k3.bench.common.write_results); run the audit from a checkout or from a
+directory that holds them. Nothing is read from where the package is installed."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS = Path("benchmarks") / "results"
 
 
 def read_results(path: Path) -> tuple[dict | None, str | None]:

@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from k3.tables import markdown_table
+
 
 def cuda_time(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
     """Mean seconds per call of ``fn`` (CUDA events, after warm-up)."""
@@ -121,24 +123,6 @@ def environment() -> dict:
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-
-
-def markdown_table(rows: list[dict], columns: list[str]) -> str:
-    """A markdown table of ``rows`` under ``columns``: floats to 3 significant digits (thousands separated from
-    10^4), booleans as yes / no, missing values and None as empty cells."""
-
-    def fmt(v):
-        if v is None:
-            return ""
-        if isinstance(v, bool):
-            return "yes" if v else "no"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
-        return str(v)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def write_results(

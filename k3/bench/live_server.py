@@ -15,7 +15,10 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+import k3
+
+# the directory k3 was imported from: the child `python -m k3` imports the same k3 (a source tree or an install)
+IMPORT_ROOT = str(Path(k3.__file__).resolve().parent.parent)
 DEFAULT_ARGS = [
     "--device",
     "cpu",
@@ -114,10 +117,13 @@ class Server:
                 str(self.port),
                 *(DEFAULT_ARGS if args is None else args),
             ],
-            cwd=REPO,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (IMPORT_ROOT, os.environ.get("PYTHONPATH")) if p),
+            },
         )
         deadline = time.monotonic() + start_s
         while True:

@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, help="extra expert slots per GPU per layer for replicas (default: searched)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, with every layer's placement")
     p.add_argument(
+        "--calibration",
+        help="measured runs the --report sets its predictions beside (a JSON written by "
+        "benchmarks/plan_calibration.py; default: the one shipped with k3)",
+    )
+    p.add_argument(
         "--report",
         help="write DIR/report.md: the plan on 64 and 128 GPUs, layouts compared, "
         "predicted vs measured, the simulated balance check (with --loads RUNS: DIR/straggler-WORKLOAD-GPUS.md and "
@@ -92,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
     from k3.plan.runs import is_runs_dir
 
     config = from_hf_config(json.loads(Path(args.config).read_text())) if args.config else get_preset(args.preset)
+    if args.calibration and not (args.report and args.workload == "serve"):
+        raise ValueError("--calibration applies to the serving --report only")
+    if args.report:  # read (and check) what the report compares with before planning anything
+        from k3.plan import calibration
+
+        measured = calibration.load(args.calibration)
     if config.moe is None or not any(config.ffn(i) == "moe" for i in range(config.num_hidden_layers)):
         raise ValueError(f"{config.name} has no MoE layers: nothing to place")
     c = cluster(
@@ -123,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             g: plan_serving(config, cluster(gpus=g, hbm_gib=c.hbm_gib), args.precision, work, shares, placements=False)
             for g in (64, 128)
         }
-        path = write_report(config, shares, work, Path(args.report), plans, args.zipf)
+        path = write_report(config, shares, work, Path(args.report), plans, args.zipf, measured)
         print(f"report: {path}")
     # training keeps bf16 master weights and optimizer state: --precision (experts' storage) is a serving choice
     precision = {"precision": args.precision} if args.workload == "serve" else {}

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3.audit.results import RESULTS, read_results
-from k3.bench.common import markdown_table
 from k3.config import K3Config, get_preset
-from k3.plan import cost
+from k3.plan import calibration, cost
 from k3.plan.cluster import cluster as make_cluster
 from k3.plan.loads import simulate_routing
 from k3.plan.placement import contiguous, min_slots, place
+from k3.tables import markdown_table
 from k3.plan.plan import (
     Serving,
     Training,
@@ -66,10 +65,6 @@ def compare(
     return rows
 
 
-def _read(name: str) -> dict | None:
-    return read_results(RESULTS / name)[0]
-
-
 def _one_gpu_decode_s(cfg: K3Config, weights: str, bandwidth: float, batch: int, context: int) -> float:
     """The cost model's decode step on one GPU of ``bandwidth`` bytes/s (memory unbounded), uniform routing."""
     shape = cost.model_shape(cfg)
@@ -80,8 +75,11 @@ def _one_gpu_decode_s(cfg: K3Config, weights: str, bandwidth: float, batch: int,
     return decode_step(shape, c, weights, work, 1, [contiguous(f, 1) for f in uniform], uniform, mem)["step_s"]
 
 
-def validate() -> list[dict]:
-    """Predicted vs measured for every run we have results for (rows say which file and what was calibrated)."""
+def validate(measured: dict | None = None) -> list[dict]:
+    """Predicted vs measured for every run of ``measured`` (k3.plan.calibration; default the packaged one): rows
+    say which results file and what was calibrated."""
+    measured = calibration.load() if measured is None else measured
+    _read = measured.get
     rows: list[dict] = []
     targets = _read("decode-targets.json")
     if targets:
@@ -281,14 +279,20 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def write_report(
-    config: K3Config, shares: np.ndarray, work: Serving, out: Path, plans: dict[int, dict], zipf: float
+    config: K3Config,
+    shares: np.ndarray,
+    work: Serving,
+    out: Path,
+    plans: dict[int, dict],
+    zipf: float,
+    measured: dict | None = None,
 ) -> Path:
     """``out``/report.md (+ decode_terms.png, plans.json): the plans given (GPUs -> plan), the layout comparison,
-    predicted vs measured, and the simulated balance check."""
+    predicted vs ``measured`` (k3.plan.calibration, default the packaged one), and the simulated balance check."""
     out.mkdir(parents=True, exist_ok=True)
     rows = compare(config, shares, work)
     _plot(rows, out / "decode_terms.png")
-    checks = validate()
+    checks = validate(measured)
     sim = simulate_balance(config, 64, zipf, 4096)
     parts = [
         f"# Placement of {config.name}\n",

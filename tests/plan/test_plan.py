@@ -174,12 +174,11 @@ def test_cli_errors_are_one_line(capsys):
 
 
 def test_validation_compares_the_slice_decode_with_its_prediction():
-    """The report's validation table prices k3-slice's measured decode steps (benchmarks/results/slice.json) with
-    the cost model at the measured bandwidth and MXFP4 experts: a prediction of the same order, source named."""
-    from k3.plan.report import RESULTS, validate
+    """The report's validation table prices k3-slice's measured decode steps (slice.json, in the packaged
+    calibration) with the cost model at the measured bandwidth and MXFP4 experts: a prediction of the same order,
+    source named."""
+    from k3.plan.report import validate
 
-    if not (RESULTS / "slice.json").is_file():
-        pytest.skip("no slice result checked in")
     rows = [r for r in validate() if r["source"] == "slice.json"]
     assert {r["run"].split(", 1 H200")[0].rsplit("B=", 1)[1] for r in rows} == {"1, context 4096", "64, context 32768"}
     for r in rows:
@@ -231,3 +230,39 @@ def test_cli_loads_over_a_directory_of_runs(tmp_path, capsys):
     (grid / "runs" / "even-s0" / "expert_loads.json").write_text(json.dumps([[1.0] * 32]))
     assert main(args) == 2
     assert "even-s0: expert loads: layer 0 has 32 experts, the model has 896" in capsys.readouterr().err
+
+
+def test_the_packaged_calibration_is_the_checked_in_results(tmp_path):
+    """k3/plan/calibration.json is what benchmarks/plan_calibration.py makes of benchmarks/results (re-run it after
+    re-measuring one of its files), and the package declares it as data so a wheel carries it."""
+    from pathlib import Path
+
+    from k3.plan import calibration
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    assert calibration.load() == calibration.extract(results)
+    assert set(calibration.load()) == set(calibration.FILES)
+    assert '"k3.plan" = ["calibration.json"]' in (results.parents[1] / "pyproject.toml").read_text()
+
+
+def test_report_takes_a_calibration_file_and_refuses_a_bad_one(tmp_path, capsys):
+    """--calibration FILE: the report's predicted-vs-measured table has the rows of that file only; a file that is
+    not a calibration is one error line (exit 2), and nothing is written."""
+    import json
+
+    from k3.cli.main import main
+    from k3.plan import calibration
+
+    only = {"slice.json": calibration.load()["slice.json"]}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(only))
+    out = tmp_path / "report"
+    assert main(["plan", "--preset", "small-1b", "--gpus", "8", "--report", str(out), "--calibration", str(path)]) == 0
+    text = (out / "report.md").read_text()
+    sources = {line.rstrip(" |").rsplit("| ", 1)[-1] for line in text.splitlines() if line.endswith(".json |")}
+    assert sources == {"slice.json"}, sources
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"slice.json": [1, 2]}))
+    out2 = tmp_path / "report2"
+    assert main(["plan", "--preset", "k3", "--gpus", "64", "--report", str(out2), "--calibration", str(bad)]) == 2
+    assert "not a calibration file" in capsys.readouterr().err and not out2.exists()
