@@ -11,8 +11,8 @@ the default training), ``fp8`` (``--fp8-experts``: the expert matmuls in FP8, k3
 mxfp4``: MXFP4 weights + MXFP8 activations fake-quantised, k3.quant.qat). Every run trains into OUT/runs/ARM-sSEED
 (resumable; a finished run is skipped) with one shared tokenizer. Writes benchmarks/results/precision_convergence.
 {json,md} (or $K3_BENCH_OUT): per arm the final validation loss over seeds and its paired difference to bf16 with a
-95% bootstrap interval (k3.audit.stats), one row per run, and precision_convergence.png: training and validation
-loss against step, mean over seeds with the seeds' range.
+95% paired t-interval over seeds (n - 1 df, k3.audit.stats), one row per run, and precision_convergence.png:
+training and validation loss against step, mean over seeds with the seeds' range.
 """
 
 from __future__ import annotations
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
                 "delta_vs_bf16": None if d is None else d["mean"],
                 "ci95_lo": None if d is None else d["lo"],
                 "ci95_hi": None if d is None else d["hi"],
+                "ci95_df": None if d is None or d["lo"] is None else d["df"],
                 "wall_s_mean": float(np.mean([s["wall_s"] for s in summaries if s["arm"] == arm])),
             }
         )
@@ -182,12 +183,13 @@ def main(argv: list[str] | None = None) -> None:
         f"Preset {a.preset}, {a.steps} steps of {a.batch_size} x {a.seq_len} tokens ({first['tokens']:,} tokens a "
         f"run) of {describe_corpus(a.data)}, seeds {', '.join(map(str, a.seeds))} (a seed fixes the initial weights "
         "and the data order, so arms pair by seed); delta_vs_bf16 = the arm's final validation loss minus bf16's, "
-        "mean over seeds, with the 95% paired bootstrap interval (k3.audit.stats). wall_s_mean: runs shared the "
-        "machine when --jobs > 1. Curves: precision_convergence.png. Per run: "
+        "mean over seeds, with its 95% paired t-interval over seeds (n - 1 df: ci95_df; k3.audit.stats). "
+        "wall_s_mean: runs shared the machine when --jobs > 1. Curves: precision_convergence.png. Per run: "
         + "; ".join(f"{r['arm']} s{r['seed']} {r['val_loss']:.4f}" for r in runs)
     )
     meta = {**environment(), "arms": a.arms, "steps": a.steps, "preset": a.preset, "data": a.data, "runs": runs}
-    columns = ["arm", "seeds", "val_loss_mean", "val_loss_std", "delta_vs_bf16", "ci95_lo", "ci95_hi", "wall_s_mean"]
+    columns = ["arm", "seeds", "val_loss_mean", "val_loss_std", "delta_vs_bf16", "ci95_lo", "ci95_hi", "ci95_df"]
+    columns.append("wall_s_mean")
     write_results("precision_convergence", rows, columns, meta, notes)
 
 

@@ -39,8 +39,9 @@ end is resumed, a run killed before its first checkpoint starts over. A grid wit
 own learning rate: each variant runs at each of them with the first seed (``OUT/runs/<variant>-lr<lr>-s<seed>/``),
 the lowest final validation loss picks its rate, and the other seeds run at that rate. ``match="flops"`` trains
 every variant for the training FLOPs of ``full`` (attention counted, k3.audit.accounting) instead of the same number
-of tokens. The report gives each variant's difference to ``full`` with a paired bootstrap 95% interval over seeds,
-and for the 16 variants of :data:`FACTORIAL` the main effects and two-factor interactions (:mod:`k3.audit.stats`).
+of tokens. The report gives each variant's difference to ``full`` with a paired t 95% interval over seeds, and for
+the 16 variants of :data:`FACTORIAL` the main effects and two-factor interactions of a pooled-variance model of
+every run (:mod:`k3.audit.stats`).
 MQAR recall (:mod:`k3.audit.mqar`) runs next (``OUT/mqar/*.json``, skipped when present), then ``OUT/report.md``,
 ``OUT/results.json`` and the plots are written from whatever is on disk.
 """
@@ -434,6 +435,52 @@ def run_grid(
     )
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
     write_report(out, grid, summaries, results, mqar_results, data, missing, evidence, report["router_frontier"])
+    return report
+
+
+def grid_from_json(path: Path) -> tuple[Grid, str | None]:
+    """(the grid, its data) recorded in a grid's ``grid.json`` (what :func:`run_grid` wrote)."""
+    from k3.audit.grids import MQARSettings
+
+    d = json.loads(Path(path).read_text())
+    data = d.pop("data", None)
+    known = {f.name for f in dataclasses.fields(Grid)}
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in known}
+    if fields.get("mqar") is not None:
+        mq = {k: tuple(v) if isinstance(v, list) else v for k, v in fields["mqar"].items()}
+        fields["mqar"] = MQARSettings(**mq)
+    return Grid(**fields), data
+
+
+def rerender_from_results(out: str | Path) -> dict:
+    """Recompute a grid's statistics from the run summaries in ``OUT/results.json`` and rewrite ``report.md``,
+    ``results.json`` and the plots that need no run directory, training and reading no runs: for a report whose
+    runs are not on disk (with them, :func:`run_grid` with ``report_only`` reads the runs themselves)."""
+    from k3.audit.ablate_report import aggregate, ci_evidence, write_report
+    from k3.convert.atomic import atomic_write_text
+
+    out = Path(out)
+    for name in ("results.json", "grid.json"):
+        if not (out / name).is_file():
+            raise FileNotFoundError(f"{out}: no {name} to re-render from")
+    report = json.loads((out / "results.json").read_text())
+    grid, data = grid_from_json(out / "grid.json")
+    summaries, sweep = report["runs"], report.get("lr_sweep", [])
+    report["variants"] = aggregate(summaries)
+    factors = FACTORS if set(FACTORIAL) <= set(grid.variants) else ()
+    report["evidence"] = ci_evidence(summaries, sweep, factors)
+    atomic_write_text(out / "results.json", json.dumps(report, indent=2, default=str))
+    write_report(
+        out,
+        grid,
+        summaries,
+        report["variants"],
+        report.get("mqar", []),
+        data,
+        report.get("missing"),
+        report["evidence"],
+        report.get("router_frontier"),
+    )
     return report
 
 

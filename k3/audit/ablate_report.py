@@ -68,8 +68,9 @@ def aggregate(summaries: list[dict]) -> list[dict]:
 
 def ci_evidence(summaries: list[dict], sweep: list[dict], factors: tuple[str, ...] = ()) -> dict:
     """The grid's interval estimates (k3.audit.stats): each variant's validation-loss difference to ``full``
-    (paired bootstrap over seeds, 95%), and with ``factors`` (a full 2^k grid of their removals) the main effects
-    and two-factor interactions; ``lr_sweep``: the learning-rate runs (variant, lr, seed, val loss)."""
+    (paired t-interval over seeds, n - 1 df, 95%), and with ``factors`` (a full 2^k grid of their removals) the
+    main effects and two-factor interactions of the pooled-variance model; ``lr_sweep``: the learning-rate runs
+    (variant, lr, seed, val loss)."""
     from k3.audit.stats import factorial_effects, paired_difference
 
     by: dict[str, dict] = {}
@@ -98,23 +99,35 @@ def _ci(c: dict, digits: int = 3) -> str:
     return f"[{c['lo']:+.{digits}f}, {c['hi']:+.{digits}f}]"
 
 
+def _df(c: dict) -> str:
+    return "—" if c.get("lo") is None or c.get("df") is None else str(c["df"])
+
+
 def _evidence_lines(ev: dict) -> list[str]:
     lines: list[str] = []
     diffs = ev.get("difference_vs_full") or {}
     if diffs:
+        from k3.audit.stats import t_quantile
+
+        level = next((c["level"] for c in diffs.values() if c.get("level")), "95%")
+        p = 0.5 + float(level.rstrip("%")) / 200
+        ts = ", ".join(
+            f"t = {t_quantile(p, df):.2f} with {df + 1} seeds"
+            for df in sorted({c["df"] for c in diffs.values() if c.get("lo") is not None})
+        )
         lines += [
-            "## Differences to `full` with 95% intervals",
+            f"## Differences to `full` ({level} paired t-intervals over seeds)",
             "",
-            "Validation loss of the variant minus `full`'s, seed by seed; the interval is the percentile bootstrap "
-            "of the mean over the paired seeds (n of them: with 3 seeds a rough interval). An interval that "
-            "excludes 0 is a difference at this scale and budget.",
+            "Validation loss of the variant minus `full`'s, seed by seed; the interval is the mean of the n paired "
+            f"differences +/- t(n - 1 df) x their standard error, at {level}" + (f" ({ts})" if ts else "") + ": "
+            "few seeds make wide intervals. An interval that excludes 0 is a difference at this scale and budget.",
             "",
-            "| variant | Δ val loss | 95% interval | n |",
-            "|---|---|---|---|",
+            f"| variant | Δ val loss | {level} interval (paired t) | n | df |",
+            "|---|---|---|---|---|",
         ]
         for v, c in diffs.items():
             d = "—" if c["mean"] is None else f"{c['mean']:+.3f}"
-            lines.append(f"| `{v}` | {d} | {_ci(c)} | {c['n']} |")
+            lines.append(f"| `{v}` | {d} | {_ci(c)} | {c['n']} | {_df(c)} |")
         lines.append("")
     fx = ev.get("factorial") or {}
     if fx:
@@ -122,17 +135,21 @@ def _evidence_lines(ev: dict) -> list[str]:
         if "error" in fx:
             lines += [f"Not computed yet: {fx['error']}.", ""]
         else:
+            first = next(iter(fx.values()))
+            level, df = first["level"], first["df"]
             lines += [
                 "Main effect of a removal: mean validation loss of the 8 variants with it minus the 8 without; "
                 "interaction of two: mean of the variants with both or neither minus the mean with exactly one "
-                "(half the gap between removing both and the sum of removing each). Per seed, bootstrapped over "
-                "seeds (95%).",
+                "(half the gap between removing both and the sum of removing each). All from one least-squares "
+                "model of every run (+/-1 coding: main effects, two-factor interactions and a block per seed; "
+                "the three- and four-factor interactions stay in the residual), whose residual variance is pooled "
+                f"over the grid: {first['method']}; {level} t-intervals.",
                 "",
-                "| effect | estimate | 95% interval | n |",
+                f"| effect | estimate | SE | {level} interval (t, {df} df) |",
                 "|---|---|---|---|",
             ]
             for name, c in fx.items():
-                lines.append(f"| {name} | {_fmt(c['mean'])} | {_ci(c)} | {c['n']} |")
+                lines.append(f"| {name} | {c['mean']:+.3f} | {c['se']:.4f} | {_ci(c)} |")
             lines.append("")
     sweep = ev.get("lr_sweep") or []
     if sweep:
@@ -260,7 +277,8 @@ def write_report(
     frontier = [r for r in rows if not r["model_overrides"]]
     if frontier:
         plot_router_frontier(summaries, frontier, out / "router_frontier.png")
-    plot_loss_curves(summaries, out / "loss_curves.png")
+    if any((Path(s["run_dir"]) / "metrics.jsonl").is_file() for s in summaries):  # else keep the curves drawn
+        plot_loss_curves(summaries, out / "loss_curves.png")
     mrows = _mqar_rows(mqar_results)
     if mrows:
         plot_mqar(mrows, out / "mqar.png")
@@ -384,8 +402,8 @@ def write_report(
 # ---------------------------------------------------------------------------------------------------- plots
 def plot_val_loss(rows: list[dict], path: Path, diffs: dict | None = None) -> None:
     """Left: validation loss, mean ± std over seeds; right (when runs pair with ``full``): the paired difference
-    to ``full`` with its 95% bootstrap interval from ``diffs`` (:func:`ci_evidence`'s ``difference_vs_full``;
-    no bar where a variant has one seed)."""
+    to ``full`` with its t-interval from ``diffs`` (:func:`ci_evidence`'s ``difference_vs_full``; no bar where a
+    variant has one seed)."""
     rows = [r for r in rows if r["val_loss_mean"] is not None]
     if not rows:
         return
@@ -410,7 +428,10 @@ def plot_val_loss(rows: list[dict], path: Path, diffs: dict | None = None) -> No
 
     panels = [("val_loss_mean", "validation loss (nats/token)\nmean ± std over seeds")]
     if paired:
-        panels.append(("delta_vs_full_mean", "Δ vs full (nats/token)\nmean, paired 95% CI (none: one seed)"))
+        first = next((c for c in diffs.values() if c.get("lo") is not None), None)
+        dfs = sorted({c["df"] for c in diffs.values() if c.get("lo") is not None})
+        what = f"paired t {first['level']} CI, {'/'.join(map(str, dfs))} df" if first else "no CI"
+        panels.append(("delta_vs_full_mean", f"Δ vs full (nats/token)\nmean, {what} (none: one seed)"))
     for ax, (key, xlabel) in zip(axes[0], panels):
         means, err = bars(key)
         ax.barh(y, np.nan_to_num(means), xerr=err, color=colors, alpha=0.8, capsize=3)

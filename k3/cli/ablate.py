@@ -2,8 +2,8 @@
 
 Grids: ``smoke`` (tiny preset, every variant kind, 2 seeds, ~10 minutes on a 2-core CPU), ``default`` (small
 preset, every variant and pair of removals, 2 seeds; meant for a GPU), ``micro`` (tests). Re-running the same
-command skips finished runs and resumes interrupted ones; ``--report-only`` rewrites the report from disk;
-``--jobs N`` trains N runs side by side.
+command skips finished runs and resumes interrupted ones; ``--report-only`` rewrites the report from the runs on
+disk, ``--from-results`` from ``OUT/results.json`` alone; ``--jobs N`` trains N runs side by side.
 """
 
 from __future__ import annotations
@@ -89,11 +89,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train nothing: write the report from the finished runs on disk, listing the missing ones",
     )
+    p.add_argument(
+        "--from-results",
+        action="store_true",
+        help="train and read no runs: recompute the statistics and rewrite the report in --out from its "
+        "results.json and grid.json (for a report whose runs are not on disk)",
+    )
     p.add_argument("--list", action="store_true", help="print the grids and variants and exit")
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3.audit.ablate import TRANSFORMS, run_grid
+    from k3.audit.ablate import TRANSFORMS, rerender_from_results, run_grid
 
     set_threads(args.threads)
     if args.list:
@@ -105,6 +111,12 @@ def run(args: argparse.Namespace) -> int:
         print("variants:")
         for name, t in TRANSFORMS.items():
             print(f"  {name}: {t.description}")
+        return 0
+    if args.from_results:
+        if not args.out:
+            raise ValueError("--from-results needs --out: the report's directory")
+        rerender_from_results(args.out)
+        print(f"report: {Path(args.out) / 'report.md'}")
         return 0
     grid = get_grid(args.grid)
     train = dict(grid.train)

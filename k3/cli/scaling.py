@@ -2,12 +2,14 @@
 
 ``k3 scaling --runs DIR --out DIR`` fits the training runs found under DIR (any directory holding
 ``train_config.json`` + ``metrics.jsonl``); ``k3 scaling --sweep NAME --out DIR`` first trains the sweep's
-sizes x architectures into ``OUT/runs`` (resumable), then fits them.
+sizes x architectures into ``OUT/runs`` (resumable), then fits them; ``--from-results`` refits the runs that
+``OUT/scaling.json`` records.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep  # (imports torch: --sweep's choices are its SWEEPS)
@@ -19,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--runs", default=None, help="directory of training runs to fit (searched recursively)")
     src.add_argument("--sweep", default=None, choices=sorted(SWEEPS), help="train this sweep into OUT/runs, then fit")
+    src.add_argument(
+        "--from-results",
+        action="store_true",
+        help="refit the runs recorded in OUT/scaling.json (compute and loss per run; no run directories needed)",
+    )
     p.add_argument("--out", required=True, help="output directory (scaling.md, scaling.json, scaling.png)")
     p.add_argument(
         "--group-by",
@@ -32,7 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--irreducible", action="store_true", help="fit L = E + a C^-b instead of L = a C^-b")
     p.add_argument("--metric", default="val_loss", help="metrics.jsonl field used as the loss")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 90%% intervals")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        help="bootstrap resamples for the 90%% intervals of architectures with >= 20 runs (with fewer: "
+        "t-intervals from the fits' covariance)",
+    )
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--data", default=None, help="--sweep: training data as for k3 train (default: stdlib)")
     p.add_argument("--device", default="auto", help="--sweep: auto, cpu or cuda[:N]")
@@ -58,7 +71,12 @@ def run(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             warm_first=args.warm_first,
         )
-    runs = load_runs(runs_dir, args.group_by, args.metric)
+    if args.from_results:
+        if not (out / "scaling.json").is_file():
+            raise FileNotFoundError(f"{out}: no scaling.json to refit")
+        runs = json.loads((out / "scaling.json").read_text())["runs"]
+    else:
+        runs = load_runs(runs_dir, args.group_by, args.metric)
     result = analyse(runs, args.baseline, args.irreducible, args.bootstrap, args.seed)
     path = write_outputs(result, out)
     for label, f in result["fits"].items():
@@ -73,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
         if not m["overlap"]:
             print(f"{label} vs {m['baseline']}: no compute multiplier (their losses do not overlap)")
             continue
-        iv = m["interval90"]
-        iv_s = f" (90% interval {iv[0]:.3f} .. {iv[1]:.3f})" if iv[0] is not None else ""
+        iv, how = m["interval"], m["interval_detail"]
+        iv_s = f" ({how['level']} interval {iv[0]:.3f} .. {iv[1]:.3f}, {how['method']})" if iv[0] is not None else ""
         print(f"{label} vs {m['baseline']}: compute multiplier {m['multiplier']:.3f}{iv_s} at loss {m['at_loss']:.3f}")
     print(f"report: {path}")
     return 0

@@ -306,7 +306,7 @@ def test_lr_sweep_end_to_end(tmp_path, small_data):
     assert f"full-lr{chosen['full']:g}-s1" in names and len(names) == 6
     assert r["evidence"]["difference_vs_full"]["bias_sign"]["n"] == 2
     md = (tmp_path / "report.md").read_text()
-    assert "## Learning rates" in md and "## Differences to `full` with 95% intervals" in md
+    assert "## Learning rates" in md and "## Differences to `full` (95% paired t-intervals over seeds)" in md
     again = run_grid(grid, tmp_path, data=small_data, device="cpu")
     assert all(s.get("skipped") for s in again["runs"])
 

@@ -10,6 +10,7 @@ import torch
 from k3.audit.ablate import make_variant, params_of, variant_config
 from k3.audit.scaling import (
     analyse,
+    bootstrap_fit,
     bootstrap_multiplier,
     compute_multiplier,
     fit_power_law,
@@ -59,13 +60,11 @@ def test_fit_rejects_bad_input():
         fit_power_law([1e15, -1.0], [3.0, 2.9])
 
 
-def test_compute_multiplier_and_bootstrap_interval():
-    k = 3.0  # family A reaches every loss with k times less compute: L_A(C) = L_B(k C)
-    c = np.geomspace(1e15, 1e19, 6).repeat(3)
+def _two_families(k: float, sizes: int, seeds: int):
+    """Family A reaches every loss with k times less compute than B: L_A(C) = L_B(k C)."""
+    c = np.geomspace(1e15, 1e19, sizes).repeat(seeds)
     loss_b = synthetic(40.0, 0.08, c, 0.003, 2)
     loss_a = synthetic(40.0, 0.08, k * c, 0.003, 3)
-    fa, fb = fit_power_law(c, loss_a), fit_power_law(c, loss_b)
-    assert float(compute_multiplier(fa, fb, 2.0)) == pytest.approx(k, rel=0.1)
     runs = [
         {"label": "k3", "compute": ci, "loss": li, "run_dir": f"a{i}", "tokens": 1}
         for i, (ci, li) in enumerate(zip(c, loss_a))
@@ -74,19 +73,57 @@ def test_compute_multiplier_and_bootstrap_interval():
         {"label": "baseline", "compute": ci, "loss": li, "run_dir": f"b{i}", "tokens": 1}
         for i, (ci, li) in enumerate(zip(c, loss_b))
     ]
+    return c, loss_a, loss_b, runs
+
+
+def test_compute_multiplier_and_bootstrap_interval():
+    """With >= 20 runs an arm the intervals are the seeded bootstrap's, and say so."""
+    k = 3.0
+    c, loss_a, loss_b, runs = _two_families(k, 7, 3)
+    fa, fb = fit_power_law(c, loss_a), fit_power_law(c, loss_b)
+    assert float(compute_multiplier(fa, fb, 2.0)) == pytest.approx(k, rel=0.1)
     r = analyse(runs, n_boot=400, seed=0)
     m = r["multipliers"]["k3"]
     assert r["baseline"] == "baseline" and m["overlap"]
     assert m["multiplier"] == pytest.approx(k, rel=0.1)
-    lo, hi = m["interval90"]
+    lo, hi = m["interval"]
     assert lo < k < hi and hi / lo < 1.5
-    assert r["fits"]["k3"]["bootstrap"]["b"][0] < 0.08 < r["fits"]["k3"]["bootstrap"]["b"][1]
+    assert m["interval_detail"]["method"].startswith("percentile bootstrap") and m["interval_detail"]["level"] == "90%"
+    fit = r["fits"]["k3"]["interval"]
+    assert fit["b"][0] < 0.08 < fit["b"][1] and fit["method"].startswith("percentile bootstrap")
     # seeded: the same intervals again
     again = bootstrap_multiplier(c, loss_a, c, loss_b, m["at_loss"], n_boot=400, seed=0)
     assert (again["low"], again["high"]) == (lo, hi)
     # the irreducible form finds the same multiplier on pure power laws
     r3 = analyse(runs, n_boot=50, irreducible=True)
     assert r3["multipliers"]["k3"]["multiplier"] == pytest.approx(k, rel=0.15)
+
+
+def test_few_runs_get_t_intervals_not_a_bootstrap(tmp_path):
+    """Below 20 runs an arm the bootstrap refuses, and the intervals are t on the fit's covariance: for L = a C^-b
+    the interval of b is the least-squares slope's t-interval on log L (n - 2 df, as scipy's linregress gives),
+    and the multiplier's covers the truth."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    k = 3.0
+    c, loss_a, loss_b, runs = _two_families(k, 6, 3)
+    with pytest.raises(ValueError, match=">= 20 runs per architecture, got 18"):
+        bootstrap_multiplier(c, loss_a, c, loss_b, 2.0)
+    with pytest.raises(ValueError, match=">= 20 runs"):
+        bootstrap_fit(c, loss_a)
+    r = analyse(runs, n_boot=400)
+    fit = r["fits"]["k3"]["interval"]
+    lr = scipy_stats.linregress(np.log(c), np.log(loss_a))
+    half = scipy_stats.t.ppf(0.95, c.size - 2) * lr.stderr
+    assert fit["b"] == [pytest.approx(-lr.slope - half, rel=1e-6), pytest.approx(-lr.slope + half, rel=1e-6)]
+    assert fit["method"] == "t on the fit's linearised covariance, 16 df" and fit["level"] == "90%"
+    m = r["multipliers"]["k3"]
+    lo, hi = m["interval"]
+    assert lo < k < hi and m["interval_detail"]["method"].startswith("delta method")
+    assert 16 <= m["interval_detail"]["df"] <= 32
+    write_outputs(r, tmp_path)
+    text = (tmp_path / "scaling.md").read_text()
+    assert "| architecture | runs | sizes | a | b (90% interval) | E (90% interval) | rss(log L) | interval |" in text
+    assert "90% t on the fit's linearised covariance, 16 df |" in text and "90% delta method" in text
 
 
 def test_no_multiplier_without_overlapping_losses(tmp_path):
@@ -101,7 +138,7 @@ def test_no_multiplier_without_overlapping_losses(tmp_path):
     ]
     r = analyse(runs, n_boot=20)
     m = r["multipliers"]["k3"]
-    assert not m["overlap"] and m["multiplier"] is None and m["interval90"] == [None, None]
+    assert not m["overlap"] and m["multiplier"] is None and m["interval"] == [None, None]
     write_outputs(r, tmp_path)
     assert "none: the losses do not overlap" in (tmp_path / "scaling.md").read_text()
 
@@ -215,20 +252,23 @@ def test_groups_too_small_are_reported_not_fitted():
     assert "baseline" in r["skipped"] and "k3" in r["fits"] and r["multipliers"] == {}
 
 
-def test_bootstrap_band_brackets_the_fit():
-    """The figure's 90% band of the fitted loss: a grid reaching past the runs, lo <= hi everywhere, and the fit of
-    all runs inside the band where the runs are."""
-    from k3.audit.scaling import bootstrap_fit, fit_power_law
+@pytest.mark.parametrize("sizes, how", [(7, "bootstrap"), (5, "t")])
+def test_interval_band_brackets_the_fit(sizes, how):
+    """The figure's 90% band of the fitted loss (a bootstrap with 21 runs, t on the fit's covariance with 15): a
+    grid reaching past the runs, lo <= hi everywhere, and the fit of all runs inside the band where the runs are."""
+    from k3.audit.scaling import fit_interval, fit_power_law
 
     rng = np.random.default_rng(3)
-    c = np.repeat(np.geomspace(1e15, 1e17, 5), 3)
+    c = np.repeat(np.geomspace(1e15, 1e17, sizes), 3)
     loss = 2.0 + 30.0 * c**-0.08 * np.exp(rng.normal(0, 0.01, c.size))
-    band = bootstrap_fit(c, loss, irreducible=False, n_boot=200)["band"]
-    grid, lo, hi = (np.array(band[k]) for k in ("compute", "lo", "hi"))
+    fit = fit_power_law(c, loss)
+    iv = fit_interval(c, loss, fit, irreducible=False, n_boot=200, seed=0)
+    assert (how == "bootstrap") == iv["method"].startswith("percentile bootstrap")
+    grid, lo, hi = (np.array(iv["band"][k]) for k in ("compute", "lo", "hi"))
     assert grid[0] < c.min() and grid[-1] > c.max() and np.all(lo <= hi)
     inside = (grid >= c.min()) & (grid <= c.max())
-    fit = fit_power_law(c, loss).loss(grid)
-    assert np.all((lo[inside] <= fit[inside] + 1e-9) & (fit[inside] <= hi[inside] + 1e-9))
+    line = fit.loss(grid)
+    assert np.all((lo[inside] <= line[inside] + 1e-9) & (line[inside] <= hi[inside] + 1e-9))
 
 
 def test_proportional_sweep_reads_what_each_run_needs_from_pinned_packages(tmp_path):
