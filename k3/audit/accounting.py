@@ -82,15 +82,46 @@ def activated_counts(config: K3Config, counts: dict[str, int]) -> dict[str, floa
     return {path: n * frac if path == "routed_experts" else float(n) for path, n in counts.items()}
 
 
-def attention_flops_per_token(config: K3Config, context: int) -> dict[str, float]:
-    """Forward FLOPs per token beyond the weight matmuls, at ``context`` tokens."""
+def attention_flops_per_token(config: K3Config, context: int, form: str = "forward") -> dict[str, float]:
+    """FLOPs per token beyond the weight matmuls at ``context`` tokens (docs/architecture.md#accounting).
+
+    ``form="forward"`` (training and prefill): a token of a ``context``-token sequence sees (context + 1) / 2 keys
+    on average, MLA with its keys and values up-projected per head (scores over qk_head_dim, values over
+    v_head_dim). ``form="decode"``: one new token over ``context`` cached rows, MLA absorbed as the engine runs it
+    (scores over the latent row, kv_lora_rank + qk_rope_head_dim, and values over kv_lora_rank: more per key than
+    the forward form, since the latent is wider than a head). The per-head maps the absorbed form applies to the
+    query and the output cost what the up-projection costs per token, so the matmul count is the same in both.
+    KDA's recurrent state update: 7 H dk dv in both."""
+    if form not in ("forward", "decode"):
+        raise ValueError(f"form={form!r}: 'forward' or 'decode'")
     mla, kda = config.mla, config.kda
     n_mla = len(config.mla_layers)
     n_kda = config.num_hidden_layers - n_mla
-    avg_keys = (context + 1) / 2
-    mla_flops = n_mla * 2 * mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) * avg_keys
+    if form == "forward":
+        mla_flops = n_mla * 2 * mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) * (context + 1) / 2
+    else:
+        mla_flops = n_mla * 2 * mla.num_heads * (2 * mla.kv_lora_rank + mla.qk_rope_head_dim) * context
     kda_flops = n_kda * 7 * kda.num_heads * kda.head_dim * kda.v_head_dim
     return {"mla_attention": mla_flops, "kda_state": kda_flops}
+
+
+def flops_per_token(config: K3Config, context: int = 4096, form: str = "forward", counts: dict | None = None) -> dict:
+    """Forward FLOPs per token: the one count ``k3 info``, the audit and the benchmarks' MFU use. 2 per activated
+    matmul weight (the input embedding's lookup and the norms excluded), the AttnRes depth mixes, and
+    :func:`attention_flops_per_token` in ``form``. ``counts``: :func:`parameter_counts` of the config's model,
+    when already made. Returns {"matmul", "attn_res_mix", "mla_attention", "kda_state", "total"}; a training step
+    is 3x the forward form."""
+    from k3.audit.attnres import mix_flops_per_token  # the depth mixes' own cost model
+
+    counts = parameter_counts(build_meta(config)) if counts is None else counts
+    active = activated_counts(config, counts)
+    out = {
+        "matmul": 2.0 * (sum(active.values()) - active["embedding"] - active["norms"] - active["attn_res"]),
+        "attn_res_mix": mix_flops_per_token(config),
+        **attention_flops_per_token(config, context, form),
+    }
+    out["total"] = sum(out.values())
+    return out
 
 
 def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: nn.Module | None = None) -> dict:
@@ -100,8 +131,8 @@ def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: 
     active = activated_counts(config, counts)
     total = sum(counts.values())
     activated = sum(active.values()) - active["embedding"]
-    matmul_active = activated - active["norms"] - active["attn_res"]
-    attn = attention_flops_per_token(config, context)
+    flops = flops_per_token(config, context, counts=counts)
+    decode = flops_per_token(config, context, "decode", counts=counts)
     layers = [
         {"index": i, "mixer": config.mixer(i), "ffn": config.ffn(i), "attn_res_block": config.attn_res_block(i)}
         for i in range(config.num_hidden_layers)
@@ -125,8 +156,10 @@ def report(config: K3Config, context: int = 4096, weight_bytes: int = 2, model: 
         "params_vision_encoder": vision.get("encoder", 0),
         "params_vision_projector": vision.get("projector", 0),
         "context": context,
-        "flops_per_token_forward": 2 * matmul_active + sum(attn.values()),
-        "flops_per_token_breakdown": {"matmul": 2 * matmul_active, **attn},
+        "flops_per_token_forward": flops["total"],
+        "flops_per_token_breakdown": {k: v for k, v in flops.items() if k != "total"},
+        "flops_per_token_decode": decode["total"],
+        "flops_per_token_decode_breakdown": {k: v for k, v in decode.items() if k != "total"},
         "weight_bytes_per_token": activated * weight_bytes,
         "weight_bytes_dtype_size": weight_bytes,
         "cache_per_sequence": cache_bytes_per_sequence(config, context),

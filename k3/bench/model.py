@@ -2,9 +2,9 @@
 peer's shapes (case train_ac: the step with activation checkpointing, its time and peak memory; case train_accum:
 an optimizer step of 8 such micro-batches, 262,144 tokens; cases train_fp8 / train_accum_fp8: the same with the
 routed experts' matmuls in FP8 (k3.quant.fp8), their speed-up over the bf16 step in x_bf16_experts; MFU from
-6 N_active per token at the bf16 peak (for FP8: the bf16-equivalent MFU), and with the attention and KDA-state
-FLOPs added; case floor: the step's floor, k3.bench.floor, and the tokens/s, MFU and ratio to the
-peer it allows); (c) AttnRes
+6 N_active per token at the bf16 peak (for FP8: the bf16-equivalent MFU), and (mfu_6N_attn) from the whole count
+of k3.audit.accounting.flops_per_token (attention, KDA state and AttnRes mixes added); case floor: the step's
+floor, k3.bench.floor, and the tokens/s, MFU and ratio to the peer it allows); (c) AttnRes
 none / snapshot / full overhead in training and decode, peak memory (case attn_res_compiled: the decode step
 compiled by torch.compile before its CUDA-graph capture); (f) one-GPU prefill of 128K and 1M tokens,
 hybrid vs a full-MLA twin (time, peak memory)."""
@@ -48,19 +48,18 @@ def train_step_time(model, batch: int, seq: int, steps: int = 3, accum: int = 1)
     return t
 
 
-def attention_train_flops(model, seq: int) -> float:
-    """Training FLOPs per token beyond the weight matmuls (MLA attention over a causal sequence of ``seq``, KDA's
-    state work): 3 x the forward's (k3.audit.accounting)."""
-    from k3.audit.accounting import attention_flops_per_token
+def train_flops_per_token(model, seq: int) -> dict:
+    """Training FLOPs per token of ``model`` at sequence ``seq``: 3x the forward count of
+    k3.audit.accounting.flops_per_token (the one count k3 info and the audit print); "matmul" / 6 is the N of
+    "6 N" MFU."""
+    from k3.audit.accounting import flops_per_token, parameter_counts
 
-    return 3 * sum(attention_flops_per_token(model.config, seq).values())
+    return {k: 3 * v for k, v in flops_per_token(model.config, seq, counts=parameter_counts(model)).items()}
 
 
 def activated_matmul_params(model) -> float:
-    from k3.audit.accounting import activated_counts, parameter_counts
-
-    a = activated_counts(model.config, parameter_counts(model))
-    return sum(a.values()) - a["embedding"] - a["norms"] - a["attn_res"]
+    """N of "6 N": the activated matmul weights per token (input embedding and norms excluded)."""
+    return train_flops_per_token(model, 1)["matmul"] / 6
 
 
 def hf_peer_train(batch: int, seq: int) -> float | None:
@@ -167,7 +166,7 @@ def run(out_dir: str | None = None, quick: bool = False, cases=CASES) -> None:
                 "ms": tc * 1e3,
                 "tokens_per_s": tps,
                 "mfu_6N": 6 * n_act * tps / PEAK,
-                "mfu_6N_attn": (6 * n_act + attention_train_flops(model, seq)) * tps / PEAK,
+                "mfu_6N_attn": train_flops_per_token(model, seq)["total"] * tps / PEAK,
                 "peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
                 **({"x_bf16_experts": steps[bf16_case] / tc} if case != bf16_case and bf16_case in steps else {}),
             }
