@@ -23,15 +23,14 @@ EXTRA = "pip install 'k3[structured]'"
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def _llguidance():
-    """The llguidance module, or one SamplingError naming response_format and the extra that installs it."""
+def _llguidance(param: str = "response_format", what: str = "response_format"):
+    """The llguidance module, or one SamplingError naming ``param`` (``what`` asked for structured output) and
+    the extra that installs it."""
     try:
         import llguidance
         import llguidance.torch  # noqa: F401 - the bitmask helpers
     except ImportError:
-        raise SamplingError(
-            "response_format", f"response_format needs structured output, which needs llguidance: {EXTRA}"
-        ) from None
+        raise SamplingError(param, f"{what} needs structured output, which needs llguidance: {EXTRA}") from None
     return llguidance
 
 
@@ -56,15 +55,42 @@ def grammar_for(response_format) -> str | None:
         schema = spec["schema"]
     else:
         raise SamplingError("response_format", 'response_format.type must be "text", "json_object" or "json_schema"')
-    matcher = _llguidance().LLMatcher
+    grammar, error = _schema_grammar(schema, "response_format")
+    if error:
+        raise SamplingError("response_format", f"response_format: the JSON schema is not valid: {error}")
+    return grammar
+
+
+def _schema_grammar(schema: dict, param: str, what: str | None = None) -> tuple[str | None, str | None]:
+    """(the grammar of compact JSON valid against ``schema``, None) or (None, why llguidance refuses it)."""
+    matcher = _llguidance(param, what or param).LLMatcher
     try:
         grammar = matcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
     except ValueError as e:
-        raise SamplingError("response_format", f"response_format: the JSON schema is not valid: {e}") from None
+        return None, str(e)
     error = matcher.validate_grammar(grammar)
+    return (None, error) if error and not error.startswith("WARNING") else (grammar, None)
+
+
+def schema_error(schema: dict, param: str, what: str) -> str | None:
+    """Why ``schema`` is not a JSON schema llguidance can constrain output to (None: it is one); one
+    SamplingError naming ``param`` where llguidance is missing (``what`` asked for it)."""
+    return _schema_grammar(schema, param, what)[1]
+
+
+def lark_grammar(lark: str, param: str, what: str) -> str:
+    """The llguidance grammar of Lark text ``lark``, whose ``%json`` rules (:func:`json_rule`) are compact as
+    grammar_for's; one SamplingError naming ``param`` where llguidance is missing or refuses it."""
+    grammar = json.dumps({"grammars": [{"lark_grammar": lark}]})
+    error = _llguidance(param, what).LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
-        raise SamplingError("response_format", f"response_format: the JSON schema is not valid: {error}")
+        raise SamplingError(param, f"{what}: the grammar is not valid: {error}")
     return grammar
+
+
+def json_rule(schema: dict) -> str:
+    """A Lark ``%json`` rule body of compact JSON valid against ``schema``."""
+    return f"%json {json.dumps({**schema, 'x-guidance': _JSON_OPTIONS})}"
 
 
 class Constraint:

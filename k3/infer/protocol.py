@@ -4,7 +4,7 @@ expect (:class:`APIError`, answered as ``{"error": {"message", "type", "param", 
 content (text and ``data:`` image parts).
 
 Models are strict (``"5"`` is not an integer) and ignore unknown fields; known OpenAI options this server does not
-implement (tools, functions, audio, ...) are accepted only at their no-op values, any other value
+implement (the legacy functions, audio, ...) are accepted only at their no-op values, any other value
 answering 400 naming the field (:meth:`StrictRequest.refuse_unsupported`). ``model`` may be left out (null): it
 means the served model, as vLLM takes it. The sampling ranges
 are the sampler's own (:meth:`k3.infer.sampling.SamplingParams.validate`, which the server runs on every request):
@@ -129,10 +129,8 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
     "logit_bias": (lambda v: not v, "null or {}"),
     "best_of": (lambda v: v in (None, 1), "null or 1"),
     "suffix": (lambda v: not v, "null or an empty string"),
-    "tools": (lambda v: not v, "null or []"),
-    "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
-    "functions": (lambda v: not v, "null or []"),
-    "function_call": (lambda v: v in (None, "none"), 'null or "none"'),
+    "functions": (lambda v: not v, "null or []: send tools instead"),
+    "function_call": (lambda v: v in (None, "none"), 'null or "none": send tool_choice instead'),
     "response_format": (
         lambda v: v is None or isinstance(v, dict) and v.get("type") in ("text", "json_object", "json_schema"),
         'null or a "type" of "text", "json_object" or "json_schema"',
@@ -176,10 +174,11 @@ class ChatRequest(BaseRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # OpenAI options accepted only at their no-op values (_NOOP); parallel_tool_calls is harmless without tools
+    # tool calling (checked by k3.infer.tools.ToolUse)
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI options accepted only at their no-op values (_NOOP)
     functions: list | None = None
     function_call: Any = None
     modalities: Any = None
@@ -196,6 +195,7 @@ class TokenizeRequest(StrictRequest):
     messages: list[dict[str, Any]] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True  # messages: end with the assistant's header, as a chat request does
+    tools: list | None = None  # messages: the tools a chat request declares (k3.infer.tools)
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -243,8 +243,9 @@ def image_part(i: int, part: dict) -> bytes:
 
 
 def message_content(i: int, m: dict, images: list[bytes]) -> dict:
-    """OpenAI messages -> {role, content}: text parts are joined, each image part becomes an IMAGE_SLOT character
-    (its bytes appended to ``images``), 'developer' is a system message."""
+    """OpenAI messages -> {role, content} (with ``tool_calls`` / ``tool_call_id`` where given, for
+    k3.data.chat to check): text parts are joined, each image part becomes an IMAGE_SLOT character (its bytes
+    appended to ``images``), 'developer' is a system message."""
     content = m.get("content")
     if isinstance(content, list):
         parts = []
@@ -260,4 +261,6 @@ def message_content(i: int, m: dict, images: list[bytes]) -> dict:
                 )
         content = "".join(parts)
     role = "system" if m.get("role") == "developer" else m.get("role")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    out.update({k: m[k] for k in ("tool_calls", "tool_call_id") if k in m})
+    return out

@@ -51,9 +51,10 @@ async def stream_events(
     (the choices interleaved, each chunk carrying its choice's index, as vLLM streams n > 1), one finish chunk per
     choice, an optional usage chunk once every choice has finished, then [DONE] once.
 
-    ``chunks[i](text, finish_reason, token logprobs, prompt logprobs)`` builds choice i's chunk object (from
-    ``streams[i]``); ``usage_of(last output of each choice)`` the usage object. The log-probabilities of tokens
-    whose text is held back (it may begin a stop string) go out with the chunk that carries their text. An engine
+    ``chunks[i](text, finish_reason, token logprobs, prompt logprobs)`` builds choice i's chunk object, or a list
+    of them (k3.infer.tools.ToolChunks), from ``streams[i]``; ``usage_of(last output of each choice)`` the usage
+    object. The log-probabilities of tokens whose text is held back (it may begin a stop string) go out with the
+    chunk that carries their text. An engine
     failure ends the stream with an ``error`` event, then [DONE]; closing the stream (the client went away) aborts
     every choice still running."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -83,7 +84,9 @@ async def stream_events(
             pending[i] += token_lps(out, text_only)
             prompt[i] = out.prompt_logprobs if out.prompt_logprobs is not None else prompt[i]
             if out.text or out.finished:
-                yield sse(chunks[i](out.text, out.finish_reason, pending[i], prompt[i]))
+                built = chunks[i](out.text, out.finish_reason, pending[i], prompt[i])
+                for obj in built if isinstance(built, list) else [built]:
+                    yield sse(obj)
                 pending[i], prompt[i] = [], None
             lasts[i] = out
         if include_usage:

@@ -45,6 +45,7 @@ from k3.infer.responses import (
 )
 from k3.infer.grammar import grammar_for
 from k3.infer.sampling import SamplingError, SamplingParams
+from k3.infer.tools import ToolChunks, ToolUse
 
 # Echoed prompt log-probabilities: (prompt tokens x choices) x (logprobs + 1) entries at most. Each renders as a
 # token text and a float (~25 bytes of JSON), so 2**18 keeps a response near 6 MB; scoring a whole 8192-token
@@ -197,9 +198,11 @@ class Serving:
         stop_ids: list[int],
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        grammar: str | None = None,
     ) -> SamplingParams:
         """The SamplingParams of a prompt of ``prompt_len`` tokens, checked against the context and the sampler's
-        ranges (SamplingParams.validate: its message, as `k3 generate` prints it)."""
+        ranges (SamplingParams.validate: its message, as `k3 generate` prints it); ``grammar``: the output's
+        (a forced tool call's), else ``response_format``'s."""
         max_context = self.max_context
         if prompt_len > max_context or prompt_len == max_context and max_tokens != 0:  # 0: scored, fits whole
             raise APIError(
@@ -219,7 +222,7 @@ class Serving:
                 "context_length_exceeded",
             )
         try:
-            grammar = grammar_for(req.response_format)
+            grammar = grammar if grammar is not None else grammar_for(req.response_format)
         except SamplingError as e:
             raise APIError(400, str(e), e.param) from None
         params = SamplingParams(
@@ -378,8 +381,11 @@ class Serving:
         lasts = [last for _, last, _, _ in results]
         return {**base, "choices": choices, "usage": self.completion_usage(prompt_tokens, lasts, req.n)}
 
-    async def chat_prompt(self, req, add_generation_prompt: bool = True) -> tuple[list[int], Any, Any]:
-        """(prompt ids with image tokens expanded, the images' media, the rendered chat) of ``req.messages``."""
+    async def chat_prompt(
+        self, req, add_generation_prompt: bool = True, tools: list | None = None
+    ) -> tuple[list[int], Any, Any]:
+        """(prompt ids with image tokens expanded, the images' media, the rendered chat) of ``req.messages`` and
+        the ``tools`` they declare."""
         images: list[bytes] = []
         messages = [message_content(i, m, images) for i, m in enumerate(req.messages)]
         if images and self.image_token_id is None:
@@ -392,6 +398,7 @@ class Serving:
                 self.tok,
                 add_generation_prompt,
                 image_token_id=self.image_token_id if images else None,
+                tools=tools,
             )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
@@ -405,10 +412,11 @@ class Serving:
         self.check(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        tools = ToolUse.of(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def admit():
-            prompt, media, rendered = await self.chat_prompt(req)
+            prompt, media, rendered = await self.chat_prompt(req, tools=tools.declared)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = self.sampling(
                 req,
@@ -418,12 +426,15 @@ class Serving:
                 rendered.stop,
                 rendered.stop_token_ids,
                 (req.top_logprobs or 0) if req.logprobs else None,
+                grammar=tools.grammar(self.tok, rendered.next_call),
             )
             return prompt, await self.start_all([(prompt, p, media) for p in copies(params, req.n)], rid)
 
         prompt, streams = await watched(request, admit())
         base = {"id": rid, "created": int(time.time()), "model": self.model_name}
         builders = [ChatChoice(self.forms, base, bool(req.logprobs), j) for j in range(req.n)]
+        if req.stream and tools.parsing:
+            builders = [ToolChunks(b, tools.stream()) for b in builders]
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             events = stream_events(
@@ -436,18 +447,16 @@ class Serving:
             )
             return StreamingResponse(events, media_type="text/event-stream")
         results = await self.collect_all(request, streams, text_only=True)
+        choices = []
+        for j, (text, last, lps, _) in enumerate(results):
+            message, reason = tools.message(text, last.finish_reason)
+            choices.append(
+                {"index": j, "message": message, "logprobs": builders[j].logprobs(lps), "finish_reason": reason}
+            )
         return {
             **base,
             "object": "chat.completion",
-            "choices": [
-                {
-                    "index": j,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": builders[j].logprobs(lps),
-                    "finish_reason": last.finish_reason,
-                }
-                for j, (text, last, lps, _) in enumerate(results)
-            ],
+            "choices": choices,
             "usage": self.chat_usage(len(prompt), [last for _, last, _, _ in results]),
         }
 
@@ -487,7 +496,7 @@ class Serving:
         any length (the body limit bounds it): harnesses tokenise whole documents, longer than the context."""
         self.check(req)
         if req.messages is not None:
-            ids, _, _ = await self.chat_prompt(req, req.add_generation_prompt)
+            ids, _, _ = await self.chat_prompt(req, req.add_generation_prompt, ToolUse.of(req).declared)
         else:
             ids = await self.off_loop(self.tok.encode, req.prompt, True)
         out = {"count": len(ids), "max_model_len": self.max_context, "tokens": ids}

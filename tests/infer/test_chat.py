@@ -1,9 +1,12 @@
 """Chat rendering: format chosen by the vocabulary's special tokens, ids == allow_special encoding of the text,
-message contents cannot inject special tokens, one ValueError per bad message."""
+message contents cannot inject special tokens, one ValueError per bad message; tools and tool-call history in
+Kimi's format (markers as tokens where the vocabulary has them), as transformers renders the saved template."""
+
+import re
 
 import pytest
 
-from k3.data.chat import PLAIN_STOP, chat_format, render_chat
+from k3.data.chat import PLAIN_STOP, TOOL_MARKERS, chat_format, render_chat
 from k3.data.tokenizer import train_bpe
 
 TEXT = (
@@ -24,12 +27,24 @@ MSGS = [
 def toks():
     return {
         name: train_bpe([TEXT], vocab_size=300 + len(specials), special_tokens=specials)
-        for name, specials in (("k3", K3), ("k2", K2), ("plain", ("<|endoftext|>",)))
+        for name, specials in (
+            ("k3", K3),
+            ("k2", K2),
+            ("plain", ("<|endoftext|>",)),
+            ("k3+markers", K3 + TOOL_MARKERS),
+            ("k2+markers", K2 + TOOL_MARKERS),
+        )
     }
 
 
 def test_format_follows_special_tokens(toks):
-    assert {name: chat_format(t) for name, t in toks.items()} == {"k3": "k3", "k2": "k2", "plain": "plain"}
+    assert {name: chat_format(t) for name, t in toks.items()} == {
+        "k3": "k3",
+        "k2": "k2",
+        "plain": "plain",
+        "k3+markers": "k3",
+        "k2+markers": "k2",
+    }
     # K3 needs all four XTML tokens; three are not enough
     partial = train_bpe(
         [TEXT], vocab_size=300, special_tokens=("<|endoftext|>", "<|open|>", "<|sep|>", "<|end_of_msg|>")
@@ -158,3 +173,132 @@ def test_transformers_chat_template_refuses_what_k3_refuses(hf_toks):
         ):
             with pytest.raises(TemplateError, match=words):
                 hf.apply_chat_template(messages, tokenize=False)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city, é ✓",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Lyon?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lyon"}}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_b", "content": "rain"},
+    {"role": "tool", "tool_call_id": "call_a", "content": '{"sky": "sun"}'},
+    {
+        "role": "assistant",
+        "content": "And the time: ",
+        "tool_calls": [{"id": "call_c", "type": "function", "function": {"name": "now", "arguments": "{}"}}],
+    },
+    {"role": "tool", "tool_call_id": "call_c", "content": "12:00"},
+    {"role": "assistant", "content": "Sun in Paris, rain in Lyon, at noon."},
+    {"role": "user", "content": "Thanks"},
+]
+DECLARED = (
+    '[{"type":"function","function":{"name":"get_weather","description":"The weather of a city, é ✓",'
+    '"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}},'
+    '{"type":"function","function":{"name":"now"}}]'
+)
+CALLS = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+    '{"city": "Lyon"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+
+
+def test_k2_tool_rendering(toks):
+    """Kimi K2's format: tool_declare first, calls numbered over the conversation whatever ids the client gave,
+    each result under the id of the call it answers."""
+    r = render_chat(HISTORY[1:5], toks["k2"], tools=TOOLS)
+    assert r.text == (
+        f"<|im_system|>tool_declare<|im_middle|>{DECLARED}<|im_end|>"
+        "<|im_user|>user<|im_middle|>Weather in Paris and Lyon?<|im_end|>"
+        f"<|im_assistant|>assistant<|im_middle|>{CALLS}<|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:1\nrain<|im_end|>"
+        '<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n{"sky": "sun"}<|im_end|>'
+        "<|im_assistant|>assistant<|im_middle|>"
+    )
+    assert r.next_call == 2 and render_chat(HISTORY, toks["k2"]).next_call == 3
+
+
+def test_k3_tool_rendering(toks):
+    r = render_chat(HISTORY[1:4], toks["k3"], tools=TOOLS[1:], add_generation_prompt=False)
+    assert r.text == (
+        '<|open|>tool_declare<|sep|>[{"type":"function","function":{"name":"now"}}]<|end_of_msg|>'
+        "<|open|>user<|sep|>Weather in Paris and Lyon?<|end_of_msg|>"
+        f"<|open|>assistant<|sep|>{CALLS}<|end_of_msg|>"
+        "<|open|>tool<|sep|>## Return of functions.get_weather:1\nrain<|end_of_msg|>"
+    )
+
+
+@pytest.mark.parametrize("fmt", ["k3", "k2", "plain", "k3+markers", "k2+markers"])
+def test_markers_are_tokens_where_the_vocabulary_has_them(toks, fmt):
+    tok = toks[fmt]
+    r = render_chat(HISTORY, tok, tools=TOOLS)
+    assert r.token_ids == tok.encode(r.text, allow_special=True) and tok.decode(r.token_ids) == r.text
+    ids = [tok.hf.token_to_id(m) for m in TOOL_MARKERS]
+    spliced = sum(t in ids for t in r.token_ids)
+    assert spliced == (2 * 2 + 3 * 3 if "markers" in fmt else 0)  # 2 sections of 2 markers, 3 calls of 3
+    assert sum(t == ids[2] for t in r.token_ids) == (3 if "markers" in fmt else 0)
+
+
+@pytest.mark.parametrize("fmt", ["k3", "k2", "plain", "k3+markers", "k2+markers"])
+@pytest.mark.parametrize("prompt", [True, False])
+def test_transformers_chat_template_renders_tools_like_k3(toks, hf_toks, fmt, prompt):
+    """apply_chat_template(tools=...) of the saved template: render_chat's text and ids, with the tools declared,
+    assistant turns calling tools (content null or text), tool results, and without tools."""
+    tok, hf = toks[fmt], hf_toks[fmt]
+    for messages, tools in ((HISTORY, TOOLS), (HISTORY[1:4], TOOLS[:1]), (HISTORY, None), (TURNS, TOOLS)):
+        want = render_chat(messages, tok, add_generation_prompt=prompt, tools=tools)
+        kw = dict(tools=tools, add_generation_prompt=prompt)
+        assert hf.apply_chat_template(messages, tokenize=False, **kw) == want.text
+        assert hf.apply_chat_template(messages, **kw)["input_ids"] == want.token_ids
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+ASKED = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}]
+BAD_TOOL_MESSAGES = [  # (messages, words of render_chat's ValueError, words of the template's error)
+    (ASKED + [{"role": "tool", "content": "12:00"}], "messages[2].tool_call_id must be", "needs the tool_call_id"),
+    (ASKED + [{"role": "tool", "tool_call_id": "c2", "content": "x"}], "answers no earlier", "answers no earlier"),
+    ([{"role": "tool", "tool_call_id": "c1", "content": "x"}], "answers no earlier", "answers no earlier"),
+    ([{"role": "user", "content": "x", "tool_calls": [CALL]}], "only assistant messages", "only assistant"),
+    (ASKED[:1] + [{"role": "assistant", "content": None}], "content must be a string", "content must be a string"),
+]
+
+
+@pytest.mark.parametrize("messages,words,template_words", BAD_TOOL_MESSAGES)
+def test_bad_tool_messages_raise_in_both(toks, hf_toks, messages, words, template_words):
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        render_chat(messages, toks["k2"])
+    with pytest.raises(TemplateError, match=re.escape(template_words)):
+        hf_toks["k2"].apply_chat_template(messages, tokenize=False)
+
+
+@pytest.mark.parametrize(
+    "call,words",
+    [
+        ({"type": "function", "function": {"name": "now", "arguments": "{}"}}, "tool_calls[0].id"),
+        ({"id": "c", "type": "function", "function": {"arguments": "{}"}}, "tool_calls[0].function.name"),
+        ({"id": "c", "type": "function", "function": {"name": "now", "arguments": 5}}, "function.arguments"),
+        ({"id": "c", "type": "code", "function": {"name": "now"}}, "tool_calls[0] must be"),
+    ],
+)
+def test_bad_tool_calls_raise_one_value_error(toks, call, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        render_chat([{"role": "assistant", "content": None, "tool_calls": [call]}], toks["k2"])

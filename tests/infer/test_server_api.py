@@ -1,7 +1,8 @@
 """The OpenAI server with the clients its users run: many stop strings (lm-evaluation-harness adds its EOS to each
 task's list), streamed n > 1 as vLLM streams it, vLLM's tokenizer endpoints, OpenAI options the server does not
-honour (a 400 naming the field, unless at a no-op value), and lm-evaluation-harness's ``local-completions``
-pointed only at the server's URL. Served by test_server's tiny checkpoint, in a server of this module's own.
+honour (a 400 naming the field, unless at a no-op value; tool calling is test_tools'), and lm-evaluation-harness's
+``local-completions`` pointed only at the server's URL. Served by test_server's tiny checkpoint, in a server of
+this module's own.
 """
 
 import json
@@ -169,9 +170,6 @@ def test_bad_tokenizer_requests(served, path, body, status, words, param):
 UNSUPPORTED = [  # (path, field, a value the server does not honour, its no-op value or None)
     ("/v1/chat/completions", "response_format", {"type": "grammar", "grammar": "x"}, {"type": "text"}),
     ("/v1/completions", "response_format", {"type": "regex"}, None),
-    ("/v1/chat/completions", "tool_choice", "auto", "none"),
-    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}, None),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], []),
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}], []),
     ("/v1/chat/completions", "function_call", "auto", "none"),
     ("/v1/chat/completions", "modalities", ["text", "audio"], ["text"]),
