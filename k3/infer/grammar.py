@@ -103,7 +103,7 @@ class Constraint:
         the matcher refuses."""
         self.matcher = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise ValueError(f"response_format: {self.matcher.get_error()}")
+            raise ValueError(f"structured output: the grammar is refused: {self.matcher.get_error()}")
 
     def consume(self, token: int) -> str | None:
         """Advance past a sampled token; an error message where the grammar refuses it (None: accepted)."""
