@@ -34,15 +34,11 @@ from k3.ops.kda.reference import recurrent_kda
 from k3.train.activation_checkpoint import apply_activation_checkpointing
 from tests.conftest import _perturb
 from tests.distributed.spawn import run
+from tests.helpers import rel
 
 # (B, T, cu_seqlens over B*T): documents crossing rank boundaries; one spanning every rank of row 0 (and of
 # row 1 whole); short slices (T/C = 2 < W-1 = 3 at 4 ranks) whose conv history reaches back over two ranks.
 BATCHES = [(2, 48, [0, 7, 30, 48, 50, 96]), (2, 48, [0, 3, 48, 96]), (1, 8, [0, 1, 8])]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def build_model(absorb: bool | None = None, **overrides) -> K3ForCausalLM:

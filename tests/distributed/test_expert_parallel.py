@@ -31,6 +31,7 @@ from k3.model.decoder import K3ForCausalLM
 from k3.train.optim import K3Muon, classify_parameters, param_groups_for
 from tests.conftest import _perturb, pack_model_experts
 from tests.distributed.spawn import run
+from tests.helpers import rel
 
 ROWS, SEQ, LR = 4, 24, 3e-3  # the trainer's default lr
 IGNORE = -100
@@ -158,12 +159,6 @@ def portable(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(portable(v) for v in tree)
     return tree
-
-
-def rel(a, b) -> float:
-    a, b = torch.as_tensor(a), torch.as_tensor(b)
-    nb = float(b.norm())
-    return float((a - b).norm()) / nb if nb > 0 else float((a - b).norm())
 
 
 def compare(results: list[dict], ref: dict, rtol: float = RTOL, label: str = "") -> dict:

@@ -23,6 +23,7 @@ from k3.config import get_preset
 from k3.distributed.mesh import ParallelDims
 from k3.train.trainer import TrainConfig, Trainer
 from tests.distributed.spawn import run
+from tests.helpers import rel
 
 ROWS = 2  # per data-parallel rank
 
@@ -74,10 +75,6 @@ def dist_weights(run_dir):
     from k3.convert.checkpoint import latest_checkpoint
 
     return _weights(latest_checkpoint(run_dir))
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def compare(got, want, tol=1e-5):

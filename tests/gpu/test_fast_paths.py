@@ -17,13 +17,10 @@ from k3.ops.mla import fast as mla_fast
 from k3.ops.mla import reference as mla_ref
 from k3.ops.moe import reference as moe_ref
 from tests.ops.kernel_switch import keep_kernel_plan
+from tests.helpers import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEV = "cuda"
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def kda_inputs(T=1000, H=8, K=128, strong=False, seed=0, dtype=torch.bfloat16):

@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from k3.ops.kda import reference
+from tests.helpers import rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

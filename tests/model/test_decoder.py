@@ -9,10 +9,7 @@ from k3.config import PRESETS, get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel
 
 
 @pytest.fixture(scope="module")

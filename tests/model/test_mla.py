@@ -6,10 +6,7 @@ import torch
 from k3.config import get_preset
 from k3.model.cache import MLAState
 from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel
 
 
 def make(q_lora=32, gate=True, rope=None):

@@ -7,10 +7,7 @@ from k3.config import get_preset
 from k3.model.activation import situ_glu, swiglu
 from k3.model.moe import MoE
 from k3.ops.moe.reference import moe_experts
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel
 
 
 def test_experts_op_equals_dense_computation():

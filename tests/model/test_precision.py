@@ -22,12 +22,9 @@ from k3.ops.linear import concatenated
 from k3.ops.linear.reference import multi_linear
 from k3.ops.mla.reference import segment_attention
 from k3.train.optim import newton_schulz
+from tests.helpers import rel
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def k3_width_moe(experts: int = 896, top_k: int = 16, d: int = 1024) -> MoE:

@@ -14,8 +14,6 @@ from k3.ops.kda import reference
 from k3.ops.kda.triton_chunk_bwd import chunk_kda
 
 
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def case(B, T, H, K, V, gate, cu=None, state=False, dtype=torch.float32, final=True, seed=0):
@@ -61,6 +59,7 @@ RAW = """
 import torch
 from k3.ops.kda import reference
 from k3.ops.kda.triton_chunk_bwd import chunk_kda_raw
+from tests.helpers import rel
 
 g0 = torch.Generator().manual_seed(4)
 B, T, H, K = 1, 150, 2, 32

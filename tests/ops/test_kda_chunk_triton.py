@@ -16,10 +16,9 @@ INTERPRETED = """
 import torch
 from k3.ops.kda import reference
 from k3.ops.kda.triton_chunk import chunk_kda_fwd
+from tests.helpers import rel
 
 
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def case(B, T, H, K, V, gate, cu=None, state=False, dtype=torch.float32, seed=0):

@@ -7,12 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda.reference import _factored_scores, _intra_chunk_scores, chunk_kda, kda_gate, recurrent_kda
-
-
-def rel(a, b):
-    """Relative error ||a - b|| / ||b|| in fp64."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+from tests.helpers import rel
 
 
 def check(name, a, b, tol):

@@ -9,10 +9,7 @@ import torch
 from k3.model.activation import situ_glu
 from k3.ops.moe import grouped
 from k3.ops.moe import reference as moe_ref
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel
 
 
 def routing(n=37, e=6, k=3, seed=0):

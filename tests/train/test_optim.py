@@ -29,13 +29,10 @@ from k3.train.optim import (
     param_groups_for,
 )
 from k3.train.qk_clip import mla_max_logits, qk_clip_
+from tests.helpers import rel
 
 LR, WD = 0.02, 0.1
 TOL = 1e-6
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(params=["bfloat16", "float32"])

@@ -22,12 +22,9 @@ from k3.vision.media import expand_placeholders, merged_tokens
 from k3.vision.processor import ImageProcessor
 from k3.vision.task import make_example
 from k3.convert.checkpoint import save_pretrained
+from tests.helpers import rel
 
 PAD, BEGIN, END = 500, 501, 502
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,7 @@ from k3.model.vision import (
     rope_2d,
     vision_param_counts,
 )
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel
 
 
 def randomise(tower: VisionTower, seed: int = 0) -> VisionTower:
