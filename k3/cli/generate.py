@@ -92,7 +92,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, help="the text to continue (empty: from the BOS token)")
     p.add_argument(
         "--image",
         action="append",
@@ -143,10 +143,11 @@ def stream(engine: Engine, prompt: list[int], params: SamplingParams, out=None, 
 
 
 def image_prompt(model, tokenizer, text: str, images: int) -> list[int]:
-    """Token ids of ``text``; with images, the media placeholder token stands where the text writes it
-    (``<|media_pad|>``), else one placeholder per image goes first."""
+    """Token ids of ``text`` (an empty one: the BOS token, :meth:`~k3.data.tokenizer.Tokenizer.prompt_ids`); with
+    images, the media placeholder token stands where the text writes it (``<|media_pad|>``), else one placeholder
+    per image goes first."""
     if not images:
-        return tokenizer.encode(text)
+        return tokenizer.prompt_ids(text)
     if not hasattr(model, "vision_tower"):
         raise ValueError("--image needs a multimodal checkpoint (this one has no vision tower)")
     pad = model.config.vision.media_placeholder_token_id
@@ -187,8 +188,6 @@ def run(args: argparse.Namespace) -> int:
     print(load_line(load_stats), file=sys.stderr)
     engine = Engine(model, tokenizer, max_batch=1)
     prompt = image_prompt(model, tokenizer, args.prompt, len(args.image))
-    if not prompt:
-        raise ValueError("--prompt is empty")
     s = stream(engine, prompt, params, images=args.image or None)
     print()
     print(stats_line(s), file=sys.stderr)

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep  # (imports torch: --sweep's choices are its SWEEPS)
+from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep  # (--sweep's choices are its SWEEPS)
 from k3.cli.ablate import add_run_flags
 from k3.cli.threads import set_threads
 

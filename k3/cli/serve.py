@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("k3.serve")
 GIB = 2**30
+# k3.infer.serving.DEFAULT_CHAT_MAX_TOKENS, copied so that building the parser imports no torch
+# (tests/cli/test_help.py keeps the two equal)
+DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="most tokens one request may ask for: prompt + max_tokens summed over its prompts and choices "
         "(larger answers 400; default 262144)",
     )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_CHAT_MAX_TOKENS,
+        help="max_tokens of a chat request that gives none, within the context (default %(default)s; a "
+        "completions request's default is OpenAI's 16)",
+    )
     p.add_argument("--memory-budget-gb", type=float, default=None, help="cache memory for running requests")
     p.add_argument("--prefix-cache-gb", type=float, default=0.0, help="memory for cached prompt prefixes (0: off)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on a GPU")
@@ -129,6 +139,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be >= 0")
     if args.max_request_tokens is not None and args.max_request_tokens < 1:
         raise ValueError(f"--max-request-tokens={args.max_request_tokens} must be >= 1")
+    if args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens={args.default_max_tokens} must be >= 1")
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context={args.max_context} must be >= 2")
 
@@ -273,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key,
         docs=args.docs,
         max_request_tokens=args.max_request_tokens,
+        default_max_tokens=args.default_max_tokens,
     )
     log.info(
         "serving %s as %r on http://%s:%d (context %d, batch %d, device %s, engine in a %s)",

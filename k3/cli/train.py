@@ -213,7 +213,22 @@ def run(args: argparse.Namespace) -> int:
                 f"{k} {v:.2f}" + (f" (chance {chance_accuracy(k):.2f})" if k != "all" else "") for k, v in acc.items()
             )
         )
-    for prompt, continuation in trainer.sample():
+    samples = trainer.sample()
+    if samples and cfg.task != "vision":
+        print(sample_heading(trainer, history))
+    for prompt, continuation in samples:
         print("-" * 72)
         print(prompt + "\u2502" + continuation)
     return 0
+
+
+def sample_heading(trainer, history: list[dict]) -> str:
+    """What the samples below it are: a small model's, after how many steps and minutes, drawn how."""
+    p = trainer.sample_params()
+    seconds = sum(h.get("step_time", 0.0) for h in history)
+    took = f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+    return (
+        f"samples (prompt\u2502continuation) of the {trainer.cfg.preset} model after {trainer.step} steps ({took} of "
+        f"training), drawn at temperature {p.temperature:g}, top-p {p.top_p:g}, repetition penalty "
+        f"{p.repetition_penalty:g}, seed {p.seed}"
+    )

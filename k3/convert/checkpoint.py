@@ -1,9 +1,10 @@
 """HF-layout checkpoints: ``config.json`` + safetensors (sharded with ``model.safetensors.index.json``).
 
 Saving is atomic (``atomic_directory``) and records a SHA-256 per weight file in ``k3_checksums.json``. A
-config.json naming ``KimiK3ForCausalLM`` (K3's features in format ``k3``; k3.config.hf) also gets ``auto_map``
-and the transformers code that runs it (k3.convert.hf_code, checksummed too), for
-``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``.
+config.json naming ``KimiK3ForCausalLM`` (K3's features in format ``k3``; k3.config.hf) or the multimodal release's
+``KimiK3ForConditionalGeneration`` also gets ``auto_map`` and the transformers code that runs it (k3.convert.hf_code,
+checksummed too), for ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (text only: images go
+through k3).
 ``quantize="mxfp4"`` packs the routed experts (compressed-tensors ``mxfp4-pack-quantized``, k3.quant.packed);
 loading dequantises them (``packed="dequantize"``) or keeps them packed for inference (``packed="keep"``).
 Loading refuses, with one clear message, a missing or malformed config, missing shards, a truncated or
@@ -30,7 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from k3.config import K3Config
-from k3.config.hf import KIMI_K3, from_hf_config, to_hf_config
+from k3.config.hf import KIMI_K3, KIMI_K3_RELEASE, from_hf_config, to_hf_config
 from k3.convert import hf_code
 from k3.convert.atomic import atomic_directory, normal_mode
 from k3.convert.names import to_files
@@ -138,7 +139,8 @@ def write_pretrained(
     if len(parts) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_map.items()}}
         (directory / INDEX).write_text(json.dumps(index, indent=2))
-    if config["architectures"] == [KIMI_K3[1]]:  # transformers runs it through the code it carries (hf_code)
+    # transformers runs it through the code it carries (hf_code); the multimodal release, its text part
+    if config["architectures"] in ([KIMI_K3[1]], [KIMI_K3_RELEASE[1]]):
         config["auto_map"] = dict(hf_code.AUTO_MAP)
         for fname in hf_code.FILES:
             shutil.copyfile(hf_code.source(fname), directory / fname)

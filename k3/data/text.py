@@ -52,11 +52,12 @@ import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:  # torch is imported where a dataset is built, so the corpus specs load without it (k3 --help)
+    from torch import Tensor
 
 VALIDATION_FRACTION = 0.02
 SPLITS = ("train", "validation", "all")
@@ -464,6 +465,8 @@ class PackedDataset:
         shuffle: bool = True,
         encode_chunk: int = 256,
     ):
+        import torch
+
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len={seq_len!r} must be an int >= 1")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -532,6 +535,8 @@ class PackedDataset:
 
     def rows_batch(self, rows: Tensor | Sequence[int]) -> Batch:
         """A :class:`Batch` of the given stream-order rows (in that order)."""
+        import torch
+
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.num_rows:
             raise ValueError(f"rows must be a non-empty list of indices in [0, {self.num_rows})")
@@ -547,6 +552,8 @@ class PackedDataset:
         return Batch(input_ids, labels, cu_seqlens)
 
     def _epoch_order(self, epoch: int) -> Tensor:
+        import torch
+
         if epoch not in self._perms:
             if len(self._perms) >= 2:
                 self._perms.pop(min(self._perms))
@@ -555,6 +562,8 @@ class PackedDataset:
 
     def _visit(self, start: int, count: int) -> Tensor:
         """Stream-order rows at global visit positions start .. start+count-1."""
+        import torch
+
         g = torch.arange(start, start + count)
         epochs, within = g // self.num_rows, g % self.num_rows
         rows = torch.empty(count, dtype=torch.long)
@@ -582,6 +591,8 @@ class PackedDataset:
 
     def validation_batches(self, batch_size: int) -> Iterator[Batch]:
         """Every row once, in stream order, ``batch_size`` rows per batch (the last may be smaller)."""
+        import torch
+
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
         for start in range(0, self.num_rows, batch_size):

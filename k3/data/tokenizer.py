@@ -136,6 +136,19 @@ class Tokenizer:
         self.hf.encode_special_tokens = not allow_special
         return self.hf.encode(text, add_special_tokens=False).ids
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids a generation starts from: :meth:`encode` of ``text``, or for an empty text the BOS token alone
+        (a model needs a token to continue from; OpenAI's completions take ``prompt: ""``), which counts as a
+        prompt token. One ValueError when the text is empty and the vocabulary has no BOS token."""
+        ids = self.encode(text)
+        if ids:
+            return ids
+        if self.bos_id is None:
+            raise ValueError(
+                "the prompt is empty and this tokenizer has no BOS token to start from: give at least one character"
+            )
+        return [self.bos_id]
+
     def encode_batch(self, texts: Sequence[str], allow_special: bool = False) -> list[list[int]]:
         """Like :meth:`encode` for many texts at once (parallel, in Rust)."""
         self.hf.encode_special_tokens = not allow_special

@@ -143,7 +143,8 @@ _NOOP = {  # option -> (is it at a value we implement?, what we accept)
 
 
 def _one_prompt(v) -> bool:
-    return (isinstance(v, str) and bool(v)) or (
+    """A string (an empty one starts from the BOS token, as the server encodes it) or a non-empty list of ids."""
+    return isinstance(v, str) or (
         isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
     )
 
@@ -164,9 +165,7 @@ class CompletionRequest(BaseRequest):
             return [v]
         if isinstance(v, list) and 0 < len(v) <= MAX_PROMPTS and all(_one_prompt(p) for p in v):
             return v
-        raise ValueError(
-            f"must be a non-empty string, a non-empty list of token ids, or a list of up to {MAX_PROMPTS} of either"
-        )
+        raise ValueError(f"must be a string, a non-empty list of token ids, or a list of up to {MAX_PROMPTS} of either")
 
 
 class ChatRequest(BaseRequest):

@@ -79,7 +79,7 @@ from k3.infer.protocol import (  # noqa: F401 - the request schema stays importa
     StreamOptions,
     error_response,
 )
-from k3.infer.serving import MAX_REQUEST_TOKENS, Serving
+from k3.infer.serving import DEFAULT_CHAT_MAX_TOKENS, MAX_REQUEST_TOKENS, Serving
 
 log = logging.getLogger("k3.serve")
 MAX_REQUEST_BYTES = 16 << 20  # default body limit: room for a ~10 MiB image as base64, far more than any prompt
@@ -218,14 +218,23 @@ def create_app(
     api_key: str | None = None,
     docs: bool = False,
     max_request_tokens: int | None = None,
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
 ) -> FastAPI:
     """The FastAPI app. Its lifespan starts ``async_engine`` (unless started) and shuts it down gracefully
     (requests in flight get up to ``drain_timeout`` seconds). Bodies over ``max_request_bytes`` answer 413, bodies
     slower than ``read_timeout`` seconds 408; with ``api_key`` every path but /health (and the docs) answers 401
     without it. ``docs`` serves /docs, /redoc and /openapi.json (off by default: they describe the whole API to
     anyone who asks). ``max_request_tokens``: the most prompt + max_tokens one request may ask for over all its
-    prompts and choices (k3.infer.serving.MAX_REQUEST_TOKENS by default)."""
-    serving = Serving(async_engine, tokenizer, model_name, max_context, max_request_tokens or MAX_REQUEST_TOKENS)
+    prompts and choices (k3.infer.serving.MAX_REQUEST_TOKENS by default). ``default_max_tokens``: the ``max_tokens``
+    of a chat request that gives none, within the context (a completions request's default is OpenAI's 16)."""
+    serving = Serving(
+        async_engine,
+        tokenizer,
+        model_name,
+        max_context,
+        max_request_tokens or MAX_REQUEST_TOKENS,
+        default_max_tokens,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -54,6 +54,10 @@ MAX_PROMPT_LOGPROB_ENTRIES = 2**18
 # The most tokens one request may make the engine process: the sum over its choices of prompt + max_tokens. A
 # request of 64 prompts x 16 choices of 1K tokens each would otherwise keep the engine busy for everyone.
 MAX_REQUEST_TOKENS = 2**18
+# max_tokens left out: a completion stops after OpenAI's 16 tokens, a chat reply after DEFAULT_CHAT_MAX_TOKENS
+# (k3 serve --default-max-tokens), either within the context, so a reply that never emits EOS ends in time
+COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
 def private_copy(tokenizer: Tokenizer) -> Tokenizer:
@@ -105,8 +109,8 @@ async def watched(request: Request, work):
 
 class Serving:
     """One served model: its engine, a private tokenizer (encoding runs in one thread of its own: off the event
-    loop, and calls never overlap, since Tokenizer.encode sets a flag on the shared HF tokenizer before each) and
-    its context."""
+    loop, and calls never overlap, since Tokenizer.encode sets a flag on the shared HF tokenizer before each), its
+    context and the ``max_tokens`` of a chat request that gives none (``default_max_tokens``)."""
 
     def __init__(
         self,
@@ -115,10 +119,11 @@ class Serving:
         model_name: str,
         max_context: int,
         max_request_tokens: int = MAX_REQUEST_TOKENS,
+        default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     ):
         self.async_engine, self.engine = async_engine, async_engine.engine
         self.model_name, self.max_context = model_name, max_context
-        self.max_request_tokens = max_request_tokens
+        self.max_request_tokens, self.default_max_tokens = max_request_tokens, default_max_tokens
         self.tok = private_copy(tokenizer)
         self.forms = LogprobForms(self.tok)
         self.max_chars = max_context * max_token_chars(self.tok)
@@ -319,9 +324,19 @@ class Serving:
             if isinstance(p, str):
                 self.check_chars(len(p), "prompt")
         for p in req.prompt:
-            ids = p if isinstance(p, list) else await self.off_loop(self.tok.encode, p)
+            try:  # an empty text starts from the BOS token (Tokenizer.prompt_ids), counted in prompt_tokens
+                ids = p if isinstance(p, list) else await self.off_loop(self.tok.prompt_ids, p)
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from None
             params = self.sampling(
-                req, len(ids), req.max_tokens, 16, [], [], req.logprobs, (req.logprobs or 0) if scored else None
+                req,
+                len(ids),
+                req.max_tokens,
+                COMPLETION_MAX_TOKENS,
+                [],
+                [],
+                req.logprobs,
+                (req.logprobs or 0) if scored else None,
             )
             jobs += [(p, ids, params_j) for params_j in copies(params, req.n)]
             prompt_tokens += len(ids)  # once per prompt, whatever n
@@ -422,7 +437,7 @@ class Serving:
                 req,
                 len(prompt),
                 max_tokens,
-                self.max_context,
+                self.default_max_tokens,
                 rendered.stop,
                 rendered.stop_token_ids,
                 (req.top_logprobs or 0) if req.logprobs else None,

@@ -121,7 +121,7 @@ class TrainConfig:
     )
     save_every: int = _f(0, "also checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(3, "newest checkpoints kept in the run directory (0: all)")
-    samples: int = _f(3, "greedy continuations printed at the end")
+    samples: int = _f(3, "continuations of held-out openings sampled at the end (their settings printed with them)")
     max_bad_steps: int = _f(3, "bad steps (non-finite loss, gradients or weights) in a row that stop the run")
     out: str = _f("runs/small", "run directory")
     seed: int = _f(0, "seed of the initial weights and the data order")

@@ -40,7 +40,7 @@ from k3.convert.atomic import atomic_write_text, make_directory
 from k3.convert.load import from_pretrained
 from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
 from k3.data.tokenizer import Tokenizer, train_bpe
-from k3.infer.generate import greedy_generate
+from k3.infer.sampling import SamplingParams
 from k3.model.balance import Balancer
 from k3.model.decoder import K3ForCausalLM
 from k3.ops.fp8 import fp8_available
@@ -58,6 +58,10 @@ log = logging.getLogger("k3.train")
 # The evaluation rows come from validation documents in an order shuffled with this fixed seed: drawn from the
 # whole split (every part of a mixture, not its first documents) and the same rows for every run and seed.
 VALIDATION_SEED = 0
+# How the end-of-run samples are drawn: a model trained for minutes repeats one phrase when decoded greedily, so
+# they are sampled, with a repetition penalty (seeded with the run's seed: the same run prints the same samples).
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.3}
+SAMPLE_PROMPT_TOKENS, SAMPLE_TOKENS = 24, 48
 
 __all__ = [
     "RESUME_MAY_CHANGE",
@@ -361,23 +365,40 @@ class Trainer(TrainStep, RunState):
             plots.attn_res_weights(out.attn_res_weights, self.run_dir / "attn_res.png")
         self.recent_loads = {}
 
+    def sample_params(self) -> SamplingParams:
+        """The settings :meth:`sample` draws the text task's continuations with (SAMPLING, the run's seed)."""
+        return SamplingParams(max_tokens=SAMPLE_TOKENS, seed=self.cfg.seed, **SAMPLING)
+
     def sample(self) -> list[tuple[str, str]]:
-        """Greedy continuations of the openings (24 tokens) of the first validation documents (vision task: the
-        first held-out questions with the expected and the predicted answer)."""
+        """Continuations of the openings (SAMPLE_PROMPT_TOKENS tokens) of the first validation documents, drawn by
+        the serving engine with :meth:`sample_params` (vision task: the first held-out questions with the expected
+        and the predicted answer)."""
         if self.cfg.task == "vision":
             _, triples = self.vision_accuracy(max(self.cfg.samples, 1))
             return [(f"[image] {q} (expected: {a})", p) for q, a, p in triples]
-        eos = self.tokenizer.eos_id
-        out = []
-        self.model.eval()
-        for doc in self.val_docs[: self.cfg.samples]:
-            prompt = self.tokenizer.encode(doc.text[:2000])[:24]
-            if not prompt:
-                continue
-            ids = greedy_generate(self.model, torch.tensor([prompt], device=self.device), 48, eos_token_id=eos)
-            out.append((self.tokenizer.decode(prompt), self.tokenizer.decode(ids[0, len(prompt) :].tolist())))
-        self.model.train()
-        return out
+        from k3.infer.engine import Engine
+
+        openings = [
+            self.tokenizer.encode(doc.text[:2000])[:SAMPLE_PROMPT_TOKENS] for doc in self.val_docs[: self.cfg.samples]
+        ]
+        prompts = [p for p in openings if p]
+        if not prompts:
+            return []
+        # the engine's start-up and kernel lines describe a server, not these few samples: warnings only
+        quiet = {name: logging.getLogger(name) for name in ("k3.infer", "k3.ops")}
+        levels = {name: logger.level for name, logger in quiet.items()}
+        for logger in quiet.values():
+            logger.setLevel(logging.WARNING)
+        try:
+            engine = Engine(
+                self.model, self.tokenizer, max_batch=len(prompts), cuda_graphs=False, warm_up=False, overlap=False
+            )
+            outs = engine.generate(prompts, self.sample_params())
+        finally:
+            for name, logger in quiet.items():
+                logger.setLevel(levels[name])
+            self.model.train()
+        return [(self.tokenizer.decode(p), out["text"]) for p, out in zip(prompts, outs)]
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop_at: int | None = None) -> dict:

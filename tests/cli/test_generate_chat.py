@@ -16,7 +16,7 @@ from k3.infer.engine import Engine
 from k3.infer.load import load_for_inference
 from k3.infer.sampling import SamplingParams
 from k3.model.decoder import K3ForCausalLM
-from k3.data.tokenizer import train_bpe
+from k3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, train_bpe
 from k3.convert.checkpoint import save_pretrained
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,6 +178,26 @@ def test_generate_refuses_a_temperature_the_sampler_cannot_use(ckpt, capsys):
     assert main(["generate", "--ckpt", str(ckpt), "--prompt", "Hi", "--temperature=-1e-40", "--device", "cpu"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"k3 generate: error: {alone.value}\n"  # one line, the server's message too
+
+
+def test_an_empty_prompt_starts_from_the_bos_token(ckpt, tmp_path, capsys):
+    """``--prompt ""`` continues the BOS token (one prompt token); without a BOS in the vocabulary, one line."""
+    argv = ["generate", "--prompt", "", "--max-tokens", "6", "--temperature", "0", "--device", "cpu"]
+    assert main([*argv, "--ckpt", str(ckpt)]) == 2
+    out, err = capsys.readouterr()
+    last = err.splitlines()[-1]
+    assert out == "" and "Traceback" not in err
+    assert last.startswith("k3 generate: error: the prompt is empty") and "no BOS token" in last
+    tok = train_bpe([TEXT], vocab_size=400, special_tokens=(*DEFAULT_SPECIAL_TOKENS, "<s>"))
+    with_bos = tmp_path / "bos"
+    save_pretrained(K3ForCausalLM(get_preset("tiny").replace(vocab_size=tok.vocab_size)), with_bos)
+    tok.save(with_bos)
+    model, tok, _ = load_for_inference(with_bos, "cpu", "float32")
+    assert tok.bos_token == "<s>"
+    want = Engine(model, tok, max_batch=1).generate([[tok.bos_id]], SamplingParams(max_tokens=6, temperature=0))
+    assert main([*argv, "--ckpt", str(with_bos)]) == 0
+    out, err = capsys.readouterr()
+    assert out == want[0]["text"] + "\n" and err.splitlines()[-1].startswith("[1 prompt + 6 generated tokens")
 
 
 def test_a_config_that_is_not_an_object_is_one_line(ckpt, tmp_path, capsys):

@@ -8,14 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from k3.cli import generate
+from k3.cli import generate, serve
 from k3.train import config
 from k3.cli.main import COMMANDS, build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "matplotlib", "k3.train.trainer")
-# --sweep's choices are k3.audit.sweeps' SWEEPS, defined beside the corpora they read (k3.data.text imports torch)
-TORCH_FOR_HELP = {"scaling"}
 
 # runs each command line's --help in one interpreter, in order, and reports the heavy modules imported after each
 PROBE = """
@@ -42,10 +40,9 @@ def probe(*lines: str) -> dict:
 
 
 def test_help_imports_no_torch():
-    light = [c for c in COMMANDS if c not in TORCH_FOR_HELP]
-    seen = probe("--help", *(f"{c} --help" for c in light))
+    seen = probe("--help", *(f"{c} --help" for c in COMMANDS))
     assert seen["--help"] == ["k3.cli.main"]  # no command's module, no k3.train, no torch
-    for c in light:
+    for c in COMMANDS:
         heavy = [m for m in seen[f"{c} --help"] if m in HEAVY]
         assert not heavy, f"k3 {c} --help imported {heavy}"
 
@@ -75,11 +72,13 @@ def test_unknown_or_missing_command_is_one_usage_error(capsys):
 def test_flag_choices_equal_their_sources():
     from k3.convert.checkpoint import DEFAULT_SHARD_BYTES
     from k3.infer.load import DTYPE_CHOICES
+    from k3.infer.serving import DEFAULT_CHAT_MAX_TOKENS
     from k3.model.balance import BALANCE_METHODS, DEFAULT_GAMMA
     from k3.ops.mx import MODES
     from k3.quant.qat import RECIPES
 
     assert generate.DTYPE_CHOICES == DTYPE_CHOICES
+    assert serve.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert config.MX_MODES == MODES
     assert config.BALANCE_METHODS == BALANCE_METHODS
     assert config.DEFAULT_GAMMA == DEFAULT_GAMMA

@@ -1,5 +1,6 @@
-"""transformers runs a K3 checkpoint: config.json's auto_map points at the configuration_k3.py / modeling_k3.py
-that save_pretrained copies in, and AutoModelForCausalLM(trust_remote_code=True) then gives k3's own logits;
+"""transformers runs a K3 checkpoint (the multimodal release's text part too): config.json's auto_map points at the
+configuration_k3.py / modeling_k3.py that save_pretrained copies in, and AutoModelForCausalLM(trust_remote_code=True)
+then gives k3's own logits;
 the tokenizer saved beside it loads with AutoTokenizer and renders chats as k3 does."""
 
 import json
@@ -124,6 +125,30 @@ def test_dtype_and_refusals(tiny, modules_cache):
     with pytest.raises(ValueError, match="k3.save_pretrained"):
         hf.save_pretrained(path.parent / "other")
     assert not (path.parent / "other").exists()
+
+
+def test_multimodal_release_runs_its_text_part(tmp_path, modules_cache):
+    """The multimodal release layout (k3 convert --format k3-release) carries the code too: transformers runs it
+    as K3ForConditionalGeneration on text (its text_config a sub-config transformers reads), k3's logits and
+    greedy tokens; the config it holds reads back to the model's own."""
+    from k3.config.hf import from_hf_config
+    from k3.config.presets import with_vision
+    from k3.model.multimodal import K3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = K3ForConditionalGeneration(with_vision(get_preset("tiny"))).eval()
+    ckpt.save_pretrained(model, tmp_path / "r", fmt="k3-release")
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["architectures"] == ["KimiK3ForConditionalGeneration"] and "text_config" in config
+    assert config["auto_map"] == hf_code.AUTO_MAP and set(hf_code.FILES) <= set(ckpt.read_checksums(tmp_path / "r"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "r", trust_remote_code=True)
+    assert type(hf.k3_model) is K3ForConditionalGeneration
+    assert from_hf_config(hf.config.to_dict()) == model.config
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        out = hf.generate(ids[:, :10], max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, greedy_generate(model, ids[:, :10], 5))
 
 
 def test_kimi_linear_shaped_checkpoint_loads_natively(tmp_path):

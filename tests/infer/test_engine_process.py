@@ -187,6 +187,8 @@ def test_serve_takes_a_checkpoint_or_random_weights(ckpt):
             check_args(serve_args(ckpt, **over))
     with pytest.raises(ValueError, match="unknown preset"):
         check_args(serve_args(ckpt, ckpt=None, random="nope"))
+    with pytest.raises(ValueError, match="--default-max-tokens=0 must be >= 1"):
+        check_args(serve_args(ckpt, default_max_tokens=0))
     ep = EngineProcess(engine_core, (serve_args(ckpt, ckpt=None, random="tiny", dtype="auto"),)).start()
     try:
 

@@ -421,7 +421,8 @@ BAD = [  # (path, body or raw bytes, status, words the message must contain)
     ("/v1/completions", {**OK, "prompt": "word " * 400}, 400, "context"),
     ("/v1/completions", {**OK, "prompt": [5] * 300}, 400, "context"),
     ("/v1/completions", {**OK, "prompt": [10**6]}, 400, "token ids"),
-    ("/v1/completions", {**OK, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**OK, "prompt": ""}, 400, "no BOS token"),  # (test_server_api: with a BOS token)
+    ("/v1/completions", {**OK, "prompt": []}, 400, "non-empty list of token ids"),
     ("/v1/completions", {**OK, "prompt": 5}, 400, "prompt"),
     ("/v1/completions", {**OK, "prompt": [[1], []]}, 400, "prompt"),
     ("/v1/completions", {**OK, "prompt": ["a"] * 65}, 400, "up to 64"),

@@ -240,3 +240,43 @@ def test_lm_eval_local_completions_with_only_the_server_url(served, client):
     until = [f"\x01never{i}\x02" for i in range(4)] + [stop]
     request = Instance("generate_until", {}, (prompt, {"until": until, "max_gen_toks": 12}), 0)
     assert lm.generate_until([request], disable_tqdm=True) == [text[: text.find(stop)]]
+
+
+def test_an_empty_prompt_starts_from_the_bos_token(served, monkeypatch):
+    """``prompt: ""`` (OpenAI takes it) is the BOS token alone, counted in ``usage.prompt_tokens``: the completion
+    of its id, in a list of prompts too; a tokenizer without a BOS answers one 400 saying so (test_server's BAD);
+    an empty id list stays a 400; a chat whose contents are empty strings is served."""
+    bos = served.tok.eos_id  # this vocabulary has no BOS: the EOS, which precedes every packed document, stands in
+    monkeypatch.setattr(served.app.state.serving.tok, "bos_id", bos)
+    empty = post(served, "/v1/completions", {**OK, "prompt": "", "max_tokens": 6})
+    assert empty.status_code == 200, empty.text
+    ids = post(served, "/v1/completions", {**OK, "prompt": [bos], "max_tokens": 6}).json()
+    assert empty.json()["choices"][0]["text"] == ids["choices"][0]["text"]
+    assert empty.json()["usage"]["prompt_tokens"] == 1
+    both = post(served, "/v1/completions", {**OK, "prompt": ["", "Hello"], "max_tokens": 6}).json()
+    assert both["choices"][0]["text"] == ids["choices"][0]["text"] and both["usage"]["prompt_tokens"] == 1 + len(
+        served.tok.encode("Hello")
+    )
+    bad = post(served, "/v1/completions", {**OK, "prompt": [[bos], []]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+    chat = post(served, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ""}] * 2})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > 0, chat.text
+
+
+def test_max_tokens_left_out_has_a_default_cap(served, monkeypatch):
+    """Without max_tokens a completion stops after OpenAI's 16 tokens and a chat reply after the server's
+    default_max_tokens (k3 serve --default-max-tokens), or where the context ends if that comes first."""
+    ask = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+    r = post(served, "/v1/completions", {**ask, "prompt": "Hello"}).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
+    monkeypatch.setattr(served.app.state.serving, "default_max_tokens", 5)
+    r = post(served, "/v1/chat/completions", {**ask, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length", r
+    n = next(
+        n
+        for n in range(1, CONTEXT)
+        if len(render_chat([{"role": "user", "content": "hi " * n}], served.tok).token_ids) > CONTEXT - 4
+    )
+    r = post(served, "/v1/chat/completions", {**ask, "messages": [{"role": "user", "content": "hi " * n}]}).json()
+    used = r["usage"]
+    assert used["prompt_tokens"] + used["completion_tokens"] == CONTEXT and used["completion_tokens"] < 5, r

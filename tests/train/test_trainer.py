@@ -152,6 +152,14 @@ def test_cli_train_end_to_end(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "validation loss" in text and "at start" in text and "checkpoint:" in text
+    lines = text.splitlines()
+    heading = next(
+        i
+        for i, line in enumerate(lines)
+        if line.startswith("samples (prompt\u2502continuation) of the tiny model after 4 steps (")
+    )
+    assert "drawn at temperature 0.8, top-p 0.95, repetition penalty 1.3, seed 0" in lines[heading], lines[heading]
+    assert lines[heading + 1] == "-" * 72 and "\u2502" in lines[heading + 2]  # prompt│continuation
     for f in ("metrics.jsonl", "loss.png", "expert_load.png", "attn_res.png", "tokenizer.json", "train_config.json"):
         assert (out / f).is_file(), f
     rec = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -242,3 +250,23 @@ def test_validation_rows_are_the_same_for_every_seed_and_span_the_split(tmp_path
     assert not torch.equal(a.val_data.tokens[:500], in_order.tokens[:500])
     shuffled = PackedDataset(load_corpus(None, "validation"), a.tokenizer, 48, seed=VALIDATION_SEED, max_tokens=3073)
     assert torch.equal(a.val_data.tokens, shuffled.tokens)
+
+
+def test_samples_are_seeded_draws_of_the_serving_engine(tmp_path, monkeypatch):
+    """The end-of-run samples are the engine's draws with Trainer.sample_params (sampled with a repetition
+    penalty, not greedy; seeded, so a fresh engine draws the same) and leave the model training."""
+    import k3.train.trainer as trainer_module
+    from k3.infer.engine import Engine
+
+    monkeypatch.setattr(trainer_module, "SAMPLE_TOKENS", 8)
+    cfg = tiny_cfg(tmp_path / "run", steps=1, save_every=0, samples=2, tokenizer_train_bytes=20_000, max_tokens=4_000)
+    trainer = Trainer(cfg, progress=False)
+    trainer.run()
+    params = trainer.sample_params()
+    assert params.temperature > 0 and params.top_p < 1 and params.repetition_penalty > 1 and params.seed == 0
+    assert params.max_tokens == 8
+    got = trainer.sample()
+    assert len(got) == 2 and trainer.model.training
+    prompts = [trainer.tokenizer.encode(d.text[:2000])[:24] for d in trainer.val_docs[:2]]
+    want = Engine(trainer.model, trainer.tokenizer, max_batch=2).generate(prompts, params)
+    assert got == [(trainer.tokenizer.decode(p), w["text"]) for p, w in zip(prompts, want)]

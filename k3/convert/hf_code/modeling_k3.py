@@ -5,7 +5,8 @@
 checksums, packed experts) rather than transformers'. ``forward`` takes ``input_ids`` and an optional
 ``attention_mask`` (left or right padding: the real tokens of each row are packed into one sequence each) and
 returns the logits. ``generate`` works and recomputes the whole prefix at each step (no cache: correct in every
-decoding mode, not fast; serve with ``k3 serve`` for speed).
+decoding mode, not fast; serve with ``k3 serve`` for speed). A multimodal checkpoint (either layout) runs as
+K3ForConditionalGeneration on text alone: transformers passes no images here (k3 generate / k3 serve take them).
 """
 
 import os
