@@ -53,7 +53,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from k3.model.kda import KimiDeltaAttention
-from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
+from k3.model.mla import MultiheadLatentAttention
+from k3.model.rope import rotate_half_rope
 from k3.ops.conv import causal_conv1d
 from k3.ops.dtypes import upcast
 from k3.ops.kda import chunk_kda

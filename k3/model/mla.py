@@ -20,21 +20,11 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import RMSNorm
+from k3.model.rope import rotate_half_rope
 from k3.ops.linear import multi_linear
 from k3.ops.mla import attention, latent_attention
 from k3.ops.segments import attach_host, host_list, to_device
 from k3.ops.dtypes import upcast
-
-
-def rotate_half_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary embedding on the last dim (two halves), x [N, ..., dr], positions [N] -> same shape/dtype."""
-    dr = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dr, 2, device=x.device, dtype=torch.float32) / dr))
-    angles = upcast(positions)[:, None] * inv_freq[None, :]  # [N, dr/2]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (dr // 2,)
-    cos, sin = angles.cos().view(shape), angles.sin().view(shape)
-    x1, x2 = upcast(x).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class MultiheadLatentAttention(nn.Module):

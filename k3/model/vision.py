@@ -18,7 +18,7 @@ other: attention is block-diagonal over the packed sequence (``cu_seqlens`` from
 embedding and RoPE depend only on an image's own grid, so packing changes nothing but the batching.
 
 2D RoPE: the head dim D_h is split in two halves, the first rotated by the patch row, the second by the patch
-column; each half uses :func:`k3.model.mla.rotate_half_rope` (pairs (j, j + D_h/4), theta 10000), so a
+column; each half uses :func:`k3.model.rope.rotate_half_rope` (pairs (j, j + D_h/4), theta 10000), so a
 q.k score depends on the (row, col) offset between two patches only. There are no biases anywhere and every
 norm is an RMSNorm (eps ``config.rms_norm_eps``). Attached to a multimodal LM as ``vision_tower``, every
 parameter name starts with "vision" and ``k3.audit.accounting.classify`` counts it under the vision path.
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3.config import K3Config, VisionConfig
-from k3.model.mla import rotate_half_rope
+from k3.model.rope import rotate_half_rope
 from k3.model.norm import RMSNorm
 from k3.ops.dtypes import upcast
 from k3.ops.segments import host_list, offsets_to

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
+from k3.model.mla import MultiheadLatentAttention
+from k3.model.rope import rotate_half_rope
 from k3.ops.segments import host_list
 
 

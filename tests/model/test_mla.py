@@ -5,7 +5,8 @@ import torch
 
 from k3.config import get_preset
 from k3.model.cache import MLAState
-from k3.model.mla import MultiheadLatentAttention, rotate_half_rope
+from k3.model.mla import MultiheadLatentAttention
+from k3.model.rope import rotate_half_rope
 from tests.helpers import rel
 
 
