@@ -24,7 +24,7 @@ from k3.config.presets import kimi_linear_1p3b
 from k3.infer.graphs import GraphedDecoder
 from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend, pdl
-from k3.ops.plan import plan
+from k3.ops.kernel_plan import plan
 
 
 def step_bytes(model: K3ForCausalLM, batch: int, context: int) -> float:

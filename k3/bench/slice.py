@@ -524,7 +524,7 @@ def run(out_dir: str | None = None, quick: bool = False, smoke: bool = False) ->
         config, device = get_preset("k3-slice"), torch.device("cuda")
         batches, contexts = BATCHES, (CONTEXTS[:2] if quick else CONTEXTS)
         steps, prefill_len = 16, PREFILL
-        from k3.ops.plan import plan
+        from k3.ops.kernel_plan import plan
 
         meta["kernel_plan"] = [" | ".join(r) for r in plan(device)]
     else:

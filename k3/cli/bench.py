@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("k3 bench needs a CUDA GPU")
     from k3.ops import backend
-    from k3.ops.plan import plan_report
+    from k3.ops.kernel_plan import plan_report
 
     backend.set_backend("fast")  # benchmarks measure the fast paths, and fail where one cannot run
     print(plan_report("cuda", args.verbose), flush=True)

@@ -1,5 +1,5 @@
 """``k3 info --preset NAME [--context N] [--json]``: layer schedule, parameters, FLOPs and cache bytes.
-``k3 info --kernels [--device D]``: the kernel plan on a device, the full table (k3.ops.plan).
+``k3 info --kernels [--device D]``: the kernel plan on a device, the full table (k3.ops.kernel_plan).
 
 Counts come from the module tree built on the meta device (no weights are allocated).
 """
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 def kernels(args: argparse.Namespace) -> int:
     """``--kernels``: the kernel plan table on ``--device`` (with ``--json``, its rows as objects)."""
     from k3.infer.load import resolve_device
-    from k3.ops.plan import plan, plan_table
+    from k3.ops.kernel_plan import plan, plan_table
 
     device = resolve_device(args.device)
     if args.json:

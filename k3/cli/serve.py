@@ -186,7 +186,7 @@ def random_for_serving(args: argparse.Namespace):
 
 def engine_core(args: argparse.Namespace) -> Engine:
     """The engine process's engine (k3.infer.engine_process): built there, with its kernel plan printed."""
-    from k3.ops.plan import plan_report
+    from k3.ops.kernel_plan import plan_report
 
     engine = build_engine(args)[0]
     print(plan_report(engine.device, args.verbose), flush=True)
@@ -201,7 +201,7 @@ def start_engine(args: argparse.Namespace):
 
     mode = args.engine or ("process" if resolve_device(args.device).type == "cuda" else "thread")
     if mode == "thread":
-        from k3.ops.plan import plan_report
+        from k3.ops.kernel_plan import plan_report
 
         engine, tokenizer, path = build_engine(args)
         print(plan_report(engine.device, args.verbose), flush=True)

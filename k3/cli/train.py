@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         trainer = Trainer(cfg, resume=args.resume, progress=args.progress)
     if int(os.environ.get("RANK", "0")) == 0:
-        from k3.ops.plan import plan_report
+        from k3.ops.kernel_plan import plan_report
 
         print(plan_report(trainer.device, args.verbose), flush=True)
         log.info(

@@ -16,8 +16,8 @@ Both are resolved once: an op's backend per device on first use, the kernels' ch
 are kept (a compiled step reads them as constants) and :func:`set_backend` / :func:`set_kernels` resolve again.
 Within a chosen kernel, a call that needs what the kernel lacks (a gradient, a shape it does not take) runs the
 torch form; that fork lives in the op (:func:`triton_or_torch`) and is logged once with its reason. Nothing falls
-back silently: each op logs the backend it runs the first time (at DEBUG: ``k3 -v``), and k3.ops.plan shows the whole
-plan.
+back silently: each op logs the backend it runs the first time (at DEBUG: ``k3 -v``), and k3.ops.kernel_plan shows
+the whole plan.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def kernel_choices() -> dict[str, tuple[str, str]]:
 
 
 def registered() -> dict[str, _Op]:
-    """Every registered op by name (what :mod:`k3.ops.plan` tabulates)."""
+    """Every registered op by name (what :mod:`k3.ops.kernel_plan` tabulates)."""
     return dict(_OPS)
 
 

@@ -71,7 +71,7 @@ def test_console_script_runs():
 
 
 def test_kernels_prints_the_whole_plan(capsys):
-    from k3.ops.plan import plan, plan_table
+    from k3.ops.kernel_plan import plan, plan_table
 
     assert main(["info", "--kernels", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == plan_table("cpu") + "\n"

@@ -1,4 +1,4 @@
-"""The kernel plan (k3.ops.backend, k3.ops.plan): resolved from the device, Triton's usability and the user's
+"""The kernel plan (k3.ops.backend, k3.ops.kernel_plan): resolved from the device, Triton's usability and the user's
 choice, without a GPU."""
 
 import logging
@@ -8,7 +8,7 @@ import torch
 
 from k3.ops import backend
 from k3.ops.moe import cuda_mxfp4
-from k3.ops.plan import plan, plan_report, plan_summary, plan_table
+from k3.ops.kernel_plan import plan, plan_report, plan_summary, plan_table
 from tests.ops.kernel_switch import keep_kernel_plan
 
 CPU = torch.device("cpu")
@@ -27,7 +27,7 @@ def test_every_op_and_kernel_has_one_row(fresh):
     rows = plan(CPU)
     names = [r[0] for r in rows]
     assert len(names) == len(set(names))
-    assert set(backend.registered()) <= set(names)  # every op package registered by k3.ops.plan's imports
+    assert set(backend.registered()) <= set(names)  # every op package registered by k3.ops.kernel_plan's imports
     assert {f"kernel {k}" for k in backend.KERNELS} <= set(names)
     ops = dict((r[0], r[1:]) for r in rows)
     assert ops["chunk_kda"] == ("reference", "its fast path does not run on cpu")
