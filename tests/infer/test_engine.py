@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import k3.infer.engine as engine_mod
+import k3.infer.engine_outputs as engine_mod
 from k3.config import get_preset
 from k3.infer.engine import Engine
 from k3.infer.prefix_cache import PrefixCache

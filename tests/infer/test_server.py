@@ -720,7 +720,7 @@ def test_temperature_has_one_range_with_one_message(served):
 
 
 def test_a_request_failing_in_sampling_fails_alone(served, client, monkeypatch):
-    import k3.infer.engine as engine_mod
+    import k3.infer.engine_outputs as engine_mod
 
     real = engine_mod.sample_batch
 
