@@ -403,7 +403,8 @@ def write_report(
 def plot_val_loss(rows: list[dict], path: Path, diffs: dict | None = None) -> None:
     """Left: validation loss, mean ± std over seeds; right (when runs pair with ``full``): the paired difference
     to ``full`` with its t-interval from ``diffs`` (:func:`ci_evidence`'s ``difference_vs_full``; no bar where a
-    variant has one seed)."""
+    variant has one seed). A report without intervals (``diffs`` empty: its results predate them) gets ± the
+    standard deviation of the paired differences, as its table gives, and the axis says which bar is which."""
     rows = [r for r in rows if r["val_loss_mean"] is not None]
     if not rows:
         return
@@ -424,14 +425,21 @@ def plot_val_loss(rows: list[dict], path: Path, diffs: dict | None = None) -> No
             c = diffs.get(r["variant"]) or {}
             if c.get("lo") is not None and np.isfinite(means[i]):
                 err[:, i] = means[i] - c["lo"], c["hi"] - means[i]
+            elif not diffs and r.get("delta_vs_full_std") and np.isfinite(means[i]):
+                err[:, i] = r["delta_vs_full_std"]
         return means, err
 
     panels = [("val_loss_mean", "validation loss (nats/token)\nmean ± std over seeds")]
     if paired:
         first = next((c for c in diffs.values() if c.get("lo") is not None), None)
         dfs = sorted({c["df"] for c in diffs.values() if c.get("lo") is not None})
-        what = f"paired t {first['level']} CI, {'/'.join(map(str, dfs))} df" if first else "no CI"
-        panels.append(("delta_vs_full_mean", f"Δ vs full (nats/token)\nmean, {what} (none: one seed)"))
+        if first:
+            what = f"mean, paired t {first['level']} CI, {'/'.join(map(str, dfs))} df (none: one seed)"
+        elif not diffs and any(r.get("delta_vs_full_std") for r in rows):
+            what = "mean ± std of the paired differences\n(no interval computed)"
+        else:
+            what = "mean, no interval"
+        panels.append(("delta_vs_full_mean", f"Δ vs full (nats/token)\n{what}"))
     for ax, (key, xlabel) in zip(axes[0], panels):
         means, err = bars(key)
         ax.barh(y, np.nan_to_num(means), xerr=err, color=colors, alpha=0.8, capsize=3)

@@ -24,6 +24,7 @@ from k3.model.norm import RMSNorm
 
 MODES = ("none", "snapshot", "block_sum", "full")
 GPU_FILES = (RESULTS / "model-attn_res.json", RESULTS / "model-attn_res_compiled.json")
+GPU_CONFIG = "small-1b"  # the preset k3/bench/model.py's attn_res_rows measures (GPU_FILES do not name it)
 DEPTH_FILE = RESULTS / "attn_res_depth.json"  # benchmarks/attn_res_depth.py: the depth measurement on a GPU
 assert set(MODES) == set(ATTN_RES_MODES)
 

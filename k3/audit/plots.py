@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 MIXER_COLOURS = {"kda": "#4C72B0", "mla": "#DD8452"}
@@ -222,7 +223,25 @@ def router(frontier: dict, title: str, path: Path) -> None:
     _save(fig, path)
 
 
-def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> None:
+def _measured_models(measured: dict) -> str:
+    """The benchmark model(s) the GPU decode files measured, by name (the files' own label or the config
+    ``k3 bench decode`` builds): the GPU panel is a stand-in for the audited config, and says so."""
+    names = []
+    for f in measured.get("files", []):
+        m = f.get("model")
+        name = m.get("name") if isinstance(m, dict) else m
+        if f.get("read") and name and name not in names:
+            names.append(str(name))
+    return ", ".join(names) or "model not named in the files"
+
+
+def _measured_devices(measured: dict) -> str:
+    return ", ".join(sorted({str(f["device"]) for f in measured.get("files", []) if f.get("read")})) or "a GPU"
+
+
+def long_context(lc: dict, name: str, path: Path, cpu: dict | None = None) -> None:
+    """Left: cache bytes per sequence of config ``name`` and its twins (analytic); then, when measured, GPU and
+    CPU decode throughput, each of a stand-in model that the panel title names (the figure's title spans all)."""
     curve = lc["curve"]
     measured = lc.get("measured_gpu")
     measured = measured if measured and any(r["valid"] for r in measured["rows"]) else None
@@ -249,6 +268,7 @@ def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> N
     a.set_yscale("log")
     a.set_xlabel("context (tokens)")
     a.set_ylabel("GiB per sequence")
+    a.set_title(f"cache bytes per sequence of {name} (analytic)", fontsize=9)
     a.legend(fontsize=8)
     a.grid(alpha=0.3)
     col = 1
@@ -277,7 +297,11 @@ def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> N
         a.set_yscale("log")
         a.set_xlabel("context (tokens)")
         a.set_ylabel("decode tokens/s (log scale)")
-        a.set_title("measured on a GPU (filled markers: the current file)", fontsize=9)
+        a.set_title(
+            f"decode measured on {_measured_devices(measured)}: {_measured_models(measured)}, not {name}\n"
+            "(filled markers: the current file)",
+            fontsize=9,
+        )
         a.legend(fontsize=5.5)
         a.grid(alpha=0.3)
     if cpu:
@@ -288,17 +312,38 @@ def long_context(lc: dict, title: str, path: Path, cpu: dict | None = None) -> N
         a.set_xticks(range(len(rows)), labels, fontsize=7)
         a.set_xlabel("model, decode batch B")
         a.set_ylabel("decode tokens/s")
-        a.set_title(f"measured on CPU ({cpu['config_name']}, prompt {cpu['prompt']})", fontsize=9)
+        a.set_title(
+            f"decode measured on CPU: {cpu['config_name']}, not {name}\n(prompt {cpu['prompt']} tokens)",
+            fontsize=9,
+        )
         a.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"{name}: long-context serving", fontsize=10)
     _save(fig, path)
 
 
-def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = None, depth: dict | None = None) -> None:
+def _bar_labels(a, xs, values, fmt: str) -> None:
+    for x, v in zip(xs, values):
+        a.annotate(fmt.format(v), (x, v), ha="center", textcoords="offset points", xytext=(0, 2), fontsize=7)
+
+
+def attn_res(
+    costs: dict,
+    title: str,
+    path: Path,
+    latency: list[dict] | None = None,
+    depth: dict | None = None,
+    gpu: dict | None = None,
+    depth_gpu: dict | None = None,
+    gpu_config: str = "",
+) -> None:
     """One unit per panel: depth sources per mix; bytes per token (live, stage boundary); mix FLOPs per token;
-    with CPU measurements, forward ms per mode and, at the config's depth, saved activation bytes per token.
-    All values are counted or measured (none extrapolated), so nothing is shaded."""
-    panels = 3 + bool(latency) + bool(depth)
+    with measurements: CPU forward ms per mode; at the config's depth, saved activation bytes over ``none``'s on
+    the CPU and (``depth_gpu``, benchmarks/attn_res_depth.py) on a GPU; and the GPU training / decode overheads
+    (``gpu``: :func:`k3.audit.attnres.measured_attn_res` rows, measured on ``gpu_config``). All values are
+    counted or measured (none extrapolated), so nothing is shaded."""
+    depth_gpu = depth_gpu if depth_gpu and depth_gpu.get("rows") else None
+    gpu_rows = [r for r in (gpu or {}).get("rows", []) if r["mode"] != "none"]
+    panels = 3 + bool(latency) + bool(depth or depth_gpu) + bool(gpu_rows)
     grid_rows = 1 if panels <= 3 else 2
     fig, grid = plt.subplots(grid_rows, 3, figsize=(15, 4.3 * grid_rows), squeeze=False)
     axes = list(grid.flat)
@@ -321,7 +366,9 @@ def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = N
     a.grid(alpha=0.3)
     x = list(range(len(modes)))
     a = axes[1]
-    pp = max(next(iter(costs.values()))["pipeline"] or [0])
+    # pipeline sizes are ints, or strings once the costs went through audit.json
+    pipes = {m: {int(k): v for k, v in (costs[m]["pipeline"] or {}).items()} for m in modes}
+    pp = max(pipes[modes[0]] or [0])
     width = 0.4 if pp else 0.6
     a.bar(
         [i - width / 2 if pp else i for i in x],
@@ -333,7 +380,7 @@ def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = N
     if pp:
         a.bar(
             [i + width / 2 for i in x],
-            [costs[m]["pipeline"][pp]["max_bytes_per_token"] / 1024 for m in modes],
+            [pipes[m][pp]["max_bytes_per_token"] / 1024 for m in modes],
             width=width,
             color="C2",
             hatch="//",
@@ -343,7 +390,7 @@ def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = N
     a.set_xticks(x, modes)
     a.set_xlabel("AttnRes mode")
     a.set_ylabel("KiB per token (bf16, log scale)")
-    a.set_title("bytes per token", fontsize=9)
+    a.set_title("bytes per token (analytic)", fontsize=9)
     a.legend(fontsize=7)
     a.grid(axis="y", alpha=0.3)
     a = axes[2]
@@ -351,7 +398,7 @@ def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = N
     a.set_xticks(x, modes)
     a.set_xlabel("AttnRes mode")
     a.set_ylabel("mix MFLOP per token (forward)")
-    a.set_title("mix FLOPs per token", fontsize=9)
+    a.set_title("mix FLOPs per token (analytic)", fontsize=9)
     a.legend(fontsize=7)
     a.grid(axis="y", alpha=0.3)
     col = 3
@@ -363,22 +410,64 @@ def attn_res(costs: dict, title: str, path: Path, latency: list[dict] | None = N
         a.set_xticks(range(len(latency)), [r["mode"] for r in latency])
         a.set_xlabel("AttnRes mode")
         a.set_ylabel(f"CPU forward ms, [1, {latency[0]['tokens']}] tokens")
-        a.set_title("CPU forward (measured config)", fontsize=9)
+        a.set_title("CPU forward (the measured stand-in config)", fontsize=9)
         a.legend(fontsize=7)
         a.grid(axis="y", alpha=0.3)
-    if depth:
+    if depth or depth_gpu:
         a = axes[col]
-        rows = depth["rows"]
-        a.bar(
-            range(len(rows)),
-            [r["saved_bytes_per_token"] / 2**20 for r in rows],
-            color="C6",
-            label="saved for backward (measured)",
-        )
-        a.set_xticks(range(len(rows)), [r["mode"] for r in rows])
+        col += 1
+        runs = [
+            (d, label)
+            for d, label in (
+                (depth, f"CPU, fp32, {(depth or {}).get('tokens', '?')} tokens"),
+                (
+                    depth_gpu,
+                    f"{(depth_gpu or {}).get('device', 'GPU')}, bf16, {(depth_gpu or {}).get('tokens', '?')} tokens",
+                ),
+            )
+            if d
+        ]
+        dmodes = [r["mode"] for r in runs[0][0]["rows"]]
+        w = 0.8 / len(runs)
+        for j, (d, label) in enumerate(runs):
+            by_mode = {r["mode"]: r for r in d["rows"]}
+            base = by_mode["none"]["saved_bytes_per_token"]
+            xs = [i + (j - (len(runs) - 1) / 2) * w for i in range(len(dmodes))]
+            vals = [by_mode[m]["saved_bytes_per_token"] / base if m in by_mode else np.nan for m in dmodes]
+            a.bar(xs, vals, width=w, color=f"C{6 + j}", label=label)
+            _bar_labels(a, xs, vals, "{:.2f}x")
+        a.axhline(1.0, color="k", ls=":", lw=1)
+        a.set_xticks(range(len(dmodes)), dmodes)
         a.set_xlabel("AttnRes mode")
-        a.set_ylabel("MiB per token (fp32)")
-        a.set_title(f"{depth['layers']} layers, d = {depth['hidden_size']} (CPU)", fontsize=9)
+        a.set_ylabel("activations saved for backward / none's")
+        first = runs[0][0]
+        a.set_title(f"at depth: {first['layers']} layers, d = {first['hidden_size']} (measured)", fontsize=9)
+        a.legend(fontsize=7, loc="upper left")
+        a.grid(axis="y", alpha=0.3)
+    if gpu_rows:
+        a = axes[col]
+        kinds = [
+            (k, label)
+            for k, label in (
+                ("train_overhead", "training step"),
+                ("decode_overhead", "decode step, CUDA graph"),
+                ("decode_overhead_compiled", "decode step, compiled + CUDA graph"),
+            )
+            if any(isinstance(r.get(k), (int, float)) for r in gpu_rows)
+        ]
+        w = 0.8 / max(len(kinds), 1)
+        for j, (k, label) in enumerate(kinds):
+            xs = [i + (j - (len(kinds) - 1) / 2) * w for i in range(len(gpu_rows))]
+            vals = [100 * r[k] if isinstance(r.get(k), (int, float)) else np.nan for r in gpu_rows]
+            a.bar(xs, vals, width=w, color=f"C{j}", label=label)
+            _bar_labels(a, xs, vals, "{:+.1f}%")
+        a.axhline(0.0, color="k", lw=0.8)
+        a.set_xticks(range(len(gpu_rows)), [r["mode"] for r in gpu_rows])
+        a.set_xlabel("AttnRes mode")
+        a.set_ylabel("time over none's (%)")
+        devices = sorted({f["device"] for f in gpu.get("files", []) if f.get("read")})
+        where = ", ".join(devices) or "GPU"
+        a.set_title(f"overhead on {where}: {gpu_config or 'the benchmark config'}, not this config", fontsize=9)
         a.legend(fontsize=7)
         a.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)

@@ -160,15 +160,19 @@ def bootstrap_multiplier(
     seed: int = 0,
     level: float = 0.90,
     min_units: int = MIN_BOOTSTRAP_UNITS,
+    band_losses=None,
 ) -> dict:
-    """Seeded bootstrap of m(at_loss) = C_b / C_a, resampling runs within each family; percentile interval.
-    ValueError with fewer than ``min_units`` runs in a family (:func:`delta_multiplier` is the interval there)."""
+    """Seeded bootstrap of m(at_loss) = C_b / C_a, resampling runs within each family; percentile interval, and
+    with ``band_losses`` the pointwise percentile band of m over those losses (``band``: {loss, lo, hi}, what
+    the figure draws along the curve). ValueError with fewer than ``min_units`` runs in a family
+    (:func:`delta_multiplier` is the interval there)."""
     c_a, loss_a = np.asarray(c_a, float), np.asarray(loss_a, float)
     c_b, loss_b = np.asarray(c_b, float), np.asarray(loss_b, float)
     _enough(min(c_a.size, c_b.size), min_units)
     need = 3 if irreducible else 2
     rng = np.random.default_rng(seed)
-    values, fits_a, fits_b, failed = [], [], [], 0
+    losses = None if band_losses is None else np.asarray(band_losses, float)
+    values, fits_a, fits_b, curves, failed = [], [], [], [], 0
     for _ in range(n_boot):
         ia = rng.integers(0, c_a.size, c_a.size)
         ib = rng.integers(0, c_b.size, c_b.size)
@@ -182,6 +186,8 @@ def bootstrap_multiplier(
             failed += 1
             continue
         values.append(m)
+        if losses is not None:
+            curves.append(compute_multiplier(fa, fb, losses))
         fits_a.append((fa.a, fa.b))
         fits_b.append((fb.a, fb.b))
     q = (100 * (1 - level) / 2, 100 * (1 + level) / 2)
@@ -193,6 +199,9 @@ def bootstrap_multiplier(
         for name, fits in (("candidate_b", fits_a), ("baseline_b", fits_b)):
             lo, hi = np.percentile([f[1] for f in fits], q)
             out[name] = [float(lo), float(hi)]
+        if losses is not None:
+            lo, hi = np.nanpercentile(np.array(curves, float), q, axis=0)
+            out["band"] = {"loss": losses.tolist(), "lo": lo.tolist(), "hi": hi.tolist()}
     return out
 
 
@@ -306,6 +315,17 @@ def delta_multiplier(fit_a: PowerLawFit, data_a, fit_b: PowerLawFit, data_b, at_
     lo, hi = t_bounds(math.log(m), math.sqrt(var), df, level)
     method = f"delta method on the fits' linearised covariance, t on {df:.1f} df (Welch-Satterthwaite)"
     return out | {"low": math.exp(lo), "high": math.exp(hi), "df": df, "method": method}
+
+
+def delta_multiplier_band(fit_a: PowerLawFit, data_a, fit_b: PowerLawFit, data_b, losses, level=0.90) -> dict:
+    """Pointwise :func:`delta_multiplier` intervals of m over ``losses``: {loss, lo, hi} (None where a point has
+    no interval), the band the figure draws along the multiplier curve."""
+    lo, hi = [], []
+    for loss in np.asarray(losses, float):
+        d = delta_multiplier(fit_a, data_a, fit_b, data_b, float(loss), level)
+        lo.append(d.get("low"))
+        hi.append(d.get("high"))
+    return {"loss": [float(v) for v in np.asarray(losses, float)], "lo": lo, "hi": hi}
 
 
 def fit_interval(c, loss, fit: PowerLawFit, irreducible: bool, n_boot: int, seed: int) -> dict:

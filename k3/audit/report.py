@@ -73,30 +73,6 @@ def run_audit(
         timings["measure_s"] = time.perf_counter() - t1
 
     name = config.name
-    plots.recipe_strip(rec, f"{name}: {rec['schedule']}", out / "recipe.png")
-    plots.params_by_path(paths, f"{name}: parameters, weight reads and FLOPs by path", out / "params.png")
-    if stream:
-        plots.experts_per_step(
-            stream,
-            config.moe.num_experts,
-            config.moe.num_experts_per_token,
-            f"{name}: experts streamed per decode step (uniform routing)",
-            out / "experts_per_step.png",
-        )
-    if frontier:
-        plots.router(
-            frontier, f"{name}: router frontier (E={frontier['num_experts']}, k={frontier['k']})", out / "router.png"
-        )
-    plots.long_context(lc, f"{name}: cache bytes per sequence", out / "long_context.png", cpu)
-    plots.attn_res(
-        costs,
-        f"{name}: Attention Residuals overhead per token",
-        out / "attn_res.png",
-        cpu["attn_res"] if cpu else None,
-        cpu["attn_res_depth"] if cpu else None,
-    )
-    timings["total_s"] = time.perf_counter() - t0
-
     audit = {
         "preset": name,
         "source": source,
@@ -119,12 +95,64 @@ def run_audit(
         "attn_res_gpu": measured_attn_res(attnres.GPU_FILES),
         "attn_res_depth_gpu": measured_depth_gpu(attnres.DEPTH_FILE, name),
         "measured_cpu": cpu,
-        "figures": [f for f in FIGURES if (out / f).is_file()],
+        "figures": [],
     }
+    audit["figures"] = draw_figures(audit, out)
+    timings["total_s"] = time.perf_counter() - t0
     audit["activated_share"] = activated_share(audit, config)
     (out / "report.md").write_text(render(audit, config))
     (out / "audit.json").write_text(json.dumps(audit, indent=1))
     return audit
+
+
+def draw_figures(a: dict, out: Path) -> list[str]:
+    """Draw every figure of audit ``a`` (what :func:`run_audit` computed, or its ``audit.json`` read back) into
+    ``out``; returns the figures drawn. Everything drawn comes from ``a``, so redrawing from a committed
+    ``audit.json`` reproduces the figures without measuring again."""
+    name, cpu = a["preset"], a.get("measured_cpu")
+    plots.recipe_strip(a["recipe"], f"{name}: {a['recipe']['schedule']}", out / "recipe.png")
+    plots.params_by_path(a["paths"], f"{name}: parameters, weight reads and FLOPs by path", out / "params.png")
+    if a.get("expert_stream"):
+        moe = a["config"]["moe"]
+        plots.experts_per_step(
+            a["expert_stream"],
+            moe["num_experts"],
+            moe["num_experts_per_token"],
+            f"{name}: experts streamed per decode step (uniform routing)",
+            out / "experts_per_step.png",
+        )
+    if a.get("router"):
+        f = a["router"]
+        plots.router(f, f"{name}: router frontier (E={f['num_experts']}, k={f['k']})", out / "router.png")
+    plots.long_context(a["long_context"], name, out / "long_context.png", cpu)
+    plots.attn_res(
+        a["attn_res"],
+        f"{name}: Attention Residuals overhead per token",
+        out / "attn_res.png",
+        cpu["attn_res"] if cpu else None,
+        cpu["attn_res_depth"] if cpu else None,
+        a.get("attn_res_gpu"),
+        a.get("attn_res_depth_gpu"),
+        attnres.GPU_CONFIG,
+    )
+    return [f for f in FIGURES if (out / f).is_file()]
+
+
+def redraw_figures(out_dir: str | Path) -> list[str]:
+    """Redraw the figures of the audit in ``out_dir`` from its ``audit.json``: report.md, audit.json and the
+    measurements stay as they are (``k3 audit --figures-only``)."""
+    out = Path(out_dir)
+    path = out / "audit.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{out}: no audit.json to redraw the figures from")
+    try:
+        a = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    missing = [k for k in ("preset", "recipe", "paths", "long_context", "attn_res") if k not in a]
+    if missing:
+        raise ValueError(f"{path}: not a k3 audit (missing {', '.join(missing)})")
+    return draw_figures(a, out)
 
 
 # ------------------------------------------------------------------------------------------------ markdown

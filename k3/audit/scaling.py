@@ -37,6 +37,7 @@ from k3.audit.powerlaw import (  # noqa: E402, F401 (bootstrap_fit, fit_power_la
     bootstrap_multiplier,
     compute_multiplier,
     delta_multiplier,
+    delta_multiplier_band,
     fit_interval,
     fit_power_law,
     loss_overlap,
@@ -187,9 +188,11 @@ def analyse(
             data_a = ([r["compute"] for r in ra], [r["loss"] for r in ra])
             data_b = ([r["compute"] for r in rb], [r["loss"] for r in rb])
             if min(len(ra), len(rb)) >= MIN_BOOTSTRAP_UNITS:
-                boot = bootstrap_multiplier(*data_a, *data_b, ref, irreducible, n_boot, seed)
+                boot = bootstrap_multiplier(*data_a, *data_b, ref, irreducible, n_boot, seed, band_losses=grid)
+                band = boot.pop("band", None)
             else:
                 boot = delta_multiplier(fa, data_a, fb, data_b, ref)
+                band = delta_multiplier_band(fa, data_a, fb, data_b, grid)
             multipliers[label] = {
                 "baseline": baseline,
                 "at_loss": ref,
@@ -199,6 +202,7 @@ def analyse(
                 "interval": [boot.get("low"), boot.get("high")],
                 "interval_detail": boot,
                 "curve": {"loss": grid.tolist(), "multiplier": mult.tolist()},
+                "band": band,
             }
     return {
         "fits": fits,
@@ -303,14 +307,16 @@ def _methods(result: dict, multipliers: bool = False) -> str:
     else:
         found = {k: f["interval"] for k, f in result["fits"].items()}
 
-    def short(d: dict) -> str:
-        if "bootstrap" in d.get("method", ""):
-            return "percentile bootstrap"
-        if d.get("df") is None or "no interval" in d.get("method", ""):
-            return "none"
-        return ("delta method, " if multipliers else "") + f"t on {d['df']:.3g} df"
+    return "; ".join(f"{k}: {_short_method(d, multipliers)}" for k, d in found.items()) or "none"
 
-    return "; ".join(f"{k}: {short(d)}" for k, d in found.items()) or "none"
+
+def _short_method(d: dict, multiplier: bool = False) -> str:
+    """An interval's method in a few words, with its df."""
+    if "bootstrap" in d.get("method", ""):
+        return "percentile bootstrap"
+    if d.get("df") is None or "no interval" in d.get("method", ""):
+        return "none"
+    return ("delta method, " if multiplier else "") + f"t on {d['df']:.3g} df"
 
 
 def _log_y(ax) -> None:
@@ -366,10 +372,34 @@ def plot_scaling(result: dict, path: Path) -> None:
                 continue
             color = f"C{labels.index(label) % 10}"
             ax.plot(m["curve"]["loss"], m["curve"]["multiplier"], color=color, lw=1.3, label=label)
+            how = m["interval_detail"]
+            level = how.get("level", "90%")
+            pointwise = "percentile bootstrap" if "bootstrap" in how.get("method", "") else "delta method, df per point"
+            band = m.get("band")
+            if band and any(v is not None for v in band["lo"]):
+                ok = [i for i, (lo, hi) in enumerate(zip(band["lo"], band["hi"])) if lo is not None and hi is not None]
+                ax.fill_between(
+                    [band["loss"][i] for i in ok],
+                    [band["lo"][i] for i in ok],
+                    [band["hi"][i] for i in ok],
+                    color=color,
+                    alpha=0.18,
+                    lw=0,
+                    label=f"{label}: {level} pointwise interval ({pointwise})",
+                )
             iv = m["interval"]
             if iv[0] is not None:
                 yerr = [[m["multiplier"] - iv[0]], [iv[1] - m["multiplier"]]]
-                ax.errorbar([m["at_loss"]], [m["multiplier"]], yerr=yerr, fmt="o", color=color, capsize=4)
+                ax.errorbar(
+                    [m["at_loss"]],
+                    [m["multiplier"]],
+                    yerr=yerr,
+                    fmt="o",
+                    color=color,
+                    capsize=4,
+                    label=f"{label} at loss {m['at_loss']:.2f}: {m['multiplier']:.2f}x [{iv[0]:.2f}, {iv[1]:.2f}] "
+                    f"({level}, {_short_method(how, True)})",
+                )
         ax.axhline(1.0, color="k", ls=":", lw=1)
         _log_y(ax)
         ax.set_xlabel("validation loss (nats/token)")

@@ -1,7 +1,8 @@
-"""``k3 audit (--preset NAME | --ckpt DIR) --out DIR [--context N] [--contexts 4096,...] [--measure]``.
+"""``k3 audit (--preset NAME | --ckpt DIR | --figures-only) --out DIR [--context N] [--contexts 4096,...] [--measure]``.
 
 Writes report.md, audit.json and PNG figures answering the auditability questions 1, 2, 5 (analytic), 6 and 7
-(see docs/audit/README.md). Only the config is needed: a checkpoint's weights are never read.
+(see docs/audit/README.md). Only the config is needed: a checkpoint's weights are never read. ``--figures-only``
+redraws an existing audit's figures from its audit.json (nothing recomputed or re-measured).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
     src.add_argument("--ckpt", help="checkpoint or training run directory (its config.json only)")
+    src.add_argument(
+        "--figures-only",
+        action="store_true",
+        help="redraw the figures of the audit in --out from its audit.json (report and measurements kept)",
+    )
     p.add_argument("--out", required=True, help="output directory (report.md, audit.json, *.png)")
     p.add_argument("--context", type=int, default=4096, help="context for the per-token FLOPs (default 4096)")
     p.add_argument(
@@ -53,6 +59,12 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.figures_only:
+        from k3.audit.report import redraw_figures
+
+        figures = redraw_figures(args.out)
+        print(f"redrew {len(figures)} figures in {args.out} from its audit.json: {', '.join(figures)}")
+        return 0
     if args.context <= 0:
         raise ValueError(f"--context={args.context} must be positive")
     contexts = _int_list(args.contexts, "--contexts")
