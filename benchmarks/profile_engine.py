@@ -1,7 +1,7 @@
 """Where a serving step's time goes: the Engine alone (no HTTP), then under cProfile.
 
     python benchmarks/profile_engine.py [--preset small-1b] [--batches 1,8,64] [--prompt 256] [--output 128]
-        [--profile 64] [--top 35] [--closed 64] [--rounds 3] [--no-warm-up]
+        [--profile 64] [--top 35] [--closed 64] [--rounds 3] [--no-warm-up] [--no-graphs] [--prefill 1,4,16]
 
 For each batch B: B random prompts of ``--prompt`` tokens, greedy, ``--output`` tokens each with ignore_eos, run
 by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, and the captured graph step at B
@@ -10,7 +10,9 @@ by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, 
 the functions with the most own time. With ``--closed C``: C closed-loop clients first (each adds its next request
 when its last one finishes, ``--rounds`` each, as the serving benchmark's clients do): time to first token in
 engine steps and wall time, and the slowest steps with what they ran, so a stall (a compilation, an autotuner)
-shows with the pass that caused it. Writes $K3_BENCH_OUT/profile_engine.txt when set.
+shows with the pass that caused it. With ``--prefill N,...``: one packed prefill pass of N prompts of ``--prompt``
+tokens each, its wall time, device time (CUDA events) and the kernels it launched (torch.profiler), so a pass whose
+host work exceeds its device work shows. Writes $K3_BENCH_OUT/profile_engine.txt when set.
 """
 
 from __future__ import annotations
@@ -100,6 +102,53 @@ def run_closed(engine, clients: int, rounds: int, prompt: int, output: int, voca
     return lines
 
 
+def prefill_pass(engine, segments: int, prompt: int, vocab: int) -> str:
+    """One packed prefill forward of ``segments`` prompts of ``prompt`` tokens on free slots (then emptied)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    slots = engine.free_slots[:segments]
+    cuda = engine.device.type == "cuda"
+
+    def once() -> None:
+        for slot in slots:
+            engine.cache.reset(slot)
+        ids = torch.randint(vocab, (1, segments * prompt), device=engine.device)
+        cu = torch.tensor([0] + [prompt] * segments).cumsum(0)
+        with torch.no_grad():
+            engine.model(ids, cu_seqlens=cu, cache=engine.cache, seq_ids=slots, last_only=True)
+
+    once()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    once()
+    host = time.perf_counter() - t0
+    device = None
+    if cuda:
+        end.record()
+        torch.cuda.synchronize()
+        device = start.elapsed_time(end)
+    wall = time.perf_counter() - t0
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        once()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    for slot in slots:
+        engine.cache.reset(slot)
+    dev = f", device {device:.1f} ms" if device is not None else ""
+    return (
+        f"prefill pass {segments} x {prompt} tokens: launched in {1e3 * host:.1f} ms, done in {1e3 * wall:.1f} ms"
+        f"{dev}; {ops} aten ops, {kernels} kernels"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="small-1b")
@@ -112,6 +161,8 @@ def main() -> None:
     p.add_argument("--closed", type=int, default=0, help="closed-loop clients (0: none)")
     p.add_argument("--rounds", type=int, default=3, help="requests per closed-loop client")
     p.add_argument("--no-warm-up", action="store_true", help="build the engine without its prefill warm-up")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs captured at start)")
+    p.add_argument("--prefill", default="", help="prefill passes to time: prompts per pass, comma-separated")
     a = p.parse_args()
 
     from k3.bench.live_server import bench_tokenizer, random_config, random_model
@@ -124,11 +175,15 @@ def main() -> None:
     engine = Engine(
         model,
         tokenizer,
-        max_batch=max(batches + [a.profile, a.closed]),
+        max_batch=max(batches + [a.profile, a.closed] + [int(x) for x in a.prefill.split(",") if x]),
         max_context=a.prompt + a.output + 64,
         warm_up=False if a.no_warm_up else None,
+        cuda_graphs=False if a.no_graphs else None,
     )
     vocab, rng, lines = model.config.vocab_size, random.Random(0), []
+    for n in [int(x) for x in a.prefill.split(",") if x]:
+        lines.append(prefill_pass(engine, n, a.prompt, vocab))
+        print(lines[-1], flush=True)
     if a.closed:
         for line in run_closed(engine, a.closed, a.rounds, a.prompt, a.output, vocab, rng):
             lines.append(line)
