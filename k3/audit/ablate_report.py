@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from k3.plan.stragglers import cell  # noqa: E402
 from k3.train.plots import ema  # noqa: E402
 from k3.train.trainer import read_metrics  # noqa: E402
 
@@ -192,6 +193,10 @@ def _trained_frontier_lines(rows: list[dict]) -> list[str]:
     ep = [g for g in (8, 64) if any(f"imbalance_ep{g}" in r for r in rows)]
     head = ["run", "val loss", "MaxVio batch / micro / seq", "over cap 1.0 / 1.25", "padding 8 / 128"]
     head += [f"EP {g}: imbalance, all-to-all KiB" for g in ep]
+    step_ep = [g for g in ep if any(f"step_ep{g}" in r for r in rows)]
+    head += [f"EP {g} per step: max / mean rank p50 / p90 / max" for g in step_ep]
+    if step_ep:
+        head += ["per step: hottest / mean expert", "per step: experts over cap 1.25"]
     lines = [
         "### Router frontier from the trained routers",
         "",
@@ -201,6 +206,17 @@ def _trained_frontier_lines(rows: list[dict]) -> list[str]:
         "per token per MoE layer under expert parallelism with contiguous placement (`k3/audit/frontier.py`; "
         "estimates from measured loads).",
         "",
+    ]
+    if step_ep:
+        lines += [
+            "Summed counts average away the per-micro-batch fluctuation that makes a straggler; the per-step "
+            "columns are from each run's per micro-batch counts (`expert_loads_steps.npz`, the last micro-batches "
+            "of the run): p50 / p90 / max over micro-batches, the mean over MoE layers, same contiguous placement, "
+            "beside a uniform router's (same tokens per micro-batch and top-k, simulated: the sampling floor) "
+            "(`k3/plan/stragglers.py`).",
+            "",
+        ]
+    lines += [
         "| " + " | ".join(head) + " |",
         "|---" * len(head) + "|",
     ]
@@ -215,6 +231,11 @@ def _trained_frontier_lines(rows: list[dict]) -> list[str]:
         for g in ep:
             imb, a2a = r.get(f"imbalance_ep{g}"), r.get(f"a2a_bytes_ep{g}")
             cells.append("—" if imb is None else f"{imb:.2f}, {a2a / 1024:.1f}")
+        for g in step_ep:
+            cells.append(cell(r.get(f"step_ep{g}")))
+        if step_ep:
+            first = r.get(f"step_ep{step_ep[0]}")
+            cells += [cell(first, "hottest_over_mean"), cell(first, "experts_over_capacity", pct=True)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -473,6 +494,9 @@ def plot_val_loss(rows: list[dict], path: Path, diffs: dict | None = None) -> No
 
 
 def plot_router_frontier(summaries: list[dict], rows: list[dict], path: Path) -> None:
+    """Validation loss against MaxVio per run and per variant (mean ± sd over seeds). The loss axis is zoomed on
+    the runs, so its span is written on the plot beside the seed-to-seed standard deviation: a gap between
+    variants reads against both, not against the height of the plot."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for i, r in enumerate(rows):
         runs = [
@@ -499,7 +523,13 @@ def plot_router_frontier(summaries: list[dict], rows: list[dict], path: Path) ->
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("router frontier: quality vs balance (lower-left is better)", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    lo, hi = ax.get_ylim()
+    sds = [r["val_loss_std"] for r in rows if finite(r.get("val_loss_std"))]
+    note = f"the loss axis spans only {hi - lo:.3f} nats/token"
+    if sds:
+        note += f"\nseed-to-seed sd: {float(np.mean(sds)):.3f} (mean over variants)"
+    ax.text(0.02, 0.98, note, transform=ax.transAxes, va="top", fontsize=8, bbox={"fc": "w", "ec": "0.6"})
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,15 +16,23 @@ layer; shares f_j = count_j / sum), for a step of T tokens with top-k:
   bytes for the all-to-all bytes per token per layer.
 
 Means over MoE layers. An estimate from measured loads, not a measured all-to-all.
+
+Summed counts average away the per-micro-batch fluctuation that makes a straggler, so beside them, where the run
+kept per micro-batch counts (``expert_loads_steps.npz``), each row has the per-step statistics of
+k3.plan.stragglers under the same contiguous placement (``step_ep{G}``: p50 / p90 / max over micro-batches, with
+a uniform router's floor for the same tokens); ``step_ep{G}`` is None for a run with summed counts only.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
+
+from k3.plan.loads import read_step_loads
+from k3.plan.placement import contiguous
+from k3.plan.stragglers import step_stragglers
 
 EP_RANKS = (8, 64)
 ALIGNS = (8, 128)
@@ -52,12 +60,8 @@ def padding_share(shares: np.ndarray, tokens: int, k: int, align: int) -> float:
 
 
 def rank_shares(shares: np.ndarray, ranks: int) -> np.ndarray:
-    """Each rank's share of the layer's token-slots with the experts placed contiguously (E / ranks a rank), as
-    k3.plan.placement.contiguous places them (k3.plan imports k3.audit, so it cannot be imported here)."""
-    per = math.ceil(len(shares) / ranks)
-    padded = np.zeros(per * ranks)
-    padded[: len(shares)] = shares
-    return padded.reshape(ranks, per).sum(axis=1)
+    """Each rank's share of the layer's token-slots with the experts placed contiguously (E / ranks a rank)."""
+    return np.asarray(contiguous(shares, ranks).gpu_load)
 
 
 def layer_costs(shares: np.ndarray, tokens: int, k: int, latent: int, act_bytes: int = 2) -> dict:
@@ -88,5 +92,9 @@ def trained_frontier(summaries: list[dict], tokens: int, k: int, latent: int) ->
         row["layers"] = len(shares)
         for key in costs[0]:
             row[key] = float(np.mean([c[key] for c in costs]))
+        steps = read_step_loads(s["run_dir"])
+        for g in EP_RANKS:
+            if len(shares[0]) >= g:
+                row[f"step_ep{g}"] = None if steps is None else step_stragglers(steps, g)
         rows.append(row)
     return rows

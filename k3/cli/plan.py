@@ -169,10 +169,14 @@ def _runs(args: argparse.Namespace, config, c, work: Training | Serving) -> int:
     """--loads over a directory of runs: the per-run straggler table (k3.plan.runs)."""
     from k3.plan.cost import model_shape
     from k3.plan.runs import plan_runs, runs_markdown
+    from k3.plan.stragglers import step_stragglers
 
     shape = model_shape(config)
     plan_one = lambda shares: _plan(args, config, c, work, shares, placements=False)  # noqa: E731
-    rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one)
+    per_step = None
+    if args.workload == "train":  # training micro-batches' counts say nothing of a decode step's
+        per_step = lambda loads: step_stragglers(loads, c.gpus, "placed", c.per_node)  # noqa: E731
+    rows = plan_runs(args.loads, shape.moe_layers, shape.experts, plan_one, per_step)
     what = "training step" if args.workload == "train" else f"decode step, {args.precision} experts"
     title = f"Straggler of {config.name} on {c.gpus} GPUs ({c.hbm_gib:g} GiB each), {what}, under each run's loads"
     command = "k3 " + shlex.join(args.argv)
@@ -212,4 +216,12 @@ def _print(plan: dict, c) -> None:
     step = plan.get("decode") or plan["step"]
     terms = ", ".join(f"{k[:-2]} {v * 1e3:.2f}" for k, v in step.items() if k.endswith("_s") and k != "tokens_per_s")
     print(f"{'decode' if 'decode' in plan else 'training'} step (ms): {terms}")
+    from k3.plan.plan import ALL_TO_ALL_CALIBRATED, without_all_to_all
+
+    if not ALL_TO_ALL_CALIBRATED:
+        straggler, rest = without_all_to_all(step)
+        print(
+            "all-to-all: uncalibrated (the measured 2-GPU all-to-all is far slower than this model's; docs/plan.md); "
+            f"without it the step is {rest * 1e3:.2f} ms, its straggler {straggler * 1e3:.2f} ms"
+        )
     print(f"tokens/s: {step['tokens_per_s']:,.0f}" + (f", MFU {step['mfu']:.3f}" if "mfu" in step else ""))

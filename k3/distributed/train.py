@@ -39,7 +39,7 @@ from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
 from k3.train.checkpoint import publish_checkpoint
 from k3.data.text import Batch
-from k3.train.trainer import Trainer, TrainConfig, write_expert_loads
+from k3.train.trainer import Trainer, TrainConfig
 
 log = logging.getLogger("k3.train")
 
@@ -204,7 +204,7 @@ class DistributedTrainer(Trainer):
             plots.maxvio_curves(self.history, self.run_dir / "maxvio.png")
             if self.recent_loads:  # this rank's loads
                 plots.expert_load_heatmap(self.recent_loads, self.run_dir / "expert_load.png")
-                write_expert_loads(self.recent_loads, self.run_dir / "expert_loads.json")
+            self.write_loads()
         self.recent_loads = {}
 
     def sample(self) -> list[tuple[str, str]]:

@@ -174,7 +174,8 @@ def validate(measured: dict | None = None) -> list[dict]:
                 "measured": f"{run['a2a_s_median'] * 1e3:.0f} ms",
                 "ratio": pred / run["a2a_s_median"],
                 "note": "measured includes waiting for the other rank and 88 small calls: the fabric term "
-                "alone is far below it",
+                "alone is far below it. Not calibrated: plans mark the all-to-all so and straggler shares "
+                "leave it out",
                 "source": "multi_gpu.json",
             }
         )
@@ -366,6 +367,8 @@ def write_report(
         + ", ".join(f"{r / 1e12:.0f} TFLOP/s at {t} tokens per expert" for t, r in cost.GROUPED_GEMM)
         + ": measured\n- workspace "
         f"{cost.WORKSPACE_GIB:g} GiB per GPU: assumed\n- all-to-alls and compute do not overlap: assumed\n"
+        "- all-to-all time: bytes at the fabric rates plus one latency, not calibrated (the measured 2-GPU "
+        "all-to-all above is far slower)\n"
     )
     (out / "report.md").write_text("\n".join(parts))
     (out / "plans.json").write_text(

@@ -6,6 +6,13 @@ balances its experts. Each run's loads (its layers repeated over the model's MoE
 the same plan: the straggler term is the extra expert time of the most-loaded GPU after placement by load (serving:
 with replicas; training: one copy of each expert, k3.plan.plan). So a balancing method's measured imbalance reads
 as time on the planned cluster, which the imbalance factor alone (docs/architecture.md#accounting) does not give.
+
+The all-to-all term is not calibrated (k3.plan.plan.ALL_TO_ALL_CALIBRATED), so the straggler's share is of the step
+without it, and the straggler without its all-to-all part. The plan's straggler rests on summed counts and a
+Poisson model of one step's fluctuation; where a run kept per micro-batch counts (``expert_loads_steps.npz``), the
+training table also gives the measured per-step max / mean GPU load under the plan's placement and the share of
+the step it makes (p50 / p90 / max over micro-batches, beside a uniform router's at the same tokens:
+k3.plan.stragglers). Those micro-batches hold the run's tokens, not K3's, so their sampling noise is the run's.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from k3.plan.loads import read_loads
+from k3.plan.loads import StepLoads, read_loads, read_step_loads
+from k3.plan.plan import without_all_to_all
+from k3.plan.stragglers import QUANTILES
 
 LOADS = "expert_loads.json"
 
@@ -33,10 +42,32 @@ def loads_runs(root: str | Path) -> list[Path]:
     return sorted(q.parent for q in Path(root).rglob(LOADS))
 
 
-def plan_runs(root: str | Path, layers: int, experts: int, plan_one: Callable[[np.ndarray], dict]) -> list[dict]:
+def step_shares(plan_step: dict, per_step: dict) -> dict:
+    """The straggler's share of a training step (all-to-all left out) at each measured and uniform per-step
+    max / mean GPU load of ``per_step`` (k3.plan.stragglers.step_stragglers): the expert GEMMs of the busiest GPU
+    take max / mean times the balanced time."""
+    _, rest = without_all_to_all(plan_step)
+    balanced = rest - plan_step["straggler_s"]
+    out = {}
+    for kind in ("measured", "uniform"):
+        ratio = per_step[kind]["rank_max_over_mean"]
+        extra = {q: plan_step["expert_flops_s"] * (ratio[q] - 1) for q, _ in QUANTILES}
+        out[kind] = {q: x / (balanced + x) for q, x in extra.items()}
+    return out
+
+
+def plan_runs(
+    root: str | Path,
+    layers: int,
+    experts: int,
+    plan_one: Callable[[np.ndarray], dict],
+    per_step: Callable[[StepLoads], dict] | None = None,
+) -> list[dict]:
     """One row per run under ``root``: the run's name, variant, seed and validation loss (its summary.json, where
     present), and from ``plan_one(shares [layers, experts])`` the placed max / mean GPU load and the step's
-    straggler and total seconds. ValueError when a run's loads do not match the model or the plan does not fit."""
+    straggler and total seconds, both without the all-to-all. With ``per_step`` (training), a run's per micro-batch
+    counts give ``per_step(loads)`` and the straggler shares they make (:func:`step_shares`); None for a run with
+    summed counts only. ValueError when a run's loads do not match the model or the plan does not fit."""
     runs = loads_runs(root)
     if not runs:
         raise ValueError(f"expert loads: no run under {root} holds {LOADS}")
@@ -54,6 +85,17 @@ def plan_runs(root: str | Path, layers: int, experts: int, plan_one: Callable[[n
         step = plan.get("decode") or plan["step"]
         name = str(run.relative_to(root))
         layout = plan["layout"]
+        straggler, rest = without_all_to_all(step)
+        extra = {}
+        if per_step is not None:
+            try:
+                loads = read_step_loads(run)
+                if loads is not None and loads.counts.shape[2] != experts:
+                    raise ValueError(f"per-step loads have {loads.counts.shape[2]} experts, the model has {experts}")
+            except ValueError as e:
+                raise ValueError(f"{run}: {e}") from None
+            stats = None if loads is None else per_step(loads)
+            extra = {"per_step": stats, "per_step_share": None if stats is None else step_shares(step, stats)}
         rows.append(
             {
                 "run": name,
@@ -64,9 +106,11 @@ def plan_runs(root: str | Path, layers: int, experts: int, plan_one: Callable[[n
                 "tensor_parallel": layout.get("tensor_parallel", 1),
                 "replica_slots_per_gpu": layout.get("replica_slots_per_gpu", 0),
                 "max_over_mean_placed": plan["load"]["max_over_mean_after"]["mean"],
-                "straggler_s": step["straggler_s"],
-                "step_s": step["step_s"],
-                "straggler_share": step["straggler_s"] / step["step_s"],
+                "straggler_s": straggler,
+                "step_s": rest,
+                "all_to_all_s": step["all_to_all_s"],
+                "straggler_share": straggler / rest,
+                **extra,
             }
         )
     return rows
@@ -103,8 +147,10 @@ def runs_markdown(rows: list[dict], title: str, command: str, settings: str) -> 
         f"`{command}`: {settings}",
         "",
         "Straggler: the most-loaded GPU's extra expert time in a step after experts are placed by load (serving: with "
-        "replicas; training: one copy of each expert), each run's measured router counts (`expert_loads.json`) "
-        "repeated over the model's MoE layers (`k3/plan/runs.py`).",
+        "replicas; training: one copy of each expert), each run's measured router counts summed over its last "
+        "logged steps (`expert_loads.json`) repeated over the model's MoE layers, one step's fluctuation from a "
+        "Poisson model (`k3/plan/runs.py`). The all-to-all model is not calibrated (docs/plan.md), so the step "
+        "and the straggler here leave it out; its uncalibrated time is in the run table.",
         "",
         "| variant | runs | straggler ms / step | share of the step: mean (min .. max) |",
     ]
@@ -116,14 +162,62 @@ def runs_markdown(rows: list[dict], title: str, command: str, settings: str) -> 
         )
     lines += [
         "",
-        "| run | val loss | TP, replica slots | placed max / mean GPU load | straggler ms | step ms | share |",
-        "|---|---|---|---|---|---|---|",
+        "| run | val loss | TP, replica slots | placed max / mean GPU load | straggler ms | step ms | share | "
+        "all-to-all ms (uncalibrated) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         loss = "—" if r["val_loss"] is None else f"{r['val_loss']:.3f}"
         lines.append(
             f"| {r['run']} | {loss} | {r['tensor_parallel']}, {r['replica_slots_per_gpu']} | "
             f"{r['max_over_mean_placed']:.3f} | {1e3 * r['straggler_s']:,.2f} | {1e3 * r['step_s']:,.1f} | "
-            f"{pct(r['straggler_share'])} |"
+            f"{pct(r['straggler_share'])} | {1e3 * r['all_to_all_s']:,.1f} |"
         )
+    if any("per_step" in r for r in rows):
+        lines += ["", *per_step_lines(rows)]
     return "\n".join(lines) + "\n"
+
+
+def per_step_lines(rows: list[dict]) -> list[str]:
+    """The per-step table: per run, the measured per micro-batch max / mean GPU load under the plan's placement and
+    the straggler share of the step it makes, p50 / p90 / max, each beside a uniform router's; or that the run
+    has summed counts only."""
+    three = lambda d, f: " / ".join(f(d[q]) for q, _ in QUANTILES)  # noqa: E731
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    num = lambda x: f"{x:.3f}"  # noqa: E731
+    with_steps = [r for r in rows if r.get("per_step")]
+    lines = [
+        "## Per step",
+        "",
+        "A straggler is set per micro-batch: each routes its own tokens and each MoE layer's all-to-all waits for "
+        "its most-loaded GPU, so summed counts (above) average away what makes it. From each run's per "
+        "micro-batch counts (`expert_loads_steps.npz`: its last micro-batches) on the plan's placement (by the "
+        "summed counts, one copy of each expert): the busiest GPU's token-slots over the mean (mean over MoE "
+        "layers) and the straggler's share of the step (all-to-all left out) it makes; p50 / p90 / max over "
+        "micro-batches, beside a uniform router's at the same tokens and top-k (simulated: the floor sampling "
+        "alone sets; `k3/plan/stragglers.py`).",
+        "",
+    ]
+    if with_steps:
+        s = with_steps[0]["per_step"]
+        lines += [
+            f"Micro-batches of {s['tokens_per_record']:,.0f} tokens (the runs', not K3's: at K3's tokens per "
+            f"all-to-all the sampling floor is lower), {s['ranks']} GPUs, top-{s['top_k']} of {s['experts']}.",
+            "",
+        ]
+    lines += [
+        "| run | micro-batches | max / mean GPU load p50 / p90 / max | uniform router | straggler share | "
+        "uniform router |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        st, sh = r.get("per_step"), r.get("per_step_share")
+        if st is None:
+            lines.append(f"| {r['run']} | summed loads only: no per-step counts | — | — | — | — |")
+            continue
+        lines.append(
+            f"| {r['run']} | {st['records']} | {three(st['measured']['rank_max_over_mean'], num)} | "
+            f"{three(st['uniform']['rank_max_over_mean'], num)} | {three(sh['measured'], pct)} | "
+            f"{three(sh['uniform'], pct)} |"
+        )
+    return lines

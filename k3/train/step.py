@@ -49,6 +49,7 @@ class StepSums:
     # the metrics is over every rank.
     local_vio: list = field(default_factory=list)
     loads: dict = field(default_factory=dict)  # this rank's token-slots per expert, per MoE layer
+    micro_loads: list = field(default_factory=list)  # per micro-batch: [MoE layers, E] of the same, layer order
     max_logits: dict = field(default_factory=dict)  # per MLA layer, its largest attention logit (QK-Clip only)
 
 
@@ -144,10 +145,13 @@ class TrainStep:
                 sums.aux = sums.aux + aux.detach().double()
                 sums.stats += [dataclasses.replace(s, scores=s.scores.detach()) for s in out.router_stats]
                 with torch.no_grad():
+                    micro = {}
                     for s in out.router_stats:
-                        ld = s.loads
+                        ld = micro[s.layer] = s.loads
                         sums.loads[s.layer] = sums.loads[s.layer] + ld if s.layer in sums.loads else ld
                         sums.local_vio.append(torch.stack([max_vio(ld), seq_max_vio(s.topk_idx, cu, s.num_experts)]))
+                    if micro:
+                        sums.micro_loads.append(torch.stack([micro[i] for i in sorted(micro)]))
         finally:
             for h in hooks:
                 h.remove()
@@ -166,8 +170,19 @@ class TrainStep:
             wanted["local_vio"] = torch.stack(sums.local_vio)
         if sums.max_logits:
             wanted["mla_max_logit"] = torch.stack([m.max() for m in sums.max_logits.values()]).max()
-        wanted.update({("loads", layer): ld for layer, ld in sums.loads.items()})
+        if sums.micro_loads:  # the step's summed loads are their sum, taken on the host
+            wanted["micro_loads"] = torch.stack(sums.micro_loads)
         return wanted
+
+    def _record_loads(self, layers: list[int], micro: torch.Tensor) -> None:
+        """A finite step's router counts (micro [micro-batches, MoE layers, E], host): summed per layer into
+        ``recent_loads`` (``expert_loads.json``), and each micro-batch into the window of ``step_loads``
+        (``expert_loads_steps.npz``)."""
+        total = micro.sum(dim=0)
+        for i, layer in enumerate(layers):
+            self.recent_loads[layer] = self.recent_loads.get(layer, 0) + total[i]
+        for m in range(micro.shape[0]):
+            self.step_loads.append((self.step, m, tuple(layers), micro[m].numpy().astype("int64")))
 
     def _previous_update_bad(self, host: dict) -> bool:
         """Whether the previous update made the weights non-finite; a verified-finite one ends a run of bad steps."""
@@ -208,8 +223,8 @@ class TrainStep:
                 qk_clip_(self.model.model.layers[i].self_attn, m, self.cfg.qk_clip)
             record["mla_max_logit"] = host["mla_max_logit"].item() if sums.max_logits else None
         metrics = metrics_from_rows(layers, host["metrics"].tolist()) if layers else {}
-        for layer in sums.loads:
-            self.recent_loads[layer] = self.recent_loads.get(layer, 0) + host["loads", layer]
+        if sums.micro_loads:
+            self._record_loads(sorted(sums.loads), host["micro_loads"])
         record.update(
             grad_norm=grad_norm,
             aux_loss=aux_total,

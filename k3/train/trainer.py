@@ -24,6 +24,7 @@ importable from here too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -32,6 +33,7 @@ import math
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -43,6 +45,7 @@ from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.sampling import SamplingParams
 from k3.model.balance import Balancer
 from k3.model.decoder import K3ForCausalLM
+from k3.plan.loads import STEP_LOADS, STEP_WINDOW, StepLoads, read_step_loads, write_step_loads
 from k3.ops.fp8 import fp8_available
 from k3.quant.fp8 import enable_fp8_experts
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
@@ -130,10 +133,13 @@ class Trainer(TrainStep, RunState):
         self.bad_steps = 0
         self.history: list[dict] = []
         self.recent_loads: dict[int, torch.Tensor] = {}
+        # (step, micro-batch, MoE layers, counts [layers, E]) of the last STEP_WINDOW micro-batches
+        self.step_loads: collections.deque = collections.deque(maxlen=STEP_WINDOW)
         self.figures = True  # write_plots draws the figures (False: only expert_loads.json, e.g. many small runs)
         self._weights_check: torch.Tensor | None = None  # non-finite weight count after the last update
         if self.resume_from is not None:
             self.resume_run()
+            self._resume_step_loads()
         if self.is_main:
             atomic_write_text(self.run_dir / "train_config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.snapshot()
@@ -346,9 +352,40 @@ class Trainer(TrainStep, RunState):
         self.model.train()
         return score(preds, examples), [(e.question, e.answer, p) for e, p in zip(examples, preds)]
 
-    def write_plots(self) -> None:
+    def _resume_step_loads(self) -> None:
+        """The window of per micro-batch loads goes on from the run's file: its records before the resumed step
+        (later ones belong to steps that run again). A file that cannot be read is left alone and the window
+        starts empty."""
+        try:
+            old = read_step_loads(self.run_dir / STEP_LOADS)
+        except ValueError as e:
+            log.warning("%s; the per-step loads start afresh", e)
+            return
+        if old is None:
+            return
+        layers = tuple(int(x) for x in old.layers)
+        for step, micro, counts in zip(old.steps, old.micro, old.counts):
+            if step < self.step:
+                self.step_loads.append((int(step), int(micro), layers, counts))
+
+    def write_loads(self) -> None:
+        """``expert_loads.json`` (the counts since the last write, summed) and ``expert_loads_steps.npz`` (the last
+        STEP_WINDOW micro-batches' counts, k3.plan.loads.StepLoads), both atomically."""
         if self.recent_loads:
             write_expert_loads(self.recent_loads, self.run_dir / "expert_loads.json")
+        if self.step_loads:
+            records = list(self.step_loads)
+            loads = StepLoads(
+                counts=np.stack([r[3] for r in records]),
+                steps=np.array([r[0] for r in records]),
+                micro=np.array([r[1] for r in records]),
+                layers=np.array(records[-1][2]),
+                top_k=self.model_cfg.moe.num_experts_per_token,
+            )
+            write_step_loads(self.run_dir / STEP_LOADS, loads)
+
+    def write_plots(self) -> None:
+        self.write_loads()
         if not self.figures:
             self.recent_loads = {}
             return

@@ -46,3 +46,24 @@ def test_trained_frontier_reads_run_directories(tmp_path):
     )
     assert len(rows) == 1 and rows[0]["layers"] == 2 and rows[0]["val_loss"] == 3.0
     assert rows[0]["imbalance_ep8"] == pytest.approx((1 + 8) / 2)  # layer means: even 1, one hot expert 8
+
+
+def test_trained_frontier_per_step_columns(tmp_path):
+    """A run with per micro-batch counts gets the per-step statistics under the same contiguous placement (its
+    hot expert per step, even when summed: per step 4x on EP 8, summed 1x); a run with summed counts only gets
+    None, and the report's table says so instead of a number."""
+    from k3.audit.ablate_report import _trained_frontier_lines
+    from k3.plan.loads import STEP_LOADS, StepLoads, write_step_loads
+
+    for name in ("new-s0", "old-s0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "expert_loads.json").write_text(json.dumps({"layers": {"1": [8] * 8}}))
+    counts = np.ones((8, 1, 8), dtype=np.int64)
+    counts[np.arange(8), 0, np.arange(8)] = 8  # one expert per step takes 8 of 15 slots, each expert once
+    write_step_loads(tmp_path / "new-s0" / STEP_LOADS, StepLoads(counts, np.arange(8), np.zeros(8), np.array([1]), 1))
+    summaries = [{"variant": n[:-3], "seed": 0, "run_dir": str(tmp_path / n)} for n in ("new-s0", "old-s0")]
+    new, old = trained_frontier(summaries, tokens=15, k=1, latent=16)
+    assert new["imbalance_ep8"] == pytest.approx(1.0) and old["step_ep8"] is None
+    assert new["step_ep8"]["measured"]["rank_max_over_mean"]["p50"] == pytest.approx(8 / (15 / 8))
+    text = "\n".join(_trained_frontier_lines([new, old]))
+    assert "EP 8 per step" in text and "summed loads only: no per-step counts" in text

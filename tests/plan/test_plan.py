@@ -217,9 +217,14 @@ def test_cli_loads_over_a_directory_of_runs(tmp_path, capsys):
     for r in rows:
         shares = read_loads(grid / r["run"], shape.moe_layers, shape.experts).numpy()
         step = plan_training(config, cluster(gpus=512), Training(), shares)["step"]
-        assert r["straggler_s"] == pytest.approx(step["straggler_s"]) and r["step_s"] == pytest.approx(step["step_s"])
+        assert r["straggler_s"] == pytest.approx(step["straggler_s"])  # the training straggler has no all-to-all
+        assert r["step_s"] == pytest.approx(step["step_s"] - step["all_to_all_s"])  # the uncalibrated term left out
+        assert r["all_to_all_s"] == pytest.approx(step["all_to_all_s"]) and step["all_to_all_s"] > 0
     assert 0 <= rows[0]["straggler_share"] < 0.1 < rows[1]["straggler_share"] < 1
     assert "| `hot` | 2 |" in printed and (out / "straggler-train-512.md").read_text() == printed
+    assert "all-to-all ms (uncalibrated)" in printed
+    assert [r["per_step"] for r in rows] == [None] * 3  # no run kept per-step counts: the table says so
+    assert printed.count("summed loads only: no per-step counts") == 3
     assert main([*args, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == rows
     (tmp_path / "empty").mkdir()
