@@ -8,7 +8,7 @@ W-1], oldest first):
 
 exactly :func:`k3.ops.conv.reference.causal_conv1d_step` for each i. Each program takes one token and BLOCK_C
 channels of one of the three inputs. Compiled, the torch form became two combo kernels of ~11 us per KDA layer at
-B=64 on an H200 (window gathers by slot with bounds checks, fp32 windows materialised, benchmarks/results/
+B=64 on an H200 (window gathers by slot with bounds checks, fp32 windows materialised,
 docs/decisions.md); this is one launch that reads each state row once.
 
 Forward only, for no-grad calls (decode): k3.ops.conv.causal_conv1d_steps picks it and logs which path runs.
