@@ -21,7 +21,9 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,6 +70,45 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class StreamHasher:
+    """The SHA-256 of one file, computed on its own thread in the order its bytes are fed, while reading goes on
+    (hashlib releases the GIL on large buffers). ``feed`` returns a ticket; ``wait(ticket)`` returns once those
+    bytes are hashed, so that their buffer may be refilled. Without a hash object nothing is done."""
+
+    def __init__(self, h):
+        self.h, self.fed, self.done = h, 0, 0
+        self.cond, self.queue, self.thread = threading.Condition(), queue.SimpleQueue(), None
+        if h is not None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while (data := self.queue.get()) is not None:
+            self.h.update(data)
+            with self.cond:
+                self.done += 1
+                self.cond.notify_all()
+
+    def feed(self, data) -> int:
+        if self.h is not None:
+            self.fed += 1
+            self.queue.put(data)
+        return self.fed
+
+    def wait(self, ticket: int) -> None:
+        with self.cond:
+            while self.done < ticket:
+                self.cond.wait()
+
+    def close(self) -> str | None:
+        """Hash what was fed and stop the thread (again: a no-op); the hex digest (None without a hash object)."""
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join()
+            self.thread = None
+        return None if self.h is None else self.h.hexdigest()
 
 
 def _file_tensors(model, fmt: str, quantize: str | None, mode: str) -> Iterator[tuple[str, Tensor]]:

@@ -1,10 +1,16 @@
 """Streamed loading of HF-layout checkpoints (docs/architecture.md#checkpoints): ``from_pretrained``.
 
 The model is built on the meta device, every shard's header is read and checked against it first (names, shapes),
-then each tensor is read straight into its final dtype and device, shard by shard, its SHA-256 computed on the same
-bytes; a bad shard fails before the model is returned. Host memory while loading onto a GPU stays near one tensor;
-onto the CPU, near the model itself. Packed MXFP4 experts are dequantised (``packed="dequantize"``) or kept packed
-for inference (``packed="keep"``). ``load_eager`` is the plain all-in-memory loader, for comparisons.
+then the shards are read ``workers`` at a time (default one per core, at most 8), each front to back with its
+SHA-256 computed on the same bytes on a thread of its own (file reads and hashlib release the GIL). Onto the CPU
+each tensor is read straight into its final storage; onto a GPU the file goes through three reused pinned buffers
+per worker (all together <= 1 GiB), copied out on a side stream while the next chunk is read. Tensors that are
+cast, split or dequantised on the way are read whole into host buffers, at most a shard's worth at once
+(``_Budget``): host memory while loading onto a GPU stays within one shard + 1 GiB; onto the CPU, near the model
+itself. A bad shard (checksum, truncated, wrong shapes, non-finite values) stops the other workers and fails with
+one error before the model is returned. Packed MXFP4 experts are dequantised (``packed="dequantize"``, on the
+weight's device) or kept packed for inference (``packed="keep"``). ``load_eager`` is the plain all-in-memory
+loader, for comparisons.
 """
 
 from __future__ import annotations
@@ -12,10 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,6 +36,7 @@ from k3.convert.checkpoint import (
     CHECKSUMS,
     INDEX,
     SINGLE,
+    StreamHasher,
     _sha256,
     _weight_files,
     check_state,
@@ -70,8 +80,11 @@ _ST_DTYPES = {
 if hasattr(torch, "float8_e8m0fnu"):
     _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
-_CHUNK = 64 << 20
+_CHUNK = 64 << 20  # bytes per read
 _MAX_HEADER = 100 << 20
+_MAX_WORKERS = 8  # shards read at once by default, at most
+_STAGING_BYTES = 1 << 30  # pinned host buffers for the copies to GPUs, all workers together
+_STAGE_BUFFERS = 3  # per worker: one being read into while the others are hashed and copied out
 
 
 @dataclass
@@ -254,66 +267,251 @@ def _materialise(model: torch.nn.Module, plan: LoadPlan, dtype: torch.dtype | No
                 table[key] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
 
 
-def _read_into(f, buf: Tensor, hasher, pool: ThreadPoolExecutor | None, path: Path) -> None:
-    """Fill the flat uint8 CPU tensor ``buf`` from the file's current position; hash the bytes on ``pool``."""
-    mv = memoryview(buf.numpy())
-    pending = []
-    for off in range(0, len(mv), _CHUNK):
-        view = mv[off : off + _CHUNK]
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{path} is not a valid safetensors file (truncated or corrupted): it ends early")
-            got += n
-        if hasher is not None:
-            pending.append(pool.submit(hasher.update, view))
-    for fut in pending:
-        fut.result()
+def default_workers(n_files: int) -> int:
+    """Shards read at once by default: one per CPU core, at most ``_MAX_WORKERS`` and the number of shards."""
+    return max(1, min(n_files, os.cpu_count() or 1, _MAX_WORKERS))
 
 
-def _skip(f, n: int, hasher) -> None:
+class _Cancelled(Exception):
+    """Another shard failed: this one stops where it is."""
+
+
+def _truncated(path: Path) -> ValueError:
+    return ValueError(f"{path} is not a valid safetensors file (truncated or corrupted): it ends early")
+
+
+class _Budget:
+    """Host bytes of the tensors read whole before being placed (cast, split, dequantised), all shards together:
+    at most ``limit`` at once, except that a tensor larger than ``limit`` goes through alone."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.peak, self.cond = limit, 0, 0, threading.Condition()
+
+    def take(self, n: int, cancel: threading.Event) -> int:
+        with self.cond:
+            while self.used and self.used + n > self.limit:
+                if cancel.is_set():
+                    raise _Cancelled
+                self.cond.wait(0.05)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        return n
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.used -= n
+            self.cond.notify_all()
+
+
+class _Stage:
+    """One worker's host buffers for copies to GPUs (pinned there), filled in turn: a buffer is refilled only once
+    the copies out of it are done (CUDA events) and it is hashed, so reading, hashing and copying overlap."""
+
+    def __init__(self, count: int, size: int, pin: bool):
+        self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(count)]
+        self.views = [memoryview(b.numpy()) for b in self.bufs]
+        self.waits: list[tuple[list, int]] = [([], 0)] * count
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.used: set = set()
+        self.turn = 0
+
+    def stream(self, device: torch.device):
+        """The side stream that copies into ``device``, marked as used by the chunk being dispatched."""
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        self.used.add(device)
+        return self.streams[device]
+
+    def take(self, hasher: StreamHasher) -> int:
+        k = self.turn % len(self.bufs)
+        self.turn += 1
+        events, ticket = self.waits[k]
+        for ev in events:
+            ev.synchronize()
+        hasher.wait(ticket)
+        self.used = set()
+        return k
+
+    def release(self, k: int, ticket: int) -> None:
+        events = []
+        for device in self.used:
+            events.append(torch.cuda.Event())
+            events[-1].record(self.streams[device])
+        self.waits[k] = (events, ticket)
+
+    def drain(self) -> None:
+        """Wait for every copy out of the buffers (the hashes: ``StreamHasher.close``)."""
+        for s in self.streams.values():
+            s.synchronize()
+        self.waits = [([], 0)] * len(self.bufs)
+
+
+def _stage_size(workers: int) -> int:
+    """Bytes per staging buffer: a power of two (the pinned allocator rounds up to one) at most ``_CHUNK``, so that
+    all workers' buffers together stay within ``_STAGING_BYTES``."""
+    fit = max(1, _STAGING_BYTES // (_STAGE_BUFFERS * workers))
+    return min(_CHUNK, 1 << (fit.bit_length() - 1))
+
+
+def _skip(f, n: int, hasher: StreamHasher, path: Path) -> None:
     """Read (and hash) ``n`` bytes that hold no tensor."""
     while n > 0:
         block = f.read(min(n, _CHUNK))
         if not block:
-            return
-        if hasher is not None:
-            hasher.update(block)
+            raise _truncated(path)
+        hasher.feed(block)
         n -= len(block)
 
 
-def _load_shard(path: Path, entries: list[_Entry], base: int, place, hasher) -> None:
-    """One pass over a shard: header, then every tensor in file order, each handed to ``place(entry, bytes)``
-    (``place.buffer(entry)`` gives the flat uint8 CPU tensor to read into: the destination itself when it can)."""
-    with ThreadPoolExecutor(1) as pool, open(path, "rb", buffering=0) as f:
-        _skip(f, base, hasher)
-        pos = base
-        for e in entries:
-            _skip(f, e.start - pos, hasher)
-            buf = place.buffer(e)
-            _read_into(f, buf, hasher, pool, path)
-            place(e, buf)
-            pos = e.end
-        while True:  # trailing bytes, if any, belong to the file's checksum too
-            block = f.read(_CHUNK)
-            if not block:
+def _fill(f, view: memoryview) -> int:
+    """Read into ``view`` until it is full or the file ends; the number of bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _read_shard(f, path: Path, entries: list[_Entry], place, hasher: StreamHasher, budget: _Budget, cancel) -> None:
+    """Onto the CPU: each tensor in file order, read straight into its destination when it lands there unchanged,
+    else into a host buffer (under ``budget``) and then placed; header and gaps are read and hashed too."""
+    pos = 0
+    for e in entries:
+        if cancel.is_set():
+            raise _Cancelled
+        _skip(f, e.start - pos, hasher, path)
+        nbytes, dest = e.end - e.start, place.direct(e)
+        dest = dest if dest is not None and dest.device.type == "cpu" else None
+        held = 0 if dest is not None else budget.take(nbytes, cancel)
+        try:
+            buf = dest.reshape(-1).view(torch.uint8) if dest is not None else torch.empty(nbytes, dtype=torch.uint8)
+            mv, ticket = memoryview(buf.numpy()), 0
+            for off in range(0, nbytes, _CHUNK):
+                view = mv[off : off + _CHUNK]
+                if _fill(f, view) < len(view):
+                    raise _truncated(path)
+                ticket = hasher.feed(view)
+            if dest is not None:
+                place.check_finite(path, e.name, dest)
+            else:
+                place(path, e, buf)
+                hasher.wait(ticket)  # the buffer is freed next
+        finally:
+            budget.give(held)
+        pos = e.end
+
+
+def _stream_shard(f, path: Path, entries: list[_Entry], place, hasher: StreamHasher, budget: _Budget, cancel, stage):
+    """Onto GPUs: the whole file read in chunks into ``stage``'s buffers, each chunk hashed and its tensors' slices
+    copied out, asynchronously into the destination when the tensor lands there unchanged, else into a host
+    buffer (under ``budget``) placed once whole. Finiteness of the direct tensors is checked at the end."""
+    pos, i, cur, flags = 0, 0, None, []  # cur: (entry, flat destination bytes, dest or None, budget held)
+    try:
+        while True:  # to the end of the file: trailing bytes belong to its checksum too
+            if cancel.is_set():
+                raise _Cancelled
+            k = stage.take(hasher)
+            buf, n = stage.bufs[k], _fill(f, stage.views[k])
+            ticket = hasher.feed(stage.views[k][:n])
+            end = pos + n
+            while i < len(entries) and (entries[i].start < end or entries[i].end <= end):
+                e = entries[i]
+                if cur is None:
+                    dest = place.direct(e)
+                    held = 0 if dest is not None else budget.take(e.end - e.start, cancel)
+                    flat = torch.empty(e.end - e.start, dtype=torch.uint8) if dest is None else None
+                    cur = (e, dest.reshape(-1).view(torch.uint8) if dest is not None else flat, dest, held)
+                lo, hi = max(e.start, pos), min(e.end, end)
+                if hi > lo:
+                    out, src = cur[1][lo - e.start : hi - e.start], buf[lo - pos : hi - pos]
+                    if out.device.type == "cuda":
+                        with torch.cuda.stream(stage.stream(out.device)):
+                            out.copy_(src, non_blocking=True)
+                    else:
+                        out.copy_(src)
+                if e.end > end:
+                    break
+                _, flat, dest, held = cur
+                cur = None
+                if dest is None:
+                    place(path, e, flat)
+                    budget.give(held)
+                elif dest.device.type == "cuda":
+                    if place.verify and dest.is_floating_point():
+                        with torch.cuda.stream(stage.stream(dest.device)):
+                            flags.append((e.name, dest, _all_finite(dest)))
+                else:
+                    place.check_finite(path, e.name, dest)
+                i += 1
+            stage.release(k, ticket)
+            pos = end
+            if n < len(buf):
                 break
-            if hasher is not None:
-                hasher.update(block)
+    finally:
+        if cur is not None:
+            budget.give(cur[3])
+        stage.drain()
+    if i < len(entries):
+        raise _truncated(path)
+    by_device: dict[torch.device, list] = {}
+    for item in flags:
+        by_device.setdefault(item[1].device, []).append(item)
+    for items in by_device.values():  # one host sync per device; the exact test only on a failure
+        if not bool(torch.stack([flag for _, _, flag in items]).all()):
+            for name, dest, _ in items:
+                place.check_finite(path, name, dest)
+
+
+_EXPONENT = {  # a floating dtype -> (the int dtype of its width, its exponent bits): all ones is NaN or inf
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+_FINITE_STEP = 1 << 18  # elements per host check (its scratch stays in cache)
+
+
+def _all_finite(t: Tensor) -> Tensor:
+    """On a GPU: a 0-d bool, every element of the floating tensor ``t`` finite (min and max carry any NaN or inf
+    and, unlike a sum, cannot overflow); no host sync."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    try:
+        lo, hi = torch.aminmax(t.reshape(-1))
+    except (RuntimeError, NotImplementedError):  # float8: no min / max kernels
+        return torch.isfinite(t).all()
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _host_finite(t: Tensor) -> bool:
+    """Every element of the floating CPU tensor ``t`` finite: no element's exponent bits all ones, tested with
+    numpy on the calling thread in cache-sized steps (a torch reduction would start its thread pool from each
+    worker at once, and a float32 sum of bf16 runs below 0.5 GB/s)."""
+    if t.dtype not in _EXPONENT or not t.is_contiguous():
+        return bool(torch.isfinite(t).all())
+    ints, mask = _EXPONENT[t.dtype]
+    bits = t.reshape(-1).view(ints).numpy()
+    scratch = np.empty(min(len(bits), _FINITE_STEP), dtype=bits.dtype)
+    for off in range(0, len(bits), _FINITE_STEP):
+        part = scratch[: min(_FINITE_STEP, len(bits) - off)]
+        np.bitwise_and(bits[off : off + _FINITE_STEP], mask, out=part)
+        if part.max() == mask:
+            return False
+    return True
 
 
 class _Placer:
-    """Puts each file tensor (renamed, reshaped, dequantised) into the materialised model's storage."""
+    """Puts each file tensor (renamed, reshaped, dequantised) into the materialised model's storage; shared by the
+    shard workers (the halves of a packed pair may come from two shards)."""
 
     def __init__(self, model, plan: LoadPlan, config: K3Config, packed: str, verify: bool):
         self.dest = model.state_dict()
         self.plan, self.config, self.verify = plan, config, verify
         self.dequantize = plan.quantized is not None and packed == "dequantize"
         self.halves: dict[str, dict[str, Tensor]] = {}
-        self.fname = ""
-        self.direct: dict[str, Tensor] = {}
-        self.placed = 0
+        self.lock = threading.Lock()
 
     def _targets(self, raw: str, t: Tensor) -> list[tuple[str, Tensor, Tensor]]:
         out = []
@@ -324,65 +522,115 @@ class _Placer:
             out.append((name, piece, dest))
         return out
 
-    def buffer(self, e: _Entry) -> Tensor:
-        """The destination's own bytes when the file tensor lands unchanged in one contiguous CPU slot."""
-        nbytes = e.end - e.start
-        if not (self.dequantize and e.name.endswith((PACKED, SCALE))):
-            spec = torch.empty(e.shape, dtype=e.dtype, device="meta")
-            targets = self._targets(e.name, spec)
-            if len(targets) == 1:
-                name, piece, dest = targets[0]
-                if (
-                    dest.device.type == "cpu"
-                    and dest.dtype == e.dtype
-                    and dest.is_contiguous()
-                    and piece.is_contiguous()
-                    and not name.endswith(".A_log")
-                ):
-                    flat = dest.reshape(-1).view(torch.uint8)
-                    if flat.numel() == nbytes:
-                        self.direct[e.name] = dest
-                        return flat
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def direct(self, e: _Entry) -> Tensor | None:
+        """The destination, when the file tensor's bytes land unchanged in one contiguous slot of it (same dtype,
+        no split, no padding), so that they can be read or copied straight there; else None."""
+        if self.dequantize and e.name.endswith((PACKED, SCALE)):
+            return None
+        targets = self._targets(e.name, torch.empty(e.shape, dtype=e.dtype, device="meta"))
+        if len(targets) != 1:
+            return None
+        name, piece, dest = targets[0]
+        ok = dest.dtype == e.dtype and dest.is_contiguous() and piece.is_contiguous() and not name.endswith(".A_log")
+        return dest if ok and dest.numel() * dest.element_size() == e.end - e.start else None
 
-    def __call__(self, e: _Entry, buf: Tensor) -> None:
-        dest = self.direct.pop(e.name, None)
-        if dest is not None:
-            self._check_finite(e.name, dest)
-            self.placed += 1
-            return
+    def __call__(self, path: Path, e: _Entry, buf: Tensor) -> None:
+        """Place a tensor read whole into the host buffer ``buf`` (cast, split, dequantised on the way)."""
         t = buf.view(e.dtype).view(e.shape) if e.shape else buf.view(e.dtype).reshape(())
         if self.dequantize and e.name.endswith((PACKED, SCALE)):
             base, half = e.name.rsplit(".", 1)
-            pair = self.halves.setdefault(base, {})
-            pair[half] = t.view(torch.uint8) if t.dtype == _E8M0 else t
-            if len(pair) < 2:
-                return
-            del self.halves[base]
-            raw, t = f"{base}.weight", None
-            dt = self.dest[map_tensor(raw, torch.empty(0, device="meta"), self.config, self.plan.layout)[0][0]].dtype
-            t = unpack_weight(pair[PACKED], pair[SCALE], dt)
+            raw = f"{base}.weight"
+            dest = self.dest[map_tensor(raw, torch.empty(0, device="meta"), self.config, self.plan.layout)[0][0]]
+            # the half waits (for its other half) and is dequantised where the weight goes: on a GPU, not the host
+            t = (t.view(torch.uint8) if t.dtype == _E8M0 else t).to(dest.device)
+            with self.lock:
+                pair = self.halves.setdefault(base, {})
+                pair[half] = t
+                if len(pair) < 2:
+                    return
+                del self.halves[base]
+            t = unpack_weight(pair[PACKED], pair[SCALE], dest.dtype)
             e = _Entry(raw, t.dtype, tuple(t.shape), 0, 0)
         for name, piece, dest in self._targets(e.name, t):
             if piece.dtype == _E8M0 and dest.dtype == torch.uint8:
                 piece = piece.view(torch.uint8)
             dest.copy_(piece)
-            self._check_finite(e.name, dest)
-        self.placed += 1
+            self.check_finite(path, e.name, dest)
 
-    def _check_finite(self, raw: str, t: Tensor) -> None:
-        # a non-finite element makes the sum non-finite; a finite sum is the cheap common case (an overflowing
-        # sum of finite values falls back to the exact test)
-        if (
-            self.verify
-            and t.is_floating_point()
-            and not bool(torch.isfinite(t.sum(dtype=torch.float32)))
-            and not bool(torch.isfinite(t).all())
-        ):
+    def check_finite(self, path: Path, raw: str, t: Tensor) -> None:
+        if not (self.verify and t.is_floating_point()):
+            return
+        if not (_host_finite(t) if t.device.type == "cpu" else bool(_all_finite(t))):
             raise ValueError(
-                f"{self.plan.directory / self.fname}: tensor {raw!r} holds non-finite values (NaN or "
-                "inf); the checkpoint is corrupted or was saved from a diverged run"
+                f"{path}: tensor {raw!r} holds non-finite values (NaN or inf); the checkpoint is corrupted or "
+                "was saved from a diverged run"
             )
+
+
+def _load_shard(path: Path, entries: list[_Entry], place: _Placer, expected: str | None, budget, cancel, stages):
+    """Read, hash and place one shard (``stages``: a queue of staging buffer sets when loading onto GPUs, one
+    taken per shard, else None); one ValueError naming the file when it is corrupted or truncated."""
+    hasher = StreamHasher(hashlib.sha256() if expected is not None else None)
+    stage = stages.get() if stages is not None else None
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if stage is None:
+                _read_shard(f, path, entries, place, hasher, budget, cancel)
+                _skip(f, path.stat().st_size - f.tell(), hasher, path)  # trailing bytes are checksummed too
+            else:
+                _stream_shard(f, path, entries, place, hasher, budget, cancel, stage)
+    except ValueError:
+        hasher.close()  # stop reading it before reading it again
+        if expected is not None and _sha256(path) != expected:  # a bad byte explains the bad data: say so
+            raise ValueError(f"{path} is corrupted: its SHA-256 differs from {CHECKSUMS}") from None
+        raise
+    finally:
+        digest = hasher.close()
+        if stage is not None:
+            stages.put(stage)
+    if expected is not None and digest != expected:
+        raise ValueError(f"{path} is corrupted: its SHA-256 differs from {CHECKSUMS}")
+
+
+def _load_shards(directory: Path, plan: LoadPlan, place: _Placer, expected: dict[str, str], workers: int) -> None:
+    """All shards, ``workers`` at a time; on a failure the others stop and the first failing file's error is
+    raised (after every worker has stopped, so nothing writes into the model afterwards)."""
+    workers = max(1, min(workers, len(plan.files)))
+    budget = _Budget(max((directory / f).stat().st_size for f in plan.files))
+    stages = None
+    if _staged(place):
+        stages = queue.SimpleQueue()
+        pin = torch.cuda.is_available()
+        for _ in range(workers):
+            stages.put(_Stage(_STAGE_BUFFERS, _stage_size(workers), pin))
+    cancel = threading.Event()
+
+    def one(fname: str) -> None:
+        if cancel.is_set():
+            raise _Cancelled
+        try:
+            _load_shard(directory / fname, plan.entries[fname][0], place, expected.get(fname), budget, cancel, stages)
+        except BaseException:
+            cancel.set()
+            raise
+
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="k3-load") as pool:
+            futures = [pool.submit(one, fname) for fname in plan.files]
+        errors = [fut.exception() for fut in futures]
+        for err in errors:
+            if err is not None and not isinstance(err, _Cancelled):
+                raise err
+    finally:
+        while stages is not None and not stages.empty():  # give the pinned staging memory back
+            stages.get()
+        if stages is not None and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()
+
+
+def _staged(place: _Placer) -> bool:
+    """Whether any tensor goes to a GPU (then every shard is read through the pinned staging buffers)."""
+    return any(t.device.type == "cuda" for t in place.dest.values())
 
 
 def from_pretrained(
@@ -391,6 +639,7 @@ def from_pretrained(
     device: str | torch.device | dict = "cpu",
     verify: bool = True,
     packed: str = "dequantize",
+    workers: int | None = None,
 ):
     """Load a checkpoint directory (ours, the K3 release layout, transformers' Kimi-Linear, or a multi-GPU
     training run's DCP checkpoint) as K3ForCausalLM (K3ForConditionalGeneration when it holds vision weights),
@@ -403,9 +652,12 @@ def from_pretrained(
     Packed MXFP4 experts (``quantization_config.format`` mxfp4-pack-quantized): ``packed="dequantize"`` turns
     them into high-precision weights (``dtype``, default the checkpoint's; for training and inference),
     ``packed="keep"`` keeps the bytes in memory (k3.quant.packed.PackedExperts, dequantised on the fly;
-    inference only)."""
+    inference only). workers: shards read (and hashed) at once, default ``default_workers``; 1 reads them one
+    after another."""
     from k3.model.decoder import K3ForCausalLM
 
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers={workers!r} must be a positive number of shards read at once")
     if packed not in ("dequantize", "keep"):
         raise ValueError(f"packed={packed!r} must be 'dequantize' or 'keep'")
     directory = Path(directory)
@@ -441,18 +693,7 @@ def from_pretrained(
     _materialise(model, plan, dtype, _device_of(device))
     place = _Placer(model, plan, config, packed, verify)
     expected = expected_checksums(directory, plan.files) if verify else {}
-    for fname in plan.files:
-        path = directory / fname
-        hasher = hashlib.sha256() if fname in expected else None
-        place.fname = fname
-        try:
-            _load_shard(path, *plan.entries[fname], place, hasher)
-        except ValueError:
-            if hasher is not None and _sha256(path) != expected[fname]:
-                raise ValueError(f"{path} is corrupted: its SHA-256 differs from {CHECKSUMS}") from None
-            raise
-        if hasher is not None and hasher.hexdigest() != expected[fname]:
-            raise ValueError(f"{path} is corrupted: its SHA-256 differs from {CHECKSUMS}")
+    _load_shards(directory, plan, place, expected, default_workers(len(plan.files)) if workers is None else workers)
     if place.halves:
         raise ValueError(f"packed experts without their other half: {sorted(place.halves)[:8]}")
     return model

@@ -190,8 +190,12 @@ CHILD = textwrap.dedent("""
     from k3.convert.checkpoint import read_config
     from k3.convert.load import from_pretrained
     from k3.convert.names import map_tensor
+    device = sys.argv[2]
+    if device == "cuda":
+        torch.zeros(1, device=device)  # the CUDA context's host memory comes before the load
+    before = int(open("/proc/self/statm").read().split()[1]) * __import__("os").sysconf("SC_PAGE_SIZE")
     t0 = time.perf_counter()
-    model = from_pretrained(sys.argv[1])
+    model = from_pretrained(sys.argv[1], device=device)
     seconds = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     dest, cfg = model.state_dict(), read_config(sys.argv[1])
@@ -199,16 +203,14 @@ CHILD = textwrap.dedent("""
         for raw, t in load_file(shard).items():
             for name, j, piece in map_tensor(raw, t, cfg):
                 got = dest[name] if j is None else dest[name][j]
-                assert got.dtype == piece.dtype and torch.equal(got, piece), raw
-    print(json.dumps({"rss": rss, "seconds": seconds,
+                assert got.dtype == piece.dtype and torch.equal(got.cpu(), piece), raw
+    print(json.dumps({"rss": rss, "before": before, "seconds": seconds,
                       "model_bytes": sum(t.numel() * t.element_size() for t in dest.values())}))
 """)
 
 
-@pytest.mark.slow
-def test_large_bf16_checkpoint_streams_in_bounded_memory(tmp_path):
-    """>= 1 GB of bf16 weights in <= 200 MB shards load in a fresh process with peak RSS <= model + largest
-    shard + 600 MB, to exactly the bytes safetensors reads."""
+def big_checkpoint(directory: Path) -> int:
+    """>= 1 GB of bf16 weights in <= 200 MB shards; the largest shard's size."""
     cfg = get_preset("tiny").replace(
         **{
             "hidden_size": 1024,
@@ -228,20 +230,44 @@ def test_large_bf16_checkpoint_streams_in_bounded_memory(tmp_path):
             t.uniform_(-1, 1, generator=gen)
     n = sum(p.numel() for p in model.parameters())
     assert n >= 5 * 10**8
-    save_pretrained(model, tmp_path / "big", max_shard_bytes=200 * 10**6)
+    save_pretrained(model, directory, max_shard_bytes=200 * 10**6)
     del model
-    shards = sorted((tmp_path / "big").glob("*.safetensors"))
+    shards = sorted(directory.glob("*.safetensors"))
     largest = max(s.stat().st_size for s in shards)
     assert len(shards) > 1 and largest <= 200 * 10**6
+    return largest
+
+
+def load_in_child(directory: Path, device: str) -> dict:
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path / "big")], capture_output=True, text=True, cwd=REPO, check=True
+        [sys.executable, "-c", CHILD, str(directory), device], capture_output=True, text=True, cwd=REPO, check=True
     )
     stats = json.loads(out.stdout.strip().splitlines()[-1])
     print(
-        f"streamed {stats['model_bytes'] / 1e9:.2f} GB in {stats['seconds']:.1f}s; child peak RSS "
-        f"{stats['rss'] / 2**20:.0f} MiB; largest shard {largest / 2**20:.0f} MiB; child total "
+        f"streamed {stats['model_bytes'] / 1e9:.2f} GB onto {device} in {stats['seconds']:.1f}s; child peak RSS "
+        f"{stats['rss'] / 2**20:.0f} MiB ({stats['before'] / 2**20:.0f} before loading); child total "
         f"{time.perf_counter() - t0:.1f}s"
     )
     assert stats["model_bytes"] >= 10**9
+    return stats
+
+
+@pytest.mark.slow
+def test_large_bf16_checkpoint_streams_in_bounded_memory(tmp_path):
+    """A >= 1 GB checkpoint, its shards read in parallel, loads in a fresh process with peak RSS <= model +
+    largest shard + 600 MB, to exactly the bytes safetensors reads."""
+    largest = big_checkpoint(tmp_path / "big")
+    stats = load_in_child(tmp_path / "big", "cpu")
     assert stats["rss"] <= stats["model_bytes"] + largest + 600 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_large_checkpoint_onto_a_gpu_holds_at_most_a_shard_and_the_staging_on_the_host(tmp_path):
+    """Onto a GPU the host holds the pinned staging buffers (<= 1 GiB) and at most a shard's worth of tensors in
+    flight: peak RSS grows by <= largest shard + 1 GiB (+ 256 MiB for the process itself) during the load."""
+    largest = big_checkpoint(tmp_path / "big")
+    stats = load_in_child(tmp_path / "big", "cuda")
+    assert stats["rss"] - stats["before"] <= largest + 2**30 + 256 * 2**20
