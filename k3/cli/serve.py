@@ -123,6 +123,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on all but /health (default $K3_API_KEY, which keeps it out of ps)",
     )
     p.add_argument("--docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks (under torchrun --nproc-per-node EP): each rank holds 1/EP of every MoE "
+        "layer's routed experts, the rest is replicated; rank 0 serves HTTP (default 1)",
+    )
+    p.add_argument(
+        "--ep-timeout",
+        type=float,
+        default=60.0,
+        help="with --ep: seconds a rank waits on the others before the server ends with an error (default 60)",
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -143,10 +156,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--default-max-tokens={args.default_max_tokens} must be >= 1")
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context={args.max_context} must be >= 2")
+    if args.ep < 1:
+        raise ValueError(f"--ep={args.ep} must be >= 1")
+    if not 0 < args.ep_timeout < float("inf"):
+        raise ValueError(f"--ep-timeout={args.ep_timeout} must be a positive number of seconds")
+    if args.ep > 1 and args.engine == "process":
+        raise ValueError("--ep runs the engine in a thread of rank 0's server: --engine process is not supported")
+    if args.ep > 1 and args.compile_decode:
+        raise ValueError("--ep runs decode steps eagerly (no CUDA graphs): --compile-decode is not supported")
 
 
-def build_engine(args: argparse.Namespace):
-    """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path)."""
+def build_engine(args: argparse.Namespace, prepare_model=None):
+    """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path).
+    ``prepare_model(model)`` (expert parallelism: k3.distributed.serve) runs on the loaded model first."""
     from k3.infer.engine import Engine
     from k3.infer.load import load_for_inference
 
@@ -155,13 +177,15 @@ def build_engine(args: argparse.Namespace):
         model, tokenizer, path = random_for_serving(args)
     else:
         model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
+    if prepare_model is not None:
+        model = prepare_model(model)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)
     engine = Engine(
         model,
         tokenizer,
         max_batch=args.max_batch,
         max_context=args.max_context,
-        cuda_graphs=False if args.no_cuda_graphs else None,
+        cuda_graphs=False if args.no_cuda_graphs or args.ep > 1 else None,
         compile_decode=args.compile_decode,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_wait_steps=args.prefill_wait_steps,
@@ -251,11 +275,6 @@ def _server(config, async_engine: AsyncEngine | None = None, drain_timeout: floa
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from k3.infer.engine_process import EngineProcess
-    from k3.infer.server import connection_limit, create_app, http_options, limit_log_rate
-
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} must be in [0, 65535]")
     if not args.drain_timeout >= 0:
@@ -272,7 +291,21 @@ def run(args: argparse.Namespace) -> int:
         api_key = api_key.strip()
         if not api_key or not (api_key.isascii() and api_key.isprintable()):
             raise ValueError("the API key (--api-key or K3_API_KEY) must be non-empty printable ASCII")
-    async_engine, tokenizer, path = start_engine(args)
+    if args.ep > 1:
+        from k3.distributed.serve import serve_expert_parallel
+
+        check_args(args)
+        return serve_expert_parallel(args, lambda *a: serve_http(args, api_key, *a))
+    return serve_http(args, api_key, *start_engine(args))
+
+
+def serve_http(args: argparse.Namespace, api_key: str | None, async_engine, tokenizer, path) -> int:
+    """Serve the started engine over HTTP until a graceful shutdown (then stop it); returns 0."""
+    import uvicorn
+
+    from k3.infer.engine_process import EngineProcess
+    from k3.infer.server import connection_limit, create_app, http_options, limit_log_rate
+
     engine = async_engine.engine
     app = create_app(
         async_engine,
