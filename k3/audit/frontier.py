@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3.plan.loads import read_step_loads
+from k3.train.step_loads import read_step_loads
 from k3.plan.placement import contiguous
 from k3.plan.stragglers import step_stragglers
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from k3.audit.accounting import PATHS, attention_flops_per_token
+from k3.model.accounting import PATHS, attention_flops_per_token
 from k3.audit.attnres import mix_flops_per_token
 from k3.config import K3Config, get_preset
 from k3.ops.mx import MXFP4_BYTES_PER_WEIGHT

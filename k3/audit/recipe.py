@@ -11,7 +11,7 @@ from collections import defaultdict
 
 from torch import nn
 
-from k3.audit.accounting import classify
+from k3.model.accounting import classify
 from k3.config import K3Config
 
 

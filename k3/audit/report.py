@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from k3.audit import attnres, plots
-from k3.audit.accounting import build_meta, report
+from k3.audit.accounting import report
+from k3.model.accounting import build_meta
 from k3.audit.attnres import attn_res_costs, measured_attn_res, measured_depth_gpu
 from k3.audit.format import human, human_bytes, md_table, pct, tokens
 from k3.audit.longctx import DEFAULT_CONTEXTS, long_context

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from k3.audit.accounting import classify
+from k3.model.accounting import classify
 from k3.bench.common import copy_bandwidth, cuda_time, environment, read_bandwidth, write_results
 from k3.config.presets import kimi_linear_1p3b
 from k3.infer.graphs import GraphedDecoder

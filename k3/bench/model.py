@@ -52,7 +52,8 @@ def train_flops_per_token(model, seq: int) -> dict:
     """Training FLOPs per token of ``model`` at sequence ``seq``: 3x the forward count of
     k3.audit.accounting.flops_per_token (the one count k3 info and the audit print); "matmul" / 6 is the N of
     "6 N" MFU."""
-    from k3.audit.accounting import flops_per_token, parameter_counts
+    from k3.audit.accounting import flops_per_token
+    from k3.model.accounting import parameter_counts
 
     return {k: 3 * v for k, v in flops_per_token(model.config, seq, counts=parameter_counts(model)).items()}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.audit.accounting import classify
+from k3.model.accounting import classify
 from k3.bench.decode import step_bytes
 from k3.config import K3Config, get_preset
 from k3.model.decoder import K3ForCausalLM

@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         from k3.distributed.serve import serve_expert_parallel
 
         check_args(args)
-        return serve_expert_parallel(args, lambda *a: serve_http(args, api_key, *a))
+        return serve_expert_parallel(args, lambda *a: serve_http(args, api_key, *a), build_engine)
     return serve_http(args, api_key, *start_engine(args))
 
 

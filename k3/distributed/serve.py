@@ -261,7 +261,7 @@ def follow(engine: Engine, group, on_outputs=None) -> int:
             on_outputs(outputs)
 
 
-def serve_expert_parallel(args, serve_http) -> int:
+def serve_expert_parallel(args, serve_http, build_engine) -> int:
     """``k3 serve --ep N`` on this rank (under torchrun): the group, the sharded model and engine (identical on
     every rank), then on rank 0 ``serve_http(async_engine, tokenizer, path)`` over a :class:`LockstepEngine` in an
     AsyncEngine thread, and :func:`follow` on the others. Returns the exit status; a failed group is one error line
@@ -269,7 +269,6 @@ def serve_expert_parallel(args, serve_http) -> int:
     import signal
     import sys
 
-    from k3.cli.serve import build_engine
     from k3.infer.async_engine import AsyncEngine
     from k3.infer.load import resolve_device
 

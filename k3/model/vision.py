@@ -21,7 +21,7 @@ embedding and RoPE depend only on an image's own grid, so packing changes nothin
 column; each half uses :func:`k3.model.rope.rotate_half_rope` (pairs (j, j + D_h/4), theta 10000), so a
 q.k score depends on the (row, col) offset between two patches only. There are no biases anywhere and every
 norm is an RMSNorm (eps ``config.rms_norm_eps``). Attached to a multimodal LM as ``vision_tower``, every
-parameter name starts with "vision" and ``k3.audit.accounting.classify`` counts it under the vision path.
+parameter name starts with "vision" and ``k3.model.accounting.classify`` counts it under the vision path.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ STATE_BYTES_PER_PARAM = {"adamw": 16, "muon": 12}  # fp32 weight + gradient + op
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs of a config, counted from its module tree (k3.audit.accounting)."""
+    """What the planner needs of a config, counted from its module tree (k3.model.accounting)."""
 
     name: str
     layers: int
@@ -74,7 +74,7 @@ def model_shape(config: K3Config) -> ModelShape:
 
 
 def _shape(config: K3Config) -> ModelShape:
-    from k3.audit.accounting import activated_counts, attention_flops_per_token, build_meta, parameter_counts
+    from k3.model.accounting import activated_counts, attention_flops_per_token, build_meta, parameter_counts
     from k3.model.cache import cache_bytes_per_sequence
 
     model = build_meta(config)

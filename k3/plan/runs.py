@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from k3.plan.loads import StepLoads, read_loads, read_step_loads
+from k3.plan.loads import read_loads
+from k3.train.step_loads import StepLoads, read_step_loads
 from k3.plan.plan import without_all_to_all
 from k3.plan.stragglers import QUANTILES
 

@@ -45,7 +45,7 @@ from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.sampling import SamplingParams
 from k3.model.balance import Balancer
 from k3.model.decoder import K3ForCausalLM
-from k3.plan.loads import STEP_LOADS, STEP_WINDOW, StepLoads, read_step_loads, write_step_loads
+from k3.train.step_loads import STEP_LOADS, STEP_WINDOW, StepLoads, read_step_loads, write_step_loads
 from k3.ops.fp8 import fp8_available
 from k3.quant.fp8 import enable_fp8_experts
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat

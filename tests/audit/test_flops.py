@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from k3.audit.accounting import attention_flops_per_token, flops_per_token, report
+from k3.audit.accounting import flops_per_token, report
+from k3.model.accounting import attention_flops_per_token
 from k3.audit.paths import by_path
 from k3.config import get_preset
 from k3.model.cache import K3Cache

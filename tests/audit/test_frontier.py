@@ -53,7 +53,7 @@ def test_trained_frontier_per_step_columns(tmp_path):
     hot expert per step, even when summed: per step 4x on EP 8, summed 1x); a run with summed counts only gets
     None, and the report's table says so instead of a number."""
     from k3.audit.ablate_report import _trained_frontier_lines
-    from k3.plan.loads import STEP_LOADS, StepLoads, write_step_loads
+    from k3.train.step_loads import STEP_LOADS, StepLoads, write_step_loads
 
     for name in ("new-s0", "old-s0"):
         (tmp_path / name).mkdir()

@@ -103,7 +103,7 @@ def test_memory_and_fabric_terms_by_hand():
 def test_single_gpu_decode_bytes_match_the_decode_benchmark(batch, context):
     """The planner's single-GPU decode bytes against k3.bench.decode.step_bytes, counted independently from the
     model's parameters (the router's fp32 weight aside: <0.1%)."""
-    from k3.audit.accounting import build_meta
+    from k3.model.accounting import build_meta
     from k3.bench.decode import step_bytes
     from k3.config.presets import kimi_linear_1p3b
 

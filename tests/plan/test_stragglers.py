@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from k3.plan.loads import STEP_LOADS, StepLoads, read_step_loads, simulate_routing, write_step_loads
+from k3.plan.loads import simulate_routing
+from k3.train.step_loads import STEP_LOADS, StepLoads, read_step_loads, write_step_loads
 from k3.plan.stragglers import cell, step_stragglers
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from k3.audit.accounting import classify
+from k3.model.accounting import classify
 from k3.config import get_preset
 from k3.config.presets import VISION_PRESETS, with_vision
 from k3.model.norm import RMSNorm
