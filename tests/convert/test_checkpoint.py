@@ -13,20 +13,9 @@ from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.convert.checkpoint import save_pretrained
+from tests.helpers import KIMI_LINEAR_STYLE
 
-KIMI_LINEAR_STYLE = {
-    "kda.gate_lower_bound": None,
-    "kda.full_rank_output_gate": False,
-    "mla.q_lora_rank": None,
-    "mla.output_gate": False,
-    "moe.latent_size": None,
-    "moe.latent_norm": False,
-    "moe.routed_scaling_factor": 2.446,
-    "hidden_act": "silu",
-    "attn_res.mode": "none",
-    "kda.forget_gate_rank": 16,
-    "kda.output_gate_rank": 16,
-}
+KIMI_LINEAR_R16 = {**KIMI_LINEAR_STYLE, "kda.forget_gate_rank": 16, "kda.output_gate_rank": 16}  # low-rank gates
 
 
 def random_model(cfg, seed=0):
@@ -93,7 +82,7 @@ def test_checkpoint_written_before_still_loads(tmp_path):
 
 
 def test_convert_k3_kimi_linear_k3_is_exact(tmp_path):
-    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE))
+    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_R16))
     save_pretrained(model, tmp_path / "a")
     assert main(["convert", "--from", str(tmp_path / "a"), "--to", str(tmp_path / "b"), "--format", "kimi_linear"]) == 0
     assert main(["convert", "--from", str(tmp_path / "b"), "--to", str(tmp_path / "c"), "--format", "k3"]) == 0
@@ -105,7 +94,7 @@ def test_convert_k3_kimi_linear_k3_is_exact(tmp_path):
 
 def test_kimi_linear_export_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE)).eval()
+    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_R16)).eval()
     save_pretrained(model, tmp_path / "kl", fmt="kimi_linear")
     ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "kl").eval()
     ids = torch.randint(0, 512, (2, 70))
@@ -123,7 +112,7 @@ def test_kimi_linear_format_refuses_k3_features(tmp_path):
 def test_transformers_runtime_names_load(tmp_path):
     """Fused conv1d, forget_gate.*, mlp.experts.gate_up_proj / down_proj, A_log [1,1,H,1]."""
     transformers = pytest.importorskip("transformers")
-    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_STYLE)).eval()
+    model = random_model(get_preset("tiny").replace(**KIMI_LINEAR_R16)).eval()
     save_pretrained(model, tmp_path / "kl", fmt="kimi_linear")
     ref = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "kl")
     runtime = {k: v.contiguous() for k, v in ref.state_dict().items()}
@@ -290,7 +279,7 @@ def test_A_log_file_layout_and_round_trip(tmp_path, style):
     from k3.convert.names import a_log_file_size, from_files, to_files
 
     assert [a_log_file_size(h) for h in (1, 2, 96, 128, 129)] == [128, 128, 128, 128, 256]
-    cfg = get_preset("tiny") if style == "k3" else get_preset("tiny").replace(**KIMI_LINEAR_STYLE)
+    cfg = get_preset("tiny") if style == "k3" else get_preset("tiny").replace(**KIMI_LINEAR_R16)
     h = cfg.kda.num_heads
     assert (cfg.kda.gate_lower_bound is not None) == (style == "k3")
     model = random_model(cfg)

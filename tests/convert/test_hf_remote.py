@@ -15,19 +15,9 @@ from k3.convert import hf_code
 from k3.data.chat import render_chat
 from k3.infer.generate import greedy_generate
 from k3.model.decoder import K3ForCausalLM
+from tests.helpers import KIMI_LINEAR_STYLE
 
 transformers = pytest.importorskip("transformers")
-
-KIMI_LINEAR_STYLE = {
-    "kda.gate_lower_bound": None,
-    "kda.full_rank_output_gate": False,
-    "mla.q_lora_rank": None,
-    "mla.output_gate": False,
-    "moe.latent_size": None,
-    "moe.latent_norm": False,
-    "hidden_act": "silu",
-    "attn_res.mode": "none",
-}
 
 
 def random_model(cfg, seed=0):

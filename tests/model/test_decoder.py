@@ -9,7 +9,7 @@ from k3.config import PRESETS, get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
-from tests.helpers import rel
+from tests.helpers import KIMI_LINEAR_STYLE, rel
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +59,6 @@ def test_rows_with_documents_match_flat_packing(tiny_model):
     assert rel(two_rows, one_row) <= 1e-6
 
 
-KIMI_LINEAR_STYLE = {
-    "kda.gate_lower_bound": None,
-    "kda.full_rank_output_gate": False,
-    "mla.q_lora_rank": None,
-    "mla.output_gate": False,
-    "moe.latent_size": None,
-    "moe.routed_scaling_factor": 2.446,
-    "hidden_act": "silu",
-    "attn_res.mode": "none",
-}
 VARIANTS = {
     "k3": {},
     "kimi_linear": KIMI_LINEAR_STYLE,
