@@ -58,12 +58,16 @@ def run(args: argparse.Namespace) -> int:
             f"vision tower (MoonViT-V2, not in the totals above): encoder {_human(r['params_vision_encoder'])} "
             f"+ merge/projector to the LM width {_human(r['params_vision_projector'])}"
         )
-    for form, key in (("forward", "flops_per_token_forward"), ("decode (MLA absorbed)", "flops_per_token_decode")):
-        f = r[key.replace("_forward", "") + "_breakdown" if form == "forward" else key + "_breakdown"]
+    print()
+    for form, total, parts in (
+        ("forward", "flops_per_token_forward", "flops_per_token_breakdown"),
+        ("decode (MLA absorbed)", "flops_per_token_decode", "flops_per_token_decode_breakdown"),
+    ):
+        f = r[parts]
         print(
-            f"{chr(10) if form == 'forward' else ''}{form} FLOPs per token at context {r['context']}: "
-            f"{_human(r[key], 'FLOP')} (matmul {_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, "
-            f"KDA state {_human(f['kda_state'])}, AttnRes mixes {_human(f['attn_res_mix'])})"
+            f"{form} FLOPs per token at context {r['context']}: {_human(r[total], 'FLOP')} (matmul "
+            f"{_human(f['matmul'])}, MLA attention {_human(f['mla_attention'])}, KDA state {_human(f['kda_state'])}, "
+            f"AttnRes mixes {_human(f['attn_res_mix'])})"
         )
     print(f"weight bytes read per token (batch 1, bf16): {_bytes(r['weight_bytes_per_token'])}")
     c = r["cache_per_sequence"]
