@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import logging
 import os
 import pstats
 import random
@@ -143,10 +144,13 @@ def prefill_pass(engine, segments: int, prompt: int, vocab: int) -> str:
     for slot in slots:
         engine.cache.reset(slot)
     dev = f", device {device:.1f} ms" if device is not None else ""
-    return (
+    head = (
         f"prefill pass {segments} x {prompt} tokens: launched in {1e3 * host:.1f} ms, done in {1e3 * wall:.1f} ms"
         f"{dev}; {ops} aten ops, {kernels} kernels"
     )
+    by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    tables = [events.table(sort_by=key, row_limit=12) for key in dict.fromkeys([by, "self_cpu_time_total"])]
+    return "\n".join([head, *tables])
 
 
 def main() -> None:
@@ -164,6 +168,7 @@ def main() -> None:
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs captured at start)")
     p.add_argument("--prefill", default="", help="prefill passes to time: prompts per pass, comma-separated")
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from k3.bench.live_server import bench_tokenizer, random_config, random_model
     from k3.bench.serve import graph_step_ms
@@ -196,17 +201,16 @@ def main() -> None:
             f"{r['step_ms_p50']:.3f} ms, wall {r['wall_s']:.2f} s"
         )
         print(lines[-1], flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    r = run_batch(engine, a.profile, a.prompt, a.output, vocab, rng)
-    prof.disable()
-    lines.append(f"profiled B={a.profile}: {r['tokens_per_s']:.0f} tok/s, step p50 {r['step_ms_p50']:.3f} ms")
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-    lines.append(s.getvalue())
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(a.top)
-    lines.append(s.getvalue())
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        r = run_batch(engine, a.profile, a.prompt, a.output, vocab, rng)
+        prof.disable()
+        lines.append(f"profiled B={a.profile}: {r['tokens_per_s']:.0f} tok/s, step p50 {r['step_ms_p50']:.3f} ms")
+        for order in ("tottime", "cumtime"):
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats(order).print_stats(a.top)
+            lines.append(s.getvalue())
     del engine
     for b in batches if model.lm_head.weight.is_cuda else []:
         ms = graph_step_ms(model, tokenizer, b, a.prompt + a.output // 2)

@@ -1,6 +1,13 @@
 """k3: an open PyTorch implementation of the Kimi K3 architecture (train, serve, audit)."""
 
+import os
+
 __version__ = "0.1.0"
+
+# Triton keeps autotuning results in its disk cache only when asked, and reads the setting when a kernel module is
+# imported. Set here, before any k3 kernel is, so that every entry point (the CLI, scripts, library use) shares one
+# cache: without it each process re-runs the prefill and decode kernels' autotuners, minutes at start on a GPU.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="dequantize"):

@@ -21,6 +21,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -115,14 +116,18 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
     import httpx
 
     procs = max(1, min(procs, c))
-    before, t_before = httpx.get(url + "/health", timeout=30).json(), time.perf_counter()
+    marks = {}
+
+    def health() -> None:  # the engine's counters where the phase begins (after the warm-up round)
+        marks["before"], marks["t"] = httpx.get(url + "/health", timeout=30).json(), time.perf_counter()
+
     if procs == 1:
-        parts = [asyncio.run(_clients(url, vocab, c, rounds, prompt, output, seed))]
+        parts = [asyncio.run(_clients(url, vocab, c, rounds, prompt, output, seed, SimpleNamespace(wait=health)))]
     else:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        out, ready = ctx.Queue(), ctx.Barrier(procs)
+        out, ready = ctx.Queue(), ctx.Barrier(procs + 1)  # the clients and this process, at the phase's start
         shares = [c // procs + (i < c % procs) for i in range(procs)]
         workers = [
             ctx.Process(
@@ -132,10 +137,13 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
         ]
         for w in workers:
             w.start()
+        ready.wait(timeout=1800)
+        health()
         parts = [out.get(timeout=1800) for _ in workers]
         for w in workers:
             w.join()
     after, t_after = httpx.get(url + "/health", timeout=30).json(), time.perf_counter()
+    before, t_before = marks["before"], marks["t"]
     results = [r for p in parts for r in p[0]]
     errors = [e for p in parts for e in p[1]]
     wall = max(p[3] for p in parts) - min(p[2] for p in parts)
@@ -168,7 +176,7 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
 
 
 def _engine_share(before: dict, after: dict, seconds: float) -> str:
-    """What the engine did between two /health answers (the phase and its warm-up round): steps a second, decode
+    """What the engine did between two /health answers (the phase's start and its end): steps a second, decode
     rows a step, the share of the time inside ``Engine.step`` (near 100%: the engine is the limit; far below: it
     waited for requests) and the prefill passes."""
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "decode_rows", "busy_s", "prefill_passes")}
@@ -308,8 +316,8 @@ def run(
         "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients, one connection "
         f"each, spread over {client_procs} client process(es), a warm-up round per concurrency. TTFT: request sent "
         "to first text; TPOT: (last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. "
-        "detail: the phase's wall time; what the engine did from a /health answer before the warm-up round to one "
-        "after the phase (busy: time inside Engine.step); the busiest client process's CPU share. "
+        "detail: the phase's wall time; what the engine did from a /health answer at the phase's start (after the "
+        "warm-up round) to one after it (busy: time inside Engine.step); the busiest client process's CPU share. "
         "of_limit (at a model's largest concurrency): tokens/s over B / the graph decode step at that B, measured "
         "after its server stopped, on the same device. Random models: bfloat16 weights built on the device, "
         "vocabulary narrowed to a 400-token BPE (their lm_head is that much smaller than the preset's)."

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 
 # name -> one line of help (the module is k3.cli.NAME), in the order ``k3 --help`` lists them
@@ -53,9 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(command_of(argv) or "")
     args = parser.parse_args(argv)
     args.argv = argv  # the command line, for results that record it
-    # Triton keeps autotuning results in its disk cache (read when a kernel module is imported, so set before any
-    # is): without it every process re-runs the autotuners of the prefill and decode kernels, minutes at start.
-    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
