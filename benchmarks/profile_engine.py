@@ -11,8 +11,9 @@ the functions with the most own time. With ``--closed C``: C closed-loop clients
 when its last one finishes, ``--rounds`` each, as the serving benchmark's clients do): time to first token in
 engine steps and wall time, and the slowest steps with what they ran, so a stall (a compilation, an autotuner)
 shows with the pass that caused it. With ``--prefill N,...``: one packed prefill pass of N prompts of ``--prompt``
-tokens each, its wall time, device time (CUDA events) and the kernels it launched (torch.profiler), so a pass whose
-host work exceeds its device work shows. Writes $K3_BENCH_OUT/profile_engine.txt when set.
+tokens each (``NxL``: of L tokens), its wall time, device time (CUDA events) and the kernels it launched
+(torch.profiler), so a pass whose host work exceeds its device work shows. Writes $K3_BENCH_OUT/profile_engine.txt
+when set.
 """
 
 from __future__ import annotations
@@ -166,8 +167,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="requests per closed-loop client")
     p.add_argument("--no-warm-up", action="store_true", help="build the engine without its prefill warm-up")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs captured at start)")
-    p.add_argument("--prefill", default="", help="prefill passes to time: prompts per pass, comma-separated")
+    p.add_argument(
+        "--prefill",
+        default="",
+        help="prefill passes to time, comma-separated: N (prompts of --prompt tokens) or NxL (of L tokens)",
+    )
     a = p.parse_args()
+    passes = [tuple(map(int, x.split("x"))) if "x" in x else (int(x), a.prompt) for x in a.prefill.split(",") if x]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from k3.bench.live_server import bench_tokenizer, random_config, random_model
@@ -180,14 +186,14 @@ def main() -> None:
     engine = Engine(
         model,
         tokenizer,
-        max_batch=max(batches + [a.profile, a.closed] + [int(x) for x in a.prefill.split(",") if x]),
+        max_batch=max(batches + [a.profile, a.closed] + [n for n, _ in passes]),
         max_context=a.prompt + a.output + 64,
         warm_up=False if a.no_warm_up else None,
         cuda_graphs=False if a.no_graphs else None,
     )
     vocab, rng, lines = model.config.vocab_size, random.Random(0), []
-    for n in [int(x) for x in a.prefill.split(",") if x]:
-        lines.append(prefill_pass(engine, n, a.prompt, vocab))
+    for n, length in passes:
+        lines.append(prefill_pass(engine, n, length, vocab))
         print(lines[-1], flush=True)
     if a.closed:
         for line in run_closed(engine, a.closed, a.rounds, a.prompt, a.output, vocab, rng):
