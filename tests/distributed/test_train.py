@@ -95,23 +95,27 @@ def compare(got, want, tol=1e-5):
 @pytest.mark.parametrize(
     "world,dims,ac",
     [
+        (1, ParallelDims(dp=1), False),
         (2, ParallelDims(dp=2), False),
         (2, ParallelDims(dp=2, ep=2), False),
         (2, ParallelDims(dp=1, cp=2), False),
         (4, ParallelDims(dp=2, ep=2, cp=2), False),
         (4, ParallelDims(dp=2, ep=2, cp=2), True),
     ],
-    ids=["dp2", "ep2", "cp2", "dp2-ep2-cp2", "dp2-ep2-cp2-activation-checkpointing"],
+    ids=["one-rank", "dp2", "ep2", "cp2", "dp2-ep2-cp2", "dp2-ep2-cp2-activation-checkpointing"],
 )
 def test_one_step_equals_single_process(tmp_path, world, dims, ac):
-    """The last case recomputes every mixer and FFN in the backward pass (FSDP-sharded parameters, expert
-    all-to-alls and CP exchanges repeated) and is compared with the single process without recomputation."""
+    """The first case is the one-GPU distributed path (FSDP2 over one rank, EP 1, DCP): the trainer's step within
+    fp32 noise (the loss equal; the weights within 1e-6 relative but for the zero-initialised AttnRes queries,
+    up to ~3e-5 after their first AdamW step). The last case recomputes every mixer and FFN in
+    the backward pass (FSDP-sharded parameters, expert all-to-alls and CP exchanges repeated) and is compared with
+    the single process without recomputation."""
     want_loss, want = single(tmp_path, "single", dp=dims.dp)
     losses = run(
         world, _rank_train, cfg(tmp_path / "dist", dp=1, batch_size=ROWS, activation_checkpointing=ac), dims, False
     )
     assert all(abs(loss[0] - want_loss[0]) <= 1e-6 * want_loss[0] for loss in losses), (losses, want_loss)
-    compare(dist_weights(tmp_path / "dist"), want, tol=1e-4 if dims.cp > 1 else 1e-5)
+    compare(dist_weights(tmp_path / "dist"), want, tol=1e-4 if dims.cp > 1 or world == 1 else 1e-5)
 
 
 def test_expert_parallel_step_records_all_to_all_time_and_rows_per_rank(tmp_path):
