@@ -19,7 +19,7 @@
 # kernels (full), moe_decode, decode_grouped_mm, tune_mla, multi_linear, small_groups and profile_kernels on request,
 # train_fp8 (the step with FP8 experts against bf16), train_accum (262,144 tokens an optimizer step, bf16 and FP8
 # experts), precision (bf16 vs FP8 experts over 3 seeds, 2000 steps),
-# attn_res_depth (AttnRes at K3's depth), kda_chunk (our chunked KDA vs fla's), serve_load (k3 serve under load, random small-1b),
+# attn_res_depth (AttnRes at K3's depth), serve_load (k3 serve under load, random small-1b),
 # each under its own limit below (every step fits in 10 minutes)
 set -u
 OUTD=${OUT:-/tmp/out}
@@ -73,7 +73,6 @@ step train_accum 570 python -m k3 bench model --cases train_accum,train_accum_fp
 step precision 570 bash -c "source benchmarks/mps.sh; mps_start $OUTD/mps.txt; trap mps_stop EXIT; \
   python benchmarks/precision_convergence.py --arms bf16,fp8 --seeds 0,1,2 --steps 2000 --jobs 6"  # under MPS
 step attn_res_depth 560 python benchmarks/attn_res_depth.py  # none / snapshot / block_sum / full, compiles side by side
-step kda_chunk 540 python benchmarks/kda_chunk.py  # our chunked KDA vs fla, forward and forward + backward
 step serve_load 400 python benchmarks/serve_load.py --preset small-1b --device cuda --concurrency 1,8,32,64 \
   --max-batch 64
 (cd "$LOGS" && tar czf "$OUTD/logs.tgz" .) && rm -rf "$LOGS"

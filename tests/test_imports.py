@@ -26,8 +26,6 @@ NEEDS = {
     "k3.ops.conv.triton_step": "triton",
     "k3.ops.kda.triton_decode": "triton",
     "k3.ops.moe.triton_mxfp4": "triton",
-    "k3.ops.kda.triton_chunk": "triton",
-    "k3.ops.kda.triton_chunk_bwd": "triton",
 }
 
 

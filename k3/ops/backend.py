@@ -36,15 +36,14 @@ BACKENDS = ("auto", "reference", "fast")
 @dataclass(frozen=True)
 class Kernel:
     """One of our kernels: ``on`` is its name when chosen, ``off`` what runs instead; ``what`` it fuses;
-    ``why_not`` says what else it needs beyond Triton ("" where it can run; None: nothing else); ``off_unless_asked``
-    (non-empty: why) keeps it off until K3_KERNELS turns it on; ``no_triton`` (non-empty), for a kernel whose ``off``
-    is Triton code too, names what runs where Triton is not usable (what the kernel plan shows there)."""
+    ``why_not`` says what else it needs beyond Triton ("" where it can run; None: nothing else); ``no_triton``
+    (non-empty), for a kernel whose ``off`` is Triton code too, names what runs where Triton is not usable (what the
+    kernel plan shows there)."""
 
     on: str
     off: str
     what: str
     why_not: Callable[[], str] | None = None
-    off_unless_asked: str = ""
     no_triton: str = ""
 
 
@@ -69,13 +68,6 @@ KERNELS: dict[str, Kernel] = {
         "packed MXFP4 experts' decode matmuls: the weights decoded into mma.sync's register operand (NVRTC)",
         _nvrtc_kernel_why_not,
         no_triton="torch",  # off is kernel moe_mxfp4, whose own off is torch
-    ),
-    "kda_chunk": Kernel(
-        "triton",
-        "fla",
-        "a KDA layer's chunked forward and backward (training, prefill)",
-        off_unless_asked="our Triton kernels are slower than fla's (benchmarks/results/kda-chunk.md)",
-        no_triton="torch",  # fla's kernels are Triton's too: the reference recurrence runs
     ),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }
@@ -168,7 +160,7 @@ def _parse(spec: str) -> dict[str, str]:
 
 def kernel_choices() -> dict[str, tuple[str, str]]:
     """Every kernel's (what runs, why), resolved once: the user's value, else on where Triton (and what else the
-    kernel needs) is usable, unless the kernel is off until asked."""
+    kernel needs) is usable."""
     global _kernels
     if _kernels is None:
         wanted, usable = _parse(kernel_spec()), triton_usable()
@@ -185,7 +177,7 @@ def kernel_choices() -> dict[str, tuple[str, str]]:
             if value is not None:
                 out[name] = (value, "K3_KERNELS")
             else:
-                out[name] = (k.off, why or k.off_unless_asked) if why or k.off_unless_asked else (k.on, "default")
+                out[name] = (k.off, why) if why else (k.on, "default")
         _kernels = out
     return _kernels
 

@@ -49,13 +49,8 @@ def test_kernels_default_to_triton_where_usable_and_follow_k3_kernels(fresh, mon
     assert backend.kernel_choices()["router_topk"] == ("torch", "Triton is not usable here")
     backend.set_kernels(None, triton=True)
     choices = backend.kernel_choices()
-    default_on = [k for k, v in backend.KERNELS.items() if not v.why_not and not v.off_unless_asked]
+    default_on = [k for k, v in backend.KERNELS.items() if not v.why_not]
     assert all(choices[k][0] == backend.KERNELS[k].on for k in default_on)
-    # a kernel kept off until asked says why, and K3_KERNELS turns it on
-    assert choices["kda_chunk"] == ("fla", backend.KERNELS["kda_chunk"].off_unless_asked)
-    backend.set_kernels("kda_chunk=triton")
-    assert backend.kernel_choices()["kda_chunk"] == ("triton", "K3_KERNELS")
-    backend.set_kernels(None)
     # a kernel that needs more than Triton (NVRTC's kernel: a CUDA GPU, compute capability 8) says why it is off
     why = cuda_mxfp4.why_not(torch.device("cuda"))
     assert choices["moe_mxfp4_rows"] == (("triton", why) if why else ("cuda", "default"))
@@ -96,32 +91,16 @@ def test_resolved_once(fresh, monkeypatch):
     assert backend.kernel_choice("multi_linear") == "torch"
 
 
-def test_chunked_kda_kernel_takes_only_the_calls_it_suits(fresh):
-    """kda_chunk, when asked for, runs K3's bounded gate at head widths up to 128 in chunks of 64; fla's kernel
-    takes every other call."""
-    from k3.ops.kda import chunk_kernel
-
-    x128, x256 = torch.empty(1, 4, 2, 128), torch.empty(1, 4, 2, 256)
-    backend.set_kernels(None, triton=True)
-    assert chunk_kernel(x128, x128, -5.0, 64) == "fla"  # off until asked
-    backend.set_kernels("kda_chunk=triton")
-    assert chunk_kernel(x128, x128, -5.0, 64) == "triton"
-    assert chunk_kernel(x128, x128, None, 64) == "fla"  # Kimi Linear's unbounded gate
-    assert chunk_kernel(x128, x128, -6.0, 64) == "fla"
-    assert chunk_kernel(x256, x128, -5.0, 64) == "fla"
-    assert chunk_kernel(x128, x128, -5.0, 32) == "fla"
-
-
 def test_without_triton_no_kernel_row_claims_triton_code(fresh):
-    """Where Triton is not usable, a kernel whose off form is Triton code too (moe_mxfp4_rows: kernel moe_mxfp4;
-    kda_chunk: fla's kernels) shows what runs instead."""
+    """Where Triton is not usable, a kernel whose off form is Triton code too (moe_mxfp4_rows: kernel moe_mxfp4)
+    shows what runs instead."""
     backend.set_kernels(None, triton=False)
     kernels = {name.removeprefix("kernel "): runs for name, runs, _ in plan(CPU) if name.startswith("kernel ")}
-    assert kernels["moe_mxfp4_rows"] == "torch" and kernels["kda_chunk"] == "torch"
+    assert kernels["moe_mxfp4_rows"] == "torch"
     assert not {"triton", "fla", "cuda", "on"} & set(kernels.values()), kernels
     backend.set_kernels(None, triton=True)  # where Triton runs, the off forms stand
     kernels = {name.removeprefix("kernel "): runs for name, runs, _ in plan(CPU) if name.startswith("kernel ")}
-    assert kernels["kda_chunk"] == "fla"
+    assert kernels["moe_mxfp4_rows"] in ("cuda", "triton")
 
 
 def test_a_plan_where_nothing_of_ours_runs_is_one_line(fresh):

@@ -75,13 +75,10 @@ def chunk_kda_raw(
     cu_seqlens=None,
     chunk_size=64,
 ):
-    """See :func:`k3.ops.kda.reference.chunk_kda_raw`. In the fast path, our Triton chunked KDA
-    (k3.ops.kda.triton_chunk_bwd) where the kernel plan chose kernel kda_chunk and the call suits it
-    (:func:`chunk_kernel`), else fla's."""
-    name, fn = backend.resolve("chunk_kda_raw", q.device)
-    if name == "fast" and chunk_kernel(q, v, lower_bound, chunk_size) == "triton":
-        from k3.ops.kda.triton_chunk_bwd import chunk_kda_raw as fn  # Triton: imported on use
-    return fn(
+    """See :func:`k3.ops.kda.reference.chunk_kda_raw` (fast path: fla's chunked kernels)."""
+    return backend.dispatch(
+        "chunk_kda_raw",
+        q.device,
         q,
         k,
         v,
@@ -96,33 +93,6 @@ def chunk_kda_raw(
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
         chunk_size=chunk_size,
-    )
-
-
-_chunk_logged: set[str] = set()
-CHUNK_GATE_BOUND = -80.0 / 15  # the lowest gate bound k3.ops.kda.triton_chunk takes unchecked: MAX_BLOCK_SPREAD / 15
-
-
-def chunk_kernel(q: torch.Tensor, v: torch.Tensor, lower_bound: float | None, chunk_size: int) -> str:
-    """'triton' or 'fla' for one chunked KDA call of the fast path (:func:`k3.ops.backend.triton_or_torch`): ours
-    needs head widths that are powers of two up to 128, chunks of 64 and K3's bounded gate (lower bound >= -5.33,
-    so its exponentials stay in range without a host check)."""
-
-    def why_not() -> str:
-        if not core_dims_supported(q.shape[-1], v.shape[-1]):
-            return f"head widths {q.shape[-1]} / {v.shape[-1]} (powers of two, 16..128)"
-        if chunk_size != 64:
-            return f"chunk size {chunk_size}, not 64"
-        if lower_bound is None or lower_bound < CHUNK_GATE_BOUND:
-            return f"a gate without a lower bound >= {CHUNK_GATE_BOUND:.2f} (K3's gate)"
-        return ""
-
-    return backend.triton_or_torch(
-        "kda_chunk",
-        "chunk_kda_raw: the chunked recurrence by",
-        why_not,
-        ("our Triton kernels (k3.ops.kda.triton_chunk_bwd)", "fla's chunk_kda"),
-        _chunk_logged,
     )
 
 
