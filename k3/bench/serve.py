@@ -178,12 +178,15 @@ def _phase(url: str, vocab: int, c: int, rounds: int, prompt: int, output: int, 
 def _engine_share(before: dict, after: dict, seconds: float) -> str:
     """What the engine did between two /health answers (the phase's start and its end): steps a second, decode
     rows a step, the share of the time inside ``Engine.step`` (near 100%: the engine is the limit; far below: it
-    waited for requests) and the prefill passes."""
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "decode_rows", "busy_s", "prefill_passes")}
-    steps = max(d["steps"], 1)
+    waited for requests), the prefill passes, and the engine's part of the time to first token (means: waiting
+    for a slot, then from the slot to the token on the engine's host; the rest of TTFT is the API and transport)."""
+    keys = ("steps", "decode_rows", "busy_s", "prefill_passes", "first_tokens", "queue_s", "first_token_s")
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    steps, firsts = max(d["steps"], 1), max(d["first_tokens"], 1)
     return (
         f"engine {d['steps'] / seconds:.0f} steps/s, {d['decode_rows'] / steps:.1f} rows a step, busy "
-        f"{d['busy_s'] / seconds:.0%}, {d['prefill_passes']} prefill passes"
+        f"{d['busy_s'] / seconds:.0%}, {d['prefill_passes']} prefill passes, first token after "
+        f"{1e3 * d['queue_s'] / firsts:.0f} ms queued + {1e3 * d['first_token_s'] / firsts:.0f} ms"
     )
 
 
@@ -317,7 +320,9 @@ def run(
         f"each, spread over {client_procs} client process(es), a warm-up round per concurrency. TTFT: request sent "
         "to first text; TPOT: (last text - first text) / (tokens - 1); tokens/s: output tokens over the phase. "
         "detail: the phase's wall time; what the engine did from a /health answer at the phase's start (after the "
-        "warm-up round) to one after it (busy: time inside Engine.step); the busiest client process's CPU share. "
+        "warm-up round) to one after it (busy: time inside Engine.step; first token: the engine's mean wait for a "
+        "slot, then from the slot to the token; the rest of TTFT is the API and transport); the busiest client "
+        "process's CPU share. "
         "of_limit (at a model's largest concurrency): tokens/s over B / the graph decode step at that B, measured "
         "after its server stopped, on the same device. Random models: bfloat16 weights built on the device, "
         "vocabulary narrowed to a 400-token BPE (their lm_head is that much smaller than the preset's)."

@@ -146,8 +146,19 @@ class Engine(StepOutputs):
         self._prefill_waited = 0
         self._ll_tokenizer = None  # llguidance's view of the tokenizer, built for the first constrained request
         self.constrained = 0  # running sequences with a grammar (their steps do not overlap)
-        # counters since start; busy_s: seconds inside step() (host time, and device time where a step waits on it)
-        self.timing = {"steps": 0, "decode_rows": 0, "prefill_passes": 0, "prefill_tokens": 0, "busy_s": 0.0}
+        # counters since start; busy_s: seconds inside step() (host time, and device time where a step waits on it);
+        # first_tokens requests got their first token, after queue_s waiting for a slot and first_token_s from the
+        # slot to that token on the host (summed: a reader takes means between two reads)
+        self.timing = {
+            "steps": 0,
+            "decode_rows": 0,
+            "prefill_passes": 0,
+            "prefill_tokens": 0,
+            "busy_s": 0.0,
+            "first_tokens": 0,
+            "queue_s": 0.0,
+            "first_token_s": 0.0,
+        }
         self.eos_id = getattr(tokenizer, "eos_id", None)
         self.vision = cfg.vision if hasattr(model, "vision_tower") else None  # VisionConfig: takes images
         v = self.vision
@@ -274,8 +285,9 @@ class Engine(StepOutputs):
             taken.add(seq.request_id)
             seqs.append((seq, media))
         group = group or (seqs[0][0].request_id if seqs else "")
+        now = time.perf_counter()
         for seq, media in seqs:
-            seq.group = group
+            seq.group, seq.added_at = group, now
             if media is not None:
                 seq.image_features = self._encode(media)
         self.waiting.extend(seq for seq, _ in seqs)
@@ -370,7 +382,7 @@ class Engine(StepOutputs):
             if self.memory_budget is not None and self.reserved + seq.need_bytes > self.memory_budget:
                 break
             self.waiting.remove(seq)
-            seq.slot = self.free_slots.pop(0)
+            seq.slot, seq.admitted_at = self.free_slots.pop(0), time.perf_counter()
             self.reserved += seq.need_bytes
             self.group_running[seq.group] = self.group_running.get(seq.group, 0) + 1
             self.cache.reset(seq.slot)

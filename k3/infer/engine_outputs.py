@@ -5,6 +5,7 @@ strings, log-probabilities, prompt scores), with a row that fails in sampling en
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import Tensor
@@ -133,12 +134,22 @@ class StepOutputs:
                     continue
                 complete = seq.constraint.complete
             seq.output.append(tokens[i])
+            if len(seq.output) == 1:
+                self._first_token(seq)
             outputs.append(self._emit(seq, tokens[i], lps.get(i), complete))
         for seq in self.running:
             if seq.snapshot is not None and seq.snapshot[0] <= len(seq.tokens):
                 self._store(seq, *seq.snapshot)
                 seq.snapshot = None
         return outputs
+
+    def _first_token(self, seq: _Sequence) -> None:
+        """Count where a request's time to its first token went: waiting for a slot, then from the slot to the token
+        (prefill passes, waiting for one, the step in flight)."""
+        t = self.timing
+        t["first_tokens"] += 1
+        t["queue_s"] += seq.admitted_at - seq.added_at
+        t["first_token_s"] += time.perf_counter() - seq.admitted_at
 
     def _fail(self, seq: _Sequence, error: str) -> StepOutput:
         """End one sequence whose step failed: its slot is freed, its output carries ``error``."""

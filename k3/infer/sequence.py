@@ -61,6 +61,8 @@ class _Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # gathered during the prefill, handed out once
     done: bool = False  # finished, failed or aborted: results of a step in flight are dropped
     constraint: object | None = None  # k3.infer.grammar.Constraint of a structured-output request
+    added_at: float = 0.0  # time.perf_counter() when the engine queued it
+    admitted_at: float = 0.0  # ... and when it took a slot
 
     @property
     def tokens(self) -> list[int]:

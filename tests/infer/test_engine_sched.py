@@ -88,3 +88,24 @@ def test_mixed_passes_and_overlap_equal_each_request_alone(model, overlap):
     assert got_lp == pytest.approx(want_lp, abs=1e-4)
     assert eng.timing["prefill_passes"] < len(prompts) + 4  # prefills were gathered, not one pass per chunk
     assert eng.reserved == 0 and sorted(eng.free_slots) == [0, 1, 2]
+
+
+def test_time_to_first_token_is_split_into_queue_and_prefill(model, monkeypatch):
+    """Each request's first token adds its wait for a slot and its time from the slot to that token (a clock that
+    ticks once a read): alone a request waits a tick or two for its slot; with one slot for two, the second waits
+    out the first's three steps."""
+
+    def run(n: int) -> dict:
+        clock = iter(range(10_000))
+        for module in ("engine", "engine_outputs"):
+            monkeypatch.setattr(f"k3.infer.{module}.time.perf_counter", lambda: float(next(clock)))
+        eng = Engine(model, IdTokenizer(), max_batch=1, overlap=False)
+        eng.add_many([Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3)) for _ in range(n)])
+        while eng.has_work():
+            eng.step()
+        return eng.timing
+
+    alone, two = run(1), run(2)
+    assert alone["first_tokens"] == 1 and two["first_tokens"] == 2
+    assert 0 < alone["queue_s"] <= 2 and alone["first_token_s"] > 0
+    assert two["queue_s"] - alone["queue_s"] >= 6  # three steps, each reading the clock at least twice
