@@ -55,11 +55,9 @@ def copy_bandwidth() -> float:
 
 
 def read_bandwidth() -> float:
-    """Device read bandwidth in bytes/s: an fp32 sum over a 4 GiB buffer (reads only). On an H200 it came out 2-3%
-    above the copy figure (4.35-4.38 vs 4.24-4.28 TB/s, docs/decisions.md;
-    4.37 vs 4.21 in decode-targets.md): a limit taken from the copy is not tight. Nor is this one: the MLA decode
-    kernel read its latents at 4.47 TB/s (541 us for 2.42 GB, docs/decisions.md); the H200's nominal HBM rate is
-    4.8 TB/s."""
+    """Device read bandwidth in bytes/s: an fp32 sum over a 4 GiB buffer (reads only). It comes out a few percent
+    above the copy figure, so a limit taken from the copy is not tight; nor is this one, which the MLA decode kernel
+    exceeds (docs/decisions.md, "Bandwidth limits: the copy and the read rate")."""
     a = torch.ones(2**30, dtype=torch.float32, device="cuda")
     t = cuda_time(lambda: a.sum(), warmup=2, iters=5)  # noqa: F821
     del a

@@ -9,7 +9,7 @@ time is generate(1 + n new tokens) - generate(1 new token), divided by n (prefil
 Limit per step = bytes that must move / measured copy bandwidth: dense weights + the experts hit (expected
 distinct experts E (1 - (1 - k/E)^B) per layer) + lm_head and embedding rows + KDA state read and write +
 conv state + every cached latent row. The same bytes over the measured read bandwidth (an fp32 sum, a few percent
-higher on an H200) give a tighter limit, reported beside it (``fraction_of_read_limit``).
+higher: benchmarks/results/decode-targets.md) give a tighter limit, reported beside it (``fraction_of_read_limit``).
 """
 
 from __future__ import annotations

@@ -8,14 +8,14 @@ tail of the one before. Every kernel here calls :func:`wait_then_release` before
 it reads anything the kernel before it may write, so what each kernel sees and overwrites is as without PDL; a
 kernel launched without PDL after one of ours waits for it as usual.
 
-Reads before the wait: a PDL kernel starts only once the kernel before it has passed its own wait (ours and
-inductor's release after waiting; any other kernel releases when it ends), so everything launched earlier than that
-one has completed; what that one kernel does not write can be read at once. Two kernels
-do so with their main reads: the KDA decode core (its slots and recurrent states, which only the core itself
-writes) and the short-conv step (its slots, conv state rows and weights; the KDA maps before it write the inputs,
-read after the wait). At B=64 / 32K on an H200 that took ~15-45 us off a ~2.95 ms step
-(benchmarks/results/decode-targets.md). tests/ops/test_kernels_compile_for_hopper.py checks that no other kernel reads
-before its wait and that none writes before it.
+Reads before the wait: a PDL kernel starts only once the kernel before it has passed its own wait (ours and inductor's
+release after waiting; any other kernel releases when it ends), so everything launched earlier than that one has
+completed; what that one kernel does not write can be read at once. Two kernels do so with their main reads: the KDA
+decode core (its slots and recurrent states, which only the core itself writes) and the short-conv step (its slots, conv
+state rows and weights; the KDA maps before it write the inputs, read after the wait), so those reads overlap the
+previous kernel's tail (docs/decisions.md, "Reads before the PDL wait; expert passes sized for large groups").
+tests/ops/test_kernels_compile_for_hopper.py checks that no other kernel reads before its wait and that none writes
+before it.
 
 Kernel ``pdl`` of the kernel plan (k3.ops.backend): on where the GPU and Triton support it, ``K3_KERNELS=pdl=off``
 turns it off. Inductor's own kernels in

@@ -19,11 +19,10 @@ _named: set = set()
 
 
 def _fast(x, weight, **kwargs):
-    """fla's fused Triton kernel on CUDA when fla-core is installed (a KDA layer's three convs, then run as three
-    calls, fwd + bwd at 4K tokens: 0.14 ms against the flat form's 0.35 ms, H200), else (and for fp64, which fla
-    does not take) the flat form, which runs anywhere: on a GPU it saves the reference's host sync and padding; on 2
-    CPU cores a [2048, 256] conv over 6 documents with backward takes 6 ms instead of 24. The reference stays the
-    independent check (tests/ops/test_conv.py)."""
+    """fla's fused Triton kernel on CUDA when fla-core is installed (faster there than the flat form), else (and
+    for fp64, which fla does not take) the flat form, which runs anywhere: on a GPU it saves the reference's host
+    sync and padding, on a CPU it is faster than the reference (docs/decisions.md, "Training-step GPU paths: the
+    short conv"). The reference stays the independent check (tests/ops/test_conv.py)."""
     use_fla = _fla.available(x.device) and x.dtype in _fla.DTYPES
     if (x.device.type, use_fla) not in _named:
         _named.add((x.device.type, use_fla))

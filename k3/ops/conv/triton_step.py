@@ -6,10 +6,10 @@ W-1], oldest first):
   y_i[n, c] = act( sum_{j<W-1} w_i[c, j] s_i[slot_n, c, j] + w_i[c, W-1] x_i[n, c] )     in fp32, stored in x's dtype
   s_i[slot_n, c, :] <- (s_i[slot_n, c, 1:], x_i[n, c])                                       in place, in s_i's dtype
 
-exactly :func:`k3.ops.conv.reference.causal_conv1d_step` for each i. Each program takes one token and BLOCK_C
-channels of one of the three inputs. Compiled, the torch form became two combo kernels of ~11 us per KDA layer at
-B=64 on an H200 (window gathers by slot with bounds checks, fp32 windows materialised,
-docs/decisions.md); this is one launch that reads each state row once.
+exactly :func:`k3.ops.conv.reference.causal_conv1d_step` for each i. Each program takes one token and BLOCK_C channels
+of one of the three inputs. Compiled, the torch form became two combo kernels per KDA layer (window gathers by slot with
+bounds checks, fp32 windows materialised: docs/decisions.md, "Decode's small torch compositions in one launch each");
+this is one launch that reads each state row once.
 
 Forward only, for no-grad calls (decode): k3.ops.conv.causal_conv1d_steps picks it and logs which path runs.
 """

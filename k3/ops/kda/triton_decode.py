@@ -9,12 +9,12 @@ For each token n and head h (q, k [K], v [V] of the head, the state S [K, V] of 
   gate  = W_gb[h] g_a  (low-rank output gate)   or the full-rank gate's row
   y     = o / rms(o) * w_norm * sigmoid(gate)                                           [V], in y's dtype
 
-the reference composition in k3.ops.kda (f_b_proj, kda_decode_step, g_b_proj, the gated RMSNorm) without the
-five kernels around the recurrence (two GEMVs, two casts of its inputs, the norm) or the bf16 roundings between
-them: on an H200 at B=64 those were ~23 us of kernels per KDA layer (fla's fused recurrent step ~14 us of it,
-docs/decisions.md). One program per (token, head): states up to 64 x 64 held whole; larger ones (K3's 128 x 128)
-64 x 64 elements at a time in two passes over the value columns (the first sums the output's squares for the norm,
-the second writes the state and the output), so several programs fit an SM. K, V <= 128.
+the reference composition in k3.ops.kda (f_b_proj, kda_decode_step, g_b_proj, the gated RMSNorm) without the five
+kernels around the recurrence (two GEMVs, two casts of its inputs, the norm) or the bf16 roundings between them
+(docs/decisions.md, "KDA decode: our own kernel for the core, fla's for everything else"). One program per (token,
+head): states up to 64 x 64 held whole; larger ones (K3's 128 x 128) 64 x 64 elements at a time in two passes over the
+value columns (the first sums the output's squares for the norm, the second writes the state and the output), so several
+programs fit an SM. K, V <= 128.
 
 Forward only, for no-grad calls (decode); k3.ops.kda.decode_core_kernel picks it and logs which path runs.
 """
@@ -142,10 +142,9 @@ def _output_gate(G, WGB, n, h, stride_g, cols, V: tl.constexpr, RG: tl.constexpr
 
 def _warps(programs: int, device: torch.device) -> int:
     """Warps per program for states up to 64 x 64 held whole: one warp (at 64 x 64: 128 state elements per thread)
-    once the programs are at least 4 per SM, else 4. On an H200 at the decode benchmark's shapes (CUDA graphs of 20
-    launches, docs/decisions.md): B=64 (1024 programs, 7.8 per SM) 10.1 us with one warp, 14.4 with four; B=16
-    (256, 1.9 per SM) 5.3 with four, 6.7 with one; B=1 3.6 with four, 5.9 with one. The threshold between the two
-    measured counts is a choice. Larger states go in chunks of 64 x 64 elements with four warps (not measured)."""
+    once the programs are at least 4 per SM, else 4: one warp was faster with many programs an SM, four with
+    few (docs/decisions.md, "KDA decode core: one warp per program at 4 or more programs an SM"). Larger states go
+    in chunks of 64 x 64 elements with four warps (not measured)."""
     if device.type != "cuda":  # Triton's interpreter (tests): no warps
         return 4
     return 1 if programs >= 4 * torch.cuda.get_device_properties(device).multi_processor_count else 4

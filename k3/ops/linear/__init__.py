@@ -1,21 +1,22 @@
 """Several linear maps of one input: ``multi_linear(x [M, K], weights [N_i, K]) -> [[M, N_i]]``.
 
-A decode step's KDA layer multiplies its input by six weights (q, k, v, the forget gate's and the output gate's
-low-rank inputs, beta), a MoE layer by three (the latent down-projection, the shared experts' gate and up), an MLA
-decode step by two or three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV launches of a few
-microseconds each on an H200, most of it launch and tail. A MoE layer's router goes with its maps as the last one,
-computed in fp32 (``fp32=1``: x and the weight upcast, as the router's own GEMM); in the kernel that is the input's
-products accumulated in fp32, with the weight in fp32 or in the input's dtype, where cuBLAS took an fp32 GEMM and a
-split-K reduction, ~8 us per MoE layer at B=64 on an H200. One-weight calls (a KDA decode step's o_proj, the shared
-experts' down-projection) take the launch too: cuBLAS's kernels do not use programmatic dependent launch
-(k3.ops.pdl), ours do. The ``fast`` backend can run them as one Triton launch
-(k3.ops.linear.triton_multi) for calls that need no gradient, with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows
-and at most MAX_WEIGHTS weights; the torch form otherwise: where a gradient is needed (a training step) one linear
-over the stacked weights (:func:`concatenated`: one matrix product forward and two backward instead of one and two
-per weight), else one linear per weight (a prefill's GEMMs gain nothing from stacking, a decode step's GEMVs would
-pay for its copy of the weights: they read each weight once). ``K3_KERNELS=multi_linear=torch`` turns the kernel off
-(:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster on an H200
-(docs/decisions.md). Each choice is logged once, with the reason when it is torch.
+A decode step's KDA layer multiplies its input by six weights (q, k, v, the forget gate's and the output gate's low-rank
+inputs, beta), a MoE layer by three (the latent down-projection, the shared experts' gate and up), an MLA decode step by
+two or three (the first query map, kv_a_proj_with_mqa, the output gate): GEMV launches whose time is mostly launch and
+tail (benchmarks/results/multi_linear_configs.md). A MoE layer's router goes with its maps as the last one, computed in
+fp32 (``fp32=1``: x and the weight upcast, as the router's own GEMM); in the kernel that is the input's products
+accumulated in fp32, with the weight in fp32 or in the input's dtype, where cuBLAS took two launches of its own, an fp32
+GEMM and a split-K reduction (docs/decisions.md, "The router's fp32 GEMM on the tensor cores"). One-weight calls (a KDA
+decode step's o_proj, the shared experts' down-projection) take the launch too: cuBLAS's kernels do not use programmatic
+dependent launch (k3.ops.pdl), ours do. The ``fast`` backend can run them as one Triton launch
+(k3.ops.linear.triton_multi) for calls that need no gradient, with 2-D bf16 / fp16 inputs of at most MAX_ROWS rows and
+at most MAX_WEIGHTS weights; the torch form otherwise: where a gradient is needed (a training step) one linear over the
+stacked weights (:func:`concatenated`: one matrix product forward and two backward instead of one and two per weight),
+else one linear per weight (a prefill's GEMMs gain nothing from stacking, a decode step's GEMVs would pay for its copy
+of the weights: they read each weight once). ``K3_KERNELS=multi_linear=torch`` turns the kernel off
+(:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster in the decode step (docs/decisions.md,
+"A kernel written without a GPU is opt-in until one has run it; then, if faster, the default"). Each choice is logged
+once, with the reason when it is torch.
 """
 
 from __future__ import annotations

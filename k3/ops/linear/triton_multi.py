@@ -6,12 +6,10 @@ programs in one launch, where torch launches one GEMV per weight. The program's 
 id with the running block counts (one ``if`` per weight slot, unused slots pruned at compile time).
 
 Launch: BLOCK_K = 128, 4 stages (2 on a GPU whose shared memory does not fit 4, logged), 4 warps, and BLOCK_N = 32,
-or 16 where that leaves fewer than 64 programs (more programs in flight for small maps): in
-benchmarks/multi_linear_configs.py on an H200 at 64 rows, 5.6 us for a KDA layer's six maps (the fastest
-configuration) and 4.7 us for the shared experts' two (the fastest, 4.5 us, takes BLOCK_K 256;
-benchmarks/results/multi_linear_configs.md). It replaced Triton's autotuner, re-run in every process, whose choices
-took 11.6-18.5 us per launch for the KDA maps inside compiled decode steps (5.6 us in the configurations' benchmark;
-7.0-8.3 us in the step with this rule, docs/decisions.md).
+or 16 where that leaves fewer than 64 programs (more programs in flight for small maps): at 64 rows the fastest
+fixed configuration for a KDA layer's six maps and within a few percent of it for the shared experts' two
+(benchmarks/results/multi_linear_configs.md). A fixed rule, not Triton's autotuner, which re-runs in every process
+and chose differently each time (docs/decisions.md, "Fixed launch rules where a kernel runs a few microseconds").
 
 The last ``fp32`` weights' outputs are fp32 (a MoE router's logits): their weights in x's dtype (exact products,
 fp32 sums) or in fp32 (x upcast, fp32 products: for bf16 x on the tensor cores, the weight split into three exact

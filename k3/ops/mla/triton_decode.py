@@ -159,9 +159,8 @@ def _launch(
 ) -> Tensor:
     """Run the two kernels: the splits' outputs o [B, splits, H, R] and log2-sum-exps lse [B, splits, H] (fp32),
     then their merge -> [B, H, R] in q.dtype. A custom op: a compiled decode step keeps it inside its graph. The
-    merge was a torch epilogue that inductor compiled to a 42 us reduction per layer at B=64 / 32K on an H200
-    (17 splits, 36 MB of partial outputs, docs/decisions.md), then a two-pass Triton merge of
-    28 us (1.3 TB/s; docs/decisions.md)."""
+    merge is Triton because inductor compiled the torch epilogue into a slow reduction per layer (docs/decisions.md,
+    "MLA decode's split merge in Triton")."""
     B, H = q.shape[:2]
     pdl = launch(q.device)
     o = torch.empty(B, splits, H, R, device=q.device, dtype=torch.float32)
@@ -238,12 +237,11 @@ def mla_decode(
     -> [B, H, v_dim] in q.dtype. ``max_length`` (host int) sizes the splits; default reads ``lengths`` once.
     Launch: block_h heads a program (a power of two >= 16; default the heads' power of two up to 32), block_n rows
     per iteration, num_stages, num_warps, and sequences split into as many splits as keep the programs at most
-    programs_per_sm per SM (splits of at least 256 rows). Defaults, from the launch choices
-    measured on an H200 (benchmarks/results/tune_mla_decode*.md): one group of up to 32 heads, 32 rows, 3 stages,
-    4 warps (8 for 32 heads) and 2 programs an SM, one whole wave of programs (at B=64 / 32K, 16 heads: 4 splits,
-    541 us per call, 8 splits 543, 16 splits 560; docs/decisions.md); several groups of 32 (K3's 96 heads), 64 rows,
-    2 stages, 4 warps and 8 programs an SM (1.95 ms at B=64 / 32K where the former defaults, one split a
-    sequence, took 5.48 ms)."""
+    programs_per_sm per SM (splits of at least 256 rows). Defaults, from the launch choices in
+    benchmarks/results/tune_mla_decode*.md: one group of up to 32 heads, 32 rows, 3 stages, 4 warps (8 for 32
+    heads) and 2 programs an SM, one whole wave of programs (more splits were no faster); several groups of 32
+    (K3's 96 heads), 64 rows, 2 stages, 4 warps and 8 programs an SM, where the one-group defaults left a large
+    batch one split a sequence (docs/decisions.md, "MLA decode launch defaults for several head groups")."""
     B, H, D = q.shape
     R, DR = v_dim, D - v_dim
     if not supported(R, DR):

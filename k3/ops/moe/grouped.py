@@ -31,7 +31,7 @@ def available(device: torch.device) -> bool:
 
 def _pad(t: Tensor, pad: tuple[int, ...]) -> Tensor:
     """F.pad, but t itself when nothing is padded: F.pad copies even then, which at decode was a copy of every
-    expert's weights per layer and step (1.1 of 4.5 ms per step of the decode benchmark's B=1 case)."""
+    expert's weights per layer and step (docs/decisions.md, "Grouped experts copy no weights for a zero pad")."""
     return F.pad(t, pad) if any(pad) else t
 
 
@@ -48,7 +48,8 @@ def _route(topk_idx: Tensor, num_experts: int, align: int = ALIGN) -> _Routing:
     padded to a multiple of ``align``, in a buffer of R = N*k + align*E rows whatever the routing (static shapes,
     no host sync; grouped_mm needs ALIGN, the packed-experts kernel takes 1). A pair's rank within its expert is
     the number of earlier pairs with the same expert: up to COUNT_PAIRS pairs it is counted directly (one fused
-    [P, P] compare-and-sum, where a sort of a few hundred keys is a ~30 us kernel per layer at decode); above, read
+    [P, P] compare-and-sum, where a sort of a few hundred keys is a slow kernel per layer at decode:
+    benchmarks/results/decode-quick-grouped_mm.md); above, read
     off a stable argsort. Both give the same routing, as does the Triton program (:func:`route_kernel`)."""
     if route_kernel(topk_idx, num_experts) == "triton":
         from k3.ops.moe.triton_route import moe_route  # Triton: imported on use (GPUs only)
@@ -114,8 +115,8 @@ def gather_rows_sum(y: Tensor, rows: Tensor, weight: Tensor | None = None, dtype
     """y [R, D], rows [N, k], weight [N, k] or None (ones) -> sum_j weight[n, j] y[rows[n, j]], [N, D], summed in
     promote(y.dtype, fp32) in the order j = 0..k-1 and returned in ``dtype`` (default: that). Written as k
     gathered terms rather than a sum over a gathered [N, k, D]: compiled, it is one element-wise kernel with k
-    loads per output (each coalesced along D), where the reduction over k ran at ~20% of the bandwidth on an H200
-    (3.1 ms for 2 GiB of rows at 64K tokens, k=16, benchmarks/results/kernels.md)."""
+    loads per output (each coalesced along D), where the reduction over k ran far below the bandwidth
+    (docs/decisions.md, "Training-step GPU paths: MoE rows move by gathers only")."""
     acc = torch.promote_types(y.dtype, torch.float32)
     out = None
     for j in range(rows.shape[1]):
@@ -184,8 +185,8 @@ _logged: set[str] = set()
 def _experts_matmul(n_pairs: int, needs_grad: bool) -> str:
     """Which matmul runs the experts: 'triton' (k3.ops.moe.small_groups, forward only) where the kernel plan chose
     kernel moe_small_groups, no gradient is needed and there are at most COUNT_PAIRS pairs (decode); else
-    'grouped_mm'. The kernel is the default where Triton is usable (1.3-2x grouped_mm's speed at decode on an H200,
-    benchmarks/results/moe_decode_mm.md). Logged once each."""
+    'grouped_mm'. The kernel is the default where Triton is usable (faster than grouped_mm at every decode shape
+    measured, benchmarks/results/moe_decode_mm.md). Logged once each."""
     choice, why = backend.kernel_choices()["moe_small_groups"]
     kernel = choice if not needs_grad and n_pairs <= COUNT_PAIRS else "grouped_mm"
     why = f" ({why})" if choice == "grouped_mm" and not needs_grad else ""

@@ -2,15 +2,15 @@
 
 At decode the expert-sorted buffer of k3.ops.moe.grouped holds a handful of rows per expert (B=64, k=8, E=64:
 8 on average), so each expert's product is a weight stream: the time is reading w [E, N, K] once. ``torch._grouped_mm``
-reached about half the copy bandwidth there on an H200 (docs/decisions.md: 33 launches, 1.01 ms
-for ~2.2 GB of expert weights per step). Here each program takes one expert and one block of BLOCK_N output
+reached about half the copy bandwidth there (benchmarks/results/moe_decode_mm.md,
+benchmarks/results/decode-quick-grouped_mm.md). Here each program takes one expert and one block of BLOCK_N output
 columns, streams that block of the expert's weight through K, and multiplies it with the expert's rows BLOCK_M at
 a time (one pass when the group fits BLOCK_M, the decode case: :func:`block_m`): E * N / BLOCK_N programs, each
 reading its weights once per pass. Groups as in grouped.py: expert e owns rows [offs[e-1], offs[e]) (offs[-1] =
 0), in any number, possibly none; rows after offs[E-1] are not written.
 
 The default for no-grad batches of at most COUNT_PAIRS pairs where Triton is usable
-(``K3_KERNELS=moe_small_groups=grouped_mm`` turns it off): 1.3-2x grouped_mm's speed at decode on an H200
+(``K3_KERNELS=moe_small_groups=grouped_mm`` turns it off): faster than grouped_mm at every decode shape measured
 (benchmarks/results/moe_decode_mm.md).
 moe_experts logs which one runs.
 
@@ -18,7 +18,8 @@ moe_experts logs which one runs.
 its group's rows from the tokens (through the routing's src_pair), multiplies them by its block of w1 and of w3 and
 writes act(gate, up) (SiTU-GLU or SwiGLU), one launch where apart the row gather, two matmuls and the GLU take four.
 The default where the small-groups kernel runs (``K3_KERNELS=moe_up_glu=torch`` turns it off,
-grouped.up_glu_kernel), because it was faster on an H200 (docs/decisions.md).
+grouped.up_glu_kernel), because it was faster in the decode step
+(docs/decisions.md, "A kernel written without a GPU is opt-in until one has run it; then, if faster, the default").
 """
 
 from __future__ import annotations
@@ -166,9 +167,9 @@ def block_m(rows: int, groups: int, align: int = ALIGN) -> int:
     so BLOCK_M covers a large group, not the average one: k3.ops.moe.grouped's buffer holds the P pairs and
     ``align`` rows per group (ALIGN, or 1 for unpadded groups), so groups average mu = rows / groups - align pairs,
     and an expert's count under uniform routing is about Poisson(mu): BLOCK_M is mu + 4 sqrt(mu) padded to ALIGN,
-    as a power of two in 16..64. At the decode benchmark's B=64 (k=8, E=64: mu = 8) that is 32; with the average
-    (16), the one or two groups of 24 rows per layer took two passes (B=64 / 32K: ~2.95 -> 2.91 ms per step with
-    the reads before the PDL wait, docs/decisions.md). B=16 and B=1 keep 16."""
+    as a power of two in 16..64. At the decode benchmark's B=64 (k=8, E=64: mu = 8) that is 32, so its one or two
+    groups of 24 rows per layer take one pass, not the two they took with the average (16) (docs/decisions.md,
+    "Reads before the PDL wait; expert passes sized for large groups"). B=16 and B=1 keep 16."""
     mu = max(rows / max(groups, 1) - align, 0.0)
     large = -(-(mu + 4 * mu**0.5) // ALIGN) * ALIGN
     return min(64, max(16, triton.next_power_of_2(int(large))))

@@ -1,9 +1,9 @@
 """The expert-sorted routing of k3.ops.moe.grouped (``_route``) in one Triton program, for decode-sized batches.
 
-At decode the torch form is several small kernels per MoE layer even when compiled (the expert counts by a
-scatter-add, the padded cumulative ends, the [P, P] compare-and-sum of the ranks, the -1 fill and scatter of the
-buffer's pair index), each a few microseconds on an H200 where the step is bound by its kernel count
-(docs/decisions.md). Here one program holds all P = N*k pairs (P <= COUNT_PAIRS) in one block:
+At decode the torch form is several small kernels per MoE layer even when compiled (the expert counts by a scatter-add,
+the padded cumulative ends, the [P, P] compare-and-sum of the ranks, the -1 fill and scatter of the buffer's pair
+index), in a step bound by its kernel count (docs/decisions.md, "Decode's small torch compositions in one launch each").
+Here one program holds all P = N*k pairs (P <= COUNT_PAIRS) in one block:
 
   counts   = histogram of the pairs' experts              (tl.histogram, masked to the live pairs)
   pad_end  = cumsum(counts rounded up to ALIGN)            (the offsets grouped_mm and small_groups_mm read)
@@ -11,10 +11,11 @@ buffer's pair index), each a few microseconds on an H200 where the step is bound
   the pair at sorted position s, of expert e, goes to row pad_end[e] - padded[e] + s - first[e], where first[e]
   is the sorted position of expert e's first pair (the exclusive cumsum of the counts)
 
-then fills the buffer's pair index with -1 and, after a barrier, writes each pair's index at its row. The result
-equals the torch form's exactly (both are the unique stable order). The default for at most COUNT_PAIRS pairs on a
-GPU (``K3_KERNELS=moe_route=torch`` turns it off) because it was faster on an H200
-(docs/decisions.md). grouped.route_kernel chooses and logs.
+then fills the buffer's pair index with -1 and, after a barrier, writes each pair's index at its row. The result equals
+the torch form's exactly (both are the unique stable order). The default for at most COUNT_PAIRS pairs on a GPU
+(``K3_KERNELS=moe_route=torch`` turns it off) because it was faster in the decode step (docs/decisions.md, "A kernel
+written without a GPU is opt-in until one has run it; then, if faster, the default"). grouped.route_kernel chooses and
+logs.
 """
 
 from __future__ import annotations

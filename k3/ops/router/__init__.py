@@ -1,13 +1,13 @@
 """MoE routing after the router GEMM: ``route(logits [N, E], bias [E], top_k, renormalize, scaling) -> (scores
 [N, E], topk_idx [N, k] int64, topk_weight [N, k])``; the contract: :func:`k3.ops.router.reference.route`.
 
-Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of k3.ops.router.triton_topk
-(it needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most MAX_EXPERTS
-experts, and the torch form otherwise. ``K3_KERNELS=router_topk=torch`` turns the kernel off
-(:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster on an H200
-(docs/decisions.md). Each choice is logged once, with the reason when it is torch.
-The order of a token's k choices differs between the two (the kernel's is descending by score + bias, torch's is
-unspecified); consumers treat them as a set.
+Backends: ``reference`` is the torch form; ``fast`` (CUDA) runs the one Triton kernel of k3.ops.router.triton_topk (it
+needs Triton) for calls that need no gradient (decode, evaluation) with fp32 inputs and at most MAX_EXPERTS experts, and
+the torch form otherwise. ``K3_KERNELS=router_topk=torch`` turns the kernel off
+(:func:`k3.ops.backend.triton_or_torch`); it is the default because it was faster in the decode step (docs/decisions.md,
+"A kernel written without a GPU is opt-in until one has run it; then, if faster, the default"). Each choice is logged
+once, with the reason when it is torch. The order of a token's k choices differs between the two (the kernel's is
+descending by score + bias, torch's is unspecified); consumers treat them as a set.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The MoE router after its GEMM in one Triton kernel: sigmoid, biased top-k, gather, renormalise, scale.
 
-At decode the torch form (k3.ops.router.reference) is several small kernels per MoE layer on an H200: compiled,
-torch.topk's gatherTopK (~5 us) between two fused kernels (the sigmoid with the bias add, the gather with the
-renormalisation). Here one program takes one token row:
-it loads the row's E logits (BLOCK_E = next power of two >= E lanes, the rest masked), stores their sigmoid, and
-picks the k largest keys score + bias by k rounds of argmax over the row (ties: the lowest expert index), keeping
-each pick's expert and unbiased score in the lanes of two BLOCK_K vectors; it then renormalises and scales them.
-The k picks come out in descending order of the key (the reference's order is unspecified: every consumer,
-k3.ops.moe and k3.distributed.expert_parallel, treats a token's k choices as a set).
+At decode the torch form (k3.ops.router.reference) is several small kernels per MoE layer even compiled: torch.topk's
+gatherTopK between two fused kernels (the sigmoid with the bias add, the gather with the renormalisation), in a step
+bound by its kernel count (docs/decisions.md, "Decode's small torch compositions in one launch each"). Here one program
+takes one token row: it loads the row's E logits (BLOCK_E = next power of two >= E lanes, the rest masked), stores their
+sigmoid, and picks the k largest keys score + bias by k rounds of argmax over the row (ties: the lowest expert index),
+keeping each pick's expert and unbiased score in the lanes of two BLOCK_K vectors; it then renormalises and scales them.
+The k picks come out in descending order of the key (the reference's order is unspecified: every consumer, k3.ops.moe
+and k3.distributed.expert_parallel, treats a token's k choices as a set).
 
 Forward only, for no-grad calls (decode): k3.ops.router.route picks it and logs which path runs.
 """
