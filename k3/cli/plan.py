@@ -2,11 +2,13 @@
 
     k3 plan --preset k3 --gpus 64 --hbm-gib 141 [--precision mxfp4] [--concurrency 1024 --context 32768]
             [--loads RUN_DIR | RUNS_DIR | --zipf 0.5] [--workload serve|train] [--json] [--report DIR]
+            [--placement FILE]
 
 Prints the layout, each GPU's memory, the expert load before and after placement, and the predicted step with
-every term; exits 1 when the model does not fit, saying by how much. With ``--loads`` naming a directory of
-training runs (a grid), plans once per run and prints the straggler table (k3.plan.runs); there a cluster the
-model does not fit is an error (exit 2), since no row could be planned.
+every term; exits 1 when the model does not fit, saying by how much. ``--placement FILE`` writes the serving
+plan's expert placement for ``k3 serve --ep GPUS --placement FILE`` (k3.distributed.placement). With ``--loads``
+naming a directory of training runs (a grid), plans once per run and prints the straggler table (k3.plan.runs);
+there a cluster the model does not fit is an error (exit 2), since no row could be planned.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, help="extra expert slots per GPU per layer for replicas (default: searched)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON, with every layer's placement")
     p.add_argument(
+        "--placement",
+        metavar="FILE",
+        help="write the serving plan's expert placement to FILE (JSON), for k3 serve --ep GPUS --placement FILE",
+    )
+    p.add_argument(
         "--calibration",
         help="measured runs the --report sets its predictions beside (a JSON written by "
         "benchmarks/plan_calibration.py; default: the one shipped with k3)",
@@ -99,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     config = from_hf_config(json.loads(Path(args.config).read_text())) if args.config else get_preset(args.preset)
     if args.calibration and not (args.report and args.workload == "serve"):
         raise ValueError("--calibration applies to the serving --report only")
+    if args.placement and (args.workload != "serve" or (args.loads and is_runs_dir(args.loads))):
+        raise ValueError("--placement writes one serving plan's placement: not with --workload train or a runs --loads")
     if args.report:  # read (and check) what the report compares with before planning anything
         from k3.plan import calibration
 
@@ -143,6 +152,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=1))
     else:
         _print(summary(plan), c)
+    if args.placement and plan["fits"]:
+        from k3.distributed.placement import ExpertPlacement, write_placement
+
+        layers = [p["gpu_experts"] for p in plan["placement"]]
+        path = write_placement(args.placement, ExpertPlacement(shape.experts, layers, config.name))
+        print(f"placement: {path} (k3 serve --ep {c.gpus} --placement {path})", file=sys.stderr)
+    elif args.placement:
+        print(f"placement: {args.placement} not written (the model does not fit)", file=sys.stderr)
     return 0 if plan["fits"] else 1
 
 

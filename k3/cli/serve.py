@@ -136,6 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="with --ep: seconds a rank waits on the others before the server ends with an error (default 60)",
     )
+    p.add_argument(
+        "--placement",
+        metavar="FILE",
+        default=None,
+        help="with --ep: which rank holds which routed experts of each MoE layer (a JSON written by k3 plan "
+        "--placement; default: contiguous blocks, rank r the r-th 1/EP of every layer)",
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -164,11 +171,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--ep runs the engine in a thread of rank 0's server: --engine process is not supported")
     if args.ep > 1 and args.compile_decode:
         raise ValueError("--ep runs decode steps eagerly (no CUDA graphs): --compile-decode is not supported")
+    if args.placement is not None and args.ep < 2:
+        raise ValueError("--placement places experts on the ranks of --ep N (N >= 2, under torchrun)")
 
 
-def build_engine(args: argparse.Namespace, prepare_model=None):
+def build_engine(args: argparse.Namespace, prepare_model=None, load_options: dict | None = None):
     """Load the checkpoint and build the engine from the serve arguments; returns (engine, tokenizer, path).
-    ``prepare_model(model)`` (expert parallelism: k3.distributed.serve) runs on the loaded model first."""
+    ``load_options`` go to load_for_inference (expert parallelism: this rank's experts) and ``prepare_model(model)``
+    (k3.distributed.serve) runs on the loaded model first."""
     from k3.infer.engine import Engine
     from k3.infer.load import load_for_inference
 
@@ -176,7 +186,9 @@ def build_engine(args: argparse.Namespace, prepare_model=None):
     if args.random is not None:
         model, tokenizer, path = random_for_serving(args)
     else:
-        model, tokenizer, path = load_for_inference(args.ckpt, args.device, args.dtype, packed=args.packed)
+        model, tokenizer, path = load_for_inference(
+            args.ckpt, args.device, args.dtype, packed=args.packed, **(load_options or {})
+        )
     if prepare_model is not None:
         model = prepare_model(model)
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * GIB)

@@ -285,6 +285,11 @@ class K3Config:
         return "dense" if layer < self.first_k_dense_replace else "moe"
 
     @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The 0-indexed layers whose FFN is a MoE, in order."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.ffn(i) == "moe")
+
+    @property
     def kda_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if i not in self.mla_layers)
 

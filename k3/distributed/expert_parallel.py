@@ -155,25 +155,27 @@ class LatentAllToAll:
         received = all_to_all_rows(rows, recv_splits, send_splits, self.group, self.stats)
         local_ids = torch.arange(self.num_local, device=z.device).repeat(self.ep_size)
         local_idx = torch.repeat_interleave(local_ids, recv_counts.to(z.device))
-        out = self._local_experts(moe, received, local_idx)
+        out = local_experts(moe, received, local_idx)
         back = all_to_all_rows(out, send_splits, recv_splits, self.group, self.stats)
         weight = upcast(topk_weight.reshape(-1).index_select(0, order)).unsqueeze(-1)
         y = torch.zeros(n, width, dtype=torch.promote_types(z.dtype, torch.float32), device=z.device)
         return y.index_add(0, token, upcast(back) * weight).to(z.dtype)
 
-    def _local_experts(self, moe: MoE, rows: Tensor, local_idx: Tensor) -> Tensor:
-        """E_{local_idx[i]}(rows[i]) for every received row (routing weight 1)."""
-        if rows.shape[0] == 0:  # keep the graph connected: the backward all-to-all must run on every rank
-            return rows * 0
-        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        if getattr(moe.experts, "packed", False):  # this rank's packed bank: only the experts received are read
-            return moe_experts_packed(rows, local_idx.unsqueeze(1), ones, moe.experts, moe.glu)
-        w1, w2, w3 = (local_shard(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
-        idx = local_idx.unsqueeze(1)
-        if moe.qat is None:
-            return moe_experts(rows, idx, ones, w1, w2, w3, moe.glu)
-        q = moe.qat
-        return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu, act_quant=q.act_quant)
+
+def local_experts(moe: MoE, rows: Tensor, local_idx: Tensor) -> Tensor:
+    """E_{local_idx[i]}(rows[i]) for rows sent to this rank's experts (routing weight 1; ``local_idx``: slots of
+    this rank's bank): plain, QAT or packed MXFP4 banks, plain tensors or DTensor shards."""
+    if rows.shape[0] == 0:  # keep the graph connected: the backward all-to-all must run on every rank
+        return rows * 0
+    ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+    if getattr(moe.experts, "packed", False):  # this rank's packed bank: only the experts received are read
+        return moe_experts_packed(rows, local_idx.unsqueeze(1), ones, moe.experts, moe.glu)
+    w1, w2, w3 = (local_shard(getattr(moe.experts, name)) for name in EXPERT_WEIGHTS)
+    idx = local_idx.unsqueeze(1)
+    if moe.qat is None:
+        return moe_experts(rows, idx, ones, w1, w2, w3, moe.glu)
+    q = moe.qat
+    return moe_experts(rows, idx, ones, q.weight(w1), q.weight(w2), q.weight(w3), moe.glu, act_quant=q.act_quant)
 
 
 def _check_divides(ep: int, experts: int) -> None:

@@ -1,15 +1,19 @@
-"""Expert-parallel serving: ``torchrun --nproc_per_node N -m k3 serve --ckpt DIR --ep N``.
+"""Expert-parallel serving: ``torchrun --nproc_per_node N -m k3 serve --ckpt DIR --ep N [--placement FILE]``.
 
-Design (the simplest correct one): every rank holds the whole model but the routed experts, and 1/N of those.
-Attention, the router, the shared experts, the latent projections, embeddings and the LM head are replicated;
-rank ``r`` keeps experts [r * E/N, (r + 1) * E/N) of every MoE layer (the training path's sharding,
-:func:`k3.distributed.expert_parallel.apply_expert_parallel`, applied to the built model; the model files are
-unchanged). Every rank runs the same engine step on the same tokens; in each MoE layer a rank computes its local
-experts' weighted contribution for all the step's tokens ([T, D] in fp32, zero for tokens that chose none of its
-experts) and one all-reduce per MoE layer sums them (:class:`AllReduceExperts`). At decode batch sizes T is small,
-so one all-reduce of [T, D] costs less than the two all-to-alls (counts, then rows, each way) that training's
-dispatch needs, and every rank already has every token; whether that holds at large prefills is to be measured on
-GPUs (only CPU with gloo is tested).
+Design (the simplest correct one): every rank holds the whole model but the routed experts, and its part of those.
+Attention, the router, the shared experts, the latent projections, embeddings and the LM head are replicated; which
+routed experts of each MoE layer a rank holds is an :class:`k3.distributed.placement.ExpertPlacement` (``k3 plan
+--placement FILE`` writes one from the expected expert loads, hot experts on several ranks; default contiguous
+blocks). Each rank loads only its own experts straight from the checkpoint (k3.convert.load.from_pretrained with
+``experts=``; packed MXFP4 banks too): host memory while loading stays near the rank's own share, and the
+checkpoint's SHA-256 checks are shared out (rank r checks every N-th shard from the r-th), every rank's outcome
+agreed before serving starts (a bad shard, or any load error on any rank, is one error naming the rank).
+Every rank runs the same engine step on the same tokens; in each MoE layer a rank computes its local experts'
+weighted contribution for all the step's tokens ([T, D] in fp32, zero for tokens that chose none of its experts;
+a replicated expert's tokens split between its replicas by token index) and one all-reduce per MoE layer sums them
+(:class:`AllReduceExperts`). At decode batch sizes T is small, so one all-reduce of [T, D] costs less than the two
+all-to-alls (counts, then rows, each way) that training's dispatch needs, and every rank already has every token;
+whether that holds at large prefills is to be measured on GPUs (only CPU with gloo is tested).
 
 Lockstep: the engine's steps must be identical on every rank. Rank 0 owns the scheduler's inputs: it wraps its
 :class:`k3.infer.engine.Engine` in :class:`LockstepEngine`, which records every request added (its full
@@ -29,7 +33,7 @@ steps run eagerly (no CUDA graphs: the local-expert selection reads its row coun
 From Python, on every rank (under torchrun)::
 
     meshes, control = init_serving(n)
-    engine = Engine(shard_experts(model, meshes), tokenizer, ...)    # the same model and arguments everywhere
+    engine = Engine(shard_experts(model, meshes, placement), tokenizer, ...)  # the same arguments everywhere
     if dist.get_rank() == 0:
         lockstep = LockstepEngine(engine, control)                     # use as the Engine (or in an AsyncEngine)
         outputs = lockstep.generate(prompts, params)
@@ -37,12 +41,13 @@ From Python, on every rank (under torchrun)::
     else:
         follow(engine, control)
 
-Memory: each rank loads the whole checkpoint, then keeps its shard (the rest of every expert stack is freed right
-after loading): the peak is the whole model on every rank, the steady state its shard plus the replicated weights.
+``model`` may hold every expert (it is cut here) or, loaded with ``experts=rank_experts(placement, config, rank)``,
+only this rank's.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import logging
@@ -54,49 +59,79 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from k3.distributed.expert_parallel import LatentAllToAll, apply_expert_parallel
+from k3.distributed.expert_parallel import CommStats, local_experts
 from k3.distributed.mesh import Meshes, ParallelDims, build_mesh
+from k3.distributed.placement import ExpertPlacement, contiguous, read_placement
+from k3.infer.async_engine import EngineStopped
 from k3.infer.engine import Engine
 from k3.infer.sequence import Request
-from k3.model.moe import MoE, moe_layers
+from k3.model.moe import MoE, keep_experts, moe_layers
 from k3.ops.dtypes import upcast
 
 log = logging.getLogger("k3.serve")
 DEFAULT_TIMEOUT_S = 60.0
+LOAD_TIMEOUT_S = 1800.0  # how long a rank that has loaded waits for the slowest (loading takes minutes at scale)
 
 
-class AllReduceExperts(LatentAllToAll):
+class AllReduceExperts:
     """``MoE.expert_dispatch`` for serving: every rank sees all the step's tokens, computes its local experts'
-    part of ``sum_j p_tj E_j(z_t)`` (fp32) and one all-reduce over the EP group sums the parts. The local experts
-    run as in training's dispatch (:meth:`LatentAllToAll._local_experts`: plain, QAT or packed MXFP4 banks)."""
+    part of ``sum_j p_tj E_j(z_t)`` (fp32) and one all-reduce over the EP group sums the parts. ``slot``,
+    ``replica``, ``replicas`` [E] (:meth:`ExpertPlacement.tables`) say which (token, expert) pairs are this rank's:
+    its experts' slots in its bank, and for an expert on n ranks the tokens t with t mod n == its replica index.
+    The local experts run as in training's dispatch (:func:`local_experts`: plain or packed MXFP4 banks)."""
+
+    def __init__(self, group, rank: int, slot: Tensor, replica: Tensor, replicas: Tensor, stats: CommStats):
+        self.group, self.ep_rank, self.stats = group, rank, stats
+        self.slot, self.replica, self.replicas = slot, replica, replicas
+        self.num_experts, self.num_local = slot.numel(), int((slot >= 0).sum())
+        self.last_send_counts = None
 
     def __call__(self, moe: MoE, z: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Tensor:
         n, k = topk_idx.shape
-        lo = self.ep_rank * self.num_local
         flat = topk_idx.reshape(-1)
-        pos = ((flat >= lo) & (flat < lo + self.num_local)).nonzero().squeeze(1)  # (token, slot) pairs kept here
-        token = pos // k
-        out = self._local_experts(moe, z.index_select(0, token), flat.index_select(0, pos) - lo)
+        token = torch.arange(n * k, device=z.device) // k
+        slot = self.slot[flat]
+        keep = (slot >= 0) & (token % self.replicas[flat] == self.replica[flat])
+        pos = keep.nonzero().squeeze(1)  # (token, slot) pairs computed here
+        token = token.index_select(0, pos)
+        out = local_experts(moe, z.index_select(0, token), slot.index_select(0, pos))
         weight = upcast(topk_weight.reshape(-1).index_select(0, pos)).unsqueeze(-1)
         y = torch.zeros(n, z.shape[-1], dtype=torch.promote_types(z.dtype, torch.float32), device=z.device)
         y = y.index_add(0, token, upcast(out) * weight)
         with self.stats.timed(z.device):
             dist.all_reduce(y, group=self.group)
         self.stats.rows_received += pos.numel()
-        self.last_send_counts = None
         return y.to(z.dtype)
 
 
-def shard_experts(model, meshes: Meshes):
-    """Keep this rank's E/ep routed experts of every MoE layer and sum the layers' outputs with one all-reduce
-    (:class:`AllReduceExperts`). In place, on the built (loaded) model, identical on every rank; returns it."""
-    if not moe_layers(model):
+def shard_experts(model, meshes: Meshes, placement: ExpertPlacement | None = None):
+    """Hold this rank's routed experts of every MoE layer (``placement``, default contiguous blocks) and sum the
+    layers' outputs with one all-reduce (:class:`AllReduceExperts`). A layer holding every expert is cut here; one
+    loaded with part of them (``expert_ids``, k3.model.moe.keep_experts) must hold exactly this rank's. In place,
+    on the built (loaded) model; returns it."""
+    layers = moe_layers(model)
+    if not layers:
         raise ValueError("expert parallelism needs a model with MoE layers; this one has none")
-    apply_expert_parallel(model, meshes)
-    for moe in moe_layers(model):
-        d = moe.expert_dispatch
-        if d is not None:
-            moe.expert_dispatch = AllReduceExperts(d.group, d.ep_size, d.ep_rank, d.num_experts, d.stats)
+    mesh = meshes.ep
+    group, rank, ep = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    e = layers[0].gate.weight.shape[0]
+    placement = placement or contiguous(len(layers), e, ep)
+    placement.check(len(layers), e, ep)
+    stats = CommStats()
+    for i, moe in enumerate(layers):
+        if moe.expert_dispatch is not None:
+            raise ValueError(f"MoE layer {moe.layer_idx} already has an expert dispatch (EP applied twice?)")
+        ids = placement.layers[i][rank]
+        held = getattr(moe.experts, "expert_ids", None)
+        if held is None:
+            keep_experts(moe, ids)
+        elif tuple(held) != tuple(ids):
+            raise ValueError(
+                f"MoE layer {moe.layer_idx} holds experts {list(held)[:8]}, but the placement gives rank {rank} "
+                f"{list(ids)[:8]}"
+            )
+        tables = placement.tables(i, rank, moe.gate.weight.device)
+        moe.expert_dispatch = AllReduceExperts(group, rank, *tables, stats)
     return model
 
 
@@ -195,7 +230,7 @@ class LockstepEngine:
                 return self.engine.step()
             except Exception as e:
                 self._fail(f"a step failed on rank 0 or lost another rank: {type(e).__name__}: {e}")
-                raise
+                raise EngineStopped(self.failed) from e
 
     def _fail(self, message: str) -> None:
         if self.failed is None:
@@ -241,7 +276,7 @@ def follow(engine: Engine, group, on_outputs=None) -> int:
         try:
             message = _broadcast(None, group)
         except Exception as e:
-            raise RuntimeError(f"rank {rank} lost rank 0: {type(e).__name__}: {e}") from None
+            raise RuntimeError(f"rank {rank} lost rank 0 or another rank: {type(e).__name__}: {e}") from None
         kind = message[0]
         if kind == "stop":
             return steps
@@ -261,11 +296,68 @@ def follow(engine: Engine, group, on_outputs=None) -> int:
             on_outputs(outputs)
 
 
+def rank_experts(placement: ExpertPlacement, config, rank: int) -> dict[int, list[int]]:
+    """``{decoder layer index: the experts rank ``rank`` holds}`` of ``config``'s MoE layers under ``placement``
+    (what k3.convert.load.from_pretrained's ``experts=`` takes)."""
+    return {idx: list(placement.layers[i][rank]) for i, idx in enumerate(config.moe_layers)}
+
+
+def _build_rank(args, meshes: Meshes, build_engine) -> tuple:
+    """This rank's (engine, tokenizer, path): a checkpoint's experts under ``--placement`` (default contiguous)
+    loaded straight from it, its SHA-256 checks shared with the other ranks; a ``--random`` model's cut after
+    building."""
+    rank = dist.get_rank()
+    placement = read_placement(args.placement) if args.placement else None
+    options = {}
+    if args.ckpt is not None:
+        from k3.convert.checkpoint import read_config, resolve_checkpoint
+
+        path = resolve_checkpoint(args.ckpt)
+        config = read_config(path)
+        moe = len(config.moe_layers)
+        if not moe or config.moe is None:
+            raise ValueError("expert parallelism needs a model with MoE layers; this one has none")
+        placement = placement or contiguous(moe, config.moe.num_experts, args.ep, config.name)
+        placement.check(moe, config.moe.num_experts, args.ep)
+        options = {"experts": rank_experts(placement, config, rank), "checksum_part": (rank, args.ep)}
+        args = copy.copy(args)
+        args.ckpt = str(path)  # the checkpoint a run directory names now; the ranks' are compared after loading
+    return build_engine(args, prepare_model=lambda m: shard_experts(m, meshes, placement), load_options=options)
+
+
+def load_rank(args, meshes: Meshes, build_engine, group) -> tuple | None:
+    """:func:`_build_rank`, its outcome agreed with every rank on ``group``: the built tuple when every rank loaded
+    the same checkpoint; else one ValueError on rank 0 naming the first rank that failed and why, None on the
+    others (which then end quietly). A rank lost while loading: RuntimeError."""
+    built, error = None, None
+    try:
+        built = _build_rank(args, meshes, build_engine)
+    except Exception as e:  # noqa: BLE001 - told to every rank below, reported once by rank 0
+        error = str(e) if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: {e}"
+    outcomes = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(outcomes, (error, None if built is None else str(built[2])), group=group)
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"rank {dist.get_rank()} lost another rank while loading: {type(e).__name__}: {e}") from None
+    failed = [(r, err) for r, (err, _) in enumerate(outcomes) if err is not None]
+    paths = sorted({p for _, p in outcomes if p is not None})
+    if not failed and len(paths) > 1:
+        failed = [(0, f"the ranks loaded different checkpoints ({', '.join(paths)}): one was written meanwhile")]
+    if not failed:
+        return built
+    if dist.get_rank() == 0:
+        (r, err), more = failed[0], [str(r) for r, _ in failed[1:]]
+        also = f" (rank{'s' if len(more) > 1 else ''} {', '.join(more)} failed too)" if more else ""
+        raise ValueError(f"rank {r}: {err}{also}")
+    return None
+
+
 def serve_expert_parallel(args, serve_http, build_engine) -> int:
-    """``k3 serve --ep N`` on this rank (under torchrun): the group, the sharded model and engine (identical on
-    every rank), then on rank 0 ``serve_http(async_engine, tokenizer, path)`` over a :class:`LockstepEngine` in an
-    AsyncEngine thread, and :func:`follow` on the others. Returns the exit status; a failed group is one error line
-    on stderr and status 1."""
+    """``k3 serve --ep N`` on this rank (under torchrun): the group, this rank's model (its experts only) and
+    engine, then on rank 0 ``serve_http(async_engine, tokenizer, path)`` over a :class:`LockstepEngine` in an
+    AsyncEngine thread, and :func:`follow` on the others. ``build_engine(args, prepare_model, load_options)`` is
+    k3.cli.serve's. Returns the exit status; a failed group is one error line on stderr and status 1; a rank that
+    fails to load is one error on rank 0 (raised) and status 1 on the others."""
     import signal
     import sys
 
@@ -275,8 +367,18 @@ def serve_expert_parallel(args, serve_http, build_engine) -> int:
     device = resolve_device(args.device).type
     meshes, control = init_serving(args.ep, args.ep_timeout, device)
     rank = dist.get_rank()
-    engine, tokenizer, path = build_engine(args, prepare_model=lambda model: shard_experts(model, meshes))
-    log.info("rank %d of %d: routed experts %d..%d of every MoE layer", rank, args.ep, *_local_range(engine.model))
+    timeout = datetime.timedelta(seconds=max(args.ep_timeout, LOAD_TIMEOUT_S))
+    loading = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        built = load_rank(args, meshes, build_engine, loading)
+    except RuntimeError as e:
+        print(f"k3 serve: error: {e}", file=sys.stderr)
+        return 1
+    if built is None:
+        return 1
+    engine, tokenizer, path = built
+    held = [len(m.experts.expert_ids) for m in moe_layers(engine.model)]
+    log.info("rank %d of %d: %d to %d routed experts of each MoE layer", rank, args.ep, min(held), max(held))
     if rank != 0:
         # torchrun passes SIGINT / SIGTERM to every rank: a follower keeps stepping while rank 0 drains, and
         # stops when rank 0 says so (or is lost)
@@ -306,9 +408,3 @@ def serve_expert_parallel(args, serve_http, build_engine) -> int:
         return 1
     dist.destroy_process_group()
     return 0
-
-
-def _local_range(model) -> tuple[int, int]:
-    """[lo, hi) of the routed experts this rank holds (those of the first MoE layer; every layer has as many)."""
-    d = next(m.expert_dispatch for m in moe_layers(model) if m.expert_dispatch is not None)
-    return d.ep_rank * d.num_local, (d.ep_rank + 1) * d.num_local

@@ -15,7 +15,8 @@ variable while there is nothing to do.
 
 ``engine.add`` errors (bad parameters, a prompt too long) reach the caller as ``ValueError``; a request the engine
 ended with an error of its own (``StepOutput.error``) ends with :class:`EngineError` alone; an exception in
-``engine.step`` fails the requests in flight with :class:`EngineError` and the thread keeps serving.
+``engine.step`` fails the requests in flight with :class:`EngineError` and the thread keeps serving (an
+:class:`EngineStopped` one is not logged again: the engine reported it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class EngineError(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down or stopped: no new requests; requests still running when it stops end so."""
+
+
+class EngineStopped(RuntimeError):
+    """Raised by ``engine.step`` when the engine can no longer run and has reported why where it failed (an
+    expert-parallel group that lost a rank, k3.distributed.serve): the requests in flight fail with its message,
+    which is not logged again."""
 
 
 @dataclass
@@ -322,7 +329,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep the thread alive
-            log.exception("engine.step failed")
+            if not isinstance(e, EngineStopped):
+                log.exception("engine.step failed")
             with self._cv:
                 self.errors += 1
             self._fail_all(EngineError(f"internal engine error: {type(e).__name__}: {e}"))

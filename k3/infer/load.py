@@ -90,13 +90,16 @@ def load_for_inference(
     dtype: str | torch.dtype | None = "auto",
     stats: dict | None = None,
     packed: str = "keep",
+    experts: dict[int, list[int]] | None = None,
+    checksum_part: tuple[int, int] = (0, 1),
 ):
     """A checkpoint directory or a training run directory (its latest checkpoint) ->
     ``(model in eval mode on device, Tokenizer, checkpoint path)``. One clear error for a missing checkpoint,
     a missing tokenizer or a tokenizer whose ids do not fit the model's vocabulary. ``dtype="auto"`` keeps the
     checkpoint's; ``stats`` (a dict) receives the load time and memory (see :func:`load_line`). Packed MXFP4
     experts stay packed (``packed="keep"``: only the experts a batch selects are dequantised, k3.ops.moe.mxfp4) or
-    are dequantised once at load (``packed="dequantize"``)."""
+    are dequantised once at load (``packed="dequantize"``). ``experts`` and ``checksum_part``: this process's part
+    of an expert-parallel model (k3.convert.load.from_pretrained)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tokenizer, path = load_tokenizer(ckpt)
     if dev.type == "cuda":
@@ -104,7 +107,9 @@ def load_for_inference(
     t0 = time.perf_counter()
     if packed == "keep" and read_quantization(read_config_json(path)) is None:
         packed = "dequantize"  # nothing packed to keep (from_pretrained checks any other value)
-    model = from_pretrained(path, dtype=dt, device=dev, packed=packed).eval()
+    model = from_pretrained(
+        path, dtype=dt, device=dev, packed=packed, experts=experts, checksum_part=checksum_part
+    ).eval()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     tensors = list(model.parameters()) + list(model.buffers())

@@ -125,3 +125,27 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoE]:
     """Every MoE block of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def keep_experts(moe: MoE, ids) -> None:
+    """Keep only the routed experts ``ids`` (global indices, in this order) of ``moe``'s bank, plain or packed:
+    every [E, ...] tensor of it becomes [len(ids), ...] (copied; on the meta device only reshaped, for a loader to
+    fill), and ``moe.experts.expert_ids`` records ``ids``. The router still scores all E experts, so the layer then
+    needs an ``expert_dispatch`` that maps them to this bank (k3.distributed.serve)."""
+    ids = tuple(int(i) for i in ids)
+    e = moe.gate.weight.shape[0]
+    if getattr(moe.experts, "expert_ids", None) is not None:
+        raise ValueError(f"MoE layer {moe.layer_idx} keeps part of its experts already")
+    if len(set(ids)) != len(ids) or any(not 0 <= i < e for i in ids):
+        raise ValueError(f"MoE layer {moe.layer_idx}: experts {list(ids)} must be distinct, in 0..{e - 1}")
+    for kind in ("_parameters", "_buffers"):
+        table = getattr(moe.experts, kind)
+        for key, t in list(table.items()):
+            if t is None or t.dim() == 0 or t.shape[0] != e:
+                continue
+            if t.is_meta:
+                new = torch.empty((len(ids), *t.shape[1:]), dtype=t.dtype, device="meta")
+            else:
+                new = t.detach().index_select(0, torch.tensor(ids, dtype=torch.long, device=t.device))
+            table[key] = nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
+    moe.experts.expert_ids = ids

@@ -1,4 +1,4 @@
-"""Parallel shard loading (k3.convert.load): several shards read and hashed at once, and the staged path that
+"""Parallel shard loading (k3.convert.stream): several shards read and hashed at once, and the staged path that
 copies to GPUs through reused host buffers.
 
 Whatever the number of workers and whichever path, the loaded tensors must be exactly the files' (tensors spanning
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import k3.convert.checkpoint as ckpt
-import k3.convert.load as load
+import k3.convert.stream as stream
 from k3.config import get_preset
 from k3.convert.checkpoint import save_pretrained
 from k3.convert.load import from_pretrained, load_eager
@@ -41,8 +41,8 @@ def packed(tmp_path_factory):
 
 def staged(monkeypatch, chunk: int) -> None:
     """Send every shard through the staging path (as onto a GPU; unpinned buffers here) in ``chunk``-byte reads."""
-    monkeypatch.setattr(load, "_staged", lambda place: True)
-    monkeypatch.setattr(load, "_CHUNK", chunk)
+    monkeypatch.setattr(stream, "_staged", lambda place: True)
+    monkeypatch.setattr(stream, "_CHUNK", chunk)
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -98,7 +98,7 @@ def test_bad_shard_among_workers_fails_with_one_message(sharded, tmp_path, monke
 
 
 def test_budget_lets_at_most_its_limit_through_but_a_large_tensor_alone():
-    budget, cancel = load._Budget(100), threading.Event()
+    budget, cancel = stream._Budget(100), threading.Event()
     inside, peak, lock = [0], [0], threading.Lock()
 
     def job(n: int) -> None:
@@ -119,15 +119,15 @@ def test_budget_lets_at_most_its_limit_through_but_a_large_tensor_alone():
     assert peak[0] == budget.peak and 60 <= peak[0] <= 150 and budget.used == 0
     budget.take(80, cancel)
     cancel.set()
-    with pytest.raises(load._Cancelled):
+    with pytest.raises(stream._Cancelled):
         budget.take(80, cancel)
 
 
 def test_staging_buffers_stay_within_one_gib():
     for workers in range(1, 65):
-        size = load._stage_size(workers)
-        assert size & (size - 1) == 0 and load._STAGE_BUFFERS * workers * size <= 1 << 30
-    assert load._stage_size(1) == load._CHUNK
+        size = stream._stage_size(workers)
+        assert size & (size - 1) == 0 and stream._STAGE_BUFFERS * workers * size <= 1 << 30
+    assert stream._stage_size(1) == stream._CHUNK
 
 
 @pytest.mark.gpu
@@ -135,7 +135,7 @@ def test_staging_buffers_stay_within_one_gib():
 @pytest.mark.parametrize("chunk", [4096, 64 << 20])
 def test_gpu_load_gives_the_files_tensors(sharded, packed, monkeypatch, chunk):
     model, d = sharded
-    monkeypatch.setattr(load, "_CHUNK", chunk)
+    monkeypatch.setattr(stream, "_CHUNK", chunk)
     for workers in (1, 3):
         got = from_pretrained(d, device="cuda", workers=workers)
         assert all(t.is_cuda for t in got.state_dict().values())
@@ -149,9 +149,9 @@ def test_gpu_load_gives_the_files_tensors(sharded, packed, monkeypatch, chunk):
 def test_host_finite_check_is_exact(dtype):
     info = torch.finfo(dtype)
     values = [0.0, -0.0, info.max, -info.max, info.tiny, info.tiny / 4, -1.5]  # the largest, a subnormal
-    t = torch.tensor(values, dtype=dtype).repeat(load._FINITE_STEP // 3)  # several steps
-    assert load._host_finite(t) and load._host_finite(t[::3]) and load._host_finite(t[:0])
+    t = torch.tensor(values, dtype=dtype).repeat(stream._FINITE_STEP // 3)  # several steps
+    assert stream.host_finite(t) and stream.host_finite(t[::3]) and stream.host_finite(t[:0])
     for bad in (float("nan"), float("inf"), -float("inf")):
         u = t.clone()
         u[-2] = bad
-        assert not load._host_finite(u) and not load._host_finite(u[1::3])
+        assert not stream.host_finite(u) and not stream.host_finite(u[1::3])

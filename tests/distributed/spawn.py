@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -36,10 +37,11 @@ def _worker(rank, world, store, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run(world: int, fn, *args, timeout: float = 300.0) -> list:
+def run(world: int, fn, *args, timeout: float = 300.0, killed: tuple[int, ...] = ()) -> list:
     """fn(rank, world, *args) on ``world`` processes; returns the per-rank results (must be picklable) in rank
     order, or raises with the first failing rank's traceback; a rank that dies without reporting, or ranks that
-    report nothing for ``timeout`` seconds (a hung collective), fail the call instead of hanging the suite."""
+    report nothing for ``timeout`` seconds (a hung collective), fail the call instead of hanging the suite. The
+    ranks in ``killed`` may instead die of SIGKILL (the test kills them): their result is then None."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="k3-dist-")
@@ -50,13 +52,18 @@ def run(world: int, fn, *args, timeout: float = 300.0) -> list:
     results = {}
     try:
         while len(results) < world:
-            waited = 0.0
+            waited, status = 0.0, None
             while True:
                 try:
                     rank, status, value = queue.get(timeout=1.0)
                     break
                 except Empty:
                     waited += 1.0
+                    for r in killed:
+                        if r not in results and procs[r].exitcode == -signal.SIGKILL:
+                            results[r] = None
+                    if len(results) == world:
+                        break
                     dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
                     if dead:
                         raise RuntimeError(
@@ -66,7 +73,8 @@ def run(world: int, fn, *args, timeout: float = 300.0) -> list:
                         raise TimeoutError(f"no rank reported for {timeout:.0f} s (ranks done: {sorted(results)})")
             if status == "error":
                 raise RuntimeError(_failures({rank: value}, queue, world, len(results)))
-            results[rank] = pickle.loads(value)
+            if status == "ok":
+                results[rank] = pickle.loads(value)
     finally:
         if len(results) < world:
             for p in procs:

@@ -679,6 +679,30 @@ def test_async_engine_generate_errors_idle_and_shutdown():
     ae.shutdown()  # idempotent
 
 
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_failed_step_fails_the_requests_in_flight(stopped, caplog):
+    """Any exception in step() fails the requests in flight with EngineError; one the engine reported itself
+    (EngineStopped: an expert-parallel group that lost a rank) is not logged again, so no traceback."""
+    from k3.infer.async_engine import EngineError, EngineStopped
+    from k3.infer.sampling import SamplingParams
+
+    class Failing(FakeEngine):
+        def step(self):
+            raise (EngineStopped if stopped else RuntimeError)("lost rank 2")
+
+    ae = AsyncEngine(Failing()).start()
+
+    async def one():
+        return [o async for o in ae.generate([1], SamplingParams(max_tokens=3))]
+
+    with caplog.at_level("ERROR", logger="k3.infer"):
+        with pytest.raises(EngineError, match="lost rank 2"):
+            asyncio.run(one())
+    ae.shutdown()
+    logged = [r for r in caplog.records if r.name == "k3.infer"]
+    assert (logged == []) if stopped else (len(logged) == 1 and logged[0].exc_info is not None)
+
+
 # ---------------------------------------------------------------------- faults a hostile client can cause
 def test_sampling_ranges_are_the_samplers_with_its_message(served):
     from k3.infer.sampling import SamplingParams
