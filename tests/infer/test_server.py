@@ -143,6 +143,15 @@ def test_completion(served, client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_health_counts_where_first_tokens_waited(served, client):
+    """/health carries the engine's counters: after a completion, a first token with its wait for a slot and its
+    time from the slot to the token."""
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    h = httpx.get(served.url + "/health").json()
+    assert h["first_tokens"] >= 1 and h["steps"] >= 2 and h["prefill_passes"] >= 1
+    assert h["queue_s"] >= 0 and h["first_token_s"] > 0
+
+
 def test_completion_stream_matches_non_stream(client):
     kw = dict(model=MODEL, prompt="Return a string", max_tokens=10, temperature=0)
     full = client.completions.create(**kw)
