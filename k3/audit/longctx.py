@@ -85,7 +85,7 @@ def decode_step_bytes(config: K3Config, rep: dict, batch: int, context: int, wei
     counts = rep["params_by_path"]
     moe = config.moe
     dense = (sum(counts.values()) - counts["routed_experts"] - counts["embedding"] - counts["vision"]) * weight_bytes
-    n_moe = sum(1 for i in range(config.num_hidden_layers) if config.ffn(i) == "moe")
+    n_moe = len(config.moe_layers)
     hit = distinct_experts(moe.num_experts, moe.num_experts_per_token, batch) if n_moe else 0.0
     experts = counts["routed_experts"] / moe.num_experts * hit * weight_bytes
     experts_mxfp4 = experts / weight_bytes * MXFP4_BYTES_PER_WEIGHT

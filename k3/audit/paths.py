@@ -133,7 +133,7 @@ def distinct_experts(num_experts: int, k: int, batch: int) -> float:
 def expert_stream(config: K3Config, rep: dict, batches: tuple[int, ...]) -> dict:
     """Distinct experts hit per layer and per decode step, and their bytes (bf16 and MXFP4) streamed per step."""
     moe = config.moe
-    n_moe = sum(1 for i in range(config.num_hidden_layers) if config.ffn(i) == "moe")
+    n_moe = len(config.moe_layers)
     routed = rep["params_by_path"]["routed_experts"]
     per_expert = routed / (moe.num_experts * n_moe) if n_moe else 0.0
     rows = []

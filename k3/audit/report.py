@@ -49,7 +49,7 @@ def run_audit(
     paths = by_path(config, rep, context)
     k3_shaped = is_k3_shaped(config)
     check = spec_check(rep, rec["layers"]) if k3_shaped else None
-    has_moe = any(config.ffn(i) == "moe" for i in range(config.num_hidden_layers))
+    has_moe = bool(config.moe_layers)
     stream = expert_stream(config, rep, default_batches()) if has_moe else None
     routed = has_moe and config.moe.num_experts_per_token < config.moe.num_experts
     frontier = router_frontier(config, zipf=zipf) if routed else None

@@ -286,7 +286,7 @@ def decode_phase(model, rows, batches, contexts, steps, bw, read_bw, per_layer: 
     ``rest`` (every MoE layer skipped). Differences of steps without routed experts are small against the expert
     times, so per-layer attention and MoE-overhead times come out of them without subtracting two large numbers."""
     cfg = model.config
-    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.ffn(i) == "moe"]
+    moe_layers = list(cfg.moe_layers)
     kda_moe = [i for i in moe_layers if cfg.mixer(i) == "kda"]
     hits: dict[int, list[int]] = {}
     for context in contexts:
@@ -409,7 +409,7 @@ def prefill_phase(model, rows, length: int, chunk: int) -> None:
 def bf16_phase(model, rows, batches, context: int, steps: int, bw, read_bw) -> None:
     """The first KDA-MoE layer: its MoE alone with packed vs bf16 experts, then the decode step with it in bf16."""
     cfg = model.config
-    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.ffn(i) == "moe" and cfg.mixer(i) == "kda")
+    layer = next(i for i in cfg.moe_layers if cfg.mixer(i) == "kda")
     moe = model.model.layers[layer].block_sparse_moe
     device = moe.gate.weight.device
     for batch in batches:
@@ -456,7 +456,7 @@ def layer_times(config: K3Config, parts: dict) -> dict | None:
     without its routed experts), ``experts`` (a layer's routed experts in the model, averaged), ``rest``."""
     if not {"full", "no_experts", "mla_only", "rest"} <= parts.keys():
         return None
-    moe = [i for i in range(config.num_hidden_layers) if config.ffn(i) == "moe"]
+    moe = list(config.moe_layers)
     n_kda = sum(config.mixer(i) == "kda" for i in moe)
     n_mla = len(moe) - n_kda
     return {
@@ -473,7 +473,7 @@ def extrapolate(config: K3Config, per_layer: dict, experts: dict, gpus: int = EP
     op on one GPU's expert-parallel share (``experts[(B, "ep")]``). All-to-alls are not included (``k3 plan``).
     Returns rows for the JSON and one findings line per case."""
     k3 = get_preset("k3")
-    moe_layers = [i for i in range(k3.num_hidden_layers) if k3.ffn(i) == "moe"]
+    moe_layers = list(k3.moe_layers)
     n_kda = sum(k3.mixer(i) == "kda" for i in moe_layers)
     n_mla = len(moe_layers) - n_kda
     out, lines = [], []

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         from k3.plan import calibration
 
         measured = calibration.load(args.calibration)
-    if config.moe is None or not any(config.ffn(i) == "moe" for i in range(config.num_hidden_layers)):
+    if config.moe is None or not config.moe_layers:
         raise ValueError(f"{config.name} has no MoE layers: nothing to place")
     c = cluster(
         args.profile,

@@ -81,7 +81,7 @@ def _shape(config: K3Config) -> ModelShape:
     counts = parameter_counts(model)
     active = activated_counts(config, counts)
     moe = config.moe
-    n_moe = sum(1 for i in range(config.num_hidden_layers) if config.ffn(i) == "moe")
+    n_moe = len(config.moe_layers)
     width = moe.latent_size or config.hidden_size
     expert_params = 3 * moe.moe_intermediate_size * width
     dense = sum(counts.values()) - counts["routed_experts"] - counts["vision"]
