@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3.ops.kda.reference import _prepare
-from k3.ops.segments import segment_lengths
+from k3.ops.segments import Segments, as_segments
 
 CHUNK = 64
 BLOCK = 16  # positions per column block of A and Bqk, and per diagonal block of L
@@ -190,14 +190,14 @@ def block_spread_ok(g: Tensor) -> bool:
     return float((csum[:-w] - csum[w:]).amax()) <= MAX_BLOCK_SPREAD
 
 
-def _layout(B: int, T: int, cu_seqlens: Tensor | None, device) -> tuple[Tensor, Tensor]:
+def _layout(B: int, T: int, cu_seqlens: Segments | None, device) -> tuple[Tensor, Tensor]:
     """Where each padded position reads from: index [Tp] into the flat [B*T] positions (-1 for padding), and each
     sequence's chunks, cu_chunks [N+1] int32."""
     if cu_seqlens is None:
         starts, lengths = [b * T for b in range(B)], [T] * B
     else:
-        lengths = segment_lengths(cu_seqlens, T)
-        starts = [int(s) for s in cu_seqlens[:-1].tolist()]
+        lengths = cu_seqlens.check(T)
+        starts = cu_seqlens.host[:-1]
     chunks = [-(-n // CHUNK) for n in lengths]
     pieces = []
     for s, n, m in zip(starts, lengths, chunks):
@@ -220,7 +220,7 @@ def chunk_kda_fwd(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Segments | Tensor | None = None,
     precision: str = "tf32x3",
 ) -> tuple[Tensor, Tensor | None]:
     """Same arguments and results as :func:`k3.ops.kda.reference.chunk_kda` (chunk size 64), computed by the two
@@ -275,7 +275,7 @@ def forward(
     beta: Tensor,
     scale: float | None,
     initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
+    cu_seqlens: Segments | Tensor | None,
     precision: str = "tf32x3",
     keep_states: bool = False,
     gate_bounded: bool = False,
@@ -285,6 +285,7 @@ def forward(
     :func:`block_spread_ok` (a gate with a lower bound), which then is not checked (a host sync)."""
     B, T, H, DK = q.shape
     DV = v.shape[-1]
+    cu_seqlens = as_segments(cu_seqlens, q.device)
     dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if dtype != torch.float32 or any(d not in (16, 32, 64, 128) for d in (DK, DV)):
         raise ValueError(

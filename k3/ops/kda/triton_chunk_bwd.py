@@ -33,6 +33,7 @@ from torch import Tensor
 
 from k3.ops.kda.reference import _from_raw
 from k3.ops.kda.triton_chunk import BLOCK, CHUNK, MAX_BLOCK_SPREAD, Forward, forward, pad, unpad
+from k3.ops.segments import Segments, as_segments
 
 
 @triton.jit
@@ -392,7 +393,7 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Segments | Tensor | None = None,
     precision: str = "tf32x3",
     gate_bounded: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
@@ -400,6 +401,7 @@ def chunk_kda(
     receive theirs through o and the final state. Same arguments; the forward keeps, per chunk and head, the state
     entering it (K x V fp32) and its intermediates for the backward pass. ``gate_bounded``: as in
     :func:`k3.ops.kda.triton_chunk.forward`."""
+    cu_seqlens = as_segments(cu_seqlens, q.device)
     o, s_n = _ChunkKDA.apply(q, k, v, g, beta, initial_state, scale, cu_seqlens, precision, gate_bounded)
     return o, (s_n if output_final_state else None)
 
@@ -419,7 +421,7 @@ def chunk_kda_raw(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Segments | Tensor | None = None,
     chunk_size: int = CHUNK,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`k3.ops.kda.reference.chunk_kda_raw` with the chunked recurrence by :func:`chunk_kda`: the norms, the
