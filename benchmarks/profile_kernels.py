@@ -30,7 +30,7 @@ from k3.bench.common import device_activity, write_profile
 from k3.bench.kernels import kda_layers, moe_block
 from k3.ops import backend
 from k3.ops.moe import moe_experts
-from k3.ops.segments import offsets_to
+from k3.ops.segments import as_segments
 
 GEMM_MARKS = ("grouped", "cutlass", "gemm", "nvjet", "sm90_xmma")  # kernel names of (grouped) matrix products
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm")  # the same, as CPU operators
@@ -123,7 +123,7 @@ def main() -> None:
     ours, theirs = kda_layers(device=device) if cuda else kda_layers(hidden=256, heads=2, head_dim=64, device=device)
     hidden = ours.q_proj.in_features
     x = torch.randn(a.kda_t, hidden, device=device, requires_grad=True)
-    cu = offsets_to(torch.tensor([0, a.kda_t]), device)  # host copy attached, as in the model (no syncs)
+    cu = as_segments(torch.tensor([0, a.kda_t]), device)  # Segments, as in the model (no syncs)
 
     def fwd_bwd(layer):
         def run():

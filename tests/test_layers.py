@@ -165,3 +165,40 @@ def test_no_module_reads_the_repository():
         if re.search(r"parents\[\d+\]", line) and not line.lstrip().startswith("#")
     ]
     assert not found, f"paths outside the package: {found}"
+
+
+def hidden_attributes(root: Path) -> list[str]:
+    """Where the modules under ``root`` read or write an ``x._k3_*`` attribute, directly or by name through
+    setattr / getattr / hasattr / delattr."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("setattr", "getattr", "hasattr", "delattr")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                name = node.args[1].value
+            if isinstance(name, str) and name.startswith("_k3_"):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} {name}")
+    return found
+
+
+def test_no_state_hidden_in_k3_attributes_of_tensors_or_modules():
+    """State lives in explicit values and classes (k3.ops.segments.Segments, the CP shard, Recomputed sub-layers),
+    not in ``_k3_*`` attributes attached to tensors or modules."""
+    found = hidden_attributes(ROOT)
+    assert not found, "hidden attributes:\n" + "\n".join(found)
+
+
+def test_hidden_attribute_finder(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("t._k3_host = [0]\nok = is_k3_shaped(t)\n")
+    (pkg / "b.py").write_text("v = getattr(m, '_k3_cp', None)\n")
+    assert hidden_attributes(pkg) == ["pkg/a.py:1 _k3_host", "pkg/b.py:1 _k3_cp"]

@@ -24,7 +24,7 @@ from k3.model.mla import MultiheadLatentAttention
 from k3.ops.conv import causal_conv1d
 from k3.ops.kda import chunk_kda_raw
 from k3.ops.mla import attention
-from k3.ops.segments import offsets_to
+from k3.ops.segments import Segments, as_segments
 from k3.train.optim import NS_BATCH_BYTES, block_shape, newton_schulz, ns_batches, param_groups_for
 
 Timer = Callable[[Callable[[], object], int, int], float]  # (fn, warmup, iters) -> seconds per call
@@ -50,7 +50,7 @@ def _fwd_bwd(fn: Callable[[], list[torch.Tensor]], leaves: list[torch.Tensor]) -
     return run
 
 
-def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: torch.Tensor) -> dict[str, Callable[[], None]]:
+def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: Segments) -> dict[str, Callable[[], None]]:
     """One KDA layer's fla parts at n packed tokens: the chunked recurrence (its norms and gate inside) and the short
     convs (one conv over the stacked q|k|v channels, as the layer runs them), each forward + backward, with the
     layer's own A_log, dt_bias and conv weights."""
@@ -86,7 +86,7 @@ def kda_parts(layer: KimiDeltaAttention, n: int, cu_seqlens: torch.Tensor) -> di
     }
 
 
-def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: torch.Tensor) -> Callable[[], None]:
+def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: Segments) -> Callable[[], None]:
     """One MLA layer's attention at n packed tokens as training runs it (heads expanded), forward + backward."""
     dev = layer.kv_b_proj.weight.device
     h, dq = layer.num_heads, layer.dn + layer.dr
@@ -118,7 +118,7 @@ def floor_parts(
     (:func:`muon_batches`), and the matrix products as 6 x ``activated_params`` x tokens / ``matmul_rate``."""
     n = batch * seq
     dev = next(model.parameters()).device
-    cu_seqlens = offsets_to(torch.arange(0, n + 1, seq), dev)  # int64 with its host copy, as the model makes them
+    cu_seqlens = as_segments(torch.arange(0, n + 1, seq), dev)  # Segments, as the model makes them
     kda = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
     mla = [m for m in model.modules() if isinstance(m, MultiheadLatentAttention)]
     parts: dict[str, float] = {}

@@ -15,7 +15,7 @@ from k3.model.balance import QBHistogram
 from k3.model.kda import KimiDeltaAttention
 from k3.model.moe import MoE
 from k3.ops import backend
-from k3.ops.segments import offsets_to
+from k3.ops.segments import as_segments
 
 
 def _fwd_bwd(module_fn, x):
@@ -75,9 +75,9 @@ def kda_layer(rows: list, lengths=(4096, 16384, 65536), hidden=1024, heads=8, he
     ours, theirs = kda_layers(hidden, heads, head_dim)
     for t in lengths:
         x = torch.randn(t, hidden, device="cuda", requires_grad=True)
-        # the offsets with their host copy attached, as the model passes them (k3.ops.segments): bare device
-        # offsets are read back at every use (host syncs a model forward does not have)
-        cu = offsets_to(torch.tensor([0, t]), "cuda")
+        # the offsets as Segments, as the model passes them (k3.ops.segments): bare device offsets are read back
+        # at every op (host syncs a model forward does not have)
+        cu = as_segments(torch.tensor([0, t]), "cuda")
         fns = dict(zip(("ours_fwd", "ours_fwdbwd"), _fwd_bwd(lambda z: ours(z, cu), x)))
         if theirs is not None:
             fns |= dict(zip(("fla_fwd", "fla_fwdbwd"), _fwd_bwd(lambda z: theirs(z[None])[0], x)))

@@ -59,6 +59,8 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported where a dataset is built, so the corpus specs load without it (k3 --help)
     from torch import Tensor
 
+    from k3.ops.segments import Segments
+
 VALIDATION_FRACTION = 0.02
 SPLITS = ("train", "validation", "all")
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -423,12 +425,13 @@ class Batch:
     input_ids: [B, T] int64.
     labels: [B, T] int64, the next token, -100 at EOS input positions (no prediction across documents).
     cu_seqlens: [S+1] int64 segment offsets into the flattened B*T positions; every row boundary (b*T) and every
-        position right after an EOS input starts a segment.
+        position right after an EOS input starts a segment. (A context-parallel rank's local batch holds its
+        k3.ops.segments.Segments instead, which carry the shard.)
     """
 
     input_ids: Tensor
     labels: Tensor
-    cu_seqlens: Tensor
+    cu_seqlens: Tensor | Segments
 
 
 @dataclass

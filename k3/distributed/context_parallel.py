@@ -1,13 +1,16 @@
 """Context parallelism (CP) for training: every rank of a CP group of size C holds the contiguous columns
 [r*T/C, (r+1)*T/C) of every row of the [B, T] batch; documents (cu_seqlens segments) may cross rank boundaries.
 
-    ids, labels, cu, ctx = shard_batch(input_ids, labels, cu_seqlens, cp_rank, cp_size)
-    apply_context_parallel(model, meshes.cp.get_group())          # once, on the built K3ForCausalLM
-    with cp_context(model, ctx):
-        out = model(ids, cu_seqlens=cu)                            # local logits [B, T/C, V]
+    cp = ContextParallel(meshes.cp.get_group())                    # the CP group; the model stays as built
+    ids, labels, segments = cp.shard(input_ids, labels, cu_seqlens)  # this rank's columns, CPShard attached
+    out = model(ids, cu_seqlens=segments)                            # local logits [B, T/C, V]
 
-The model files are untouched: ``apply_context_parallel`` replaces the ``forward`` of every KDA / MLA layer
-instance with a CP-aware one that falls back to the original when no context is active.
+Nothing of the model is patched or wrapped: the local offsets are a :class:`k3.ops.segments.Segments` whose
+``shard`` is a :class:`CPShard` (the batch's :class:`CPContext` and the group), and the KDA and MLA layers, handed
+such segments, run the shard's forms below (``CPShard.kda`` / ``CPShard.mla``); every other layer, and any forward
+given plain offsets, runs as always. The state travels with the batch, so a sub-layer recomputed by activation
+checkpointing in the backward pass (k3.train.activation_checkpoint) gets the same shard and runs the same
+exchanges again.
 
 KDA (docs/architecture.md#kda), exact. The delta rule is linear in the state entering a segment: S_t = P_t S_in +
 S_t^0, with
@@ -44,9 +47,8 @@ a rank does not need are still tied into its graph with a zero gradient for that
 from __future__ import annotations
 
 import bisect
-import contextlib
-import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,16 +60,9 @@ from k3.model.rope import rotate_half_rope
 from k3.ops.conv import causal_conv1d
 from k3.ops.dtypes import upcast
 from k3.ops.kda import chunk_kda
-from k3.ops.segments import attach_host, host_list
+from k3.ops.segments import Segments, as_segments
 
-__all__ = [
-    "CPContext",
-    "shard_batch",
-    "apply_context_parallel",
-    "cp_context",
-    "kda_context_parallel",
-    "recompute_context",
-]
+__all__ = ["CPContext", "CPShard", "ContextParallel", "shard_batch", "kda_context_parallel"]
 
 
 @dataclass
@@ -108,7 +103,7 @@ class CPContext:
             )
         return self._cache[key]
 
-    def key_plan(self, device) -> tuple[Tensor, Tensor]:
+    def key_plan(self, device) -> tuple[Tensor, Segments]:
         """(index [M] into the all-gathered [C*N] local rows, cu_seqlens_k [S+1]): local segment s attends to the
         keys of its document from the document start to its own last token (Lk = offset + length)."""
         key = ("keys", str(device))
@@ -121,17 +116,17 @@ class CPContext:
             bounds = [0]
             for s in spans:
                 bounds.append(bounds[-1] + s.numel())
-            cu_k = attach_host(torch.tensor(bounds, dtype=torch.int64).to(device), bounds)
-            self._cache[key] = (index.to(device), cu_k)
+            self._cache[key] = (index.to(device), Segments.from_host(bounds, device))
         return self._cache[key]
 
 
 def shard_batch(
-    input_ids: Tensor, labels: Tensor, cu_seqlens: Tensor, cp_rank: int, cp_size: int
-) -> tuple[Tensor, Tensor, Tensor, CPContext]:
-    """input_ids, labels [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (every row boundary included) ->
-    (ids [B, T/C], labels [B, T/C], local cu_seqlens [S_local+1] (same dtype and device, host copy attached),
-    CPContext). Raises one ValueError for a T not divisible by C or an invalid cu_seqlens."""
+    input_ids: Tensor, labels: Tensor, cu_seqlens: Segments | Tensor, cp_rank: int, cp_size: int
+) -> tuple[Tensor, Tensor, Segments, CPContext]:
+    """input_ids, labels [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (every row boundary included;
+    Segments or a tensor) -> (ids [B, T/C], labels [B, T/C], the local Segments [S_local+1] (offsets of the same
+    dtype and device, no shard attached: :meth:`ContextParallel.shard` attaches it), CPContext). Raises one
+    ValueError for a T not divisible by C or an invalid cu_seqlens."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and labels must both be [B, T], got {tuple(input_ids.shape)} and {tuple(labels.shape)}"
@@ -142,7 +137,8 @@ def shard_batch(
             f"context parallelism needs the sequence length T={T} divisible by the CP size "
             f"{cp_size} and 0 <= cp_rank={cp_rank} < {cp_size}"
         )
-    cu = host_list(cu_seqlens) if cu_seqlens.device.type == "cpu" else cu_seqlens.tolist()
+    segments = as_segments(cu_seqlens)
+    cu = list(segments.host)
     if (
         cu[0] != 0
         or cu[-1] != B * T
@@ -180,7 +176,7 @@ def shard_batch(
             local_cu.append(local_cu[-1] + e - a)
         tails.append(len(seg_doc) - 1)
     cols = slice(cp_rank * L, (cp_rank + 1) * L)
-    local = attach_host(torch.tensor(local_cu, dtype=cu_seqlens.dtype).to(cu_seqlens.device), local_cu)
+    local = Segments.from_host(local_cu, segments.offsets.device, segments.offsets.dtype)
     ctx = CPContext(
         cp_rank, cp_size, B, T, seg_doc, seg_offset, seg_start, seg_length, doc_start, heads, tails, continues, inside
     )
@@ -239,13 +235,13 @@ def _gather(t: Tensor, group) -> Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _select_tokens(cu: list[int], segments: list[int], device) -> tuple[Tensor, Tensor]:
-    """Token indices [n] of the given local segments (in order) and their own cu_seqlens [len+1]."""
+def _select_tokens(cu: tuple[int, ...], segments: list[int], device) -> tuple[Tensor, Segments]:
+    """Token indices [n] of the given local segments (in order) and their own Segments [len+1]."""
     index = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in segments]).to(device)
     bounds = [0]
     for s in segments:
         bounds.append(bounds[-1] + cu[s + 1] - cu[s])
-    return index, attach_host(torch.tensor(bounds, dtype=torch.int64).to(device), bounds)
+    return index, Segments.from_host(bounds, device)
 
 
 def kda_context_parallel(
@@ -254,7 +250,7 @@ def kda_context_parallel(
     v: Tensor,
     g: Tensor,
     beta: Tensor,
-    cu_seqlens: Tensor,
+    cu_seqlens: Segments | Tensor,
     ctx: CPContext,
     group,
     *,
@@ -267,7 +263,8 @@ def kda_context_parallel(
     _, _, H, K = q.shape
     V = v.shape[-1]
     B, r = ctx.batch, ctx.rank
-    cu = host_list(cu_seqlens)
+    cu_seqlens = as_segments(cu_seqlens, q.device)  # the ops read the offsets only, never the shard
+    cu = cu_seqlens.host
     o, finals = chunk_kda(
         q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=chunk_size
     )
@@ -308,7 +305,7 @@ def kda_context_parallel(
     for j in range(r):
         keep = torch.tensor(ctx.inside[j], dtype=state.dtype, device=state.device).view(B, 1, 1, 1)
         state = all_last[j] + keep * (all_trans[j] @ state)
-    bounds = host_list(cu2)
+    bounds = cu2.host
     corr = torch.cat(
         [torch.einsum("thk,hkv->thv", upcast(qp[0, a:e]), state[b]) for b, a, e in zip(rows, bounds[:-1], bounds[1:])]
     )  # [n, H, V]
@@ -328,118 +325,80 @@ def _conv_history(tails: Tensor, ctx: CPContext, width: int) -> Tensor:
     return (prev * valid[..., None].to(prev.dtype)).transpose(1, 2)
 
 
-def _kda_forward(self: KimiDeltaAttention, x: Tensor, cu_seqlens: Tensor, state=None, seq_ids=None) -> Tensor:
-    """CP-aware KimiDeltaAttention.forward (same contract): x [N, d] local packed tokens -> [N, d]."""
-    cp = self._k3_cp
-    if cp.ctx is None:
-        return type(self).forward(self, x, cu_seqlens, state, seq_ids)
-    if state is not None:
-        raise ValueError("context parallelism runs training forwards only (no cache)")
-    ctx = cp.ctx
-    projected = self.project(x)  # q|k|v [N, Ch]
-    width = self.q_conv1d.weight.shape[-1]
-    init = None
-    if ctx.any_crossing:
-        L = ctx.local_len
-        m = min(width - 1, L)
-        rows = torch.arange(L - m, L, device=x.device) + L * torch.arange(ctx.batch, device=x.device)[:, None]
-        tails = _gather(projected[rows], cp.group)  # [C, B, m, Ch]
-        history = _conv_history(tails, ctx, width)  # [B, Ch, W-1]
-        full = history.new_zeros(len(ctx.seg_doc), history.shape[1], width - 1)
-        init = _Anchor.apply(full.index_copy(0, torch.tensor(ctx.heads, device=x.device), history), tails)
-    y = causal_conv1d(
-        projected.unsqueeze(0), self.conv_weight(), cu_seqlens=cu_seqlens, initial_state=init, activation="silu"
-    )[0]
-    qkv = list(y[0].split(self.qkv_widths(), dim=-1))
-    q, k, v, g, beta = self.recurrence_inputs(x, qkv)
-    o = kda_context_parallel(q, k, v, g, beta, cu_seqlens, ctx, cp.group, chunk_size=self.chunk_size)
-    return self._output(x, o[0])
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# MLA
+# The shard the layers see, and the CP group's wrapper
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _mla_forward(
-    self: MultiheadLatentAttention, x: Tensor, cu_seqlens: Tensor, state=None, seq_ids=None, absorb: bool | None = None
-) -> Tensor:
-    """CP-aware MultiheadLatentAttention.forward (same contract): x [N, d] local packed tokens -> [N, d]."""
-    cp = self._k3_cp
-    if cp.ctx is None or (state is None and not cp.ctx.any_crossing):  # no document crosses a rank: local
-        return type(self).forward(self, x, cu_seqlens, state, seq_ids, absorb)
-    if state is not None:
-        raise ValueError("context parallelism runs training forwards only (no cache)")
-    ctx = cp.ctx
-    q_nope, q_pe, c_kv, k_pe = self.project(x)
-    if self.rope_theta is not None:
-        positions = ctx.positions(x.device)
-        q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
-        k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
-    rows = _gather(torch.cat([c_kv, k_pe], dim=-1), cp.group).flatten(0, 1)  # [C*N, r + dr]
-    index, cu_k = ctx.key_plan(x.device)
-    keys = rows.index_select(0, index)  # [M, r + dr]: per local segment, its document's keys up to its end
-    absorb = bool(self.absorb) if absorb is None else absorb
-    o = self.attend(q_nope, q_pe, keys, cu_seqlens, cu_k, absorb)
-    return self._output(x, o)
+@dataclass(frozen=True, eq=False)
+class CPShard:
+    """The ``shard`` of a CP rank's local :class:`k3.ops.segments.Segments`: the batch's context and the CP
+    process group. A KDA or MLA layer handed such segments calls :meth:`kda` / :meth:`mla` instead of running its
+    own forward; both are collective over ``group`` (every rank runs the same layers in the same order)."""
+
+    ctx: CPContext
+    group: Any
+
+    def kda(self, layer: KimiDeltaAttention, x: Tensor, segments: Segments, state=None) -> Tensor:
+        """KimiDeltaAttention.forward on this shard (same contract): x [N, d] local packed tokens -> [N, d]."""
+        if state is not None:
+            raise ValueError("context parallelism runs training forwards only (no cache)")
+        ctx = self.ctx
+        projected = layer.project(x)  # q|k|v [N, Ch]
+        width = layer.q_conv1d.weight.shape[-1]
+        init = None
+        if ctx.any_crossing:
+            L = ctx.local_len
+            m = min(width - 1, L)
+            rows = torch.arange(L - m, L, device=x.device) + L * torch.arange(ctx.batch, device=x.device)[:, None]
+            tails = _gather(projected[rows], self.group)  # [C, B, m, Ch]
+            history = _conv_history(tails, ctx, width)  # [B, Ch, W-1]
+            full = history.new_zeros(len(ctx.seg_doc), history.shape[1], width - 1)
+            init = _Anchor.apply(full.index_copy(0, torch.tensor(ctx.heads, device=x.device), history), tails)
+        y = causal_conv1d(
+            projected.unsqueeze(0), layer.conv_weight(), cu_seqlens=segments, initial_state=init, activation="silu"
+        )[0]
+        qkv = list(y[0].split(layer.qkv_widths(), dim=-1))
+        q, k, v, g, beta = layer.recurrence_inputs(x, qkv)
+        o = kda_context_parallel(q, k, v, g, beta, segments, ctx, self.group, chunk_size=layer.chunk_size)
+        return layer._output(x, o[0])
+
+    def mla(
+        self, layer: MultiheadLatentAttention, x: Tensor, segments: Segments, state=None, absorb: bool | None = None
+    ) -> Tensor:
+        """MultiheadLatentAttention.forward on this shard (same contract): x [N, d] local packed tokens -> [N, d];
+        the layer's own local form where no document crosses a rank boundary."""
+        if state is not None:
+            raise ValueError("context parallelism runs training forwards only (no cache)")
+        ctx = self.ctx
+        if not ctx.any_crossing:
+            return layer.local_forward(x, segments, absorb=absorb)
+        q_nope, q_pe, c_kv, k_pe = layer.project(x)
+        if layer.rope_theta is not None:
+            positions = ctx.positions(x.device)
+            q_pe = rotate_half_rope(q_pe, positions, layer.rope_theta)
+            k_pe = rotate_half_rope(k_pe, positions, layer.rope_theta)
+        rows = _gather(torch.cat([c_kv, k_pe], dim=-1), self.group).flatten(0, 1)  # [C*N, r + dr]
+        index, cu_k = ctx.key_plan(x.device)
+        keys = rows.index_select(0, index)  # [M, r + dr]: per local segment, its document's keys up to its end
+        absorb = bool(layer.absorb) if absorb is None else absorb
+        o = layer.attend(q_nope, q_pe, keys, segments, cu_k, absorb)
+        return layer._output(x, o)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Model wiring
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class _CPState:
-    """Shared by the model and its attention layers: the CP process group and the active context (or None)."""
+class ContextParallel:
+    """Context parallelism over ``group`` (e.g. ``meshes.cp.get_group()``): :meth:`shard` cuts a batch to this
+    rank's columns and attaches the :class:`CPShard` to its offsets. The model needs no preparation (see the
+    module docstring); the group is first used when a shard's forward runs."""
 
     def __init__(self, group):
         self.group = group
-        self.ctx: CPContext | None = None
 
-
-def apply_context_parallel(model, cp_group) -> None:
-    """Make a built K3ForCausalLM CP-aware over ``cp_group`` (e.g. ``meshes.cp.get_group()``): each KDA / MLA
-    layer instance gets a forward that, inside :func:`cp_context`, runs the exchanges above; outside it the
-    model behaves exactly as before. Idempotent for the same group."""
-    state = _CPState(cp_group)
-    model._k3_cp = state
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        attn._k3_cp = state
-        impl = _kda_forward if isinstance(attn, KimiDeltaAttention) else _mla_forward
-        attn.forward = types.MethodType(impl, attn)
-
-
-def recompute_context(model):
-    """A ``context_fn`` for activation checkpointing (k3.train.activation_checkpoint) of a CP-prepared model: a
-    sub-layer recomputed in the backward pass (which runs after :func:`cp_context` has exited) runs inside the CP
-    context its forward ran in."""
-    state = getattr(model, "_k3_cp", None)
-    if state is None:
-        raise ValueError("call apply_context_parallel(model, cp_group) before recompute_context")
-
-    def context_fn():
-        ctx = state.ctx
-        return contextlib.nullcontext(), cp_context(model, ctx) if ctx is not None else contextlib.nullcontext()
-
-    return context_fn
-
-
-@contextlib.contextmanager
-def cp_context(model, ctx: CPContext):
-    """Within the block, forwards of ``model`` (prepared by :func:`apply_context_parallel`) treat their input as
-    the CP shard described by ``ctx`` (from :func:`shard_batch`). Backward may run after the block exits."""
-    state = getattr(model, "_k3_cp", None)
-    if state is None:
-        raise ValueError("call apply_context_parallel(model, cp_group) before cp_context")
-    size, rank = dist.get_world_size(state.group), dist.get_rank(state.group)
-    if (ctx.size, ctx.rank) != (size, rank):
-        raise ValueError(
-            f"the batch was sharded for CP rank {ctx.rank} of {ctx.size}, but this process is rank "
-            f"{rank} of the {size}-rank CP group"
-        )
-    previous, state.ctx = state.ctx, ctx
-    try:
-        yield ctx
-    finally:
-        state.ctx = previous
+    def shard(
+        self, input_ids: Tensor, labels: Tensor, cu_seqlens: Segments | Tensor
+    ) -> tuple[Tensor, Tensor, Segments]:
+        """:func:`shard_batch` at this process's rank of the group -> (ids [B, T/C], labels [B, T/C], the local
+        Segments with their CPShard)."""
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        ids, labels, local, ctx = shard_batch(input_ids, labels, cu_seqlens, rank, size)
+        return ids, labels, replace(local, shard=CPShard(ctx, self.group))

@@ -1,13 +1,15 @@
 """``torchrun --nproc-per-node N -m k3 train ... --dp D --ep E --cp C``: the trainer on a DeviceMesh.
 
 Same loop as :class:`k3.train.trainer.Trainer`, with the parallelisms applied to the built model (in this order:
-expert parallelism, context parallelism, FSDP2; then the optimiser) and these differences:
+expert parallelism, FSDP2; then the optimiser; context parallelism shards the batches instead, see
+k3.distributed.context_parallel) and these differences:
 
 * Batches. ``--batch-size`` is rows per data-parallel rank (global batch = dp x batch-size rows). Every rank
   reads the same global batch from the same stream (so the data position is one number), keeps the rows of its
-  ``dp`` rank and, under CP, the contiguous columns of its ``cp`` rank. The step's loss is the sum of token
-  losses over every rank divided by the GLOBAL count of valid labels, so gradients summed over ranks (FSDP with
-  divide factor 1, :func:`k3.distributed.fsdp.reduce_expert_grads`) are those of one process on the whole batch.
+  ``dp`` rank and, under CP, the contiguous columns of its ``cp`` rank (offsets carrying the CP shard). The
+  step's loss is the sum of token losses over every rank divided by the GLOBAL count of valid labels, so gradients
+  summed over ranks (FSDP with divide factor 1, :func:`k3.distributed.fsdp.reduce_expert_grads`) are those of one
+  process on the whole batch.
 * Router balancing. QB histograms (and sign-update loads) are all-reduced over every rank before the bias update
   (docs/architecture.md#quantile-balancing), so the bias equals the single-process QB of the same global batch up to
   the histogram's bin.
@@ -20,7 +22,6 @@ expert parallelism, context parallelism, FSDP2; then the optimiser) and these di
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from k3.config.hf import to_hf_config
 from k3.convert.dcp import load as dcp_load
 from k3.convert.dcp import save as dcp_save
-from k3.distributed.context_parallel import apply_context_parallel, cp_context, recompute_context, shard_batch
+from k3.distributed.context_parallel import ContextParallel
 from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
@@ -64,6 +65,7 @@ class DistributedTrainer(Trainer):
             raise ValueError(f"--seq-len={cfg.seq_len} must be divisible by --cp={dims.cp}")
         self.dims = dims
         self.meshes = init_distributed(dims)
+        self.context_parallel = ContextParallel(self.meshes.cp.get_group()) if dims.cp > 1 else None
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
         if resume and cfg.tokenizer is None and (Path(cfg.out) / "tokenizer.json").is_file():
@@ -89,28 +91,19 @@ class DistributedTrainer(Trainer):
 
     def parallelize(self, model):
         apply_expert_parallel(model, self.meshes)
-        if self.dims.cp > 1:
-            apply_context_parallel(model, self.meshes.cp.get_group())
         return apply_fsdp(model, self.meshes)
-
-    def recompute_context(self):
-        return recompute_context(self.model) if self.dims.cp > 1 else None
 
     def load_state(self, ckpt) -> dict:
         return dcp_load(ckpt, self.model, self.optimizer)
 
     # ------------------------------------------------------------------ step hooks
     def _local(self, batch: Batch) -> Batch:
-        """This rank's rows (dp) and columns (cp) of a global batch; the CP context rides along as ``cp_ctx``."""
+        """This rank's rows (dp) and columns (cp) of a global batch; under CP its offsets are Segments that carry
+        the shard (k3.distributed.context_parallel), which the model's layers then run."""
         rows = batch.input_ids.shape[0] // self.dims.dp
         local = select_rows(batch, self.meshes.dp.get_local_rank() * rows, rows)
-        local.cp_ctx = None
-        if self.dims.cp > 1:
-            ids, labels, cu, ctx = shard_batch(
-                local.input_ids, local.labels, local.cu_seqlens, self.meshes.cp.get_local_rank(), self.dims.cp
-            )
-            local = Batch(ids, labels, cu)
-            local.cp_ctx = ctx
+        if self.context_parallel is not None:
+            local = Batch(*self.context_parallel.shard(local.input_ids, local.labels, local.cu_seqlens))
         return local
 
     def next_batches(self) -> list:
@@ -125,11 +118,6 @@ class DistributedTrainer(Trainer):
         if len(rows) % self.dims.dp:
             batch.labels[len(rows) :] = -100
         return self._local(batch)
-
-    def _forward_loss(self, batch, record: bool = False):
-        ctx = getattr(batch, "cp_ctx", None)
-        with cp_context(self.model, ctx) if ctx is not None else contextlib.nullcontext():
-            return super()._forward_loss(batch, record)
 
     def all_sum(self, value):
         """A device tensor is summed on the device (no host sync); a number through a float64 device tensor

@@ -6,7 +6,9 @@ With ``attn_res.mode == 'none'`` this is the usual pre-norm residual block (Kimi
 stream applies each pre-norm (and the final norm) itself, fused with the depth mix that precedes it.
 
 Inputs are packed: ``input_ids`` [B, T] is flattened to B*T tokens and ``cu_seqlens`` (FlashAttention
-convention, over the flattened tokens) marks sequence boundaries; without it every row is one sequence.
+convention, over the flattened tokens) marks sequence boundaries; without it every row is one sequence. The
+forward turns it into one :class:`k3.ops.segments.Segments` (reading it on the host at most once) and hands that
+object to every layer.
 KDA state, conv state and attention never cross a boundary. With a ``cache`` of S sequences, segment s of
 the call extends sequence s.
 """
@@ -28,7 +30,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import MoE, RoutedExperts, Router
 from k3.model.norm import RMSNorm
-from k3.ops.segments import attach_host, host_list, offsets_to, segment_lengths, to_device
+from k3.ops.segments import HostInts, Segments, as_segments, host_values, to_device
 
 # Parameters and buffers that stay fp32 whatever dtype the rest of the model is cast to.
 FP32_NAMES = ("e_score_correction_bias", "gate.weight", "A_log", "dt_bias")
@@ -65,7 +67,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         stream: ResidualStream,
-        cu_seqlens: Tensor | None,
+        cu_seqlens: Segments | None,
         state=None,
         seq_ids=None,
         positions: Tensor | None = None,
@@ -111,9 +113,9 @@ class K3Model(nn.Module):
     def forward(
         self,
         tokens: Tensor,
-        cu_seqlens: Tensor | None,
+        cu_seqlens: Segments | None,
         cache: K3Cache | None = None,
-        seq_ids: Tensor | None = None,
+        seq_ids: HostInts | Tensor | None = None,
         record_attn_res: bool = False,
         positions: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
@@ -133,11 +135,11 @@ class K3Model(nn.Module):
         return stream.output(self.norm), stats, stream.records
 
 
-def check_cu_seqlens(cu_seqlens: Tensor, batch: int, seqlen: int) -> None:
+def check_cu_seqlens(cu_seqlens: Segments, batch: int, seqlen: int) -> None:
     """Raise one ValueError if cu_seqlens is not a valid packing of a [batch, seqlen] input."""
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    bounds = set(host_list(cu_seqlens)) if segment_lengths(cu_seqlens, batch * seqlen) else set()
+    if cu_seqlens.offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.offsets.dtype}")
+    bounds = set(cu_seqlens.host) if cu_seqlens.check(batch * seqlen) else set()
     missing = sorted(set(range(seqlen, batch * seqlen, seqlen)) - bounds)
     if missing:
         raise ValueError(f"cu_seqlens must contain every row boundary of the [B, T] input; missing {missing}")
@@ -178,16 +180,17 @@ class K3ForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        cu_seqlens: Tensor | None = None,
+        cu_seqlens: Segments | Tensor | None = None,
         cache: K3Cache | None = None,
-        seq_ids: list[int] | Tensor | None = None,
+        seq_ids: list[int] | Tensor | HostInts | None = None,
         record_attn_res: bool = False,
         last_only: bool = False,
         image_features: Tensor | None = None,
     ) -> K3Output:
         """Logits for every input token.
 
-        input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence);
+        input_ids [B, T]; cu_seqlens [S+1] over the B*T flattened tokens (default: each row is a sequence), a
+        :class:`k3.ops.segments.Segments` or an int tensor (on the CPU: read without a sync; on a device: read once);
         cache: a :class:`K3Cache`; seq_ids: which S cached sequences the segments extend (default 0..S-1, and
         then the cache must hold exactly S sequences); record_attn_res: also return the AttnRes depth weights;
         last_only: logits only at the last token of each of the S sequences ([S, V], what decoding needs);
@@ -199,25 +202,22 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
         if cu_seqlens is None:
-            cu_seqlens = attach_host(
-                torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64), list(range(0, b * t + 1, t))
-            )
-        else:  # one host read of the offsets (none if they come on the CPU or carry a host copy); the ops reuse it
-            cu_seqlens = offsets_to(cu_seqlens, input_ids.device)
-            check_cu_seqlens(cu_seqlens, b, t)
-        segments = cu_seqlens.numel() - 1
+            offsets = torch.arange(0, b * t + 1, t, device=input_ids.device, dtype=torch.int64)
+            segments = Segments(offsets, tuple(range(0, b * t + 1, t)))
+        else:  # one host read of the offsets (none if they come on the CPU or as Segments); the layers share it
+            segments = as_segments(cu_seqlens, input_ids.device)
+            check_cu_seqlens(segments, b, t)
         if cache is not None:
-            seq_ids = self._check_seq_ids(cache, segments, seq_ids, input_ids.device)
+            seq_ids = self._check_seq_ids(cache, segments.count, seq_ids, input_ids.device)
         elif seq_ids is not None:
             raise ValueError("seq_ids needs a cache")
         embeds = None if image_features is None else self.splice_images(input_ids.reshape(-1), image_features)
         hidden, stats, records = self.model(
-            input_ids.reshape(-1), cu_seqlens, cache, seq_ids, record_attn_res, inputs_embeds=embeds
+            input_ids.reshape(-1), segments, cache, seq_ids, record_attn_res, inputs_embeds=embeds
         )
         if cache is not None:
-            offsets = host_list(cu_seqlens)
-            cache.advance(host_list(seq_ids), [b - a for a, b in zip(offsets[:-1], offsets[1:])])
-        logits = self.lm_head(hidden[cu_seqlens[1:] - 1]) if last_only else self.lm_head(hidden).view(b, t, -1)
+            cache.advance(list(seq_ids.host), list(segments.lengths))
+        logits = self.lm_head(hidden[segments.offsets[1:] - 1]) if last_only else self.lm_head(hidden).view(b, t, -1)
         return K3Output(logits=logits, router_stats=stats, cache=cache, attn_res_weights=records)
 
     def decode_step(self, input_ids: Tensor, cache: K3Cache, slots: Tensor, positions: Tensor) -> Tensor:
@@ -262,24 +262,21 @@ class K3ForCausalLM(nn.Module):
         return x.masked_scatter(mask.unsqueeze(-1), image_features.to(x.dtype))
 
     @staticmethod
-    def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> Tensor:
+    def _check_seq_ids(cache: K3Cache, segments: int, seq_ids, device) -> HostInts:
+        """The cache slots the segments extend, on ``device`` and on the host (read once here)."""
         if seq_ids is None:
             if cache.batch_size != segments:
                 raise ValueError(
                     f"the input has {segments} sequences but the cache holds {cache.batch_size}; "
                     "pass seq_ids to extend a subset"
                 )
-            return attach_host(torch.arange(segments, device=device), list(range(segments)))
-        if isinstance(seq_ids, Tensor):
-            listed = host_list(seq_ids) if seq_ids.device.type == "cpu" else seq_ids.tolist()
-        else:
-            listed = [int(i) for i in seq_ids]
-        ids = attach_host(to_device(torch.as_tensor(listed, dtype=torch.int64), device), listed)
+            return HostInts(torch.arange(segments, device=device), tuple(range(segments)))
+        listed = list(host_values(seq_ids)) if isinstance(seq_ids, (Tensor, HostInts)) else [int(i) for i in seq_ids]
         if len(listed) != segments or not cache.distinct_slots(listed):
             raise ValueError(
                 f"seq_ids={listed} must name {segments} distinct cached sequences in [0, {cache.batch_size})"
             )
-        return ids
+        return HostInts.from_host(listed, device)
 
     def new_cache(
         self,

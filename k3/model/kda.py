@@ -27,6 +27,7 @@ from k3.model.norm import GatedRMSNorm
 from k3.ops.conv import causal_conv1d, causal_conv1d_steps
 from k3.ops.kda import chunk_kda_raw, kda_decode, kda_gate, l2norm, recurrent_kda
 from k3.ops.linear import multi_linear
+from k3.ops.segments import HostInts, Segments, as_segments, device_values
 from k3.ops.dtypes import upcast
 
 
@@ -101,19 +102,28 @@ class KimiDeltaAttention(nn.Module):
         return l2norm(q, self.l2norm_eps), l2norm(k, self.l2norm_eps), v, g, beta
 
     def forward(
-        self, x: Tensor, cu_seqlens: Tensor, state: KDAState | None = None, seq_ids: Tensor | None = None
+        self,
+        x: Tensor,
+        cu_seqlens: Segments | Tensor,
+        state: KDAState | None = None,
+        seq_ids: HostInts | Tensor | None = None,
     ) -> Tensor:
-        """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
+        """x [N, d] packed tokens of S segments, cu_seqlens [S+1] (Segments or a tensor, k3.ops.segments) -> [N, d].
 
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its rows are updated).
+        Segments of a context-parallel shard run the shard's form (``cu_seqlens.shard.kda``).
         """
+        segments = as_segments(cu_seqlens, x.device)
+        if segments.shard is not None:
+            return segments.shard.kda(self, x, segments, state)
         n = x.shape[0]
         widths = self.qkv_widths()
+        seq_ids = None if seq_ids is None else device_values(seq_ids)
         init = None if state is None else torch.cat([c[seq_ids] for c in state.conv], dim=1)
         y, conv_state = causal_conv1d(
             self.project(x).unsqueeze(0),
             self.conv_weight(),
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=segments,
             initial_state=init,
             output_final_state=state is not None,
             activation="silu",
@@ -123,14 +133,13 @@ class KimiDeltaAttention(nn.Module):
             for c, s in zip(state.conv, conv_state.split(widths, dim=1)):
                 c.index_copy_(0, seq_ids, s.to(c.dtype))
 
-        segments = cu_seqlens.numel() - 1
         mode = self.mode
         if mode == "auto":
-            mode = "recurrent" if n == segments else "chunk"  # one new token per sequence: decode
+            mode = "recurrent" if n == segments.count else "chunk"  # one new token per sequence: decode
         kwargs = dict(
             initial_state=None if state is None else state.recurrent[seq_ids],
             output_final_state=state is not None,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=segments,
         )
         if mode == "chunk":  # the norms, gate and sigmoid inside the op (fused into fla's kernels)
             o, final = chunk_kda_raw(

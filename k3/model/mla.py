@@ -23,7 +23,7 @@ from k3.model.norm import RMSNorm
 from k3.model.rope import rotate_half_rope
 from k3.ops.linear import multi_linear
 from k3.ops.mla import attention, latent_attention
-from k3.ops.segments import attach_host, host_list, to_device
+from k3.ops.segments import HostInts, Segments, as_segments, host_values
 from k3.ops.dtypes import upcast
 
 
@@ -82,7 +82,7 @@ class MultiheadLatentAttention(nn.Module):
         return torch.einsum("nhr,hvr->nhv", o_lat, w_v)
 
     def attend(
-        self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, absorb: bool
+        self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, cu_seqlens_q: Segments, cu_seqlens_k: Segments, absorb: bool
     ) -> Tensor:
         """Attention of the queries over key rows [M, r + dr] (latent c_kv and rotated k_pe; segment s of the
         queries sees its key segment, queries last): absorbed (one shared latent head) or with keys and values
@@ -114,20 +114,35 @@ class MultiheadLatentAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cu_seqlens: Tensor,
+        cu_seqlens: Segments | Tensor,
         state: MLAState | None = None,
-        seq_ids: Tensor | None = None,
+        seq_ids: HostInts | Tensor | None = None,
         absorb: bool | None = None,
     ) -> Tensor:
-        """x [N, d] packed tokens of S segments, cu_seqlens [S+1] -> [N, d].
+        """x [N, d] packed tokens of S segments, cu_seqlens [S+1] (Segments or a tensor, k3.ops.segments) -> [N, d].
 
         With a cache ``state``, segment s continues cached sequence ``seq_ids[s]`` (its latents are appended).
+        Segments of a context-parallel shard run the shard's form (``cu_seqlens.shard.mla``).
         """
+        segments = as_segments(cu_seqlens, x.device)
+        if segments.shard is not None:
+            return segments.shard.mla(self, x, segments, state, absorb)
+        return self.local_forward(x, segments, state, seq_ids, absorb)
+
+    def local_forward(
+        self,
+        x: Tensor,
+        segments: Segments,
+        state: MLAState | None = None,
+        seq_ids: HostInts | Tensor | None = None,
+        absorb: bool | None = None,
+    ) -> Tensor:
+        """:meth:`forward` of segments whose documents all lie in ``x``."""
         n = x.shape[0]
-        bounds = host_list(cu_seqlens)
-        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        bounds = segments.host
+        lengths = segments.lengths
         q_nope, q_pe, c_kv, k_pe = self.project(x)
-        ids = [] if state is None else host_list(seq_ids)
+        ids = [] if state is None else host_values(seq_ids)
         past = [0] * len(lengths) if state is None else [state.lengths[i] for i in ids]
         if self.rope_theta is not None:
             positions = torch.cat([torch.arange(p, p + length, device=x.device) for p, length in zip(past, lengths)])
@@ -141,27 +156,26 @@ class MultiheadLatentAttention(nn.Module):
             for i, a, b in zip(ids, bounds[:-1], bounds[1:]):
                 state.append(i, rows[a:b])
         if state is None:
-            o = self.attend(q_nope, q_pe, rows, cu_seqlens, cu_seqlens, absorb)
+            o = self.attend(q_nope, q_pe, rows, segments, segments, absorb)
         elif absorb:  # straight over the latent cache
-            host_lens = [state.lengths[i] for i in ids]
-            key_lens = attach_host(to_device(torch.tensor(host_lens), x.device), host_lens)
+            key_lens = HostInts.from_host([state.lengths[i] for i in ids], x.device)
             o_lat = latent_attention(
                 self.absorbed_query(q_nope, q_pe),
                 state.kv,
                 seq_ids=seq_ids,
                 lengths=key_lens,
-                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_q=segments,
                 scale=self.scale,
                 v_dim=self.r,
-                max_length=max(host_lens),
+                max_length=max(key_lens.host),
             )
             o = self.absorbed_output(o_lat)
         else:
             offsets = [0]
             for i in ids:
                 offsets.append(offsets[-1] + state.lengths[i])
-            cu_k = attach_host(to_device(torch.tensor(offsets, dtype=cu_seqlens.dtype), x.device), offsets)
-            o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), cu_seqlens, cu_k, False)
+            cu_k = Segments.from_host(offsets, x.device, segments.offsets.dtype)
+            o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), segments, cu_k, False)
         return self._output(x, o)
 
     def step(self, x: Tensor, state: MLAState, slots: Tensor, positions: Tensor) -> Tensor:
@@ -178,7 +192,7 @@ class MultiheadLatentAttention(nn.Module):
             q_pe = rotate_half_rope(q_pe, positions, self.rope_theta)
             k_pe = rotate_half_rope(k_pe, positions, self.rope_theta)
         state.kv[slots, positions] = torch.cat([c_kv, k_pe], dim=-1).to(state.kv.dtype)
-        cu_q = attach_host(torch.arange(n + 1, device=x.device), list(range(n + 1)))
+        cu_q = Segments(torch.arange(n + 1, device=x.device), tuple(range(n + 1)))  # one query per sequence
         o_lat = latent_attention(
             self.absorbed_query(q_nope, q_pe),
             state.kv,

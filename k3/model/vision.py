@@ -36,7 +36,7 @@ from k3.config import K3Config, VisionConfig
 from k3.model.rope import rotate_half_rope
 from k3.model.norm import RMSNorm
 from k3.ops.dtypes import upcast
-from k3.ops.segments import host_list, offsets_to
+from k3.ops.segments import Segments, as_segments
 
 CHANNELS = 3  # RGB
 ROPE_THETA = 10000.0
@@ -97,12 +97,13 @@ def interpolate_pos_grid(grid: Tensor, h: int, w: int) -> Tensor:
     return out[0].permute(1, 2, 0).reshape(h * w, -1).to(grid.dtype)
 
 
-def bidirectional_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Tensor) -> Tensor:
+def bidirectional_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens: Segments | Tensor) -> Tensor:
     """Non-causal softmax attention inside each segment of a packed sequence (one SDPA call per segment).
 
-    q, k, v [N, H, Dh]; cu_seqlens [S+1] (segment s is rows cu[s]:cu[s+1]) -> o [N, H, Dh] in q.dtype."""
+    q, k, v [N, H, Dh]; cu_seqlens [S+1] (segment s is rows cu[s]:cu[s+1]; Segments or a tensor,
+    k3.ops.segments) -> o [N, H, Dh] in q.dtype."""
     out = torch.empty_like(q)
-    cu = host_list(cu_seqlens)
+    cu = as_segments(cu_seqlens).host
     for a, b in zip(cu[:-1], cu[1:]):
         qh, kh, vh = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, Dh]
         out[a:b] = F.scaled_dot_product_attention(qh, kh, vh, scale=scale)[0].transpose(0, 1)
@@ -119,7 +120,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(v.hidden_size, 3 * inner, bias=False)
         self.proj = nn.Linear(inner, v.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, rows: Tensor, cols: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rows: Tensor, cols: Tensor, cu_seqlens: Segments) -> Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, H, Dh]
         q, k = rope_2d(q, rows, cols), rope_2d(k, rows, cols)
@@ -149,7 +150,7 @@ class VisionBlock(nn.Module):
         self.norm2 = RMSNorm(v.hidden_size, eps=eps)
         self.mlp = VisionMLP(v)
 
-    def forward(self, x: Tensor, rows: Tensor, cols: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rows: Tensor, cols: Tensor, cu_seqlens: Segments) -> Tensor:
         x = x + self.attn(self.norm1(x), rows, cols, cu_seqlens)
         return x + self.mlp(self.norm2(x))
 
@@ -180,7 +181,7 @@ class MoonViTEncoder(nn.Module):
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        cu_seqlens = offsets_to(torch.tensor(cu), pixel_patches.device)
+        cu_seqlens = Segments.from_host(cu, pixel_patches.device)
         rows, cols = patch_positions(grids, pixel_patches.device)
         x = self.patch_embed(pixel_patches.to(self.patch_embed.weight.dtype))  # [N, D]
         x = x + self.position_embedding(grids).to(x.dtype)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.rope import rotate_half_rope
-from k3.ops.segments import host_list
+from k3.ops.segments import Segments, as_segments
 
 
 def _q_weight(mla: MultiheadLatentAttention) -> Tensor:
@@ -17,11 +17,12 @@ def _q_weight(mla: MultiheadLatentAttention) -> Tensor:
 
 @torch.no_grad()
 def mla_max_logits(
-    mla: MultiheadLatentAttention, x_normed: Tensor, cu_seqlens: Tensor, query_chunk: int = 1024
+    mla: MultiheadLatentAttention, x_normed: Tensor, cu_seqlens: Segments | Tensor, query_chunk: int = 1024
 ) -> Tensor:
     """Per-head max pre-softmax logit (scale included, causal, within each segment) -> [H] fp32.
 
-    x_normed [N, d] is the layer's MLA input (after ``input_layernorm``), packed by cu_seqlens [S+1]. Recomputes
+    x_normed [N, d] is the layer's MLA input (after ``input_layernorm``), packed by cu_seqlens [S+1] (Segments or
+    a tensor, k3.ops.segments). Recomputes
     q and k like the naive forward (rope applied when the module has ``rope_theta``); queries in chunks of
     ``query_chunk`` to bound memory.
     """
@@ -31,7 +32,7 @@ def mla_max_logits(
     c_kv, k_pe = mla.kv_a_proj_with_mqa(x_normed).split([mla.r, dr], dim=-1)
     k_nope = mla.kv_b_proj(mla.kv_a_layernorm(c_kv)).view(n, h, dn + mla.dv)[..., :dn]
     q_nope, q_pe = q.split([dn, dr], dim=-1)
-    bounds = host_list(cu_seqlens)
+    bounds = as_segments(cu_seqlens).host
     if mla.rope_theta is not None:
         positions = torch.cat([torch.arange(b - a, device=x_normed.device) for a, b in zip(bounds[:-1], bounds[1:])])
         q_pe = rotate_half_rope(q_pe, positions, mla.rope_theta)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from k3.data.text import IGNORE_INDEX
 from k3.model.balance import balance_metric_rows, max_vio, metrics_from_rows, seq_max_vio
 from k3.model.mla import MultiheadLatentAttention
-from k3.ops.segments import offsets_to, to_device
+from k3.ops.segments import as_segments, to_device
 from k3.train.optim import clip_grad_norm, cosine_schedule
 from k3.train.qk_clip import mla_max_logits, qk_clip_
 
@@ -138,7 +138,7 @@ class TrainStep:
         try:
             for b in batches:
                 loss_sum, _, out = self._forward_loss(b)
-                cu = offsets_to(b.cu_seqlens, self.device)
+                cu = as_segments(b.cu_seqlens, self.device).offsets
                 aux = self.balancer.observe(out.router_stats, cu) / (cfg.grad_accum * self.data_ranks())
                 (loss_sum / valid + aux).backward()
                 sums.total = sums.total + loss_sum.detach().double()
@@ -242,10 +242,10 @@ class TrainStep:
     # ------------------------------------------------------------------ forward
     def _forward_loss(self, batch, record: bool = False):
         """(summed cross-entropy, a device tensor; valid labels, counted on the host; model output). The batch goes
-        to the device without a host sync, its offsets with their host copy (see k3.ops.segments.offsets_to)."""
+        to the device without a host sync, its offsets as k3.ops.segments.Segments (read on the host: no sync)."""
         ids = to_device(batch.input_ids, self.device)
         labels = to_device(batch.labels, self.device)
-        cu = offsets_to(batch.cu_seqlens, self.device)
+        cu = as_segments(batch.cu_seqlens, self.device)
         images = {}
         if hasattr(batch, "pixel_patches"):
             images = {"pixel_patches": to_device(batch.pixel_patches, self.device), "grid_hws": batch.grid_hws}

@@ -170,7 +170,7 @@ class Trainer(TrainStep, RunState):
         cfg = self.cfg
         self.model = self.parallelize(self.model)
         if cfg.activation_checkpointing:
-            apply_activation_checkpointing(self.model, self.recompute_context())
+            apply_activation_checkpointing(self.model)
         if cfg.fp8_experts:
             why = fp8_available(self.device)
             if why:
@@ -218,10 +218,6 @@ class Trainer(TrainStep, RunState):
     def parallelize(self, model):
         """Applied to the built model before the optimiser is made (single process: nothing)."""
         return model
-
-    def recompute_context(self):
-        """The ``context_fn`` activation checkpointing recomputes under (single process: none)."""
-        return None
 
     # ------------------------------------------------------------------ data, tokenizer and model of each task
     def _setup_text(self, ckpt) -> None:

@@ -14,6 +14,7 @@ The KDA-only check runs in fp64 against the fp64 token-by-token recurrence: 1e-1
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -21,13 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3.config import get_preset
-from k3.distributed.context_parallel import (
-    apply_context_parallel,
-    cp_context,
-    kda_context_parallel,
-    recompute_context,
-    shard_batch,
-)
+from k3.distributed.context_parallel import CPShard, ContextParallel, kda_context_parallel, shard_batch
 from k3.model.decoder import K3ForCausalLM
 from k3.ops.kda import kda_gate, l2norm
 from k3.ops.kda.reference import recurrent_kda
@@ -70,17 +65,17 @@ def reference(model, ids, labels, cu):
 
 
 def model_worker(rank, world, models, cases, ac=False):
+    cp = ContextParallel(dist.group.WORLD)
     for model in models.values():
-        apply_context_parallel(model, dist.group.WORLD)
-        if ac:  # recomputation in the backward pass, after cp_context has exited
-            apply_activation_checkpointing(model, recompute_context(model))
+        if ac:  # recomputation in the backward pass, with the forward's sharded segments
+            apply_activation_checkpointing(model)
     errors = []
     for dtype, ids, labels, cu, ref_loss, ref_grads in cases:
         model = models[dtype]
         model.zero_grad(set_to_none=True)
-        local_ids, local_labels, local_cu, ctx = shard_batch(ids, labels, cu, rank, world)
-        with cp_context(model, ctx):
-            logits = model(local_ids, cu_seqlens=local_cu).logits
+        local_ids, local_labels, local_cu = cp.shard(ids, labels, cu)
+        assert local_cu.shard.ctx.rank == rank and local_cu.shard.ctx.size == world
+        logits = model(local_ids, cu_seqlens=local_cu).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local_labels.reshape(-1), reduction="sum")
         loss.backward()
         total = loss.detach().clone()
@@ -114,9 +109,9 @@ def test_model_loss_and_grads_match_single_process(world, overrides):
 
 
 def test_activation_checkpointing_under_context_parallelism():
-    """Sub-layers recomputed in the backward pass re-enter the CP context their forward ran in
-    (recompute_context; without it the recomputation runs unsharded and torch.utils.checkpoint raises): fp64 loss
-    and every gradient as one process without checkpointing, 2 ranks."""
+    """Sub-layers recomputed in the backward pass get their forward's sharded segments and so run as the forward
+    did (unsharded, the recomputation would differ and torch.utils.checkpoint raise): fp64 loss and every gradient
+    as one process without checkpointing, 2 ranks."""
     check_model(2, {}, ac=True, dtypes=("fp64",))
 
 
@@ -209,7 +204,8 @@ def test_shard_batch_slices_and_context():
     cu = torch.tensor([0, 7, 30, 48, 50, 96])
     local_ids, local_labels, local_cu, ctx = shard_batch(ids, ids + 1, cu, 1, 2)
     assert torch.equal(local_ids, ids[:, 24:]) and torch.equal(local_labels, ids[:, 24:] + 1)
-    assert local_cu.tolist() == [0, 6, 24, 48]  # [24, 30) continues doc 1, [30, 48), row 1 [72, 96) continues doc 4
+    assert local_cu.host == (0, 6, 24, 48)  # [24, 30) continues doc 1, [30, 48), row 1 [72, 96) continues doc 4
+    assert local_cu.offsets.tolist() == [0, 6, 24, 48] and local_cu.shard is None
     assert ctx.seg_offset == [17, 0, 22] and ctx.seg_doc == [1, 2, 4] and ctx.heads == [0, 2] and ctx.tails == [1, 2]
     assert ctx.continues == [[False, False], [True, True]] and ctx.inside == [[False, False], [False, True]]
     with pytest.raises(ValueError, match="divisible by the CP size"):
@@ -218,13 +214,15 @@ def test_shard_batch_slices_and_context():
         shard_batch(ids, ids, torch.tensor([0, 7, 50, 96]), 0, 2)
 
 
-def test_without_a_context_the_model_is_unchanged():
-    model = build_model()
-    ids, cu = torch.randint(0, 512, (2, 48)), torch.tensor([0, 7, 30, 48, 50, 96])
+def test_a_shard_without_crossing_documents_runs_as_the_plain_model_and_refuses_a_cache():
+    """Where no document crosses a rank boundary a shard exchanges nothing (no process group is touched) and its
+    logits are the plain model's over the same local tokens; a shard runs training forwards only."""
+    model = build_model().double()
+    ids, cu = torch.randint(0, 512, (2, 48)), torch.tensor([0, 24, 48, 72, 96])
+    local_ids, _, local_cu, ctx = shard_batch(ids, ids, cu, 1, 2)
+    assert not ctx.any_crossing
+    sharded = dataclasses.replace(local_cu, shard=CPShard(ctx, None))
     with torch.no_grad():
-        before = model(ids, cu_seqlens=cu).logits
-        apply_context_parallel(model, None)  # no group is touched until a context is entered
-        assert torch.equal(model(ids, cu_seqlens=cu).logits, before)
-    with pytest.raises(ValueError, match="apply_context_parallel"):
-        with cp_context(build_model(), shard_batch(ids, ids, cu, 0, 2)[3]):
-            pass
+        assert rel(model(local_ids, cu_seqlens=sharded).logits, model(local_ids, cu_seqlens=local_cu).logits) <= 1e-12
+    with pytest.raises(ValueError, match="training forwards only"):
+        model(local_ids, cu_seqlens=sharded, cache=model.new_cache(local_cu.count))

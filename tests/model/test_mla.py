@@ -89,13 +89,13 @@ def test_masked_decode_equals_reference_latent_attention():
     reference latent attention, one query token per sequence, slots out of order."""
     from k3.ops.mla.fast import masked_decode
     from k3.ops.mla.reference import latent_attention
-    from k3.ops.segments import attach_host
+    from k3.ops.segments import Segments
 
     g = torch.Generator().manual_seed(9)
     kv = torch.randn(4, 20, 24, generator=g)
     q = torch.randn(3, 5, 24, generator=g)
     slots, lengths = torch.tensor([2, 0, 3]), torch.tensor([7, 20, 1])
-    cu = attach_host(torch.arange(4), [0, 1, 2, 3])
+    cu = Segments.from_host(range(4))
     want = latent_attention(q, kv, seq_ids=slots, lengths=lengths, cu_seqlens_q=cu, scale=0.3, v_dim=16)
     got = masked_decode(q, kv, slots, lengths, 0.3, 16)
     assert ((got - want).norm() / want.norm()).item() <= 1e-6

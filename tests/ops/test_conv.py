@@ -207,25 +207,29 @@ def test_flat_equals_reference_on_random_segmentations(W):
                 assert torch.equal(got[1], want[1])
 
 
-def test_flat_boundary_cache_follows_the_offsets_and_inf_stays_in_its_document():
-    """The boundary tables cached on cu_seqlens are rebuilt when its (host) offsets change, even in place; a
-    non-finite input in one document does not reach the next one's outputs (the reference keeps them finite)."""
-    from k3.ops.segments import attach_host
+def test_flat_boundary_tables_are_kept_per_segments_and_inf_stays_in_its_document(monkeypatch):
+    """The boundary tables are made once per Segments (the layers of a forward share them) and other offsets,
+    another Segments, get their own; a non-finite input in one document does not reach the next one's outputs
+    (the reference keeps them finite)."""
+    from k3.ops.conv import flat
+    from k3.ops.segments import Segments
 
+    built, real = [], flat._boundary
+    monkeypatch.setattr(flat, "_boundary", lambda *a: built.append(a[0]) or real(*a))
     x, weight, _ = make(1, 12, 4, seed=30)
-    cu = attach_host(torch.tensor([0, 5, 12]), [0, 5, 12])
-    flat_conv(x, weight, cu_seqlens=cu)
-    cu.copy_(torch.tensor([0, 2, 12]))
-    cu._k3_host[:] = [0, 2, 12]  # edited in place: the same list object
+    cu = Segments.from_host([0, 5, 12])
+    first = flat_conv(x, weight, cu_seqlens=cu)[0]
+    assert torch.equal(flat_conv(x, weight, cu_seqlens=cu)[0], first) and built == [[5, 7]]
+    other = Segments.from_host([0, 2, 12])
     check(
         "conv after the offsets changed",
-        flat_conv(x, weight, cu_seqlens=cu)[0],
+        flat_conv(x, weight, cu_seqlens=other)[0],
         reference_conv(x, weight, cu_seqlens=torch.tensor([0, 2, 12]))[0],
         1e-7,
     )
     x[0, 1] = float("inf")  # the last token of the first document
-    y = flat_conv(x, weight, cu_seqlens=cu)[0]
-    assert torch.isfinite(y[0, 2:]).all()
+    y = flat_conv(x, weight, cu_seqlens=other)[0]
+    assert torch.isfinite(y[0, 2:]).all() and built == [[5, 7], [2, 10]]
 
 
 CONV_STEPS = textwrap.dedent("""

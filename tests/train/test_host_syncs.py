@@ -4,13 +4,15 @@ trainer must read everything it logs in one transfer."""
 
 import sys
 
+import pytest
 import torch
 
+import k3.model.kda as kda_module
 import k3.train.step as step_module
 from k3.config import get_preset
+from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
-from k3.ops.segments import host_offsets
-from k3.ops.segments import attach_host, host_list, offsets_to
+from k3.ops.segments import Segments, as_segments
 from k3.train.qk_clip import mla_max_logits, qk_clip_
 from k3.train.trainer import Trainer, to_host
 from tests.train.test_trainer import tiny_cfg
@@ -69,21 +71,69 @@ def test_to_host_is_exact():
         assert host[k].dtype == t.dtype and host[k].shape == t.shape and torch.equal(host[k], t), k
 
 
-def test_offsets_to_carries_the_host_copy():
-    cu = torch.tensor([0, 3, 8])
-    moved = offsets_to(cu, "cpu")
-    assert moved._k3_host == [0, 3, 8] and host_list(moved) is moved._k3_host
-    assert offsets_to(moved, "cpu")._k3_host == [0, 3, 8]
+def test_segments_move_without_reading_and_keep_their_host_values():
+    """A Segments goes where it is asked without reading its offsets again (it is itself where they already are);
+    a CPU tensor converts from its own values."""
+    cu = as_segments(torch.tensor([0, 3, 8]), "cpu")
+    assert cu.host == (0, 3, 8) and cu.lengths == (3, 5) and cu.count == 2 and cu.max_length == 5
+    assert as_segments(cu, "cpu") is cu and cu.to("cpu") is cu and as_segments(cu) is cu
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        as_segments(torch.tensor([[0, 3]]))
 
 
-def test_fla_host_tensor_is_reused_per_host_copy():
-    """fla keys its derived chunk indices on the identity of cu_seqlens_cpu: one object per offsets (new offsets,
-    a new object)."""
-    cu = attach_host(torch.tensor([0, 5, 9]))
-    first = host_offsets(cu)
-    assert host_offsets(cu) is first and first.tolist() == [0, 5, 9]
-    attach_host(cu, [0, 4, 9])  # a new host copy: a new CPU tensor
-    assert host_offsets(cu) is not first and host_offsets(cu).tolist() == [0, 4, 9]
+def read_counter(monkeypatch):
+    """Patch ``Tensor.tolist`` to count its calls (every read of a device tensor's values is one) outside the
+    CPU's expert loop; returns the list of callers."""
+    reads, tolist = [], torch.Tensor.tolist
+
+    def spy(t):
+        caller = sys._getframe(1).f_code.co_filename
+        if not caller.endswith(MOE_REFERENCE):
+            reads.append(caller)
+        return tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    return reads
+
+
+def test_forward_reads_bare_offsets_once_and_segments_never(monkeypatch):
+    """The model reads a bare offsets tensor once per forward, however many layers use it (a device tensor: one
+    sync), and reads nothing of a Segments."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny")).eval()
+    ids, cu = torch.randint(0, 512, (1, 20)), torch.tensor([0, 7, 20])
+    reads = read_counter(monkeypatch)
+    with torch.no_grad():
+        bare = model(ids, cu_seqlens=cu).logits
+        assert len(reads) == 1, reads
+        reads.clear()
+        segments = Segments.from_host([0, 7, 20])
+        assert torch.equal(model(ids, cu_seqlens=segments).logits, bare)
+    assert reads == []
+
+
+def test_fla_host_tensor_is_one_object_per_segments_shared_by_the_layers(monkeypatch):
+    """fla keys its derived chunk indices on the identity of cu_seqlens and cu_seqlens_cpu: one CPU tensor per
+    Segments, and every KDA layer of a forward is handed the same Segments (new offsets: a new object)."""
+    cu = Segments.from_host([0, 5, 9])
+    assert cu.cpu is cu.cpu and cu.cpu.tolist() == [0, 5, 9] and cu.cpu.dtype == torch.int64
+    assert Segments.from_host([0, 4, 9]).cpu is not cu.cpu
+    seen, real = [], kda_module.chunk_kda_raw
+
+    def spy(*args, cu_seqlens, **kwargs):
+        seen.append(cu_seqlens)
+        return real(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    monkeypatch.setattr(kda_module, "chunk_kda_raw", spy)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("tiny"))
+    layers = sum(isinstance(layer.self_attn, kda_module.KimiDeltaAttention) for layer in model.model.layers)
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randint(0, 512, (1, 20)), cu_seqlens=torch.tensor([0, 7, 20]))
+    assert layers >= 2 and len(seen) == 2 * layers
+    first, second = seen[:layers], seen[layers:]
+    assert all(s is first[0] for s in first) and all(s is second[0] for s in second) and first[0] is not second[0]
 
 
 def test_qk_clip_below_tau_leaves_weights_bit_identical():

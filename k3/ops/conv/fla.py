@@ -16,7 +16,7 @@ import importlib.util
 import torch
 
 from k3.ops.conv.reference import check_arguments
-from k3.ops.segments import host_offsets
+from k3.ops.segments import Segments, as_segments
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -32,19 +32,19 @@ def causal_conv1d(
     *,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Segments | torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See :func:`k3.ops.conv.reference.causal_conv1d` (x [B, T, C], weight [C, W] -> y [B, T, C], state)."""
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
 
+    cu_seqlens = as_segments(cu_seqlens, x.device)
     check_arguments(x, weight, initial_state, cu_seqlens, activation)
     if x.dtype not in DTYPES:
         raise ValueError(f"fla's conv kernel takes {DTYPES}, got {x.dtype} (the flat form takes it)")
     state = None
     if initial_state is not None:
         state = torch.nn.functional.pad(initial_state.to(x.dtype), (1, 0)).contiguous()  # [N, C, W]
-    cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
     y, final = fla_causal_conv1d(
         x.contiguous(),
         weight,
@@ -52,7 +52,7 @@ def causal_conv1d(
         output_final_state=output_final_state,
         activation=activation,
         backend="triton",
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.offsets,
+        cu_seqlens_cpu=None if cu_seqlens is None else cu_seqlens.cpu,
     )
     return y, None if final is None else final[..., 1:]

@@ -13,8 +13,8 @@ accumulate. Here, for token t of segment s at offset p = t - start_s, the refere
 that is right except at the first W-1 tokens of each segment (K <= N (W-1) tokens), whose outputs are computed
 again from their own inputs and history ([K, W, C] gathered) and written over the conv's (distinct targets, so
 deterministic on CUDA; no sort in the backward; no cancellation, unlike subtracting the wrong terms). The token
-and lag tables are built from the segment lengths with vectorised CPU ops and kept on ``cu_seqlens`` (the
-layers of a forward share it). Same contract and dtype rules as the reference.
+and lag tables are built from the segment lengths with vectorised CPU ops and kept with the ``Segments`` (the
+layers of a forward share them). Same contract and dtype rules as the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from k3.ops.dtypes import no_autocast
 from k3.ops.conv.reference import check_arguments
-from k3.ops.segments import derived, to_device
+from k3.ops.segments import Segments, as_segments, to_device
 
 
 class _Boundary(NamedTuple):
@@ -60,10 +60,11 @@ def causal_conv1d(
     *,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Segments | torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See :func:`k3.ops.conv.reference.causal_conv1d` (x [B, T, C], weight [C, W] -> y [B, T, C], state)."""
+    cu_seqlens = as_segments(cu_seqlens, x.device)
     B, T, C, W, lengths = check_arguments(x, weight, initial_state, cu_seqlens, activation)
     N = len(lengths)
 
@@ -78,7 +79,7 @@ def causal_conv1d(
         b = (
             _boundary(lengths, W, dev)
             if cu_seqlens is None  # the layers of a forward share the tables
-            else derived(cu_seqlens, ("conv", W, str(dev)), lambda: _boundary(lengths, W, dev))
+            else cu_seqlens.derived(("conv", W, str(dev)), lambda: _boundary(lengths, W, dev))
         )
         if b.t.numel():  # the first W-1 outputs of every segment, from their own inputs and history
             k = b.t.numel()

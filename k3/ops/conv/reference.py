@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.dtypes import no_autocast
-from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
+from k3.ops.segments import Segments, as_segments, pack_segments, unpack_segments
 
 __all__ = ["causal_conv1d", "causal_conv1d_step"]
 
@@ -25,7 +25,7 @@ def check_arguments(
     x: torch.Tensor,
     weight: torch.Tensor,
     initial_state: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None,
+    cu_seqlens: Segments | None,
     activation: str | None,
 ) -> tuple[int, int, int, int, list[int]]:
     """Validate :func:`causal_conv1d`'s arguments (one ValueError each); returns B, T, C, W and the N segment
@@ -39,7 +39,7 @@ def check_arguments(
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        lengths = segment_lengths(cu_seqlens, T)
+        lengths = list(cu_seqlens.check(T))
     else:
         lengths = [T] * B
     N = len(lengths)
@@ -54,7 +54,7 @@ def causal_conv1d(
     *,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Segments | torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal conv1d with optional SiLU.
@@ -65,12 +65,14 @@ def causal_conv1d(
         initial_state: [N, C, W-1] previous inputs, oldest first, or None (zeros);
             N = B, or the number of segments when ``cu_seqlens`` is given.
         output_final_state: also return the last W-1 inputs of each sequence.
-        cu_seqlens: [N+1] segment offsets (B must be 1); segments are independent.
+        cu_seqlens: [N+1] segment offsets (B must be 1; a Segments or a tensor, k3.ops.segments); segments are
+            independent.
         activation: "silu" or None.
 
     Returns:
         y: [B, T, C] in x.dtype; final_state: [N, C, W-1] in promote(x.dtype, float32), or None.
     """
+    cu_seqlens = as_segments(cu_seqlens, x.device)
     B, T, C, W, lengths = check_arguments(x, weight, initial_state, cu_seqlens, activation)
     N = len(lengths)
 

@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from k3.ops.segments import host_offsets
+from k3.ops.segments import Segments, as_segments
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 SAFE_GATE_BOUND = -5.0  # the lowest gate lower bound fla's safe_gate path accepts
@@ -42,6 +42,16 @@ def _norms_outside(q: Tensor, k: Tensor, eps: float) -> tuple[Tensor, Tensor, bo
     return l2norm(q, eps), l2norm(k, eps), False
 
 
+def _offsets(segments: Segments | Tensor | None) -> Tensor | None:
+    """fla's ``cu_seqlens``: the offsets tensor (of a Segments: the same one for every layer of a forward)."""
+    return segments.offsets if isinstance(segments, Segments) else segments
+
+
+def _cpu(segments: Segments | None) -> Tensor | None:
+    """fla's ``cu_seqlens_cpu``: one CPU tensor per Segments (see :attr:`k3.ops.segments.Segments.cpu`)."""
+    return None if segments is None else segments.cpu
+
+
 def _chunk(chunk_size: int) -> int:
     """fla's KDA chunk: 32 or 64 (the chunked form is exact, so any other size runs at 64)."""
     return chunk_size if chunk_size in (32, 64) else 64
@@ -57,14 +67,14 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Segments | Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`k3.ops.kda.reference.chunk_kda` (computed in v's dtype, state in fp32)."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
-    cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    cu_seqlens = as_segments(cu_seqlens, q.device)
     return fla_chunk_kda(
         q,
         k,
@@ -74,8 +84,8 @@ def chunk_kda(
         scale=scale,
         initial_state=state,
         output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=_offsets(cu_seqlens),
+        cu_seqlens_cpu=_cpu(cu_seqlens),
         chunk_size=_chunk(chunk_size),
     )
 
@@ -95,7 +105,7 @@ def chunk_kda_raw(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Segments | Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`k3.ops.kda.reference.chunk_kda_raw`, the way fla's own KDA layer calls its kernels:
@@ -109,7 +119,7 @@ def chunk_kda_raw(
     dtype = v.dtype
     q, k, fused_norm = _norms_outside(q, k, l2norm_eps)
     state = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
-    cu_cpu = None if cu_seqlens is None else host_offsets(cu_seqlens)
+    cu_seqlens = as_segments(cu_seqlens, q.device)
     safe = lower_bound is not None and SAFE_GATE_BOUND <= lower_bound < 0  # fla rejects safe_gate below -5
     o, final = fla_chunk_kda(
         q.to(dtype),
@@ -128,8 +138,8 @@ def chunk_kda_raw(
         safe_gate=safe,
         lower_bound=lower_bound,
         state_v_first=True,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_cpu,
+        cu_seqlens=_offsets(cu_seqlens),
+        cu_seqlens_cpu=_cpu(cu_seqlens),
         chunk_size=_chunk(chunk_size),
     )
     return o, None if final is None else final.transpose(-1, -2)
@@ -146,7 +156,7 @@ def recurrent_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Segments | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Same contract as :func:`k3.ops.kda.reference.recurrent_kda`; forward only (fla has no backward for it)."""
     from fla.ops.kda import fused_recurrent_kda
@@ -155,7 +165,15 @@ def recurrent_kda(
         raise RuntimeError("fla's fused_recurrent_kda has no backward: use chunk_kda for training")
     q, k, v, g, beta, state = _inputs(q, k, v, g, beta, initial_state)
     return fused_recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state, cu_seqlens=cu_seqlens
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=state,
+        output_final_state=output_final_state,
+        cu_seqlens=_offsets(cu_seqlens),  # read on the device only: no conversion (a tensor stays unread)
     )
 
 

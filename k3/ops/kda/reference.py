@@ -7,8 +7,8 @@ Notation (per head, state S is K x V):
     o_t = scale * S_t^T q_t                             (read-out after the update)
 
 Layout is time-major, as in fla's ``chunk_kda``: q, k [B, T, H, K]; v [B, T, H, V];
-g [B, T, H, K] (log-space decay); beta [B, T, H]. With ``cu_seqlens`` (int tensor [N+1],
-0 = c_0 < ... < c_N = T) the batch must have B == 1 and holds N independent sequences.
+g [B, T, H, K] (log-space decay); beta [B, T, H]. With ``cu_seqlens`` (offsets [N+1], 0 = c_0 < ... < c_N = T:
+a k3.ops.segments.Segments or an int tensor) the batch must have B == 1 and holds N independent sequences.
 
 Two functions compute the same thing:
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.dtypes import autocast_off
-from k3.ops.segments import pack_segments, segment_lengths, unpack_segments
+from k3.ops.segments import Segments, as_segments, pack_segments, unpack_segments
 
 __all__ = ["kda_gate", "l2norm", "recurrent_kda", "chunk_kda", "chunk_kda_raw", "kda_decode_step"]
 
@@ -73,7 +73,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens: Segments | None):
     """Shared argument checks; returns (compute dtype, scale, N)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -85,7 +85,7 @@ def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
-        N = len(segment_lengths(cu_seqlens, T))
+        N = len(cu_seqlens.check(T))
     else:
         N = B
     if initial_state is not None and initial_state.shape != (N, H, K, V):
@@ -115,7 +115,7 @@ def recurrent_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Segments | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA.
 
@@ -134,6 +134,7 @@ def recurrent_kda(
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    cu_seqlens = as_segments(cu_seqlens, q.device)
     dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     out_dtype = v.dtype
     q, k, v, g, beta = (pack_segments(t.to(dtype), cu_seqlens) for t in (q, k, v, g, beta))
@@ -215,7 +216,7 @@ def chunk_kda_raw(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Segments | torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`chunk_kda` from the raw projections, as a KDA layer has them (training / prefill): the L2 norms,
@@ -324,7 +325,7 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: Segments | torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise KDA; same arguments and results as :func:`recurrent_kda` (plus ``chunk_size``).
@@ -348,6 +349,7 @@ def chunk_kda(
     sub = min(16, C)
     if C % sub != 0:
         raise ValueError(f"chunk_size must be a multiple of {sub}, got {C}")
+    cu_seqlens = as_segments(cu_seqlens, q.device)
     dtype, scale, N = _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     out_dtype = v.dtype
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from k3.ops.segments import host_list
+from k3.ops.segments import HostInts, Segments, as_segments, device_values, host_values
 
 log = logging.getLogger("k3.ops")
 _logged: set = set()
@@ -90,21 +90,29 @@ def _not_flash(q: Tensor, k: Tensor, v: Tensor, prefixed: bool, no_varlen: bool,
     return ""
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Tensor:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    cu_seqlens_q: Segments | Tensor,
+    cu_seqlens_k: Segments | Tensor,
+) -> Tensor:
     """Same contract as :func:`k3.ops.mla.reference.attention`. Segments with as many queries as keys (training,
     prefill without a cache) run as one FlashAttention-2 varlen call (values zero-padded to the q/k head width,
     which flash needs); otherwise (queries after a cached prefix, head widths over 256, fp32 without autocast,
     a torch without varlen_attn) one SDPA call per segment. Which one runs is logged once."""
-    bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
+    cu_seqlens_q, cu_seqlens_k = as_segments(cu_seqlens_q, q.device), as_segments(cu_seqlens_k, q.device)
+    bq, bk = cu_seqlens_q.host, cu_seqlens_k.host
     varlen, half, d, dv = _varlen_flash(), _flash_dtype(q), q.shape[-1], v.shape[-1]
     why = _not_flash(q, k, v, bq != bk, varlen is None, half is None)
     if not why:
         _log_once(logging.INFO, "MLA prefill attention: flash varlen (torch.nn.attention.varlen)")
-        lengths = [b - a for a, b in zip(bq[:-1], bq[1:])]
-        cu = cu_seqlens_q.to(torch.int32)
+        cu, longest = cu_seqlens_q.int32, cu_seqlens_q.max_length
         vp = F.pad(v.to(half), (0, d - dv))
         fn, causal = varlen
-        o = fn(q.to(half), k.to(half), vp, cu, cu, max(lengths), max(lengths), scale=scale, **causal)
+        o = fn(q.to(half), k.to(half), vp, cu, cu, longest, longest, scale=scale, **causal)
         return o[..., :dv].to(q.dtype)
     _log_once(logging.INFO, f"MLA prefill attention: SDPA per segment ({why})")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
@@ -117,16 +125,18 @@ def latent_attention(
     q: Tensor,
     kv: Tensor,
     *,
-    seq_ids: Tensor,
-    lengths: Tensor,
-    cu_seqlens_q: Tensor,
+    seq_ids: HostInts | Tensor,
+    lengths: HostInts | Tensor,
+    cu_seqlens_q: Segments | Tensor,
     scale: float,
     v_dim: int,
     max_length: int | None = None,
 ) -> Tensor:
     """Same contract as :func:`k3.ops.mla.reference.latent_attention`; one-token segments (decode) run the
-    Triton split-K kernel, longer ones (chunked prefill on a cache) one SDPA call each."""
-    if q.shape[0] == seq_ids.numel():
+    Triton split-K kernel (reading nothing on the host), longer ones (chunked prefill on a cache) one SDPA call
+    each."""
+    if q.shape[0] == device_values(seq_ids).numel():
+        seq_ids, lengths = device_values(seq_ids), device_values(lengths)
         from k3.ops.mla.triton_decode import mla_decode, supported
 
         if supported(v_dim, q.shape[-1] - v_dim):
@@ -138,8 +148,8 @@ def latent_attention(
         )
         return masked_decode(q, kv, seq_ids, lengths, scale, v_dim)
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-    bq = host_list(cu_seqlens_q)
-    for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):
+    bq = as_segments(cu_seqlens_q).host
+    for s, (slot, length) in enumerate(zip(host_values(seq_ids), host_values(lengths))):
         rows = kv[slot, :length].unsqueeze(1)
         out[bq[s] : bq[s + 1]] = _sdpa(q[bq[s] : bq[s + 1]], rows, rows[..., :v_dim], scale)
     return out

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from k3.ops.dtypes import autocast_off, upcast
-from k3.ops.segments import host_list
+from k3.ops.segments import HostInts, Segments, as_segments, host_values
 
 
 @autocast_off
@@ -24,18 +24,25 @@ def segment_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return torch.matmul(scores.softmax(-1), upcast(v).transpose(0, 1)).transpose(0, 1).to(q.dtype)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> Tensor:
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    cu_seqlens_q: Segments | Tensor,
+    cu_seqlens_k: Segments | Tensor,
+) -> Tensor:
     """Softmax attention where each query segment attends causally to its own key segment.
 
-    q [N, H, D]; k [M, Hk, D]; v [M, Hk, Dv] with Hk == H or 1; cu_seqlens_q / cu_seqlens_k [S+1]: segment s
-    has Lq queries and Lk >= Lq keys (see :func:`segment_attention`). Returns o [N, H, Dv] in q.dtype.
+    q [N, H, D]; k [M, Hk, D]; v [M, Hk, Dv] with Hk == H or 1; cu_seqlens_q / cu_seqlens_k [S+1] (Segments or
+    tensors, k3.ops.segments): segment s has Lq queries and Lk >= Lq keys (see :func:`segment_attention`).
+    Returns o [N, H, Dv] in q.dtype.
     """
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} differ"
-        )
+    bq, bk = as_segments(cu_seqlens_q).host, as_segments(cu_seqlens_k).host
+    if len(bq) != len(bk):
+        raise ValueError(f"cu_seqlens_q ({len(bq)},) and cu_seqlens_k ({len(bk)},) differ")
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    bq, bk = host_list(cu_seqlens_q), host_list(cu_seqlens_k)
     for s in range(len(bq) - 1):
         out[bq[s] : bq[s + 1]] = segment_attention(
             q[bq[s] : bq[s + 1]], k[bk[s] : bk[s + 1]], v[bk[s] : bk[s + 1]], scale
@@ -47,9 +54,9 @@ def latent_attention(
     q: Tensor,
     kv: Tensor,
     *,
-    seq_ids: Tensor,
-    lengths: Tensor,
-    cu_seqlens_q: Tensor,
+    seq_ids: HostInts | Tensor,
+    lengths: HostInts | Tensor,
+    cu_seqlens_q: Segments | Tensor,
     scale: float,
     v_dim: int,
     max_length: int | None = None,
@@ -59,11 +66,13 @@ def latent_attention(
     q [N, H, D] (D = r + dr: the absorbed q_nope and q_pe); kv [slots, capacity, D] cache rows; segment s of the
     packed queries (cu_seqlens_q [S+1]) belongs to slot seq_ids[s], whose first lengths[s] rows are its keys
     (its new tokens included, last); values are each row's first ``v_dim`` entries; ``max_length`` (host int,
-    optional) is max(lengths), which fast paths use to plan without reading ``lengths``. Returns [N, H, v_dim].
+    optional) is max(lengths), which fast paths use to plan without reading ``lengths``. ``seq_ids`` and
+    ``lengths`` are int tensors or HostInts (k3.ops.segments: read on the host from their own copy). Returns
+    [N, H, v_dim].
     """
     out = q.new_empty(q.shape[0], q.shape[1], v_dim)
-    bq = host_list(cu_seqlens_q)
-    for s, (slot, length) in enumerate(zip(host_list(seq_ids), host_list(lengths))):
+    bq = as_segments(cu_seqlens_q).host
+    for s, (slot, length) in enumerate(zip(host_values(seq_ids), host_values(lengths))):
         rows = kv[slot, :length].unsqueeze(1)  # [L, 1, D]
         out[bq[s] : bq[s + 1]] = segment_attention(q[bq[s] : bq[s + 1]], rows, rows[..., :v_dim], scale)
     return out
