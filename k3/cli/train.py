@@ -6,6 +6,8 @@ checkpoint with its recorded settings; a flag that contradicts them is refused, 
 k3.train.config.RESUME_MAY_CHANGE: ``--device``, ``--save-every``, ``--eval-every``, ``--samples``,
 ``--keep-checkpoints``, ``--tokenizer``, ``--schedule-steps`` and ``--steps`` (which may extend the run: the
 learning-rate schedule keeps its recorded length, so the added steps run at its final, minimum rate).
+``--init-from CKPT`` starts a new run from a checkpoint's weights, config and tokenizer (k3.train.finetune); the
+flags that would change the architecture or the tokenizer (k3.train.config.ARCHITECTURE_FIELDS) are refused beside it.
 
 The training flags are made from the fields of :class:`~k3.train.config.TrainConfig` (name, type, default, help
 and choices): ``--FIELD-NAME VALUE``, a boolean field as a switch away from its default (``--no-per-head-muon``,
@@ -23,7 +25,7 @@ import os
 import typing
 from pathlib import Path
 
-from k3.train.config import RESUME_MAY_CHANGE, TrainConfig
+from k3.train.config import RESUME_MAY_CHANGE, TrainConfig, refuse_architecture_flags
 
 log = logging.getLogger("k3.train")
 
@@ -42,7 +44,9 @@ VISION_DEFAULTS = {"steps": 220, "batch_size": 32, "eval_every": 55, "eval_rows"
 
 
 # shown in --help as the default instead of the field's own (``out`` follows the preset and the task)
-DEFAULT_SHOWN = {"out": "runs/PRESET, or runs/PRESET-vision with --task vision"}
+DEFAULT_SHOWN = {
+    "out": "runs/PRESET, runs/PRESET-vision with --task vision, runs/NAME-TASK with --init-from DIR/NAME",
+}
 
 
 def _value_type(hint) -> type:
@@ -148,12 +152,23 @@ def resume_config(args: argparse.Namespace, out: str) -> TrainConfig:
     )
 
 
+def default_out(args: argparse.Namespace) -> str:
+    """Where a run goes without ``--out``: runs/PRESET (runs/PRESET-vision for the vision task); a run initialised
+    from DIR/NAME goes to runs/NAME-TASK, beside its source rather than into it."""
+    task = args.task or TrainConfig.task
+    if args.init_from:
+        return f"runs/{Path(args.init_from).resolve().name}-{task}"
+    return f"runs/{args.preset or TrainConfig.preset}" + ("-vision" if task == "vision" else "")
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     task = args.task or TrainConfig.task
-    out = args.out or (f"runs/{args.preset or TrainConfig.preset}" + ("-vision" if task == "vision" else ""))
+    out = args.out or default_out(args)
     if args.resume:
         return resume_config(args, out)
     values = _given(args)
+    if args.init_from:
+        refuse_architecture_flags(values)
     if task == "vision":  # ~13 minutes on 2 CPU cores with the small preset
         values = {**VISION_DEFAULTS, **values}
     values["out"] = out

@@ -33,6 +33,10 @@ RESUME_MAY_CHANGE = (
     "tokenizer",
 )
 
+# fields that choose the architecture or the tokenizer: --init-from takes both from its checkpoint, so these are
+# refused beside it (one line naming them) rather than silently ignored
+ARCHITECTURE_FIELDS = ("preset", "overrides", "vocab_size", "tokenizer", "tokenizer_train_bytes")
+
 # integer fields that must be positive (``schedule_steps`` may also be None)
 _POSITIVE = (
     "steps",
@@ -62,6 +66,12 @@ class TrainConfig:
     )
     overrides: dict = _f(
         {}, "override a config field, e.g. --set moe.num_experts=16 (repeatable)", metavar="FIELD=VALUE"
+    )
+    init_from: str | None = _f(
+        None,
+        "start from a checkpoint's weights, config and tokenizer (optimizer fresh): a k3 run directory (its latest "
+        "checkpoint), a checkpoint directory or an HF-layout K3 / Kimi-Linear release (default: random weights)",
+        metavar="CKPT",
     )
     data: str | None = _f(
         None,
@@ -148,6 +158,23 @@ class TrainConfig:
             raise ValueError(f"--fp8-experts and --qat={self.qat} do not combine: choose one")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
+        if self.init_from is not None:
+            if self.task == "vision":
+                raise ValueError("--init-from starts a text model (--task text); --task vision builds its own model")
+            if self.overrides or self.tokenizer:
+                refuse_architecture_flags([k for k in ("overrides", "tokenizer") if getattr(self, k)])
+
+
+def refuse_architecture_flags(given) -> None:
+    """One ValueError naming the ARCHITECTURE_FIELDS among ``given`` (field names), if any: beside --init-from the
+    architecture and the tokenizer are the checkpoint's."""
+    named = [k for k in ARCHITECTURE_FIELDS if k in given]
+    if named:
+        flags = ", ".join("--set" if k == "overrides" else "--" + k.replace("_", "-") for k in named)
+        raise ValueError(
+            f"--init-from takes the architecture and the tokenizer from its checkpoint: drop {flags}, or train "
+            "from random weights without --init-from"
+        )
 
 
 def check_resume_config(

@@ -53,6 +53,7 @@ from k3.train import plots
 from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train.checkpoint import RunLock, clean_stray, resume_checkpoint
 from k3.train.config import RESUME_MAY_CHANGE, TASKS, TrainConfig, check_resume_config
+from k3.train.finetune import init_checkpoint, init_model, init_tokenizer
 from k3.train.optim import K3Muon, describe_groups, param_groups_for
 from k3.train.state import RunState, TrainingDiverged, read_metrics
 from k3.train.step import TrainStep, to_host
@@ -121,12 +122,16 @@ class Trainer(TrainStep, RunState):
     def _setup(self, cfg: TrainConfig, resume: bool) -> None:
         ckpt = self._open_run_dir(resume)
         ckpt, self.resume_from = self.model_checkpoint(ckpt), ckpt
+        # --init-from: a new run from a checkpoint's weights (a resumed one reads its own checkpoint)
+        self.init_from = init_checkpoint(cfg.init_from) if cfg.init_from and self.resume_from is None else None
         torch.manual_seed(cfg.seed)
         if cfg.task == "vision":
             self._setup_vision(ckpt)
         else:
             self._setup_text(ckpt)
         self.model_cfg = self.model.config
+        if cfg.init_from:  # the run records the model it trains (its checkpoint's), not the default preset
+            self.cfg = cfg = dataclasses.replace(cfg, preset=self.model_cfg.name)
         self._prepare_model()
         self._setup_optimizer()
         self.step = 0
@@ -256,6 +261,8 @@ class Trainer(TrainStep, RunState):
         log.debug("data: train %r, validation %r", train, val)
         if ckpt is not None:
             self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
+        elif self.init_from is not None:
+            self.model = init_model(self.init_from, self.tokenizer, self.device)
         else:
             model_cfg = get_preset(cfg.preset).replace(
                 vocab_size=self.tokenizer.vocab_size,
@@ -266,10 +273,13 @@ class Trainer(TrainStep, RunState):
             self.model = K3ForCausalLM(model_cfg).to(self.device)
 
     def _text_tokenizer(self, ckpt, train_docs) -> Tokenizer:
-        """The checkpoint's tokenizer on resume, else ``cfg.tokenizer``, else a byte-level BPE trained here."""
+        """The checkpoint's tokenizer on resume or with ``--init-from``, else ``cfg.tokenizer``, else a byte-level
+        BPE trained here."""
         cfg = self.cfg
         if ckpt is not None:
             return Tokenizer.load(ckpt)
+        if self.init_from is not None:
+            return init_tokenizer(cfg.init_from)
         if cfg.tokenizer:
             return _load_tokenizer(cfg.tokenizer)
         t0 = time.perf_counter()
