@@ -12,7 +12,8 @@ flags that would change the architecture or the tokenizer (k3.train.config.ARCHI
 The training flags are made from the fields of :class:`~k3.train.config.TrainConfig` (name, type, default, help
 and choices): ``--FIELD-NAME VALUE``, a boolean field as a switch away from its default (``--no-per-head-muon``,
 ``--activation-checkpointing``), and ``overrides`` as the repeatable ``--set FIELD=VALUE``. Every such flag
-defaults to unset, so the dataclass (or, for ``--task vision``, VISION_DEFAULTS) supplies the value.
+defaults to unset, so the dataclass (or, for ``--task vision`` and ``--task sft``, VISION_DEFAULTS and SFT_DEFAULTS)
+supplies the value.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _override(text: str) -> tuple[str, object]:
 
 
 VISION_DEFAULTS = {"steps": 220, "batch_size": 32, "eval_every": 55, "eval_rows": 64}
+# fine-tuning a trained model on the embedded chat set: a few epochs at a lower rate than pretraining's
+SFT_DEFAULTS = {"steps": 60, "lr": 1e-3, "eval_every": 10}
 
 
 # shown in --help as the default instead of the field's own (``out`` follows the preset and the task)
@@ -56,13 +59,14 @@ def _value_type(hint) -> type:
 
 
 def _help(f: dataclasses.Field) -> str:
-    """The field's help text with its default (and its ``--task vision`` default), %-escaped for argparse."""
+    """The field's help text with its default (and its ``--task vision`` / ``sft`` ones), %-escaped for argparse."""
     text = f.metadata["help"]
     if f.name in DEFAULT_SHOWN:
         text += f" (default {DEFAULT_SHOWN[f.name]})"
     elif f.default is not None and f.default is not dataclasses.MISSING and not isinstance(f.default, bool):
         vision = f"; vision: {VISION_DEFAULTS[f.name]}" if f.name in VISION_DEFAULTS else ""
-        text += f" (default {f.default}{vision})"
+        sft = f"; sft: {SFT_DEFAULTS[f.name]}" if f.name in SFT_DEFAULTS else ""
+        text += f" (default {f.default}{vision}{sft})"
     return text.replace("%", "%%")
 
 
@@ -171,6 +175,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         refuse_architecture_flags(values)
     if task == "vision":  # ~13 minutes on 2 CPU cores with the small preset
         values = {**VISION_DEFAULTS, **values}
+    elif task == "sft":
+        values = {**SFT_DEFAULTS, **values}
     values["out"] = out
     return TrainConfig(**values)
 

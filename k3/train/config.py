@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-TASKS = ("text", "vision")
+TASKS = ("text", "vision", "sft")
 # copies of the values some fields offer, which their modules define beside torch code: this module (and with it
 # ``k3 train --help``, whose flags it defines) imports no torch. tests/cli/test_help.py keeps each equal to its source.
 BALANCE_METHODS = ("qb", "qb_exact", "sign", "aux", "seqaux", "none")  # k3.model.balance.BALANCE_METHODS
@@ -62,7 +62,10 @@ def _f(default, text: str, **meta):
 class TrainConfig:
     preset: str = _f("small", "model preset (k3.config.presets)")
     task: str = _f(
-        "text", "text: language modelling on --data; vision: the embedded image question-answering task", choices=TASKS
+        "text",
+        "text: language modelling on --data; vision: the embedded image question-answering task; sft: supervised "
+        "fine-tuning of --init-from on chat JSONL (--data, default an embedded set), loss on the assistant's tokens",
+        choices=TASKS,
     )
     overrides: dict = _f(
         {}, "override a config field, e.g. --set moe.num_experts=16 (repeatable)", metavar="FIELD=VALUE"
@@ -77,7 +80,8 @@ class TrainConfig:
         None,
         "text file, directory, .jsonl (field text) or .parquet, or a built-in corpus: stdlib, pydoc-topics (Python's "
         "help topics' prose), packages:NAME[==VERSION],... (installed distributions' text files), joined by +; "
-        "default: the Python standard library's own sources",
+        'default: the Python standard library\'s own sources; --task sft: a .jsonl of {"messages": [...]} '
+        "conversations (default: the embedded chat set)",
     )
     tokenizer: str | None = _f(
         None, "tokenizer.json (or its directory) or a tiktoken BPE file (default: train a byte-level BPE)"
@@ -158,9 +162,13 @@ class TrainConfig:
             raise ValueError(f"--fp8-experts and --qat={self.qat} do not combine: choose one")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
+        if self.task == "sft" and not self.init_from:
+            raise ValueError("--task sft fine-tunes a trained model: give it with --init-from CKPT")
         if self.init_from is not None:
             if self.task == "vision":
-                raise ValueError("--init-from starts a text model (--task text); --task vision builds its own model")
+                raise ValueError(
+                    "--init-from starts a text model (--task text or sft); --task vision builds its own model"
+                )
             if self.overrides or self.tokenizer:
                 refuse_architecture_flags([k for k in ("overrides", "tokenizer") if getattr(self, k)])
 

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from k3.config import get_preset
 from k3.convert.atomic import atomic_write_text, make_directory
 from k3.convert.load import from_pretrained
+from k3.data.sft import DEFAULT_NAME as DEFAULT_CHAT, chat_dataset, load_conversations, reply_prompts
 from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
 from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.sampling import SamplingParams
@@ -230,30 +231,30 @@ class Trainer(TrainStep, RunState):
 
     # ------------------------------------------------------------------ data, tokenizer and model of each task
     def _setup_text(self, ckpt) -> None:
+        """Language modelling on documents, or (``--task sft``) on conversations with the loss on the assistant's
+        tokens (k3.data.sft): both packed into rows the same way."""
         cfg = self.cfg
-        train_docs = load_corpus(cfg.data, "train")
-        val_docs = load_corpus(cfg.data, "validation")
+        sft = cfg.task == "sft"
+        load, pack = (load_conversations, chat_dataset) if sft else (load_corpus, PackedDataset)
+        train_docs = load(cfg.data, "train")
+        val_docs = load(cfg.data, "validation")
         self.tokenizer = self._text_tokenizer(ckpt, train_docs)
         if self.is_main:
             self.tokenizer.save(self.run_dir)
         t0 = time.perf_counter()
-        self.train_data = PackedDataset(
-            train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, max_tokens=cfg.max_tokens
-        )
-        self.val_data = PackedDataset(
-            val_docs,
-            self.tokenizer,
-            cfg.seq_len,
-            seed=VALIDATION_SEED,
-            max_tokens=cfg.eval_rows * cfg.seq_len + 1,
+        self.train_data = pack(train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, max_tokens=cfg.max_tokens)
+        self.val_data = pack(
+            val_docs, self.tokenizer, cfg.seq_len, seed=VALIDATION_SEED, max_tokens=cfg.eval_rows * cfg.seq_len + 1
         )
         self.val_docs = val_docs
         seconds, train, val = time.perf_counter() - t0, self.train_data, self.val_data
         log.info(
-            "data %s: %.2fM training tokens (%d documents), %d validation rows of %d tokens (%.1fs)",
-            cfg.data or "stdlib",
+            "data %s: %.2fM training tokens (%d %s%s), %d validation rows of %d tokens (%.1fs)",
+            cfg.data or (DEFAULT_CHAT if sft else "stdlib"),
             train.tokens.numel() / 1e6,
             train.num_documents,
+            "conversations" if sft else "documents",
+            f", {train.num_labels / train.tokens.numel():.0%} of the tokens the assistant's" if sft else "",
             min(cfg.eval_rows, val.num_rows),
             cfg.seq_len,
             seconds,
@@ -418,17 +419,28 @@ class Trainer(TrainStep, RunState):
 
     def sample(self) -> list[tuple[str, str]]:
         """Continuations of the openings (SAMPLE_PROMPT_TOKENS tokens) of the first validation documents, drawn by
-        the serving engine with :meth:`sample_params` (vision task: the first held-out questions with the expected
-        and the predicted answer)."""
+        the serving engine with :meth:`sample_params` (sft: replies to the first held-out conversations, prompted
+        and stopped in the chat format; vision: the first held-out questions with the expected and the predicted
+        answer)."""
         if self.cfg.task == "vision":
             _, triples = self.vision_accuracy(max(self.cfg.samples, 1))
             return [(f"[image] {q} (expected: {a})", p) for q, a, p in triples]
         from k3.infer.engine import Engine
 
-        openings = [
-            self.tokenizer.encode(doc.text[:2000])[:SAMPLE_PROMPT_TOKENS] for doc in self.val_docs[: self.cfg.samples]
-        ]
-        prompts = [p for p in openings if p]
+        params = [self.sample_params()] * self.cfg.samples
+        if self.cfg.task == "sft":  # replies to held-out conversations, ended as the chat format ends them
+            chats = reply_prompts(self.val_docs, self.tokenizer, self.cfg.samples)
+            shown, prompts = [asked for asked, _ in chats], [chat.token_ids for _, chat in chats]
+            params = [
+                dataclasses.replace(params[0], stop=chat.stop, stop_token_ids=chat.stop_token_ids) for _, chat in chats
+            ]
+        else:
+            openings = [
+                self.tokenizer.encode(doc.text[:2000])[:SAMPLE_PROMPT_TOKENS]
+                for doc in self.val_docs[: self.cfg.samples]
+            ]
+            prompts = [p for p in openings if p]
+            shown = [self.tokenizer.decode(p) for p in prompts]
         if not prompts:
             return []
         # the engine's start-up and kernel lines describe a server, not these few samples: warnings only
@@ -440,12 +452,12 @@ class Trainer(TrainStep, RunState):
             engine = Engine(
                 self.model, self.tokenizer, max_batch=len(prompts), cuda_graphs=False, warm_up=False, overlap=False
             )
-            outs = engine.generate(prompts, self.sample_params())
+            outs = engine.generate(prompts, params[: len(prompts)])
         finally:
             for name, logger in quiet.items():
                 logger.setLevel(levels[name])
             self.model.train()
-        return [(self.tokenizer.decode(p), out["text"]) for p, out in zip(prompts, outs)]
+        return [(text, out["text"]) for text, out in zip(shown, outs)]
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop_at: int | None = None) -> dict:
@@ -499,7 +511,7 @@ class Trainer(TrainStep, RunState):
             metrics_file.flush()
         bar.update(1)
         bar.set_postfix(
-            loss=f"{record['loss']:.3f}" if not record.get("skipped") else "nan",
+            loss=f"{record['loss']:.3f}" if not record.get("skipped") else str(record["loss"]),
             tok_s=f"{record['tokens_per_s']:.0f}",
             lr=f"{record['lr']:.2e}",
             maxvio=f"{record['maxvio']:.2f}" if record.get("maxvio") is not None else "-",

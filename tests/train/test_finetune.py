@@ -94,3 +94,57 @@ def test_init_from_default_out_is_beside_the_source(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["train", "--init-from", "runs/small"])
     assert train_cli.config_from_args(args).out == "runs/small-text"
+
+
+def test_sft_resumed_mid_run_is_bitwise_identical(tmp_path, monkeypatch):
+    """--task sft on the embedded chat set: a run stopped after its step-2 checkpoint and resumed gives the
+    uninterrupted run's losses and weights bit for bit; the samples are replies to held-out conversations."""
+    import k3.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "SAMPLE_TOKENS", 6)
+    src, _, _ = _source(tmp_path, "checkpoint")
+
+    def cfg(out):
+        return finetune_cfg(out, src, task="sft", data=None, seq_len=128)
+
+    full = Trainer(cfg(tmp_path / "full"), progress=False)
+    done = full.run()
+    split = Trainer(cfg(tmp_path / "split"), progress=False)
+    split.run(stop_at=2)
+    resumed = Trainer(cfg(tmp_path / "split"), resume=True, progress=False).run()
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in done["history"]]
+    a, b = k3.from_pretrained(done["checkpoint"]).state_dict(), k3.from_pretrained(resumed["checkpoint"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert full.train_data.trained is not None and "val_loss" in done["history"][-1]
+    assert not any(h.get("skipped") for h in done["history"])
+    (asked, reply), *_ = full.sample()
+    assert asked.startswith(("user: ", "tool: ")) and isinstance(reply, str)
+
+
+def test_sft_needs_init_from(tmp_path, capsys):
+    assert main(["train", "--task", "sft", "--out", str(tmp_path / "x")]) == 2
+    assert "--task sft fine-tunes a trained model: give it with --init-from" in capsys.readouterr().err
+
+
+def test_a_step_without_trained_labels_is_skipped_not_bad(tmp_path):
+    """A batch of context only (no assistant token) leaves the weights alone and is no bad step; the next trains."""
+    from k3.data.text import IGNORE_INDEX
+
+    src, _, _ = _source(tmp_path, "checkpoint")
+    trainer = Trainer(finetune_cfg(tmp_path / "ft", src, task="sft", data=None, seq_len=128), progress=False)
+    real = trainer.next_batches
+
+    def context_only():
+        batches = real()
+        for b in batches:
+            b.labels[:] = IGNORE_INDEX
+        return batches
+
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.next_batches = context_only
+    record = trainer.train_step()
+    assert record["skipped"] == "no labels" and trainer.bad_steps == 0
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before.items())
+    trainer.next_batches = real
+    trainer.step += 1
+    assert isinstance(trainer.train_step()["loss"], float)
