@@ -48,7 +48,7 @@ SFT_DEFAULTS = {"steps": 60, "lr": 1e-3, "eval_every": 10}
 
 # shown in --help as the default instead of the field's own (``out`` follows the preset and the task)
 DEFAULT_SHOWN = {
-    "out": "runs/PRESET, runs/PRESET-vision with --task vision, runs/NAME-TASK with --init-from DIR/NAME",
+    "out": "runs/PRESET, runs/PRESET-vision with --task vision, runs/NAME-TASK(-lora) with --init-from DIR/NAME",
 }
 
 
@@ -161,7 +161,7 @@ def default_out(args: argparse.Namespace) -> str:
     from DIR/NAME goes to runs/NAME-TASK, beside its source rather than into it."""
     task = args.task or TrainConfig.task
     if args.init_from:
-        return f"runs/{Path(args.init_from).resolve().name}-{task}"
+        return f"runs/{Path(args.init_from).resolve().name}-{task}" + ("-lora" if args.lora else "")
     return f"runs/{args.preset or TrainConfig.preset}" + ("-vision" if task == "vision" else "")
 
 
@@ -177,6 +177,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         values = {**VISION_DEFAULTS, **values}
     elif task == "sft":
         values = {**SFT_DEFAULTS, **values}
+    if values.get("lora") is not None:  # the router and its bias stay frozen (TrainConfig.validate says why)
+        values.setdefault("balance", "none")
     values["out"] = out
     return TrainConfig(**values)
 

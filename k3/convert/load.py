@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from k3.config import K3Config
+from k3.convert.adapters import is_adapter_dir, not_a_model
 from k3.convert.names import from_files, map_tensor, vision_layout
 from k3.quant.packed import PACKED, SCALE, map_packed_pairs, read_quantization, unpack_weight, use_packed_experts
 
@@ -663,6 +664,8 @@ def from_pretrained(
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    if is_adapter_dir(directory):
+        raise not_a_model(directory)
     config = read_config(directory)
     if (directory / ".metadata").is_file():  # a multi-GPU run's torch.distributed.checkpoint
         if packed == "keep":

@@ -76,6 +76,14 @@ class TrainConfig:
         "checkpoint), a checkpoint directory or an HF-layout K3 / Kimi-Linear release (default: random weights)",
         metavar="CKPT",
     )
+    lora: int | None = _f(
+        None,
+        "train rank-RANK LoRA adapters on the attention projections of --init-from's model, every other weight and "
+        "the router (weights and bias) frozen; checkpoints hold the adapters only (k3 convert --merge-lora)",
+        metavar="RANK",
+    )
+    lora_alpha: float | None = _f(None, "LoRA scale: the adapted weight is W + (alpha / rank) B A (default: the rank)")
+    lora_shared_experts: bool = _f(False, "--lora also adapts the shared experts and the dense FFN layers")
     data: str | None = _f(
         None,
         "text file, directory, .jsonl (field text) or .parquet, or a built-in corpus: stdlib, pydoc-topics (Python's "
@@ -162,6 +170,7 @@ class TrainConfig:
             raise ValueError(f"--fp8-experts and --qat={self.qat} do not combine: choose one")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
+        self._validate_lora()
         if self.task == "sft" and not self.init_from:
             raise ValueError("--task sft fine-tunes a trained model: give it with --init-from CKPT")
         if self.init_from is not None:
@@ -171,6 +180,25 @@ class TrainConfig:
                 )
             if self.overrides or self.tokenizer:
                 refuse_architecture_flags([k for k in ("overrides", "tokenizer") if getattr(self, k)])
+
+    def _validate_lora(self) -> None:
+        if self.lora is None:
+            if self.lora_alpha is not None or self.lora_shared_experts:
+                raise ValueError("--lora-alpha and --lora-shared-experts set up --lora RANK: give it too, or drop them")
+            return
+        if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1:
+            raise ValueError(f"--lora={self.lora!r} must be a positive integer (the adapters' rank)")
+        a = self.lora_alpha
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < math.inf):
+            raise ValueError(f"--lora-alpha={a!r} must be a positive number")
+        if not self.init_from:
+            raise ValueError("--lora adapts a trained model: give it with --init-from CKPT")
+        if self.balance != "none":  # docs/decisions.md: expert balancing under LoRA and full fine-tuning
+            raise ValueError(
+                f"--lora keeps the router and its bias frozen, so --balance {self.balance} does not apply: drop it"
+            )
+        if self.qk_clip:
+            raise ValueError("--qk-clip rescales MLA's query and key weights, which --lora keeps frozen: drop it")
 
 
 def refuse_architecture_flags(given) -> None:

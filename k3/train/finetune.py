@@ -5,6 +5,13 @@ MXFP4 experts are dequantised to the training dtype) or a k3 run directory (its 
 read by :func:`k3.convert.load.from_pretrained` (streamed, checksummed), the model's config and the tokenizer are the
 checkpoint's (no BPE is trained, and flags that would change either are refused: k3.train.config), and the
 optimizer starts fresh: a new run, not a resume.
+
+``--lora RANK`` freezes the checkpoint's weights and trains low-rank adapters (k3.model.lora; why our own module
+and not peft: docs/decisions.md). The run's checkpoints hold the adapters and the name and fingerprint of their
+base (k3.convert.adapters); a resume reads the base again from ``--init-from``, refusing one that changed, and
+``k3 convert --merge-lora`` folds them into a checkpoint. The router and its bias stay frozen under LoRA (no bias
+update), so the adapters are the whole difference from the base; full fine-tuning keeps updating the bias with
+the run's balancer as pretraining does (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from k3.convert.adapters import base_fingerprint, check_base, read_adapters, write_adapters
 from k3.convert.checkpoint import resolve_checkpoint
 from k3.convert.load import from_pretrained
 from k3.data.tokenizer import Tokenizer
 from k3.infer.load import load_tokenizer
+from k3.model.lora import apply_lora, load_lora_state_dict, lora_targets
 
 log = logging.getLogger("k3.train")
 
@@ -57,3 +66,35 @@ def init_model(ckpt: Path, tokenizer: Tokenizer, device: torch.device):
         "initialised from %s (%s): weights, config and tokenizer; the optimizer starts fresh", ckpt, model.config.name
     )
     return model
+
+
+def adapt(model, cfg, base: Path, resume_from: Path | None):
+    """Apply ``cfg``'s LoRA to ``model`` (the base read from ``base``); on resume, load the adapters of
+    ``resume_from`` after checking they were trained on this base. Returns ``write(model, directory)``, which
+    writes a step's adapter files (for k3.train.checkpoint.save_checkpoint)."""
+    alpha = float(cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora)
+    targets = lora_targets(model, cfg.lora_shared_experts)
+    apply_lora(model, cfg.lora, alpha, targets)
+    meta = {
+        "rank": cfg.lora,
+        "alpha": alpha,
+        "shared_experts": cfg.lora_shared_experts,
+        "targets": targets,
+        "base": str(base.resolve()),
+        "base_fingerprint": base_fingerprint(base),
+    }
+    if resume_from is not None:
+        saved, tensors = read_adapters(resume_from)
+        check_base(saved, base, resume_from)
+        load_lora_state_dict(model, {k: v.to(next(model.parameters()).device) for k, v in tensors.items()})
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info(
+        "LoRA rank %d (alpha %g) on %d linear maps: %.2fM trainable parameters, %.2f%% of the model; the router "
+        "and its bias stay frozen",
+        cfg.lora,
+        alpha,
+        len(targets),
+        trained / 1e6,
+        100 * trained / sum(p.numel() for p in model.parameters()),
+    )
+    return lambda m, directory: write_adapters(m, directory, meta)

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from k3.config import get_preset
 from k3.convert.atomic import atomic_write_text, make_directory
+from k3.convert.checkpoint import write_pretrained
 from k3.convert.load import from_pretrained
 from k3.data.sft import DEFAULT_NAME as DEFAULT_CHAT, chat_dataset, load_conversations, reply_prompts
 from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
@@ -54,7 +55,7 @@ from k3.train import plots
 from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train.checkpoint import RunLock, clean_stray, resume_checkpoint
 from k3.train.config import RESUME_MAY_CHANGE, TASKS, TrainConfig, check_resume_config
-from k3.train.finetune import init_checkpoint, init_model, init_tokenizer
+from k3.train.finetune import adapt, init_checkpoint, init_model, init_tokenizer
 from k3.train.optim import K3Muon, describe_groups, param_groups_for
 from k3.train.state import RunState, TrainingDiverged, read_metrics
 from k3.train.step import TrainStep, to_host
@@ -124,7 +125,10 @@ class Trainer(TrainStep, RunState):
         ckpt = self._open_run_dir(resume)
         ckpt, self.resume_from = self.model_checkpoint(ckpt), ckpt
         # --init-from: a new run from a checkpoint's weights (a resumed one reads its own checkpoint)
-        self.init_from = init_checkpoint(cfg.init_from) if cfg.init_from and self.resume_from is None else None
+        # (a --lora run reads its frozen base from --init-from on resume too)
+        starts = cfg.init_from and (self.resume_from is None or cfg.lora)
+        self.init_from = init_checkpoint(cfg.init_from) if starts else None
+        self.write_model = write_pretrained  # what a checkpoint holds of the model: all of it, or its adapters
         torch.manual_seed(cfg.seed)
         if cfg.task == "vision":
             self._setup_vision(ckpt)
@@ -133,6 +137,8 @@ class Trainer(TrainStep, RunState):
         self.model_cfg = self.model.config
         if cfg.init_from:  # the run records the model it trains (its checkpoint's), not the default preset
             self.cfg = cfg = dataclasses.replace(cfg, preset=self.model_cfg.name)
+        if cfg.lora:
+            self.write_model = adapt(self.model, cfg, self.init_from, self.resume_from)
         self._prepare_model()
         self._setup_optimizer()
         self.step = 0
@@ -260,7 +266,7 @@ class Trainer(TrainStep, RunState):
             seconds,
         )
         log.debug("data: train %r, validation %r", train, val)
-        if ckpt is not None:
+        if ckpt is not None and not cfg.lora:
             self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
         elif self.init_from is not None:
             self.model = init_model(self.init_from, self.tokenizer, self.device)
