@@ -8,6 +8,7 @@ k3.train.config.RESUME_MAY_CHANGE: ``--device``, ``--save-every``, ``--eval-ever
 learning-rate schedule keeps its recorded length, so the added steps run at its final, minimum rate).
 ``--init-from CKPT`` starts a new run from a checkpoint's weights, config and tokenizer (k3.train.finetune); the
 flags that would change the architecture or the tokenizer (k3.train.config.ARCHITECTURE_FIELDS) are refused beside it.
+``--task sft`` fine-tunes it on conversations (k3.data.sft), ``--lora RANK`` trains adapters only (k3.model.lora).
 
 The training flags are made from the fields of :class:`~k3.train.config.TrainConfig` (name, type, default, help
 and choices): ``--FIELD-NAME VALUE``, a boolean field as a switch away from its default (``--no-per-head-muon``,
@@ -44,6 +45,8 @@ def _override(text: str) -> tuple[str, object]:
 VISION_DEFAULTS = {"steps": 220, "batch_size": 32, "eval_every": 55, "eval_rows": 64}
 # fine-tuning a trained model on the embedded chat set: a few epochs at a lower rate than pretraining's
 SFT_DEFAULTS = {"steps": 60, "lr": 1e-3, "eval_every": 10}
+# AdamW on LoRA factors that start at zero wants a higher rate than Muon on whole weights (README: fine-tune)
+LORA_LR = 5e-3
 
 
 # shown in --help as the default instead of the field's own (``out`` follows the preset and the task)
@@ -66,6 +69,7 @@ def _help(f: dataclasses.Field) -> str:
     elif f.default is not None and f.default is not dataclasses.MISSING and not isinstance(f.default, bool):
         vision = f"; vision: {VISION_DEFAULTS[f.name]}" if f.name in VISION_DEFAULTS else ""
         sft = f"; sft: {SFT_DEFAULTS[f.name]}" if f.name in SFT_DEFAULTS else ""
+        sft += f"; --lora: {LORA_LR}" if f.name == "lr" else ""
         text += f" (default {f.default}{vision}{sft})"
     return text.replace("%", "%%")
 
@@ -177,8 +181,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         values = {**VISION_DEFAULTS, **values}
     elif task == "sft":
         values = {**SFT_DEFAULTS, **values}
-    if values.get("lora") is not None:  # the router and its bias stay frozen (TrainConfig.validate says why)
-        values.setdefault("balance", "none")
+    if values.get("lora") is not None and "lr" not in _given(args):
+        values["lr"] = LORA_LR
     values["out"] = out
     return TrainConfig(**values)
 

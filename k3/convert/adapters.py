@@ -1,6 +1,7 @@
 """LoRA adapter checkpoints: the adapters of a ``k3 train --lora`` run, saved apart from their base model.
 
-    DIR/adapter_model.safetensors   ``MODULE.lora_A`` [rank, in] / ``MODULE.lora_B`` [out, rank], fp32 (k3.model.lora)
+    DIR/adapter_model.safetensors   ``MODULE.lora_A`` [rank, in] / ``MODULE.lora_B`` [out, rank] and the router
+                                    biases ``...gate.e_score_correction_bias`` [E], fp32 (k3.model.lora)
     DIR/adapter_config.json         format, rank, alpha, targets, the base checkpoint and its fingerprint
     DIR/config.json                 the base model's config (what the adapters fit)
     DIR/k3_checksums.json           SHA-256 of the files above (and of a training state beside them)

@@ -10,9 +10,10 @@ and added in W's dtype.
 
 Targets (:func:`lora_targets`): every linear map of each layer's attention (KDA: q, k, v, the forget gate's two,
 beta, the output gate's, o; MLA: q or q_a / q_b, kv_a, kv_b, the output gate, o), and with ``shared_experts`` the
-gate / up / down maps of the shared experts and of the dense FFN layers. The routed experts, the router (weight and
-bias), embeddings, lm_head, norms, convolutions, A_log / dt_bias and AttnRes stay frozen. :func:`merge_lora` folds
-the adapters into plain weights (in fp32, then W's dtype).
+gate / up / down maps of the shared experts and of the dense FFN layers. The routed experts, the router's weights,
+embeddings, lm_head, norms, convolutions, A_log / dt_bias and AttnRes stay frozen; the router's bias is no weight
+(no gradient: the balancer sets it) and is saved with the adapters. :func:`merge_lora` folds the adapters into
+plain weights (in fp32, then W's dtype).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.nn.utils import parametrize
 ATTENTION = re.compile(r"^model\.layers\.\d+\.self_attn\.\w+$")
 FFN = re.compile(r"^model\.layers\.\d+\.(block_sparse_moe\.shared_experts|mlp)\.\w+$")
 A, B = "lora_A", "lora_B"
+ROUTER_BIAS = "gate.e_score_correction_bias"
 
 
 class LoRA(nn.Module):
@@ -88,17 +90,23 @@ def adapters(model: nn.Module) -> dict[str, LoRA]:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The adapters' tensors as ``{MODULE.lora_A, MODULE.lora_B}`` (detached, on their device)."""
+    """What an adapter checkpoint holds of ``model`` (detached, on their devices): each adapter's
+    ``MODULE.lora_A`` / ``MODULE.lora_B``, and every MoE layer's router bias ``...gate.e_score_correction_bias``,
+    which the balancer keeps updating while the adapters train (docs/decisions.md: expert balancing when
+    fine-tuning), so that base + adapter checkpoint is the trained model."""
     out = {}
     for name, lora in adapters(model).items():
         out[f"{name}.{A}"], out[f"{name}.{B}"] = lora.lora_A.detach(), lora.lora_B.detach()
+    for name, buf in model.named_buffers():
+        if name.endswith(ROUTER_BIAS):
+            out[name] = buf.detach()
     return out
 
 
 @torch.no_grad()
 def load_lora_state_dict(model: nn.Module, tensors: dict[str, Tensor]) -> None:
-    """Copy saved adapters into ``model``'s (already applied, same targets and rank); one ValueError listing any
-    missing, unexpected or misshapen tensor."""
+    """Copy saved adapters (and router biases) into ``model``'s (already applied, same targets and rank); one
+    ValueError listing any missing, unexpected or misshapen tensor."""
     mine = lora_state_dict(model)
     missing, unexpected = sorted(set(mine) - set(tensors)), sorted(set(tensors) - set(mine))
     shapes = [

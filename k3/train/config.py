@@ -78,8 +78,8 @@ class TrainConfig:
     )
     lora: int | None = _f(
         None,
-        "train rank-RANK LoRA adapters on the attention projections of --init-from's model, every other weight and "
-        "the router (weights and bias) frozen; checkpoints hold the adapters only (k3 convert --merge-lora)",
+        "train rank-RANK LoRA adapters on the attention projections of --init-from's model, every other weight "
+        "frozen (the router's bias still balanced); checkpoints hold the adapters only (k3 convert --merge-lora)",
         metavar="RANK",
     )
     lora_alpha: float | None = _f(None, "LoRA scale: the adapted weight is W + (alpha / rank) B A (default: the rank)")
@@ -193,10 +193,6 @@ class TrainConfig:
             raise ValueError(f"--lora-alpha={a!r} must be a positive number")
         if not self.init_from:
             raise ValueError("--lora adapts a trained model: give it with --init-from CKPT")
-        if self.balance != "none":  # docs/decisions.md: expert balancing under LoRA and full fine-tuning
-            raise ValueError(
-                f"--lora keeps the router and its bias frozen, so --balance {self.balance} does not apply: drop it"
-            )
         if self.qk_clip:
             raise ValueError("--qk-clip rescales MLA's query and key weights, which --lora keeps frozen: drop it")
 

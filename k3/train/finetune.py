@@ -9,9 +9,9 @@ optimizer starts fresh: a new run, not a resume.
 ``--lora RANK`` freezes the checkpoint's weights and trains low-rank adapters (k3.model.lora; why our own module
 and not peft: docs/decisions.md). The run's checkpoints hold the adapters and the name and fingerprint of their
 base (k3.convert.adapters); a resume reads the base again from ``--init-from``, refusing one that changed, and
-``k3 convert --merge-lora`` folds them into a checkpoint. The router and its bias stay frozen under LoRA (no bias
-update), so the adapters are the whole difference from the base; full fine-tuning keeps updating the bias with
-the run's balancer as pretraining does (docs/decisions.md).
+``k3 convert --merge-lora`` folds them into a checkpoint. The balancer (QB by default) keeps updating the router's
+bias under LoRA and under full fine-tuning, as in pretraining; a LoRA checkpoint saves the biases beside the
+adapters (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ def adapt(model, cfg, base: Path, resume_from: Path | None):
         load_lora_state_dict(model, {k: v.to(next(model.parameters()).device) for k, v in tensors.items()})
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info(
-        "LoRA rank %d (alpha %g) on %d linear maps: %.2fM trainable parameters, %.2f%% of the model; the router "
-        "and its bias stay frozen",
+        "LoRA rank %d (alpha %g) on %d linear maps: %.2fM trainable parameters, %.2f%% of the model",
         cfg.lora,
         alpha,
         len(targets),

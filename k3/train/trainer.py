@@ -124,8 +124,8 @@ class Trainer(TrainStep, RunState):
     def _setup(self, cfg: TrainConfig, resume: bool) -> None:
         ckpt = self._open_run_dir(resume)
         ckpt, self.resume_from = self.model_checkpoint(ckpt), ckpt
-        # --init-from: a new run from a checkpoint's weights (a resumed one reads its own checkpoint)
-        # (a --lora run reads its frozen base from --init-from on resume too)
+        # --init-from: a new run from a checkpoint's weights (a resumed run reads its own checkpoint, and a --lora
+        # run its frozen base from --init-from again)
         starts = cfg.init_from and (self.resume_from is None or cfg.lora)
         self.init_from = init_checkpoint(cfg.init_from) if starts else None
         self.write_model = write_pretrained  # what a checkpoint holds of the model: all of it, or its adapters

@@ -95,7 +95,7 @@ def test_init_from_default_out_is_beside_the_source(tmp_path, monkeypatch):
     args = build_parser().parse_args(["train", "--init-from", "runs/small"])
     assert train_cli.config_from_args(args).out == "runs/small-text"
     lora = train_cli.config_from_args(build_parser().parse_args(["train", "--init-from", "runs/small", "--lora", "8"]))
-    assert lora.out == "runs/small-text-lora" and lora.balance == "none"  # the router stays frozen under LoRA
+    assert lora.out == "runs/small-text-lora" and lora.lora == 8 and lora.lr == train_cli.LORA_LR
     sft = train_cli.config_from_args(build_parser().parse_args(["train", "--init-from", "runs/small", "--task", "sft"]))
     assert sft.out == "runs/small-sft" and sft.steps == train_cli.SFT_DEFAULTS["steps"] and sft.balance == "qb"
 
