@@ -6,11 +6,15 @@ checkpoint with its recorded settings; a flag that contradicts them is refused, 
 k3.train.config.RESUME_MAY_CHANGE: ``--device``, ``--save-every``, ``--eval-every``, ``--samples``,
 ``--keep-checkpoints``, ``--tokenizer``, ``--schedule-steps`` and ``--steps`` (which may extend the run: the
 learning-rate schedule keeps its recorded length, so the added steps run at its final, minimum rate).
+``--init-from CKPT`` starts a new run from a checkpoint's weights, config and tokenizer (k3.train.finetune); the
+flags that would change the architecture or the tokenizer (k3.train.config.ARCHITECTURE_FIELDS) are refused beside it.
+``--task sft`` fine-tunes it on conversations (k3.data.sft), ``--lora RANK`` trains adapters only (k3.model.lora).
 
 The training flags are made from the fields of :class:`~k3.train.config.TrainConfig` (name, type, default, help
 and choices): ``--FIELD-NAME VALUE``, a boolean field as a switch away from its default (``--no-per-head-muon``,
 ``--activation-checkpointing``), and ``overrides`` as the repeatable ``--set FIELD=VALUE``. Every such flag
-defaults to unset, so the dataclass (or, for ``--task vision``, VISION_DEFAULTS) supplies the value.
+defaults to unset, so the dataclass (or, for ``--task vision`` and ``--task sft``, VISION_DEFAULTS and SFT_DEFAULTS)
+supplies the value.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import os
 import typing
 from pathlib import Path
 
-from k3.train.config import RESUME_MAY_CHANGE, TrainConfig
+from k3.train.config import RESUME_MAY_CHANGE, TrainConfig, refuse_architecture_flags
 
 log = logging.getLogger("k3.train")
 
@@ -39,10 +43,16 @@ def _override(text: str) -> tuple[str, object]:
 
 
 VISION_DEFAULTS = {"steps": 220, "batch_size": 32, "eval_every": 55, "eval_rows": 64}
+# fine-tuning a trained model on the embedded chat set: a few epochs at a lower rate than pretraining's
+SFT_DEFAULTS = {"steps": 60, "lr": 1e-3, "eval_every": 10}
+# AdamW on LoRA factors that start at zero wants a higher rate than Muon on whole weights (README: fine-tune)
+LORA_LR = 5e-3
 
 
 # shown in --help as the default instead of the field's own (``out`` follows the preset and the task)
-DEFAULT_SHOWN = {"out": "runs/PRESET, or runs/PRESET-vision with --task vision"}
+DEFAULT_SHOWN = {
+    "out": "runs/PRESET, runs/PRESET-vision with --task vision, runs/NAME-TASK(-lora) with --init-from DIR/NAME",
+}
 
 
 def _value_type(hint) -> type:
@@ -52,13 +62,15 @@ def _value_type(hint) -> type:
 
 
 def _help(f: dataclasses.Field) -> str:
-    """The field's help text with its default (and its ``--task vision`` default), %-escaped for argparse."""
+    """The field's help text with its default (and its ``--task vision`` / ``sft`` ones), %-escaped for argparse."""
     text = f.metadata["help"]
     if f.name in DEFAULT_SHOWN:
         text += f" (default {DEFAULT_SHOWN[f.name]})"
     elif f.default is not None and f.default is not dataclasses.MISSING and not isinstance(f.default, bool):
         vision = f"; vision: {VISION_DEFAULTS[f.name]}" if f.name in VISION_DEFAULTS else ""
-        text += f" (default {f.default}{vision})"
+        sft = f"; sft: {SFT_DEFAULTS[f.name]}" if f.name in SFT_DEFAULTS else ""
+        sft += f"; --lora: {LORA_LR}" if f.name == "lr" else ""
+        text += f" (default {f.default}{vision}{sft})"
     return text.replace("%", "%%")
 
 
@@ -148,14 +160,29 @@ def resume_config(args: argparse.Namespace, out: str) -> TrainConfig:
     )
 
 
+def default_out(args: argparse.Namespace) -> str:
+    """Where a run goes without ``--out``: runs/PRESET (runs/PRESET-vision for the vision task); a run initialised
+    from DIR/NAME goes to runs/NAME-TASK, beside its source rather than into it."""
+    task = args.task or TrainConfig.task
+    if args.init_from:
+        return f"runs/{Path(args.init_from).resolve().name}-{task}" + ("-lora" if args.lora else "")
+    return f"runs/{args.preset or TrainConfig.preset}" + ("-vision" if task == "vision" else "")
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     task = args.task or TrainConfig.task
-    out = args.out or (f"runs/{args.preset or TrainConfig.preset}" + ("-vision" if task == "vision" else ""))
+    out = args.out or default_out(args)
     if args.resume:
         return resume_config(args, out)
     values = _given(args)
+    if args.init_from:
+        refuse_architecture_flags(values)
     if task == "vision":  # ~13 minutes on 2 CPU cores with the small preset
         values = {**VISION_DEFAULTS, **values}
+    elif task == "sft":
+        values = {**SFT_DEFAULTS, **values}
+    if values.get("lora") is not None and "lr" not in _given(args):
+        values["lr"] = LORA_LR
     values["out"] = out
     return TrainConfig(**values)
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from k3.config import K3Config
+from k3.convert.adapters import is_adapter_dir, not_a_model
 from k3.convert.checkpoint import (
     INDEX,
     SINGLE,
@@ -315,6 +316,8 @@ def from_pretrained(
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    if is_adapter_dir(directory):
+        raise not_a_model(directory)
     config = read_config(directory)
     if (directory / ".metadata").is_file():  # a multi-GPU run's torch.distributed.checkpoint
         if packed == "keep":

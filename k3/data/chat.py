@@ -243,6 +243,88 @@ def _encode(tokenizer, text: str, image_token_id: int | None) -> list[int]:
     return ids
 
 
+def _pieces(messages: list[dict], tokenizer, fmt: str, add_generation_prompt: bool, tools) -> tuple[list, int]:
+    """The rendering of validated ``messages`` as ``(text, is_special, is_trained)`` pieces, and the number of tool
+    calls rendered. Trained pieces are what the assistant says: its content, its tool-call section and its message
+    end (the plain format's reply begins with the space after ``Assistant:``, where its generation prompt ends)."""
+    pieces: list[tuple[str, bool, bool]] = []
+
+    def header(role: str) -> None:
+        if fmt == "plain":  # the space after the colon starts the reply: the generation prompt stops before it
+            pieces.extend([(f"{role.capitalize()}:", False, False), (" ", False, role == "assistant")])
+        elif fmt == "k3":
+            pieces.extend([("<|open|>", True, False), (role, False, False), ("<|sep|>", True, False)])
+        else:
+            token = f"<|im_{role}|>" if role in ("user", "assistant") else "<|im_system|>"
+            pieces.extend([(token, True, False), (role, False, False), ("<|im_middle|>", True, False)])
+
+    end = {"plain": "\n", "k3": "<|end_of_msg|>", "k2": "<|im_end|>"}[fmt]
+    if tools:
+        header(TOOL_DECLARE)
+        pieces.extend([(tools_json(tools), False, False), (end, fmt != "plain", False)])
+    calls = 0
+    for m in messages:
+        header(m["role"])
+        said = m["role"] == "assistant"
+        if m["role"] == "tool":
+            pieces.append((f"{RETURN_OF}{m['tool_call_id']}\n{m['content']}", False, False))
+        else:
+            pieces.append((m["content"], False, said))
+        if m.get("tool_calls"):
+
+            def marker(text: str) -> None:
+                pieces.append((text, _token_id(tokenizer, text) is not None, True))
+
+            marker(SECTION_BEGIN)
+            for _, name, arguments in m["tool_calls"]:
+                marker(CALL_BEGIN)
+                pieces.append((call_id(name, calls), False, True))
+                marker(ARGUMENT_BEGIN)
+                pieces.append((arguments, False, True))
+                marker(CALL_END)
+                calls += 1
+            marker(SECTION_END)
+        pieces.append((end, fmt != "plain", said))
+    if add_generation_prompt:
+        if fmt == "plain":
+            pieces.append(("Assistant:", False, False))
+        else:
+            header("assistant")
+    return pieces, calls
+
+
+def _encode_pieces(pieces: list, tokenizer, image_token_id: int | None, split_trained: bool):
+    """(token ids, per id whether its piece is trained): special pieces by id, each run of text between them
+    encoded as one (as a tokenizer reads the text); ``split_trained`` also ends a run where trained text begins or
+    ends, so that a reply's ids are the ids it is generated as after its prompt."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    run: list[str] = []  # text since the last special token (or trained / untrained change)
+    run_trained = False
+
+    def flush() -> None:
+        text = "".join(run)
+        if text:
+            new = _encode(tokenizer, text, image_token_id)
+            ids.extend(new)
+            trained.extend([run_trained] * len(new))
+        run.clear()
+
+    for piece, special, is_trained in [*pieces, ("", True, False)]:
+        if special:
+            flush()
+            if piece:
+                ids.append(_token_id(tokenizer, piece))
+                trained.append(is_trained)
+        elif piece:
+            if split_trained and run and is_trained != run_trained:
+                flush()
+            if not run:
+                run_trained = is_trained
+            run.append(piece)
+    return ids, trained
+
+
 def render_chat(
     messages,
     tokenizer,
@@ -262,60 +344,33 @@ def render_chat(
     """
     messages = validate_messages(messages)
     fmt = chat_format(tokenizer)
-    pieces: list[tuple[str, bool]] = []  # (text, is_special)
-
-    def header(role: str) -> None:
-        if fmt == "plain":
-            pieces.append((f"{role.capitalize()}: ", False))
-        elif fmt == "k3":
-            pieces.extend([("<|open|>", True), (role, False), ("<|sep|>", True)])
-        else:
-            token = f"<|im_{role}|>" if role in ("user", "assistant") else "<|im_system|>"
-            pieces.extend([(token, True), (role, False), ("<|im_middle|>", True)])
-
-    def marker(text: str) -> None:
-        pieces.append((text, _token_id(tokenizer, text) is not None))
-
-    end = {"plain": "\n", "k3": "<|end_of_msg|>", "k2": "<|im_end|>"}[fmt]
-    if tools:
-        header(TOOL_DECLARE)
-        pieces.extend([(tools_json(tools), False), (end, fmt != "plain")])
-    calls = 0
-    for m in messages:
-        header(m["role"])
-        if m["role"] == "tool":
-            pieces.append((f"{RETURN_OF}{m['tool_call_id']}\n{m['content']}", False))
-        else:
-            pieces.append((m["content"], False))
-        if m.get("tool_calls"):
-            marker(SECTION_BEGIN)
-            for _, name, arguments in m["tool_calls"]:
-                marker(CALL_BEGIN)
-                pieces.append((call_id(name, calls), False))
-                marker(ARGUMENT_BEGIN)
-                pieces.append((arguments, False))
-                marker(CALL_END)
-                calls += 1
-            marker(SECTION_END)
-        pieces.append((end, fmt != "plain"))
-    if add_generation_prompt:
-        if fmt == "plain":
-            pieces.append(("Assistant:", False))
-        else:
-            header("assistant")
-
-    ids: list[int] = []
-    run: list[str] = []  # text since the last special token, encoded as one (as a tokenizer reads the text)
-    for piece, special in [*pieces, ("", True)]:
-        if not special:
-            run.append(piece)
-            continue
-        if "".join(run):
-            ids.extend(_encode(tokenizer, "".join(run), image_token_id))
-        run = []
-        if piece:
-            ids.append(_token_id(tokenizer, piece))
-    text = "".join(p for p, _ in pieces)
+    pieces, calls = _pieces(messages, tokenizer, fmt, add_generation_prompt, tools)
+    ids, _ = _encode_pieces(pieces, tokenizer, image_token_id, split_trained=False)
+    text = "".join(p for p, _, _ in pieces)
     if fmt == "plain":
         return RenderedChat(text, ids, [PLAIN_STOP], [], fmt, calls)
+    end = "<|end_of_msg|>" if fmt == "k3" else "<|im_end|>"
     return RenderedChat(text, ids, [], [_token_id(tokenizer, end)], fmt, calls)
+
+
+@dataclass
+class TrainingChat:
+    """A conversation rendered for supervised fine-tuning: ``token_ids``, ``trained`` (per id: a target of the
+    loss, i.e. said by the assistant: its content, tool calls and message end) and ``num_bytes`` (UTF-8 bytes of
+    the trained text, special tokens not counted: the denominator of bits per byte)."""
+
+    token_ids: list[int]
+    trained: list[bool]
+    num_bytes: int
+
+
+def render_training_chat(messages, tokenizer, tools: list | None = None) -> TrainingChat:
+    """``messages`` rendered as :func:`render_chat` renders them (no generation prompt), with the assistant's
+    tokens marked. Each reply is encoded apart from the text before it, so its ids are those the model generates
+    after :func:`render_chat`'s prompt for it (in the k3 and k2 formats special tokens bound every message, so the
+    ids equal render_chat's; in the plain format a run of text may otherwise merge across a reply's edge)."""
+    messages = validate_messages(messages)
+    pieces, _ = _pieces(messages, tokenizer, chat_format(tokenizer), False, tools)
+    ids, trained = _encode_pieces(pieces, tokenizer, None, split_trained=True)
+    num_bytes = sum(len(p.encode("utf-8")) for p, special, is_trained in pieces if is_trained and not special)
+    return TrainingChat(ids, trained, num_bytes)

@@ -30,6 +30,9 @@ Packing (:class:`PackedDataset`)
         labels      b    c    E    -100  y    E    -100  q
         cu_seqlens  [0, 4, 7, 8]
 
+    Chat data (k3.data.sft) packs conversations the same way, with a ``trained`` flag per stream token: a label
+    whose token is not trained (anything the assistant does not say) is ignored too.
+
 Batches and resuming
     Rows are visited in a seeded permutation per epoch (a new permutation each epoch). :meth:`batch` is a pure
     function of (seed, step, batch size): row g = step*B + b of the global visit order is row ``perm_e[g % R]``
@@ -38,9 +41,10 @@ Batches and resuming
     resumed run sees exactly the batches an uninterrupted run would.
 
 Bits per byte
-    ``bytes_per_token`` = UTF-8 bytes of the packed documents / their tokens without the EOS ids. The labels of a
-    document are its tokens after the first, plus its EOS: as many as its text tokens, so
-    ``bits_per_byte = mean_label_loss_in_nats / ln(2) / bytes_per_token``.
+    ``bytes_per_token`` = UTF-8 bytes of the packed documents / their labels. The labels of a document are its
+    tokens after the first, plus its EOS: as many as its text tokens, so
+    ``bits_per_byte = mean_label_loss_in_nats / ln(2) / bytes_per_token`` (chat data: the trained tokens and the
+    bytes of their text).
 """
 
 from __future__ import annotations
@@ -452,10 +456,14 @@ class PackedDataset:
         seed: fixes the document order and the per-epoch row orders.
         max_tokens: stop adding (whole) documents once the stream holds at least this many tokens.
         shuffle: shuffle the document order (False: keep the given order).
-        encode_chunk: documents per ``encode_batch`` call.
+        encode_chunk: documents per ``encode_batch`` (or ``encode``) call.
+        encode: documents -> ``[(ids, trained, num_bytes)]``, in place of the tokenizer's text encoding (chat
+            data, k3.data.sft): ``trained`` [len(ids) + 1] marks which of the ids and of the EOS after them are
+            loss targets (the others' labels are ignored), ``num_bytes`` the UTF-8 bytes of the trained text.
 
-    Attributes: ``tokens`` (the stream, int32 [N]), ``num_rows`` R = (N - 1) // T, ``num_documents``,
-    ``num_bytes``, ``num_text_tokens`` (N minus the EOS ids), ``bytes_per_token``, ``position``.
+    Attributes: ``tokens`` (the stream, int32 [N]), ``trained`` (bool [N], which stream tokens are loss targets;
+    None: all), ``num_rows`` R = (N - 1) // T, ``num_documents``, ``num_bytes``, ``num_text_tokens`` (N minus the
+    EOS ids), ``num_labels`` (loss targets), ``bytes_per_token`` (num_bytes / num_labels), ``position``.
     """
 
     def __init__(
@@ -467,6 +475,7 @@ class PackedDataset:
         max_tokens: int | None = None,
         shuffle: bool = True,
         encode_chunk: int = 256,
+        encode=None,
     ):
         import torch
 
@@ -486,12 +495,17 @@ class PackedDataset:
         order = seeded_permutation(len(docs), seed, "documents") if shuffle else np.arange(len(docs))
         encode_batch = getattr(tokenizer, "encode_batch", None)
         pieces: list[np.ndarray] = []
-        total = num_bytes = num_docs = 0
+        flags: list[np.ndarray] = []  # with ``encode``: per document, which of its ids and its EOS are trained
+        total = num_bytes = num_docs = num_labels = 0
         for start in range(0, len(docs), encode_chunk):
             chunk = [docs[i] for i in order[start : start + encode_chunk]]
-            texts = [d.text for d in chunk]
-            encoded = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
-            for doc, ids in zip(chunk, encoded):
+            if encode is not None:
+                encoded = encode(chunk)
+            else:
+                texts = [d.text for d in chunk]
+                ids_list = encode_batch(texts) if encode_batch is not None else [tokenizer.encode(t) for t in texts]
+                encoded = [(ids, None, len(d.text.encode("utf-8"))) for d, ids in zip(chunk, ids_list)]
+            for doc, (ids, trained, doc_bytes) in zip(chunk, encoded):
                 arr = np.asarray(ids, dtype=np.int64)
                 if arr.size and (arr.min() < 0 or arr.max() >= 2**31):
                     raise ValueError(f"document {doc.name!r}: token ids must be in [0, 2**31)")
@@ -501,18 +515,30 @@ class PackedDataset:
                         "text (encode special-token strings as plain text)"
                     )
                 pieces += [arr, np.array([eos], dtype=np.int64)]
+                if encode is not None:
+                    trained = np.asarray(trained, dtype=bool)
+                    if trained.shape != (arr.size + 1,):
+                        raise ValueError(
+                            f"document {doc.name!r}: {trained.size} trained flags for {arr.size} ids + EOS"
+                        )
+                    flags.append(trained)
+                    num_labels += int(trained.sum())
+                else:  # every token after the stream's first is a label once: as many as the text tokens
+                    num_labels += arr.size
                 total += arr.size + 1
-                num_bytes += len(doc.text.encode("utf-8"))
+                num_bytes += doc_bytes
                 num_docs += 1
                 if max_tokens is not None and total >= max_tokens:
                     break
             if max_tokens is not None and total >= max_tokens:
                 break
         self.tokens = torch.from_numpy(np.concatenate(pieces).astype(np.int32))
+        self.trained = torch.from_numpy(np.concatenate(flags)) if encode is not None else None
         self.num_documents = num_docs
         self.num_bytes = num_bytes
         self.num_text_tokens = total - num_docs
-        self.bytes_per_token = num_bytes / max(self.num_text_tokens, 1)
+        self.num_labels = num_labels
+        self.bytes_per_token = num_bytes / max(num_labels, 1)
         self.num_rows = (total - 1) // seq_len
         if self.num_rows < 1:
             raise ValueError(
@@ -544,10 +570,13 @@ class PackedDataset:
         if rows.numel() == 0 or rows.min() < 0 or rows.max() >= self.num_rows:
             raise ValueError(f"rows must be a non-empty list of indices in [0, {self.num_rows})")
         B, T = rows.numel(), self.seq_len
-        full = self.tokens[rows[:, None] * T + torch.arange(T + 1)].long()  # [B, T+1]
+        at = rows[:, None] * T + torch.arange(T + 1)  # [B, T+1] stream positions
+        full = self.tokens[at].long()
         input_ids, labels = full[:, :-1].contiguous(), full[:, 1:].clone()
         is_eos = input_ids == self.eos_id
         labels[is_eos] = IGNORE_INDEX
+        if self.trained is not None:
+            labels[~self.trained[at[:, 1:]]] = IGNORE_INDEX
         starts = torch.zeros(B * T, dtype=torch.bool)
         starts[::T] = True
         starts[1:] |= is_eos.reshape(-1)[:-1]

@@ -56,7 +56,9 @@ def select_rows(batch: Batch, start: int, count: int) -> Batch:
 class DistributedTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, dims: ParallelDims, resume: bool = False, progress: bool = True):
         if cfg.task != "text":
-            raise ValueError("distributed training runs --task text (the vision task is single-process)")
+            raise ValueError(f"distributed training runs --task text (--task {cfg.task} is single-process)")
+        if cfg.init_from:
+            raise ValueError("--init-from is single-process (distributed runs build their model from the preset)")
         if cfg.qk_clip:
             raise ValueError("--qk-clip is single-process only (its per-head logit maxima are not reduced)")
         if cfg.balance == "qb_exact":

@@ -2,6 +2,8 @@
 
     RUN/checkpoints/step-000040/   config.json, model*.safetensors, k3_checksums.json (HF layout, router
                                    biases included as buffers), tokenizer.json, trainer_state.pt
+                                   (a --lora run: adapter_model.safetensors, adapter_config.json and config.json
+                                   instead of the weights, k3.convert.adapters)
     RUN/checkpoints/latest         the name of the newest complete step directory
     RUN/.lock                      held (``flock``) by the process training in RUN; holds its pid
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from k3.convert.adapters import is_adapter_dir, verify_adapters
 from k3.convert.atomic import atomic_directory, atomic_write_text, make_directory
 from k3.convert.checkpoint import (
     TRAINER_STATE,
@@ -163,7 +166,10 @@ def verify_step(ckpt: Path) -> None:
         return
     if not (ckpt / STATE_FILE).is_file():
         raise FileNotFoundError(f"{ckpt / STATE_FILE} is missing")
-    verify_files(ckpt)
+    if is_adapter_dir(ckpt):  # a --lora run's step: its adapters, not the (frozen) base
+        verify_adapters(ckpt)
+    else:
+        verify_files(ckpt)
     expected_checksums(ckpt, [STATE_FILE])
 
 
@@ -197,12 +203,15 @@ def resume_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 3) -> Path:
-    """Write RUN/checkpoints/step-NNNNNN atomically, point ``latest`` at it, keep the newest ``keep``."""
+def save_checkpoint(
+    run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep: int = 3, write=write_pretrained
+) -> Path:
+    """Write RUN/checkpoints/step-NNNNNN atomically, point ``latest`` at it, keep the newest ``keep``. ``write``
+    puts the model's files into the directory: the whole model (default), or a --lora run's adapters."""
     root = Path(run_dir) / "checkpoints"
     target = root / f"step-{step:06d}"
     with atomic_directory(target) as tmp:
-        write_pretrained(model, tmp)
+        write(model, tmp)
         tokenizer.save(tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
         add_checksums(tmp, [STATE_FILE])

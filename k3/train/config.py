@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-TASKS = ("text", "vision")
+TASKS = ("text", "vision", "sft")
 # copies of the values some fields offer, which their modules define beside torch code: this module (and with it
 # ``k3 train --help``, whose flags it defines) imports no torch. tests/cli/test_help.py keeps each equal to its source.
 BALANCE_METHODS = ("qb", "qb_exact", "sign", "aux", "seqaux", "none")  # k3.model.balance.BALANCE_METHODS
@@ -32,6 +32,10 @@ RESUME_MAY_CHANGE = (
     "keep_checkpoints",
     "tokenizer",
 )
+
+# fields that choose the architecture or the tokenizer: --init-from takes both from its checkpoint, so these are
+# refused beside it (one line naming them) rather than silently ignored
+ARCHITECTURE_FIELDS = ("preset", "overrides", "vocab_size", "tokenizer", "tokenizer_train_bytes")
 
 # integer fields that must be positive (``schedule_steps`` may also be None)
 _POSITIVE = (
@@ -58,16 +62,34 @@ def _f(default, text: str, **meta):
 class TrainConfig:
     preset: str = _f("small", "model preset (k3.config.presets)")
     task: str = _f(
-        "text", "text: language modelling on --data; vision: the embedded image question-answering task", choices=TASKS
+        "text",
+        "text: language modelling on --data; vision: the embedded image question-answering task; sft: supervised "
+        "fine-tuning of --init-from on chat JSONL (--data, default an embedded set), loss on the assistant's tokens",
+        choices=TASKS,
     )
     overrides: dict = _f(
         {}, "override a config field, e.g. --set moe.num_experts=16 (repeatable)", metavar="FIELD=VALUE"
     )
+    init_from: str | None = _f(
+        None,
+        "start from a checkpoint's weights, config and tokenizer (optimizer fresh): a k3 run directory (its latest "
+        "checkpoint), a checkpoint directory or an HF-layout K3 / Kimi-Linear release (default: random weights)",
+        metavar="CKPT",
+    )
+    lora: int | None = _f(
+        None,
+        "train rank-RANK LoRA adapters on the attention projections of --init-from's model, every other weight "
+        "frozen (the router's bias still balanced); checkpoints hold the adapters only (k3 convert --merge-lora)",
+        metavar="RANK",
+    )
+    lora_alpha: float | None = _f(None, "LoRA scale: the adapted weight is W + (alpha / rank) B A (default: the rank)")
+    lora_shared_experts: bool = _f(False, "--lora also adapts the shared experts and the dense FFN layers")
     data: str | None = _f(
         None,
         "text file, directory, .jsonl (field text) or .parquet, or a built-in corpus: stdlib, pydoc-topics (Python's "
         "help topics' prose), packages:NAME[==VERSION],... (installed distributions' text files), joined by +; "
-        "default: the Python standard library's own sources",
+        'default: the Python standard library\'s own sources; --task sft: a .jsonl of {"messages": [...]} '
+        "conversations (default: the embedded chat set)",
     )
     tokenizer: str | None = _f(
         None, "tokenizer.json (or its directory) or a tiktoken BPE file (default: train a byte-level BPE)"
@@ -148,6 +170,43 @@ class TrainConfig:
             raise ValueError(f"--fp8-experts and --qat={self.qat} do not combine: choose one")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device={self.device!r} must be auto, cpu or cuda[:N]")
+        self._validate_lora()
+        if self.task == "sft" and not self.init_from:
+            raise ValueError("--task sft fine-tunes a trained model: give it with --init-from CKPT")
+        if self.init_from is not None:
+            if self.task == "vision":
+                raise ValueError(
+                    "--init-from starts a text model (--task text or sft); --task vision builds its own model"
+                )
+            if self.overrides or self.tokenizer:
+                refuse_architecture_flags([k for k in ("overrides", "tokenizer") if getattr(self, k)])
+
+    def _validate_lora(self) -> None:
+        if self.lora is None:
+            if self.lora_alpha is not None or self.lora_shared_experts:
+                raise ValueError("--lora-alpha and --lora-shared-experts set up --lora RANK: give it too, or drop them")
+            return
+        if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1:
+            raise ValueError(f"--lora={self.lora!r} must be a positive integer (the adapters' rank)")
+        a = self.lora_alpha
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < math.inf):
+            raise ValueError(f"--lora-alpha={a!r} must be a positive number")
+        if not self.init_from:
+            raise ValueError("--lora adapts a trained model: give it with --init-from CKPT")
+        if self.qk_clip:
+            raise ValueError("--qk-clip rescales MLA's query and key weights, which --lora keeps frozen: drop it")
+
+
+def refuse_architecture_flags(given) -> None:
+    """One ValueError naming the ARCHITECTURE_FIELDS among ``given`` (field names), if any: beside --init-from the
+    architecture and the tokenizer are the checkpoint's."""
+    named = [k for k in ARCHITECTURE_FIELDS if k in given]
+    if named:
+        flags = ", ".join("--set" if k == "overrides" else "--" + k.replace("_", "-") for k in named)
+        raise ValueError(
+            f"--init-from takes the architecture and the tokenizer from its checkpoint: drop {flags}, or train "
+            "from random weights without --init-from"
+        )
 
 
 def check_resume_config(

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from k3.model.kda import KimiDeltaAttention
+from k3.model.lora import LoRA
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import RoutedExperts, Router
 from k3.ops.dtypes import autocast_off
@@ -413,6 +414,7 @@ def classify_parameters(
     """(name, param, kind, head_dim, decay) for every trainable parameter, in ``named_parameters`` order.
 
     Rules, first match wins:
+      LoRA adapters (lora_A, lora_B; k3.model.lora)        -> adamw, no decay
       embeddings, lm_head                                  -> adamw, decay
       convs (q/k/v_conv1d, any *conv* weight)              -> adamw, no decay
       AttnRes *_res_proj / *_res_norm                      -> adamw, no decay
@@ -441,7 +443,9 @@ def classify_parameters(
             name = f"{mod_name}.{pname}" if mod_name else pname
             parent_name, _, leaf = mod_name.rpartition(".")
             parent = modules.get(parent_name)
-            if isinstance(mod, nn.Embedding) or (lm_head is not None and mod is lm_head):
+            if isinstance(mod, LoRA):  # low-rank factors: AdamW, as LoRA trains them
+                out.append((name, p, "adamw", None, False))
+            elif isinstance(mod, nn.Embedding) or (lm_head is not None and mod is lm_head):
                 out.append((name, p, "adamw", None, True))
             elif isinstance(mod, nn.modules.conv._ConvNd) or "conv" in pname:
                 out.append((name, p, "adamw", None, False))

@@ -104,7 +104,13 @@ class RunState:
         if not self.verify_weights() and self.nonfinite_count().item() > 0:
             raise TrainingDiverged("the weights are not finite and no finite state is kept; nothing was saved")
         path = save_checkpoint(
-            self.run_dir, self.step, self.model, self.tokenizer, self.trainer_state(), keep=self.cfg.keep_checkpoints
+            self.run_dir,
+            self.step,
+            self.model,
+            self.tokenizer,
+            self.trainer_state(),
+            keep=self.cfg.keep_checkpoints,
+            write=self.write_model,
         )
         log.info("saved %s", path)
         self.snapshot()

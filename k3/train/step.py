@@ -90,6 +90,19 @@ class TrainStep:
         lr = self._set_lr()
         batches = self.next_batches()
         valid = int(self.all_sum(sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)))
+        if valid == 0:  # chat rows may hold context only (e.g. a long tool declaration): nothing to learn from
+            log.info("step %d: the batch has no trained labels; step skipped", self.step)
+            dt = time.perf_counter() - t0
+            tokens = (self.step + 1) * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+            return {
+                "step": self.step,
+                "loss": "no labels",
+                "lr": lr,
+                "tokens": tokens,
+                "skipped": "no labels",
+                "step_time": dt,
+                "tokens_per_s": cfg.batch_size * cfg.grad_accum * cfg.seq_len / dt,
+            }
         sums = self._forward_backward(batches, valid)
         self.after_backward()
         sums.total, sums.aux = self.all_sum(sums.total), self.all_sum(sums.aux)  # every rank skips a bad step or none

@@ -39,7 +39,9 @@ from tqdm import tqdm
 
 from k3.config import get_preset
 from k3.convert.atomic import atomic_write_text, make_directory
+from k3.convert.checkpoint import write_pretrained
 from k3.convert.load import from_pretrained
+from k3.data.sft import DEFAULT_NAME as DEFAULT_CHAT, chat_dataset, load_conversations, reply_prompts
 from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
 from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.sampling import SamplingParams
@@ -53,6 +55,7 @@ from k3.train import plots
 from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train.checkpoint import RunLock, clean_stray, resume_checkpoint
 from k3.train.config import RESUME_MAY_CHANGE, TASKS, TrainConfig, check_resume_config
+from k3.train.finetune import adapt, init_checkpoint, init_model, init_tokenizer
 from k3.train.optim import K3Muon, describe_groups, param_groups_for
 from k3.train.state import RunState, TrainingDiverged, read_metrics
 from k3.train.step import TrainStep, to_host
@@ -121,12 +124,21 @@ class Trainer(TrainStep, RunState):
     def _setup(self, cfg: TrainConfig, resume: bool) -> None:
         ckpt = self._open_run_dir(resume)
         ckpt, self.resume_from = self.model_checkpoint(ckpt), ckpt
+        # --init-from: a new run from a checkpoint's weights (a resumed run reads its own checkpoint, and a --lora
+        # run its frozen base from --init-from again)
+        starts = cfg.init_from and (self.resume_from is None or cfg.lora)
+        self.init_from = init_checkpoint(cfg.init_from) if starts else None
+        self.write_model = write_pretrained  # what a checkpoint holds of the model: all of it, or its adapters
         torch.manual_seed(cfg.seed)
         if cfg.task == "vision":
             self._setup_vision(ckpt)
         else:
             self._setup_text(ckpt)
         self.model_cfg = self.model.config
+        if cfg.init_from:  # the run records the model it trains (its checkpoint's), not the default preset
+            self.cfg = cfg = dataclasses.replace(cfg, preset=self.model_cfg.name)
+        if cfg.lora:
+            self.write_model = adapt(self.model, cfg, self.init_from, self.resume_from)
         self._prepare_model()
         self._setup_optimizer()
         self.step = 0
@@ -221,37 +233,39 @@ class Trainer(TrainStep, RunState):
 
     # ------------------------------------------------------------------ data, tokenizer and model of each task
     def _setup_text(self, ckpt) -> None:
+        """Language modelling on documents, or (``--task sft``) on conversations with the loss on the assistant's
+        tokens (k3.data.sft): both packed into rows the same way."""
         cfg = self.cfg
-        train_docs = load_corpus(cfg.data, "train")
-        val_docs = load_corpus(cfg.data, "validation")
+        sft = cfg.task == "sft"
+        load, pack = (load_conversations, chat_dataset) if sft else (load_corpus, PackedDataset)
+        train_docs = load(cfg.data, "train")
+        val_docs = load(cfg.data, "validation")
         self.tokenizer = self._text_tokenizer(ckpt, train_docs)
         if self.is_main:
             self.tokenizer.save(self.run_dir)
         t0 = time.perf_counter()
-        self.train_data = PackedDataset(
-            train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, max_tokens=cfg.max_tokens
-        )
-        self.val_data = PackedDataset(
-            val_docs,
-            self.tokenizer,
-            cfg.seq_len,
-            seed=VALIDATION_SEED,
-            max_tokens=cfg.eval_rows * cfg.seq_len + 1,
+        self.train_data = pack(train_docs, self.tokenizer, cfg.seq_len, seed=cfg.seed, max_tokens=cfg.max_tokens)
+        self.val_data = pack(
+            val_docs, self.tokenizer, cfg.seq_len, seed=VALIDATION_SEED, max_tokens=cfg.eval_rows * cfg.seq_len + 1
         )
         self.val_docs = val_docs
         seconds, train, val = time.perf_counter() - t0, self.train_data, self.val_data
         log.info(
-            "data %s: %.2fM training tokens (%d documents), %d validation rows of %d tokens (%.1fs)",
-            cfg.data or "stdlib",
+            "data %s: %.2fM training tokens (%d %s%s), %d validation rows of %d tokens (%.1fs)",
+            cfg.data or (DEFAULT_CHAT if sft else "stdlib"),
             train.tokens.numel() / 1e6,
             train.num_documents,
+            "conversations" if sft else "documents",
+            f", {train.num_labels / train.tokens.numel():.0%} of the tokens the assistant's" if sft else "",
             min(cfg.eval_rows, val.num_rows),
             cfg.seq_len,
             seconds,
         )
         log.debug("data: train %r, validation %r", train, val)
-        if ckpt is not None:
+        if ckpt is not None and not cfg.lora:
             self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
+        elif self.init_from is not None:
+            self.model = init_model(self.init_from, self.tokenizer, self.device)
         else:
             model_cfg = get_preset(cfg.preset).replace(
                 vocab_size=self.tokenizer.vocab_size,
@@ -262,10 +276,13 @@ class Trainer(TrainStep, RunState):
             self.model = K3ForCausalLM(model_cfg).to(self.device)
 
     def _text_tokenizer(self, ckpt, train_docs) -> Tokenizer:
-        """The checkpoint's tokenizer on resume, else ``cfg.tokenizer``, else a byte-level BPE trained here."""
+        """The checkpoint's tokenizer on resume or with ``--init-from``, else ``cfg.tokenizer``, else a byte-level
+        BPE trained here."""
         cfg = self.cfg
         if ckpt is not None:
             return Tokenizer.load(ckpt)
+        if self.init_from is not None:
+            return init_tokenizer(cfg.init_from)
         if cfg.tokenizer:
             return _load_tokenizer(cfg.tokenizer)
         t0 = time.perf_counter()
@@ -404,17 +421,28 @@ class Trainer(TrainStep, RunState):
 
     def sample(self) -> list[tuple[str, str]]:
         """Continuations of the openings (SAMPLE_PROMPT_TOKENS tokens) of the first validation documents, drawn by
-        the serving engine with :meth:`sample_params` (vision task: the first held-out questions with the expected
-        and the predicted answer)."""
+        the serving engine with :meth:`sample_params` (sft: replies to the first held-out conversations, prompted
+        and stopped in the chat format; vision: the first held-out questions with the expected and the predicted
+        answer)."""
         if self.cfg.task == "vision":
             _, triples = self.vision_accuracy(max(self.cfg.samples, 1))
             return [(f"[image] {q} (expected: {a})", p) for q, a, p in triples]
         from k3.infer.engine import Engine
 
-        openings = [
-            self.tokenizer.encode(doc.text[:2000])[:SAMPLE_PROMPT_TOKENS] for doc in self.val_docs[: self.cfg.samples]
-        ]
-        prompts = [p for p in openings if p]
+        params = [self.sample_params()] * self.cfg.samples
+        if self.cfg.task == "sft":  # replies to held-out conversations, ended as the chat format ends them
+            chats = reply_prompts(self.val_docs, self.tokenizer, self.cfg.samples)
+            shown, prompts = [asked for asked, _ in chats], [chat.token_ids for _, chat in chats]
+            params = [
+                dataclasses.replace(params[0], stop=chat.stop, stop_token_ids=chat.stop_token_ids) for _, chat in chats
+            ]
+        else:
+            openings = [
+                self.tokenizer.encode(doc.text[:2000])[:SAMPLE_PROMPT_TOKENS]
+                for doc in self.val_docs[: self.cfg.samples]
+            ]
+            prompts = [p for p in openings if p]
+            shown = [self.tokenizer.decode(p) for p in prompts]
         if not prompts:
             return []
         # the engine's start-up and kernel lines describe a server, not these few samples: warnings only
@@ -426,12 +454,12 @@ class Trainer(TrainStep, RunState):
             engine = Engine(
                 self.model, self.tokenizer, max_batch=len(prompts), cuda_graphs=False, warm_up=False, overlap=False
             )
-            outs = engine.generate(prompts, self.sample_params())
+            outs = engine.generate(prompts, params[: len(prompts)])
         finally:
             for name, logger in quiet.items():
                 logger.setLevel(levels[name])
             self.model.train()
-        return [(self.tokenizer.decode(p), out["text"]) for p, out in zip(prompts, outs)]
+        return [(text, out["text"]) for text, out in zip(shown, outs)]
 
     # ------------------------------------------------------------------ the loop
     def run(self, stop_at: int | None = None) -> dict:
@@ -485,7 +513,7 @@ class Trainer(TrainStep, RunState):
             metrics_file.flush()
         bar.update(1)
         bar.set_postfix(
-            loss=f"{record['loss']:.3f}" if not record.get("skipped") else "nan",
+            loss=f"{record['loss']:.3f}" if not record.get("skipped") else str(record["loss"]),
             tok_s=f"{record['tokens_per_s']:.0f}",
             lr=f"{record['lr']:.2e}",
             maxvio=f"{record['maxvio']:.2f}" if record.get("maxvio") is not None else "-",
