@@ -1,2 +1,2 @@
 """Data for training and serving alike: the byte-level BPE and tiktoken tokenizers (``tokenizer``), text corpora
-packed into rows (``text``) and the embedded vision-language task's batches (``vision``)."""
+packed into rows (``packing``) and the embedded vision-language task's batches (``vision``)."""

@@ -19,7 +19,7 @@ from torch import nn
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
-from k3.train.optim import (
+from k3.train.muon import (
     K3Muon,
     clip_grad_norm,
     cosine_schedule,
@@ -363,7 +363,7 @@ def test_qk_clip(q_lora, rope):
 def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     """A step on the tiny model with Newton-Schulz batched over same-shape blocks (the default) equals the step
     with every parameter orthogonalised alone (a budget of one byte forces that)."""
-    import k3.train.optim as optim
+    import k3.train.muon as optim
 
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny"))
@@ -384,7 +384,7 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
 def test_ns_batches_fill_each_shape_up_to_the_budget_in_order():
     """Items of one key share a Newton-Schulz call while their elements fit the budget; a new call starts when the
     next would not fit; an item larger than the budget is a call of its own; keys never mix."""
-    from k3.train.optim import block_shape, ns_batches
+    from k3.train.muon import block_shape, ns_batches
 
     items = [("a", 4, 1), ("a", 4, 2), ("b", 9, 3), ("a", 3, 4), ("a", 20, 5), ("a", 1, 6), ("b", 1, 7)]
     assert ns_batches(items, 10) == {"a": [[1, 2], [4], [5], [6]], "b": [[3, 7]]}

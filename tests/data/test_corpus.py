@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from k3.data.text import (
+from k3.data.packing import (
     IGNORE_INDEX,
     Document,
     PackedDataset,
@@ -56,7 +56,7 @@ def test_stdlib_corpus_split():
 def test_code_and_prose_mixture():
     """stdlib+pydoc-topics: the stdlib sources and Python's help topics, each split on its own, so validation holds
     code and English prose."""
-    from k3.data.text import MIXTURE, pydoc_topics_corpus
+    from k3.data.packing import MIXTURE, pydoc_topics_corpus
 
     val, train = load_corpus(MIXTURE, "validation"), load_corpus(MIXTURE, "train")
     prose = [d for d in val if d.name.startswith("pydoc_data/topics/")]
@@ -71,7 +71,7 @@ def test_code_and_prose_mixture():
 def test_tokenizer_texts_sample_the_whole_split():
     """A tokenizer's training sample: whole documents in a fixed shuffled order up to the budget, so a mixture's
     later part (here the prose, after every code document) is in it in about its share; all when they fit."""
-    from k3.data.text import Document, tokenizer_texts
+    from k3.data.packing import Document, tokenizer_texts
 
     docs = [Document(f"code{i}", "c" * 100) for i in range(300)] + [
         Document(f"prose{i}", "p" * 100) for i in range(100)
@@ -88,7 +88,7 @@ def test_packages_corpus():
     folder), split like any corpus, pins checked against the installed version; parts join with +."""
     import importlib.metadata as metadata
 
-    from k3.data.text import PACKAGE_SUFFIXES, corpus_parts, describe_corpus, packages_corpus, pydoc_topics_corpus
+    from k3.data.packing import PACKAGE_SUFFIXES, corpus_parts, describe_corpus, packages_corpus, pydoc_topics_corpus
 
     version = metadata.version("tqdm").split("+")[0]
     every = packages_corpus("tqdm", "all")
