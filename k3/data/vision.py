@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from k3.config import VisionConfig
-from k3.data.packing import IGNORE_INDEX
+from k3.data.batch import IGNORE_INDEX
 from k3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, Tokenizer, train_bpe
 from k3.vision.media import expand_placeholders, merged_tokens
 from k3.vision.processor import ImageProcessor
