@@ -171,7 +171,7 @@ def main() -> None:
     one, many = out / "gpu1", out / f"gpu{a.gpus}"
     wall = {}
     if len(steps_of(read_metrics(one))) < a.steps:
-        shutil.rmtree(one, ignore_errors=True)  # a run cut short (say, by a device time limit) starts over
+        shutil.rmtree(one, ignore_errors=True)  # a run cut short (say, by a time limit) starts over
         wall["gpu1"] = run(
             [sys.executable] + train_args(a, one, a.rows * a.gpus, tok) + ["--device", a.device], logs / "gpu1.log", env
         )

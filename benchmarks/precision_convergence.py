@@ -5,7 +5,7 @@ steps per arm, several seeds, runs side by side.
                                                [--preset small] [--batch-size 16] [--seq-len 512] [--data SPEC]
                                                [--out DIR]
 
-The default data (k3.data.text.PACKAGES_MIXTURE, ~50M tokens) is large enough that a run of 2000 steps of 16 x 512
+The default data (k3.data.corpus.PACKAGES_MIXTURE, ~50M tokens) is large enough that a run of 2000 steps of 16 x 512
 (16.4M tokens) reads no token twice; each run tokenises only the rows it trains on. Arms: ``bf16`` (bf16 autocast,
 the default training), ``fp8`` (``--fp8-experts``: the expert matmuls in FP8, k3.quant.fp8), ``qat`` (``--qat
 mxfp4``: MXFP4 weights + MXFP8 activations fake-quantised, k3.quant.qat). Every run trains into OUT/runs/ARM-sSEED
@@ -28,7 +28,8 @@ import numpy as np
 from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
 from k3.audit.stats import paired_difference
 from k3.bench.common import environment, write_results
-from k3.data.text import PACKAGES_MIXTURE, describe_corpus, pin_corpus, stream_tokens
+from k3.data.corpus import PACKAGES_MIXTURE, describe_corpus, pin_corpus
+from k3.data.packing import stream_tokens
 from k3.train.state import read_metrics
 from k3.train.trainer import TrainConfig
 

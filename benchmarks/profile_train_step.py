@@ -189,7 +189,7 @@ def main() -> None:
         for key, n in sorted(census.items(), key=lambda kv: -kv[1])[:40]:
             lines.append(f"  {n:6d}  {key[:100]}")
         del loss_sum
-        from k3.train.optim import block_shape, newton_schulz
+        from k3.train.newton_schulz import block_shape, newton_schulz
 
         lines += ["", "Newton-Schulz alone per group and block shape (device ms, CUDA events; random blocks):"]
         for group in trainer.optimizer.param_groups:

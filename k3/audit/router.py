@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from k3.config import K3Config
-from k3.model.balance import drop_fraction, expert_capacity, expert_loads
+from k3.model.router_stats import drop_fraction, expert_capacity, expert_loads
 
 TOKENS_PER_STEP = (64, 256, 1024, 4096, 16384, 65536)
 SIM_TOKENS = (64, 256, 1024, 4096, 16384)

@@ -23,9 +23,9 @@ log = logging.getLogger("k3.ablate")
 
 
 def ensure_tokenizer(out: Path, data: str | None, vocab_size: int, train_bytes: int) -> Path:
-    """Train one byte-level BPE on a sample of the training split (k3.data.text.tokenizer_texts) into
+    """Train one byte-level BPE on a sample of the training split (k3.data.corpus.tokenizer_texts) into
     ``OUT/tokenizer.json`` (kept if present)."""
-    from k3.data.text import load_corpus, tokenizer_texts
+    from k3.data.corpus import load_corpus, tokenizer_texts
     from k3.data.tokenizer import train_bpe
 
     path = out / "tokenizer.json"

@@ -224,7 +224,7 @@ def _sci(x) -> str:
 
 def _data_names(runs: list[dict]) -> str:
     """The runs' data sources, named for the report."""
-    from k3.data.text import describe_corpus
+    from k3.data.corpus import describe_corpus
 
     found = sorted({r.get("data") for r in runs}, key=str)
     return "; ".join(describe_corpus(d) for d in found) or "the runs' data"

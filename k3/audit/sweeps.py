@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.data.text import PACKAGES_MIXTURE, pin_corpus, stream_tokens
+from k3.data.corpus import PACKAGES_MIXTURE, pin_corpus
+from k3.data.packing import stream_tokens
 
 log = logging.getLogger("k3.scaling")
 
@@ -213,7 +214,8 @@ def check_epochs(sweep: Sweep, plan: list, data: str | None, tok) -> None:
     """Refuse a sweep whose runs would see their training data more than once: a scaling fit needs fresh tokens
     (a run that repeats its data memorises it, and its validation loss then rises with compute). ValueError naming
     the runs, the tokens they need and the tokens the data holds."""
-    from k3.data.text import PackedDataset, load_corpus
+    from k3.data.corpus import load_corpus
+    from k3.data.packing import PackedDataset
 
     rows_per_step = sweep.train["batch_size"] * sweep.train.get("grad_accum", 1)
     ctx = sweep.train.get("seq_len", 512)

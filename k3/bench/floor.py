@@ -25,7 +25,9 @@ from k3.ops.conv import causal_conv1d
 from k3.ops.kda import chunk_kda_raw
 from k3.ops.mla import attention
 from k3.ops.segments import Segments, as_segments
-from k3.train.optim import NS_BATCH_BYTES, block_shape, newton_schulz, ns_batches, param_groups_for
+from k3.train.muon import NS_BATCH_BYTES
+from k3.train.newton_schulz import block_shape, newton_schulz, ns_batches
+from k3.train.param_groups import param_groups_for
 
 Timer = Callable[[Callable[[], object], int, int], float]  # (fn, warmup, iters) -> seconds per call
 
@@ -98,7 +100,7 @@ def mla_part(layer: MultiheadLatentAttention, n: int, cu_seqlens: Segments) -> C
 
 def muon_batches(model: torch.nn.Module) -> list[tuple[int, int, int]]:
     """(blocks, rows, cols) of each batched Newton-Schulz call K3Muon makes per step on ``model``'s parameters (its
-    own batching, :func:`k3.train.optim.ns_batches`, at NS_BATCH_BYTES of bf16 per call)."""
+    own batching, :func:`k3.train.newton_schulz.ns_batches`, at NS_BATCH_BYTES of bf16 per call)."""
     calls = []
     for group in param_groups_for(model, 1e-4):
         if group["kind"] == "adamw":

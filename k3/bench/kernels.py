@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from k3.bench.common import cuda_time, environment, matmul_flops, write_results
 from k3.config import get_preset
-from k3.model.balance import QBHistogram
 from k3.model.kda import KimiDeltaAttention
 from k3.model.moe import MoE
+from k3.model.quantile_balancing import QBHistogram
 from k3.ops import backend
 from k3.ops.segments import as_segments
 

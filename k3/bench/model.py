@@ -25,7 +25,8 @@ from k3.model.decoder import K3ForCausalLM
 from k3.ops import backend
 from k3.quant.fp8 import enable_fp8_experts
 from k3.train.activation_checkpoint import apply_activation_checkpointing
-from k3.train.optim import K3Muon, param_groups_for
+from k3.train.muon import K3Muon
+from k3.train.param_groups import param_groups_for
 
 PEAK = 790e12  # measured bf16 matmul rate on this H200 class (spec)
 

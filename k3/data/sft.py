@@ -6,7 +6,7 @@ Conversations
     ``tool_call_id``), each with at least one assistant message. Without ``--data`` the embedded set
     (k3.data.sft_default) is used. Every line is checked when the data is read: a bad one stops the run before it
     starts, with one error naming ``file:line``. Train / validation is decided per conversation by the hash of its
-    name, as for documents (k3.data.text.split_documents), with ``VALIDATION_FRACTION`` of them held out.
+    name, as for documents (k3.data.documents.split_documents), with ``VALIDATION_FRACTION`` of them held out.
 
 Rendering and labels
     A conversation is rendered by :func:`k3.data.chat.render_training_chat` in the tokenizer's chat format (the
@@ -16,7 +16,7 @@ Rendering and labels
     user and tool messages and the tool declaration are context only: their labels are ignored.
 
 Packing
-    As pretraining's documents (k3.data.text.PackedDataset, with its ``trained`` flags): conversations joined with
+    As pretraining's documents (k3.data.packing.PackedDataset, with its ``trained`` flags): conversations joined with
     an EOS in a seeded order, cut into rows of ``seq_len``, each conversation its own segment of the document
     masks (``cu_seqlens``), so no attention or state crosses from one to the next. A conversation that runs past
     a row's end continues in the next row as a segment of its own, as a document does. Data positions resume
@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from k3.data.chat import ROLES, render_chat, render_training_chat, validate_messages
-from k3.data.text import Document, PackedDataset, split_documents
+from k3.data.documents import Document, split_documents
+from k3.data.packing import PackedDataset
 
 # conversations held out for validation: more than documents' 2%, as a chat set holds fewer, shorter items
 VALIDATION_FRACTION = 0.05

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from k3.config import VisionConfig
-from k3.data.text import IGNORE_INDEX
+from k3.data.batch import IGNORE_INDEX
 from k3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, Tokenizer, train_bpe
 from k3.vision.media import expand_placeholders, merged_tokens
 from k3.vision.processor import ImageProcessor
@@ -61,7 +61,7 @@ class VisionBatch:
 
 
 class VisionTaskData:
-    """``next_batch(B)`` / ``rows_batch(indices)`` / ``state_dict()`` like k3.data.text.PackedDataset."""
+    """``next_batch(B)`` / ``rows_batch(indices)`` / ``state_dict()`` like k3.data.packing.PackedDataset."""
 
     def __init__(
         self, tokenizer: Tokenizer, vision: VisionConfig, split: str = "train", seed: int = 0, rows: int | None = None

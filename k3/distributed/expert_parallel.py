@@ -51,7 +51,7 @@ from k3.model.moe import MoE, moe_layers
 from k3.ops.dtypes import upcast
 from k3.ops.moe import moe_experts
 from k3.ops.moe.mxfp4 import moe_experts_packed
-from k3.train.optim import local_shard
+from k3.train.shards import local_shard
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 

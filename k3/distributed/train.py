@@ -39,7 +39,7 @@ from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
 from k3.train.checkpoint import publish_checkpoint
-from k3.data.text import Batch
+from k3.data.batch import Batch
 from k3.train.trainer import Trainer, TrainConfig
 
 log = logging.getLogger("k3.train")

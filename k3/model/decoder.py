@@ -24,12 +24,12 @@ from torch import Tensor, nn
 from k3.config import K3Config
 from k3.model.activation import GatedFFN, make_glu
 from k3.model.attn_res import ResidualStream, make_mix_params
-from k3.model.balance import RouterStats
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import MultiheadLatentAttention
 from k3.model.moe import MoE, RoutedExperts, Router
 from k3.model.norm import RMSNorm
+from k3.model.router_stats import RouterStats
 from k3.ops.segments import HostInts, Segments, as_segments, host_values, to_device
 
 # Parameters and buffers that stay fp32 whatever dtype the rest of the model is cast to.

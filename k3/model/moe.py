@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from k3.config import K3Config
 from k3.model.activation import GatedFFN, make_glu
-from k3.model.balance import RouterStats
 from k3.model.norm import RMSNorm
+from k3.model.router_stats import RouterStats
 from k3.ops.linear.reference import fp32_linear
 from k3.ops.moe import moe_experts, moe_inputs
 from k3.ops.moe.mxfp4 import moe_experts_packed

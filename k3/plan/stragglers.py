@@ -25,7 +25,7 @@ import functools
 import numpy as np
 import torch
 
-from k3.model.balance import expert_capacity
+from k3.model.router_stats import expert_capacity
 from k3.plan.loads import simulate_routing
 from k3.train.step_loads import StepLoads
 from k3.plan.placement import LayerPlacement, contiguous, min_slots, place

@@ -58,7 +58,7 @@ MAXVIO_SERIES = (
 
 def maxvio_curves(history: list[dict], path: Path) -> bool:
     """MaxVio per step in its three forms, each the mean over MoE layers: over the global batch, over one
-    micro-batch (mean of the step's micro-batches) and per sequence (see k3.model.balance.seq_max_vio).
+    micro-batch (mean of the step's micro-batches) and per sequence (see k3.model.router_stats.seq_max_vio).
 
     One y unit (max load / mean load - 1; 0 = perfectly balanced), x = step. Records without a form (skipped
     steps, runs logged before it existed) are left out of its line. Writes nothing and returns False when no

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from k3.data.text import IGNORE_INDEX
-from k3.model.balance import balance_metric_rows, max_vio, metrics_from_rows, seq_max_vio
+from k3.data.batch import IGNORE_INDEX
 from k3.model.mla import MultiheadLatentAttention
+from k3.model.router_stats import balance_metric_rows, max_vio, metrics_from_rows, seq_max_vio
 from k3.ops.segments import as_segments, to_device
-from k3.train.optim import clip_grad_norm, cosine_schedule
 from k3.train.qk_clip import mla_max_logits, qk_clip_
+from k3.train.schedule import clip_grad_norm, cosine_schedule
 
 log = logging.getLogger("k3.train")
 

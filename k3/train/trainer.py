@@ -42,7 +42,8 @@ from k3.convert.atomic import atomic_write_text, make_directory
 from k3.convert.checkpoint import write_pretrained
 from k3.convert.load import from_pretrained
 from k3.data.sft import DEFAULT_NAME as DEFAULT_CHAT, chat_dataset, load_conversations, reply_prompts
-from k3.data.text import PackedDataset, load_corpus, tokenizer_texts
+from k3.data.corpus import load_corpus, tokenizer_texts
+from k3.data.packing import PackedDataset
 from k3.data.tokenizer import Tokenizer, train_bpe
 from k3.infer.sampling import SamplingParams
 from k3.model.balance import Balancer
@@ -56,7 +57,8 @@ from k3.train.activation_checkpoint import apply_activation_checkpointing
 from k3.train.checkpoint import RunLock, clean_stray, resume_checkpoint
 from k3.train.config import RESUME_MAY_CHANGE, TASKS, TrainConfig, check_resume_config
 from k3.train.finetune import adapt, init_checkpoint, init_model, init_tokenizer
-from k3.train.optim import K3Muon, describe_groups, param_groups_for
+from k3.train.muon import K3Muon
+from k3.train.param_groups import describe_groups, param_groups_for
 from k3.train.state import RunState, TrainingDiverged, read_metrics
 from k3.train.step import TrainStep, to_host
 

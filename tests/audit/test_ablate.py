@@ -16,7 +16,7 @@ from k3.audit.grids import ALL_VARIANTS, FACTORIAL, FACTORS, PAIRS, get_grid
 from k3.audit.mqar import MQARTask, MQARTrainConfig, generate, mqar_config, train_mqar
 from k3.cli.main import main
 from k3.config import get_preset
-from k3.data.text import stdlib_corpus
+from k3.data.corpus import stdlib_corpus
 from k3.train.trainer import TrainConfig
 
 

@@ -20,7 +20,7 @@ from k3.audit.scaling import (
 from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep, size_overrides
 from k3.cli.main import main
 from k3.config import get_preset
-from k3.data.text import stdlib_corpus
+from k3.data.corpus import stdlib_corpus
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -144,7 +144,7 @@ def test_floor_parts_time_each_part_once_and_scale_it_by_its_layers(monkeypatch)
     from k3.config import get_preset
     from k3.model.decoder import K3ForCausalLM
     from k3.ops import backend
-    from k3.train.optim import param_groups_for
+    from k3.train.param_groups import param_groups_for
 
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny"))

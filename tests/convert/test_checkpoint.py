@@ -251,7 +251,8 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
     tensors raises one ValueError instead of leaving uninitialised weights."""
     from k3.config.hf import to_hf_config
     from k3.convert.dcp import save
-    from k3.train.optim import K3Muon, param_groups_for
+    from k3.train.muon import K3Muon
+    from k3.train.param_groups import param_groups_for
 
     torch.manual_seed(0)
     cfg = get_preset("tiny")

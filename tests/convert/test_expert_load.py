@@ -177,7 +177,8 @@ def test_a_distributed_training_checkpoint_is_cut_after_gathering(tmp_path):
 
     from k3.config.hf import to_hf_config
     from k3.convert.dcp import save
-    from k3.train.optim import K3Muon, param_groups_for
+    from k3.train.muon import K3Muon
+    from k3.train.param_groups import param_groups_for
 
     cfg = get_preset("tiny")
     model = random_model(cfg)

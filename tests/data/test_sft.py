@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
+from k3.data.batch import IGNORE_INDEX
 from k3.data.chat import render_chat, render_training_chat
+from k3.data.documents import Document
 from k3.data.sft import chat_dataset, load_conversations, parse_conversation, read_chat_jsonl
-from k3.data.text import IGNORE_INDEX, Document
 from k3.data.tokenizer import train_bpe
 from tests.train.finetune_sources import tokenizer as k2_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3.data.text import stdlib_corpus
+from k3.data.corpus import stdlib_corpus
 from k3.data.tokenizer import (
     DEFAULT_SPECIAL_TOKENS,
     Tokenizer,

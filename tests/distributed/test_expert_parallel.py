@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.train.optim import K3Muon, classify_parameters, param_groups_for
+from k3.train.muon import K3Muon
+from k3.train.param_groups import classify_parameters, param_groups_for
 from tests.conftest import _perturb, pack_model_experts
 from tests.distributed.spawn import run
 from tests.helpers import rel

@@ -1,4 +1,5 @@
-"""Tests for k3.model.balance: Quantile Balancing (exact and histogram), baselines, metrics, Balancer."""
+"""Load balancing: Quantile Balancing (exact and histogram, k3.model.quantile_balancing), the baselines
+(k3.model.balance_baselines), the load figures (k3.model.router_stats) and the Balancer (k3.model.balance)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,18 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from k3.model.balance import (
-    Balancer,
-    QBHistogram,
+from k3.model.balance import Balancer
+from k3.model.balance_baselines import seq_aux_loss, sign_update, switch_aux_loss
+from k3.model.quantile_balancing import QBHistogram, qb_quota, qb_required_bias, qb_target_bias, qb_update
+from k3.model.router_stats import (
     RouterStats,
     balance_metrics,
     dead_experts,
     drop_fraction,
     expert_loads,
     max_vio,
-    qb_required_bias,
-    qb_target_bias,
-    qb_quota,
-    qb_update,
     router_entropy,
-    seq_aux_loss,
     seq_max_vio,
-    sign_update,
-    switch_aux_loss,
 )
 
 E, K, N = 64, 8, 4096

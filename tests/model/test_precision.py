@@ -21,7 +21,7 @@ from k3.ops.kda.reference import chunk_kda, kda_gate, recurrent_kda
 from k3.ops.linear import concatenated
 from k3.ops.linear.reference import multi_linear
 from k3.ops.mla.reference import segment_attention
-from k3.train.optim import newton_schulz
+from k3.train.newton_schulz import newton_schulz
 from tests.helpers import rel
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)

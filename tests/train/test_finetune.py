@@ -132,7 +132,7 @@ def test_sft_needs_init_from(tmp_path, capsys):
 
 def test_a_step_without_trained_labels_is_skipped_not_bad(tmp_path):
     """A batch of context only (no assistant token) leaves the weights alone and is no bad step; the next trains."""
-    from k3.data.text import IGNORE_INDEX
+    from k3.data.batch import IGNORE_INDEX
 
     src, _, _ = _source(tmp_path, "checkpoint")
     trainer = Trainer(finetune_cfg(tmp_path / "ft", src, task="sft", data=None, seq_len=128), progress=False)

@@ -19,16 +19,11 @@ from torch import nn
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import MultiheadLatentAttention
-from k3.train.optim import (
-    K3Muon,
-    clip_grad_norm,
-    cosine_schedule,
-    describe_groups,
-    make_scheduler,
-    newton_schulz,
-    param_groups_for,
-)
+from k3.train.muon import K3Muon
+from k3.train.newton_schulz import newton_schulz
+from k3.train.param_groups import describe_groups, param_groups_for
 from k3.train.qk_clip import mla_max_logits, qk_clip_
+from k3.train.schedule import clip_grad_norm, cosine_schedule, make_scheduler
 from tests.helpers import rel
 
 LR, WD = 0.02, 0.1
@@ -363,7 +358,7 @@ def test_qk_clip(q_lora, rope):
 def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     """A step on the tiny model with Newton-Schulz batched over same-shape blocks (the default) equals the step
     with every parameter orthogonalised alone (a budget of one byte forces that)."""
-    import k3.train.optim as optim
+    import k3.train.muon as muon
 
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("tiny"))
@@ -373,7 +368,7 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
     for p, q in zip(model.parameters(), twin.parameters()):
         q.grad = p.grad.clone()
     K3Muon(param_groups_for(model, 1e-2), lr=1e-2).step()
-    monkeypatch.setattr(optim, "NS_BATCH_BYTES", 1)
+    monkeypatch.setattr(muon, "NS_BATCH_BYTES", 1)
     K3Muon(param_groups_for(twin, 1e-2), lr=1e-2).step()
     worst = max(rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), twin.parameters()))
     assert worst <= 1e-6, worst  # fp32; batched and single GEMMs may block their sums differently
@@ -384,7 +379,7 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time(monkeypatch):
 def test_ns_batches_fill_each_shape_up_to_the_budget_in_order():
     """Items of one key share a Newton-Schulz call while their elements fit the budget; a new call starts when the
     next would not fit; an item larger than the budget is a call of its own; keys never mix."""
-    from k3.train.optim import block_shape, ns_batches
+    from k3.train.newton_schulz import block_shape, ns_batches
 
     items = [("a", 4, 1), ("a", 4, 2), ("b", 9, 3), ("a", 3, 4), ("a", 20, 5), ("a", 1, 6), ("b", 1, 7)]
     assert ns_batches(items, 10) == {"a": [[1, 2], [4], [5], [6]], "b": [[3, 7]]}

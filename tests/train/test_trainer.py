@@ -240,7 +240,8 @@ def test_maxvio_three_forms(tmp_path, task, steps):
 def test_validation_rows_are_the_same_for_every_seed_and_span_the_split(tmp_path):
     """The evaluation rows come from the validation documents in a fixed shuffled order: two seeds evaluate the same
     tokens, and they are not just the split's first documents."""
-    from k3.data.text import PackedDataset, load_corpus
+    from k3.data.corpus import load_corpus
+    from k3.data.packing import PackedDataset
     from k3.train.trainer import VALIDATION_SEED
 
     a, b = (Trainer(tiny_cfg(tmp_path / f"s{s}", seed=s, eval_rows=64), progress=False) for s in (0, 1))
