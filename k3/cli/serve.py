@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="tokens one engine step feeds: decode tokens first, prefill chunks in the rest (default 4096 on a "
+        help="tokens one engine step feeds: decode tokens first, prefill chunks in the rest (default 16384 on a "
         "GPU, 512 on a CPU)",
     )
     p.add_argument(

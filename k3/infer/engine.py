@@ -59,12 +59,10 @@ from k3.infer.detok import IncrementalDecoder, StopMatcher
 from k3.infer.sequence import Media, Request, StepOutput, _Flight, _Sequence, prepare_media
 from k3.infer.graphs import GraphedDecoder, padded_sizes
 from k3.infer.prefix_cache import PrefixCache
-from k3.infer.sampling import (
-    SamplingParams,
-    to_device,
-)
+from k3.infer.sampling import SamplingParams
 from k3.model.cache import K3Cache, MLAState, cache_bytes_per_sequence
 from k3.ops.fused import raise_recompile_limit
+from k3.ops.segments import to_device
 
 log = logging.getLogger("k3.infer")
 
@@ -88,14 +86,15 @@ class Engine(StepOutputs):
         overlap: bool | None = None,
         warm_up: bool | None = None,
     ):
-        """``max_num_batched_tokens`` (default 4096 on CUDA, 512 on a CPU) and ``prefill_wait_steps`` (default 8
+        """``max_num_batched_tokens`` (default 16384 on CUDA: a packed pass's host cost hardly grows with its
+        tokens, so a larger budget prefills more prompts for it; 512 on a CPU) and ``prefill_wait_steps`` (default 8
         on CUDA, 0 on a CPU: the packed forward's host cost is what waiting amortises) shape each step; ``overlap``
         (default: on CUDA) launches a step before reading the previous one's tokens; ``warm_up`` (default: on
         CUDA) runs :meth:`warm_up` before the decode graphs are captured."""
         cfg = model.config
         self.device = next(model.parameters()).device
         gpu = self.device.type == "cuda"
-        budget = max_num_batched_tokens if max_num_batched_tokens is not None else (4096 if gpu else 512)
+        budget = max_num_batched_tokens if max_num_batched_tokens is not None else (16384 if gpu else 512)
         self.min_chunk = block_size if prefix_cache_bytes else 1  # prefills always get this much of a step
         if max_batch < 1 or budget < self.min_chunk:
             raise ValueError(
@@ -203,11 +202,13 @@ class Engine(StepOutputs):
     @torch.no_grad()
     def warm_up(self, segment: int = 1024) -> list[int]:
         """Run the packed prefill forward once for each token count of the ladder 1, 2, 4, ... up to
-        ``max_num_batched_tokens`` (split into segments of at most ``segment`` tokens on free slots), then once more
-        continuing the last pass's sequences, and empty the slots. The first pass of a new size class otherwise
-        stalls live traffic for seconds: the kernels' autotuners run for each new key (the MoE kernels' rows per
-        group, fla's chunked kernels) and torch.compile'd ops compile a static first shape, then a dynamic one.
-        Returns the token counts run. Must run while no request does (at start)."""
+        ``max_num_batched_tokens`` and for each count one less (split into segments of at most ``segment`` tokens
+        on free slots: the odd counts end in an odd segment), then once more continuing the last pass's sequences,
+        and empty the slots. The first pass of a new size class otherwise stalls live traffic for seconds: the
+        kernels' autotuners run for each new key (the MoE kernels' rows per group, fla's chunked kernels),
+        torch.compile'd ops compile a static first shape, then a dynamic one, and Triton compiles each kernel
+        again for sizes that are not multiples of 16 (it specialises integer arguments on that). Returns the token
+        counts run. Must run while no request does (at start)."""
         if self.running or self._inflight is not None:
             raise RuntimeError("warm_up runs before any request")
         vocab = self.model.config.vocab_size
@@ -221,12 +222,12 @@ class Engine(StepOutputs):
             t *= 2
         if counts[-1] < self.max_num_batched_tokens <= seg * len(self.free_slots):
             counts.append(self.max_num_batched_tokens)
+        counts = sorted(set(counts) | {t - 1 for t in counts if t > 2})
         slots: list[int] = []
         again = counts[-1:] if 2 * seg <= self.max_context else []
         for i, total in enumerate(counts + again):
             if i < len(counts):  # a fresh pass: empty slots; the last one continues the pass before it
-                for slot in slots:
-                    self.cache.reset(slot)
+                self.cache.reset(slots)
                 lengths = [seg] * (total // seg) + ([total % seg] if total % seg else [])
                 slots = self.free_slots[: len(lengths)]
             ids = torch.randint(vocab, (total,), generator=gen)
@@ -236,8 +237,7 @@ class Engine(StepOutputs):
             self.model(
                 to_device(ids, self.device)[None], cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True
             )
-        for slot in slots:
-            self.cache.reset(slot)
+        self.cache.reset(slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return counts
@@ -377,6 +377,7 @@ class Engine(StepOutputs):
         return best
 
     def _admit(self) -> None:
+        admitted = []
         while self.waiting and self.free_slots:
             seq = self._next_waiting()
             if self.memory_budget is not None and self.reserved + seq.need_bytes > self.memory_budget:
@@ -385,7 +386,9 @@ class Engine(StepOutputs):
             seq.slot, seq.admitted_at = self.free_slots.pop(0), time.perf_counter()
             self.reserved += seq.need_bytes
             self.group_running[seq.group] = self.group_running.get(seq.group, 0) + 1
-            self.cache.reset(seq.slot)
+            admitted.append(seq)
+        self.cache.reset([seq.slot for seq in admitted])  # one fill per state tensor for the whole batch
+        for seq in admitted:
             if seq.params.penalised:
                 self._track_penalties(seq)
             if seq.constraint is not None:
@@ -412,7 +415,7 @@ class Engine(StepOutputs):
     def _release(self, seq: _Sequence) -> None:
         seq.done = True
         self.running.remove(seq)
-        self.cache.reset(seq.slot)
+        self.cache.release(seq.slot)  # its states are zeroed when the slot is admitted again
         self.free_slots.append(seq.slot)
         self.reserved -= seq.need_bytes
         if seq.constraint is not None:

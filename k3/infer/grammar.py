@@ -17,7 +17,8 @@ import json
 import torch
 from torch import Tensor
 
-from k3.infer.sampling import SamplingError, to_device
+from k3.infer.sampling import SamplingError
+from k3.ops.segments import to_device
 
 EXTRA = "pip install 'k3[structured]'"
 _JSON_OPTIONS = {"whitespace_flexible": False}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from k3.infer.sampling import to_device as _on
+from k3.ops.segments import to_device as _on
 from k3.model.cache import K3Cache, KDAState
 from k3.ops import pdl
 

@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from k3.ops.segments import to_device
+
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's chat limit)
 # Stop strings: a request may give MAX_STOP (evaluation harnesses add their end-of-text string to a task's list;
 # OpenAI's 4 is too few), each at most MAX_STOP_CHARS long, so matching them costs a bounded time per token
@@ -242,15 +244,6 @@ class SamplingRows:
             repetition_on=any(p.repetition_penalty != 1.0 for p in params),
             counts_on=any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params),
         )
-
-
-def to_device(t: Tensor, device) -> Tensor:
-    """A host tensor on ``device`` without waiting for the device's queue: a copy from pinned memory is
-    asynchronous, where one from pageable memory first synchronises the stream."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class Sampled(NamedTuple):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from k3.config import K3Config
+from k3.ops.segments import to_device
 
 
 @dataclass
@@ -49,9 +50,40 @@ class MLAState:
         self.kv[slot, self.lengths[slot] : end] = rows.to(self.kv.dtype)
         self.lengths[slot] = end
 
+    def append_many(self, slots: list[int], rows: Tensor, counts: list[int]) -> None:
+        """Write ``rows`` [sum(counts), r + dr] after the slots' last rows (the first counts[0] to slots[0], and so
+        on) in one indexed write: one copy per slot is host work a pass of many prompts repeats in every layer."""
+        if len(slots) == 1:
+            self.append(slots[0], rows)
+            return
+        starts = [self.lengths[s] for s in slots]
+        self.reserve(max(a + n for a, n in zip(starts, counts)))
+        slot, position = _row_index(slots, starts, counts, self.kv.device)
+        self.kv[slot, position] = rows.to(self.kv.dtype)
+        for s, n in zip(slots, counts):
+            self.lengths[s] += n
+
+    def gather(self, slots: list[int]) -> Tensor:
+        """The valid rows of ``slots``, one after another: [sum of their lengths, r + dr] (one indexed read)."""
+        if len(slots) == 1:
+            return self.rows(slots[0])
+        slot, position = _row_index(slots, [0] * len(slots), [self.lengths[s] for s in slots], self.kv.device)
+        return self.kv[slot, position]
+
     def set(self, slot: int, rows: Tensor) -> None:
         self.lengths[slot] = 0
         self.append(slot, rows)
+
+
+def _row_index(slots: list[int], starts: list[int], counts: list[int], device) -> tuple[Tensor, Tensor]:
+    """(slot, position) device index tensors of the rows starts[i] .. starts[i] + counts[i] of slots[i], in order
+    (made on the host, copied in one transfer without a sync)."""
+    counts_t = torch.tensor(counts)
+    slot = torch.repeat_interleave(torch.tensor(slots), counts_t)
+    first = torch.cumsum(counts_t, 0) - counts_t  # where each slot's rows begin in the flat order
+    position = torch.arange(int(counts_t.sum())) - torch.repeat_interleave(first - torch.tensor(starts), counts_t)
+    both = to_device(torch.stack([slot, position]), device)
+    return both[0], both[1]
 
 
 class K3Cache:
@@ -120,14 +152,30 @@ class K3Cache:
                     layer.lengths[i] += 1
         self.advance(seq_ids, [1] * len(seq_ids))
 
-    def reset(self, slot: int) -> None:
-        """Empty sequence ``slot`` (zero KDA and conv state, no MLA latents) for a new request."""
+    def reset(self, slots: int | list[int]) -> None:
+        """Empty sequences ``slots`` (zero KDA and conv state, no MLA latents) for new requests: one in-place fill
+        per state tensor for all of them (a fill per slot and tensor is host work a batch of admissions repeats)."""
+        slots = [slots] if isinstance(slots, int) else list(slots)
+        if not slots:
+            return
+        index = None
         for layer in self.layers:
             if isinstance(layer, KDAState):
-                layer.recurrent[slot].zero_()
-                for c in layer.conv:
-                    c[slot].zero_()
+                if index is None:
+                    index = to_device(torch.tensor(slots, dtype=torch.int64), layer.recurrent.device)
+                for t in (layer.recurrent, *layer.conv):
+                    t.index_fill_(0, index, 0)
             else:
+                for slot in slots:
+                    layer.lengths[slot] = 0
+        for slot in slots:
+            self.seq_lens[slot] = 0
+
+    def release(self, slot: int) -> None:
+        """Forget sequence ``slot``'s length (host bookkeeping only): its states are zeroed when the slot is
+        :meth:`reset` for its next request, so freeing costs no device work."""
+        for layer in self.layers:
+            if isinstance(layer, MLAState):
                 layer.lengths[slot] = 0
         self.seq_lens[slot] = 0
 

@@ -139,7 +139,6 @@ class MultiheadLatentAttention(nn.Module):
     ) -> Tensor:
         """:meth:`forward` of segments whose documents all lie in ``x``."""
         n = x.shape[0]
-        bounds = segments.host
         lengths = segments.lengths
         q_nope, q_pe, c_kv, k_pe = self.project(x)
         ids = [] if state is None else host_values(seq_ids)
@@ -153,8 +152,7 @@ class MultiheadLatentAttention(nn.Module):
             absorb = self.absorb if self.absorb is not None else (state is not None and n == len(lengths))
         rows = torch.cat([c_kv, k_pe], dim=-1)  # [N, r + dr]: what the cache keeps per token
         if state is not None:
-            for i, a, b in zip(ids, bounds[:-1], bounds[1:]):
-                state.append(i, rows[a:b])
+            state.append_many(list(ids), rows, list(lengths))
         if state is None:
             o = self.attend(q_nope, q_pe, rows, segments, segments, absorb)
         elif absorb:  # straight over the latent cache
@@ -175,7 +173,7 @@ class MultiheadLatentAttention(nn.Module):
             for i in ids:
                 offsets.append(offsets[-1] + state.lengths[i])
             cu_k = Segments.from_host(offsets, x.device, segments.offsets.dtype)
-            o = self.attend(q_nope, q_pe, torch.cat([state.rows(i) for i in ids]).to(x.dtype), segments, cu_k, False)
+            o = self.attend(q_nope, q_pe, state.gather(list(ids)).to(x.dtype), segments, cu_k, False)
         return self._output(x, o)
 
     def step(self, x: Tensor, state: MLAState, slots: Tensor, positions: Tensor) -> Tensor:
