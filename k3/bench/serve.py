@@ -40,6 +40,7 @@ COLUMNS = [
     "tpot_p50_ms",
     "tpot_p90_ms",
     "of_limit",
+    "vs_c1",
     "detail",
 ]
 
@@ -315,6 +316,12 @@ def run(
         for row in rows:
             if row["model"] == label and row["concurrency"] == top and row["case"] in limits:
                 row["of_limit"] = row["tokens_per_s"] / limits[row["case"]]
+    for row in rows:  # throughput over the same model and case at one client
+        one = next(
+            (r for r in rows if r["model"] == row["model"] and r["case"] == row["case"] and r["concurrency"] == 1), None
+        )
+        if one is not None and row is not one and "ttft_p50_ms" in row:
+            row["vs_c1"] = row["tokens_per_s"] / one["tokens_per_s"]
     notes = (
         "Streamed greedy completions (ignore_eos) through k3 serve on 127.0.0.1; asyncio clients, one connection "
         f"each, spread over {client_procs} client process(es), a warm-up round per concurrency. TTFT: request sent "
@@ -324,7 +331,8 @@ def run(
         "slot, then from the slot to the token; the rest of TTFT is the API and transport); the busiest client "
         "process's CPU share. "
         "of_limit (at a model's largest concurrency): tokens/s over B / the graph decode step at that B, measured "
-        "after its server stopped, on the same device. Random models: bfloat16 weights built on the device, "
+        "after its server stopped, on the same device. vs_c1: tokens/s over the same case's at one client. "
+        "Random models: bfloat16 weights built on the device, "
         "vocabulary narrowed to a 400-token BPE (their lm_head is that much smaller than the preset's)."
     )
     engine = next((server_args[i + 1] for i, a in enumerate(server_args[:-1]) if a == "--engine"), None)

@@ -259,3 +259,29 @@ def test_precision_convergence_curves_and_arms(tmp_path):
     assert steps.tolist() == [0, 1, 2] and mean[1] == pytest.approx(0.9 * 5.0 + 0.1 * 4.0)
     with pytest.raises(SystemExit, match="bf16 first"):
         module.main(["--arms", "fp8,bf16"])
+
+
+def test_bench_serve_on_cpu_writes_rows_per_concurrency(tmp_path):
+    """``k3 bench serve`` on the CPU (tiny random checkpoint served by a k3 serve child): one row per concurrency
+    with TTFT and TPOT percentiles in order, the engine's counters in the detail, and throughput over one client."""
+    import json
+
+    from k3.bench.serve import run
+
+    rows = run(
+        out_dir=str(tmp_path),
+        quick=True,
+        presets=("tiny",),
+        device="cpu",
+        concurrency=(1, 2),
+        cases=((16, 4),),
+        client_procs=1,
+    )
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(r["requests"] == r["concurrency"] for r in rows)
+    for r in rows:
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and 0 < r["tpot_p50_ms"] <= r["tpot_p90_ms"], r
+        assert "prefill passes" in r["detail"] and "first token after" in r["detail"]
+    assert "vs_c1" not in rows[0] and rows[1]["vs_c1"] == pytest.approx(
+        rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    )
+    assert json.loads((tmp_path / "serve.json").read_text())["rows"][1]["concurrency"] == 2
