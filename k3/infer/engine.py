@@ -201,14 +201,15 @@ class Engine(StepOutputs):
 
     @torch.no_grad()
     def warm_up(self, segment: int = 1024) -> list[int]:
-        """Run the packed prefill forward once for each token count of the ladder 1, 2, 4, ... up to
-        ``max_num_batched_tokens`` and for each count one less (split into segments of at most ``segment`` tokens
-        on free slots: the odd counts end in an odd segment), then once more continuing the last pass's sequences,
-        and empty the slots. The first pass of a new size class otherwise stalls live traffic for seconds: the
-        kernels' autotuners run for each new key (the MoE kernels' rows per group, fla's chunked kernels),
-        torch.compile'd ops compile a static first shape, then a dynamic one, and Triton compiles each kernel
-        again for sizes that are not multiples of 16 (it specialises integer arguments on that). Returns the token
-        counts run. Must run while no request does (at start)."""
+        """Run the packed prefill forward once for each token count of the ladder 1, 2, 4, ... up to the most a
+        pass can hold (``max_num_batched_tokens``, or what the free slots hold at ``max_context``), that most, and
+        each count one less (in segments of ``segment`` tokens or half the context, longer where the slots need
+        it: the odd counts end in an odd segment); the largest pass whose segments can double runs once more,
+        continuing its sequences; then the slots are emptied. The first pass of a new size class otherwise stalls
+        live traffic for seconds: the kernels' autotuners run for each new key (the MoE kernels' rows per group,
+        fla's chunked kernels), torch.compile'd ops compile a static first shape, then a dynamic one, and Triton
+        compiles each kernel again for sizes that are not multiples of 16 (it specialises integer arguments on
+        that). Returns the token counts run. Must run while no request does (at start)."""
         if self.running or self._inflight is not None:
             raise RuntimeError("warm_up runs before any request")
         vocab = self.model.config.vocab_size
@@ -216,27 +217,32 @@ class Engine(StepOutputs):
         plain = next(i for i in range(vocab) if i not in media)
         gen = torch.Generator().manual_seed(0)
         seg = max(1, min(segment, self.max_context // 2))  # the continuing pass doubles a slot's length
+        free = len(self.free_slots)
+        top = min(self.max_num_batched_tokens, self.max_context * free)  # the most tokens a pass can hold
+
+        def split(total: int) -> list[int]:  # segments of seg tokens, longer where the slots need them to be
+            n = min(self.max_context, max(seg, -(-total // free)))
+            return [n] * (total // n) + ([total % n] if total % n else [])
+
         counts, t = [], 1
-        while t <= min(self.max_num_batched_tokens, seg * len(self.free_slots)):
+        while t <= top:
             counts.append(t)
             t *= 2
-        if counts[-1] < self.max_num_batched_tokens <= seg * len(self.free_slots):
-            counts.append(self.max_num_batched_tokens)
-        counts = sorted(set(counts) | {t - 1 for t in counts if t > 2})
+        counts = sorted(set(counts) | {top} | {t - 1 for t in counts + [top] if t > 2})
+        again = max((c for c in counts if 2 * max(split(c)) <= self.max_context), default=None)
         slots: list[int] = []
-        again = counts[-1:] if 2 * seg <= self.max_context else []
-        for i, total in enumerate(counts + again):
-            if i < len(counts):  # a fresh pass: empty slots; the last one continues the pass before it
-                self.cache.reset(slots)
-                lengths = [seg] * (total // seg) + ([total % seg] if total % seg else [])
-                slots = self.free_slots[: len(lengths)]
-            ids = torch.randint(vocab, (total,), generator=gen)
-            if media:
-                ids[torch.isin(ids, torch.tensor(sorted(media)))] = plain
-            cu = torch.tensor([0] + lengths).cumsum(0)
-            self.model(
-                to_device(ids, self.device)[None], cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True
-            )
+        for total in counts:
+            self.cache.reset(slots)  # a fresh pass on empty slots; the continuing one follows its pass
+            lengths = split(total)
+            slots = self.free_slots[: len(lengths)]
+            for _ in range(2 if total == again else 1):
+                ids = torch.randint(vocab, (total,), generator=gen)
+                if media:
+                    ids[torch.isin(ids, torch.tensor(sorted(media)))] = plain
+                cu = torch.tensor([0] + lengths).cumsum(0)
+                self.model(
+                    to_device(ids, self.device)[None], cu_seqlens=cu, cache=self.cache, seq_ids=slots, last_only=True
+                )
         self.cache.reset(slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -75,9 +75,9 @@ def test_continuous_batching_equals_full_forward(model, monkeypatch, warm_up):
 
 
 def test_warm_up_runs_the_ladder_and_empties_its_slots(model, monkeypatch):
-    """Token counts 1, 2, 4, ... capped by the budget and by what the slots hold, and each one less (odd sizes
-    compile kernels of their own), in segments of at most half the context; one more pass continues the last one;
-    every slot ends empty."""
+    """Token counts 1, 2, 4, ... up to the budget, the budget, and each one less (odd sizes compile kernels of
+    their own), in segments of half the context, longer where the slots need it; the largest pass whose segments
+    can double runs once more, continuing its sequences; every slot ends empty."""
     eng = Engine(model, IdTokenizer(), max_batch=3, max_num_batched_tokens=40, max_context=24)
     passes = []
     real = type(model).forward
@@ -87,12 +87,13 @@ def test_warm_up_runs_the_ladder_and_empties_its_slots(model, monkeypatch):
         return real(self, ids, *args, cu_seqlens=cu_seqlens, seq_ids=seq_ids, cache=cache, **kw)
 
     monkeypatch.setattr(type(model), "forward", spy)
-    ladder = [1, 2, 3, 4, 7, 8, 15, 16, 31, 32]  # 40 tokens would not fit 3 slots of 12
+    ladder = [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 39, 40]
     assert eng.warm_up() == ladder
-    assert [p[0] for p in passes] == ladder + [32]
-    assert passes[-3][1:3] == ([12, 12, 7], [0, 1, 2])  # the odd pass ends in an odd segment
-    assert passes[-2][1:3] == ([12, 12, 8], [0, 1, 2])
-    assert passes[-1][3] == [12, 12, 8]  # the continuing pass starts where the last one ended
+    assert [p[0] for p in passes] == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 32, 39, 40]
+    assert passes[8][1:3] == ([12, 12, 7], [0, 1, 2])  # the odd pass ends in an odd segment
+    assert passes[9][1:3] == ([12, 12, 8], [0, 1, 2])
+    assert passes[10][3] == [12, 12, 8]  # the continuing pass starts where the last one ended
+    assert passes[-1][1] == [14, 14, 12]  # 40 tokens fit 3 slots in segments of 14
     assert eng.cache.seq_lens == [0, 0, 0] and eng.free_slots == [0, 1, 2]
     for layer in eng.cache.layers:
         if hasattr(layer, "recurrent"):
