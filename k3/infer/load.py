@@ -1,6 +1,6 @@
 """Load a checkpoint for inference: ``load_for_inference(ckpt, device, dtype) -> (model, tokenizer, path)``.
 
-The weights are streamed (k3.convert.load.from_pretrained, docs/architecture.md#checkpoints) straight into
+The weights are streamed (k3.checkpoint.load.from_pretrained, docs/architecture.md#checkpoints) straight into
 their dtype and device; the load time and memory (host RSS peak, GPU memory) are logged and can be printed.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from k3.convert.load import from_pretrained
-from k3.convert.checkpoint import read_config_json, resolve_checkpoint
+from k3.checkpoint.load import from_pretrained
+from k3.checkpoint.format import read_config_json, resolve_checkpoint
 from k3.data.tokenizer import Tokenizer
 from k3.quant.packed import read_quantization
 
@@ -99,7 +99,7 @@ def load_for_inference(
     checkpoint's; ``stats`` (a dict) receives the load time and memory (see :func:`load_line`). Packed MXFP4
     experts stay packed (``packed="keep"``: only the experts a batch selects are dequantised, k3.ops.moe.mxfp4) or
     are dequantised once at load (``packed="dequantize"``). ``experts`` and ``checksum_part``: this process's part
-    of an expert-parallel model (k3.convert.load.from_pretrained)."""
+    of an expert-parallel model (k3.checkpoint.load.from_pretrained)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tokenizer, path = load_tokenizer(ckpt)
     if dev.type == "cuda":

@@ -15,7 +15,7 @@ from k3.audit.router import all_to_all, distinct_ranks, simulate_routes, uniform
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.balance import drop_fraction, expert_loads
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

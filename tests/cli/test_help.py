@@ -70,7 +70,7 @@ def test_unknown_or_missing_command_is_one_usage_error(capsys):
 
 
 def test_flag_choices_equal_their_sources():
-    from k3.convert.checkpoint import DEFAULT_SHARD_BYTES
+    from k3.checkpoint.format import DEFAULT_SHARD_BYTES
     from k3.infer.load import DTYPE_CHOICES
     from k3.infer.serving import DEFAULT_CHAT_MAX_TOKENS
     from k3.model.balance import BALANCE_METHODS, DEFAULT_GAMMA

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import k3
-import k3.convert.checkpoint as ckpt
+import k3.checkpoint.format as ckpt
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
@@ -17,7 +17,7 @@ from k3.model.moe import MoE
 from k3.quant import PackedExperts, enable_qat, fake_quantize, pack_expert_tensors, unpack_expert_tensors
 from k3.ops.mx import pack_fp4, quantize
 from k3.quant.packed import FORMAT, quantization_config
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.3.w2"
 

@@ -8,7 +8,7 @@ import torch
 import k3
 from k3.cli.main import main
 from k3.config.presets import with_vision
-from k3.convert.checkpoint import resolve_checkpoint
+from k3.checkpoint.format import resolve_checkpoint
 from k3.model.multimodal import K3ForConditionalGeneration
 from k3.train.trainer import Trainer
 from tests.helpers import KIMI_LINEAR_STYLE

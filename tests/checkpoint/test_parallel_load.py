@@ -1,4 +1,4 @@
-"""Parallel shard loading (k3.convert.stream): several shards read and hashed at once, and the staged path that
+"""Parallel shard loading (k3.checkpoint.stream): several shards read and hashed at once, and the staged path that
 copies to GPUs through reused host buffers.
 
 Whatever the number of workers and whichever path, the loaded tensors must be exactly the files' (tensors spanning
@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-import k3.convert.checkpoint as ckpt
-import k3.convert.stream as stream
+import k3.checkpoint.format as ckpt
+import k3.checkpoint.stream as stream
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained, load_eager
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import from_pretrained, load_eager
 from k3.model.decoder import K3ForCausalLM
 from k3.quant.packed import PackedExperts
-from tests.convert.test_streamed_load import assert_same, random_multimodal
+from tests.checkpoint.test_streamed_load import assert_same, random_multimodal
 
 
 @pytest.fixture(scope="module")

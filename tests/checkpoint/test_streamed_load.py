@@ -1,4 +1,4 @@
-"""Streamed checkpoint loading (k3.convert.load.from_pretrained) and the multimodal release layout.
+"""Streamed checkpoint loading (k3.checkpoint.load.from_pretrained) and the multimodal release layout.
 
 The streamed loader must give the same tensors as reading the files whole (safetensors' own reader), keep host
 memory near the model's size, place tensors in their final dtype / device, and refuse a bad shard with one
@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import k3.convert.checkpoint as ckpt
+import k3.checkpoint.format as ckpt
 from k3.config import get_preset
 from k3.config.presets import with_vision
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained, load_eager
-from k3.convert.names import a_log_file_size
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import from_pretrained, load_eager
+from k3.checkpoint.names import a_log_file_size
 from k3.model.decoder import K3ForCausalLM
 from k3.model.multimodal import K3ForConditionalGeneration
 from k3.quant.packed import PackedExperts
@@ -187,9 +187,9 @@ CHILD = textwrap.dedent("""
     import json, resource, sys, time
     import torch
     from safetensors.torch import load_file
-    from k3.convert.checkpoint import read_config
-    from k3.convert.load import from_pretrained
-    from k3.convert.names import map_tensor
+    from k3.checkpoint.format import read_config
+    from k3.checkpoint.load import from_pretrained
+    from k3.checkpoint.names import map_tensor
     device = sys.argv[2]
     if device == "cuda":
         torch.zeros(1, device=device)  # the CUDA context's host memory comes before the load

@@ -2,7 +2,7 @@
 
 The model is built on the meta device, every shard's header is read and checked against it first (names, shapes),
 then the model gets empty storage in its final dtype and device and the shards are read into it, several at once,
-each hashed on the bytes as they are read (k3.convert.stream): host memory while loading onto a GPU stays within
+each hashed on the bytes as they are read (k3.checkpoint.stream): host memory while loading onto a GPU stays within
 one shard + 1 GiB; onto the CPU, near the model itself. A bad shard (checksum, truncated, wrong shapes, non-finite
 values) fails with one error before the model is returned. Packed MXFP4 experts are dequantised
 (``packed="dequantize"``, on the weight's device) or kept packed for inference (``packed="keep"``). A process that
@@ -21,9 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3.config import K3Config
-from k3.convert.adapters import is_adapter_dir, not_a_model
-from k3.convert.checkpoint import (
+from k3.checkpoint.adapters import is_adapter_dir, not_a_model
+from k3.checkpoint.format import (
     INDEX,
     SINGLE,
     _weight_files,
@@ -33,13 +32,14 @@ from k3.convert.checkpoint import (
     read_config_json,
     read_tensors,
 )
-from k3.convert.names import from_files, map_tensor, vision_layout
-from k3.convert.stream import E8M0, Entry, all_finite, default_workers, host_finite, load_shards, read_header
+from k3.checkpoint.names import from_files, map_tensor, vision_layout
+from k3.checkpoint.stream import E8M0, Entry, all_finite, default_workers, host_finite, load_shards, read_header
+from k3.config import K3Config
 from k3.model.moe import keep_experts, moe_layers
 from k3.quant.packed import PACKED, SCALE, map_packed_pairs, read_quantization, unpack_weight, use_packed_experts
 
 __all__ = ["LoadPlan", "default_workers", "from_pretrained", "load_eager", "plan_load", "read_header"]
-log = logging.getLogger("k3.convert")
+log = logging.getLogger("k3.checkpoint")
 
 
 def _from_dcp(directory: Path, config):
@@ -47,7 +47,7 @@ def _from_dcp(directory: Path, config):
     checks its own metadata; there are no checksum files to verify). The model is built on the meta device and
     given uninitialised CPU storage, which the load overwrites whole (DCP raises on any tensor the checkpoint
     lacks, and the model has no tensors outside its state dict): no random init is computed and thrown away."""
-    from k3.convert.dcp import load_into_single
+    from k3.checkpoint.dcp import load_into_single
     from k3.model.decoder import K3ForCausalLM
     from k3.model.multimodal import K3ForConditionalGeneration
 
