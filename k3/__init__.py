@@ -10,9 +10,10 @@ __version__ = "0.1.0"
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
-def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="dequantize"):
-    """Load a checkpoint directory as ``K3ForCausalLM``, streamed, in its own dtype unless ``dtype`` is given
-    (see :func:`k3.checkpoint.load.from_pretrained`)."""
+def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="auto"):
+    """Load a checkpoint directory as ``K3ForCausalLM``, streamed, in its own dtype unless ``dtype`` is given;
+    packed MXFP4 experts stay packed (inference) unless ``packed="dequantize"`` (to train; see
+    :func:`k3.checkpoint.load.from_pretrained`)."""
     from k3.checkpoint.load import from_pretrained as _load
 
     return _load(directory, dtype=dtype, device=device, verify=verify, packed=packed)

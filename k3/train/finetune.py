@@ -56,7 +56,7 @@ def init_tokenizer(path: str) -> Tokenizer:
 def init_model(ckpt: Path, tokenizer: Tokenizer, device: torch.device):
     """The checkpoint's model in fp32 (the training dtype: the weights are the optimizer's masters; autocast
     runs the GPU forward in bf16) on ``device``, checked against the tokenizer."""
-    model = from_pretrained(ckpt, dtype=torch.float32, device=device)
+    model = from_pretrained(ckpt, dtype=torch.float32, device=device, packed="dequantize")  # trained: high precision
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"--init-from {ckpt}: the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "

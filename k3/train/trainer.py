@@ -263,7 +263,7 @@ class Trainer(TrainStep, RunState):
         )
         log.debug("data: train %r, validation %r", train, val)
         if ckpt is not None and not cfg.lora:
-            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
+            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device, packed="dequantize")
         elif self.init_from is not None:
             self.model = init_model(self.init_from, self.tokenizer, self.device)
         else:
@@ -303,7 +303,7 @@ class Trainer(TrainStep, RunState):
         if self.is_main:
             self.tokenizer.save(self.run_dir)
         if ckpt is not None:
-            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
+            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device, packed="dequantize")
         else:
             model_cfg = with_vision(get_preset(cfg.preset)).replace(
                 vocab_size=self.tokenizer.vocab_size,

@@ -65,7 +65,7 @@ def test_staged_path_gives_the_files_tensors(sharded, monkeypatch, chunk):
 def test_packed_pairs_across_shards_and_workers(packed, monkeypatch, path):
     if path == "staged":
         staged(monkeypatch, 1000)
-    assert_same(load_eager(packed), from_pretrained(packed, workers=4))
+    assert_same(load_eager(packed), from_pretrained(packed, packed="dequantize", workers=4))
     kept = from_pretrained(packed, packed="keep", workers=4)
     assert isinstance(kept.model.layers[1].block_sparse_moe.experts, PackedExperts)
     monkeypatch.undo()
@@ -142,7 +142,7 @@ def test_gpu_load_gives_the_files_tensors(sharded, packed, monkeypatch, chunk):
         assert_same(model, got.cpu())
         fp32 = from_pretrained(d, torch.float32, "cuda", workers=workers)
         assert_same(load_eager(d, dtype=torch.float32), fp32.cpu())
-    assert_same(load_eager(packed), from_pretrained(packed, device="cuda", workers=4).cpu())
+    assert_same(load_eager(packed), from_pretrained(packed, device="cuda", packed="dequantize", workers=4).cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

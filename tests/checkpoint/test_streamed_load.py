@@ -74,7 +74,29 @@ def test_packed_experts_stay_packed_unless_asked(tmp_path):
     experts = kept.model.layers[1].block_sparse_moe.experts
     assert isinstance(experts, PackedExperts) and experts.w1_packed.dtype == torch.uint8
     assert experts.dtype_ref.dtype == torch.float32
-    assert_same(load_eager(tmp_path / "q"), from_pretrained(tmp_path / "q"))
+    assert_same(load_eager(tmp_path / "q"), from_pretrained(tmp_path / "q", packed="dequantize"))
+
+
+def test_auto_keeps_what_the_checkpoint_holds(tmp_path):
+    """``packed="auto"`` (the default): a packed checkpoint loads packed, as ``"keep"`` does (inference); a
+    high-precision one loads as ``"dequantize"`` does, where ``"keep"`` is refused."""
+    cfg = get_preset("tiny").replace(**{"moe.moe_intermediate_size": 64, "moe.latent_size": 64})
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    save_pretrained(model, tmp_path / "q", quantize="mxfp4")
+    save_pretrained(model, tmp_path / "hp")
+    auto = from_pretrained(tmp_path / "q")
+    assert isinstance(auto.model.layers[1].block_sparse_moe.experts, PackedExperts)
+    assert_same(from_pretrained(tmp_path / "q", packed="keep"), auto)
+    assert_same(from_pretrained(tmp_path / "q", packed="auto"), auto)
+    plain = from_pretrained(tmp_path / "hp")
+    assert not any(isinstance(m, PackedExperts) for m in plain.modules())
+    assert_same(from_pretrained(tmp_path / "hp", packed="dequantize"), plain)
+    assert_same(model, plain)
+    with pytest.raises(ValueError, match="no packed experts"):
+        from_pretrained(tmp_path / "hp", packed="keep")
+    with pytest.raises(ValueError, match="'auto', 'keep', 'dequantize'"):
+        from_pretrained(tmp_path / "hp", packed="packed")
 
 
 def test_release_layout_round_trip_is_bit_exact(tmp_path):
