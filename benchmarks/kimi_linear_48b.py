@@ -2,7 +2,7 @@
 
 Phases (each guarded: one failing still leaves the others' rows):
 1. ``checkpoint``: preset ``kimi-linear-48b`` with ``--layers`` layers (default: the most that fit the free disk,
-   at most 27) built on the GPU in bf16, written sharded by our writer (k3.convert.checkpoint), its pages dropped
+   at most 27) built on the GPU in bf16, written sharded by our writer (k3.checkpoint.format), its pages dropped
    from the page cache, then stream-loaded back to the GPU in a fresh process (:func:`load_in_child`): GB/s, the
    resident set's rise while loading (sampled) and the process's whole peak, bit-exact check.
 2. ``decode``: the full 27-layer model built on the GPU in bf16; ms per decode step at B=1 / 4K and B=64 / 32K
@@ -33,7 +33,7 @@ import torch
 from k3.bench.common import environment, read_bandwidth, write_results
 from k3.bench.live_server import random_model
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from k3.model.decoder import K3ForCausalLM
 
 COLUMNS = ["phase", "case", "value", "unit", "detail", "error"]
@@ -121,7 +121,7 @@ def phase_checkpoint(rows, cfg, device, layers: int, shard_gb: float, workdir: P
 _CHILD = """
 import json, resource, sys, threading, time
 import torch
-from k3.convert.load import from_pretrained
+from k3.checkpoint.load import from_pretrained
 
 def rss():
     with open("/proc/self/statm") as f:

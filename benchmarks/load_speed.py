@@ -1,4 +1,4 @@
-"""Checkpoint loading against the disk: ``from_pretrained`` (k3.convert.load) beside raw reads of the same files.
+"""Checkpoint loading against the disk: ``from_pretrained`` (k3.checkpoint.load) beside raw reads of the same files.
 
     python benchmarks/load_speed.py [--ckpt DIR | --preset small-1b --gb 4 --shard-gb 1] [--workers N]
                                     [--device cpu|cuda] [--repeats 2] [--keep]
@@ -37,8 +37,8 @@ import torch
 
 from k3.bench.common import environment, write_results
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import default_workers, from_pretrained
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import default_workers, from_pretrained
 from k3.model.decoder import K3ForCausalLM
 
 COLUMNS = ["what", "cache", "workers", "seconds", "GB_per_s", "vs_raw_sequential"]

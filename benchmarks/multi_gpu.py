@@ -90,8 +90,8 @@ def final_val(history: list[dict]) -> float | None:
 def dcp_on_one(a, run_dir: Path, tok: Path, rows: int) -> dict:
     """Load the newest DCP checkpoint of ``run_dir`` into one process and evaluate it as the trainer does."""
     from k3.cli.train import _override
-    from k3.convert.dcp import load_into_single
-    from k3.convert.checkpoint import latest_checkpoint
+    from k3.checkpoint.dcp import load_into_single
+    from k3.checkpoint.format import latest_checkpoint
     from k3.train.trainer import TrainConfig, Trainer
 
     ckpt = latest_checkpoint(run_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3.convert.atomic import atomic_write_text
+from k3.fs import atomic_write_text
 from k3.plan.calibration import extract
 
 

@@ -10,17 +10,18 @@ __version__ = "0.1.0"
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
-def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="dequantize"):
-    """Load a checkpoint directory as ``K3ForCausalLM``, streamed, in its own dtype unless ``dtype`` is given
-    (see :func:`k3.convert.load.from_pretrained`)."""
-    from k3.convert.load import from_pretrained as _load
+def from_pretrained(directory, dtype=None, device="cpu", verify=True, packed="auto"):
+    """Load a checkpoint directory as ``K3ForCausalLM``, streamed, in its own dtype unless ``dtype`` is given;
+    packed MXFP4 experts stay packed (inference) unless ``packed="dequantize"`` (to train; see
+    :func:`k3.checkpoint.load.from_pretrained`)."""
+    from k3.checkpoint.load import from_pretrained as _load
 
     return _load(directory, dtype=dtype, device=device, verify=verify, packed=packed)
 
 
 def save_pretrained(model, directory, **kwargs):
-    """Atomically write ``model`` as a checkpoint directory (see :func:`k3.convert.checkpoint.save_pretrained`:
+    """Atomically write ``model`` as a checkpoint directory (see :func:`k3.checkpoint.format.save_pretrained`:
     ``fmt``, ``max_shard_bytes``, ``quantize="mxfp4"``, ``scale_mode``)."""
-    from k3.convert.checkpoint import save_pretrained as _save
+    from k3.checkpoint.format import save_pretrained as _save
 
     return _save(model, directory, **kwargs)

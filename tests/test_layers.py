@@ -1,9 +1,11 @@
 """The import directions between k3's top-level packages, and no import cycles between its modules.
 
 Layers, lowest first (a package may import its own layer's packages only where no cycle results, and any lower
-layer): {config, tables} <- ops <- model <- {quant, convert} <- {data, vision} <- {train, infer, distributed}
-<- {audit, plan, bench} <- cli. Every import counts, also one inside a function (a lazy import still couples the
-packages). The package ``k3`` itself (its ``__init__``: the public shortcuts) and ``k3.__main__`` are exempt."""
+layer): {config, tables, fs} <- ops <- model <- {quant, checkpoint} <- {data, vision} <- {train, infer,
+distributed, convert} <- {audit, plan, bench} <- cli. ``fs`` (atomic writes) is at the bottom so that writing a
+file couples nothing to checkpoints; ``checkpoint`` (formats, loading, run checkpoints) is below everything that
+reads or writes one. Every import counts, also one inside a function (a lazy import still couples the packages).
+The package ``k3`` itself (its ``__init__``: the public shortcuts) and ``k3.__main__`` are exempt."""
 
 import ast
 import re
@@ -14,12 +16,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "k3"
 LAYERS = [
-    ("config", "tables"),
+    ("config", "tables", "fs"),
     ("ops",),
     ("model",),
-    ("quant", "convert"),
+    ("quant", "checkpoint"),
     ("data", "vision"),
-    ("train", "infer", "distributed"),
+    ("train", "infer", "distributed", "convert"),
     ("audit", "plan", "bench"),
     ("cli",),
 ]
@@ -60,14 +62,43 @@ def test_every_package_has_a_layer():
     assert packages <= set(LEVEL), f"packages without a layer: {sorted(packages - set(LEVEL))}"
 
 
-def test_imports_point_down_the_layers():
-    wrong = sorted(
+def upward(imports: dict[str, set[str]]) -> list[str]:
+    """``module -> target`` for every import of a package in a higher layer than the importer's."""
+    return sorted(
         f"{m} -> {t}"
-        for m, targets in IMPORTS.items()
+        for m, targets in imports.items()
         for t in targets
         if _package(m) and _package(t) and LEVEL[_package(t)] > LEVEL[_package(m)]
     )
+
+
+def test_imports_point_down_the_layers():
+    wrong = upward(IMPORTS)
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "importer,target,wrong",
+    [
+        ("k3.checkpoint.run", "k3.train.trainer", True),  # checkpoints are below training
+        ("k3.checkpoint.load", "k3.infer.load", True),
+        ("k3.fs", "k3.checkpoint.format", True),  # atomic writes import nothing above the bottom
+        ("k3.fs", "k3.config.config", False),
+        ("k3.checkpoint.format", "k3.quant.packed", False),
+        ("k3.train.trainer", "k3.checkpoint.run", False),
+        ("k3.convert", "k3.checkpoint.load", False),
+        ("k3.convert", "k3.cli.main", True),
+    ],
+)
+def test_an_upward_import_is_found(importer, target, wrong):
+    assert (upward({importer: {target}}) == [f"{importer} -> {target}"]) == wrong
+
+
+def test_checkpoint_and_fs_sit_where_the_layers_say():
+    """Everything that reads or writes a checkpoint is above it; atomic writes are at the bottom."""
+    assert LEVEL["fs"] == LEVEL["config"] == 0
+    assert LEVEL["model"] < LEVEL["checkpoint"] == LEVEL["quant"]
+    assert all(LEVEL["checkpoint"] < LEVEL[p] for p in ("data", "train", "infer", "distributed", "convert"))
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -457,7 +457,7 @@ def rerender_from_results(out: str | Path) -> dict:
     ``results.json`` and the plots that need no run directory, training and reading no runs: for a report whose
     runs are not on disk (with them, :func:`run_grid` with ``report_only`` reads the runs themselves)."""
     from k3.audit.ablate_report import aggregate, ci_evidence, write_report
-    from k3.convert.atomic import atomic_write_text
+    from k3.fs import atomic_write_text
 
     out = Path(out)
     for name in ("results.json", "grid.json"):

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from k3.audit.ablate_report import finite
-from k3.convert.checkpoint import latest_checkpoint
+from k3.checkpoint.format import latest_checkpoint
 from k3.train.trainer import read_metrics
 
 log = logging.getLogger("k3.ablate")

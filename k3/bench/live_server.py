@@ -78,7 +78,7 @@ def tiny_checkpoint(path: Path, preset: str = "tiny") -> Path:
     narrowed to it), for serving benchmarks that need no trained weights."""
     import torch
 
-    from k3.convert.checkpoint import save_pretrained
+    from k3.checkpoint.format import save_pretrained
     from k3.model.decoder import K3ForCausalLM
 
     tok = bench_tokenizer()

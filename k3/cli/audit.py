@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.preset is not None:
         config, source = get_preset(args.preset), f"preset `{args.preset}`"
     else:
-        from k3.convert.checkpoint import read_config
-        from k3.convert.checkpoint import resolve_checkpoint
+        from k3.checkpoint.format import read_config
+        from k3.checkpoint.format import resolve_checkpoint
 
         path = resolve_checkpoint(args.ckpt)
         config, source = read_config(path), f"checkpoint `{path}` (config.json only)"

@@ -6,16 +6,15 @@ runtime or original names, packed MXFP4 experts, dequantised) and writes it atom
 release's vision names), with the source's tokenizer files, so the output can be served as it is; ``--quantize
 mxfp4`` packs the routed experts (k3.quant.packed). ``--from`` may be a training run directory: its latest
 checkpoint is converted. What ``--to`` may be (and what ``--force`` allows to be replaced) is checked first, by
-k3.convert.destination, against the directory given and the checkpoint it resolves to. ``--merge-lora ADAPTERS``
+k3.convert, against the directory given and the checkpoint it resolves to. ``--merge-lora ADAPTERS``
 folds a ``k3 train --lora`` run's adapters into ``--from``, their base (refused unless it is the checkpoint they were
-trained on, k3.convert.adapters)."""
+trained on, k3.checkpoint.adapters). The conversion itself is k3.convert.convert; this module parses and reports."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import math
-from pathlib import Path
 
 from k3.cli.generate import DTYPE_CHOICES
 from k3.config.hf import FORMATS
@@ -56,13 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3.convert.adapters import check_base, read_adapters, resolve_adapters
-    from k3.convert.atomic import atomic_directory
-    from k3.convert.checkpoint import DEFAULT_SHARD_BYTES, copy_tokenizer, resolve_checkpoint, write_pretrained
-    from k3.convert.destination import check_destination, check_replaceable
-    from k3.convert.load import from_pretrained
+    from k3.checkpoint.format import DEFAULT_SHARD_BYTES
+    from k3.convert import convert
     from k3.infer.load import resolve_dtype
-    from k3.model.lora import apply_lora, load_lora_state_dict, merge_lora
 
     if args.max_shard_gb is None:
         shard_bytes = DEFAULT_SHARD_BYTES
@@ -70,35 +65,25 @@ def run(args: argparse.Namespace) -> int:
         shard_bytes = int(args.max_shard_gb * 1e9) if math.isfinite(args.max_shard_gb) else 0
     if shard_bytes < 1:
         raise ValueError(f"--max-shard-gb={args.max_shard_gb} must be a positive number of GB per weight file")
-    src = resolve_checkpoint(args.src)  # a run directory: its latest checkpoint
-    check_destination(args.src, args.dst, args.force)  # --to kept apart from the directory given ...
-    if src != Path(args.src):
-        log.info("--from %s: its latest checkpoint, %s", args.src, src)
-        check_destination(src, args.dst, args.force)  # ... and from the checkpoint read
-    merged = None
-    if args.merge_lora:
-        adapters = resolve_adapters(args.merge_lora)
-        check_destination(adapters, args.dst, args.force)  # --to never replaces the adapters it reads
-        meta, tensors = read_adapters(adapters)
-        check_base(meta, src, adapters)
-        merged = f", LoRA rank {meta['rank']} of {adapters} merged"
-    model = from_pretrained(src, dtype=resolve_dtype(args.dtype))
-    if merged:
-        apply_lora(model, meta["rank"], meta["alpha"], meta["targets"])
-        load_lora_state_dict(model, tensors)
-        merge_lora(model)  # in fp32, stored in the base's dtype (or --dtype)
-    with atomic_directory(args.dst, check_old=check_replaceable) as tmp:
-        write_pretrained(model, tmp, args.format, shard_bytes, args.quantize, args.scale_mode)
-        # the tokenizer beside the checkpoint, else the run directory's (as k3 generate and k3 serve find it)
-        copy_tokenizer(src if (src / "tokenizer.json").is_file() else args.src, tmp)
-    n = sum(p.numel() for p in model.parameters())
+    done = convert(
+        args.src,
+        args.dst,
+        args.format,
+        resolve_dtype(args.dtype),
+        shard_bytes,
+        args.quantize,
+        args.scale_mode,
+        args.merge_lora or None,
+        args.force,
+    )
+    lora = done["lora"]
     log.info(
         "wrote %s (%s format, %s%s%s, %.1fM parameters)",
         args.dst,
         args.format,
         args.dtype,
         f", routed experts {args.quantize} ({args.scale_mode} scales)" if args.quantize else "",
-        merged or "",
-        n / 1e6,
+        f", LoRA rank {lora['rank']} of {done['adapters']} merged" if lora else "",
+        done["parameters"] / 1e6,
     )
     return 0

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # k3.infer.load.DTYPE_CHOICES, copied so that building the parser imports no torch (tests/cli/test_help.py keeps the
 # two equal)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+PACKED_MODES = ("auto", "keep", "dequantize")  # k3.checkpoint.load.PACKED_MODES, copied alike
 
 
 def add_model_args(p: argparse.ArgumentParser, ckpt_required: bool = True) -> None:
@@ -31,10 +32,10 @@ def add_model_args(p: argparse.ArgumentParser, ckpt_required: bool = True) -> No
     )
     p.add_argument(
         "--packed",
-        choices=("keep", "dequantize"),
-        default="keep",
-        help="packed MXFP4 experts: keep them packed (only the experts a batch selects are dequantised) "
-        "or dequantise them once at load",
+        choices=PACKED_MODES,
+        default="auto",
+        help="packed MXFP4 experts: auto keeps them packed when the checkpoint has them (only the experts a batch "
+        "selects are dequantised); keep refuses a checkpoint without them; dequantize dequantises them once at load",
     )
 
 

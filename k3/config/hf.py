@@ -4,7 +4,7 @@ A config names what it is. One transformers' ``KimiLinearForCausalLM`` can run (
 ``model_type: kimi_linear``; one with K3's features (SiTU, AttnRes, LatentMoE, the bounded gate, Gated MLA, a
 vision tower, ...) says the K3 release's ``model_type: kimi_k3`` with ``architectures: [KimiK3ForCausalLM]``,
 the text-model counterpart of the release's ``KimiK3ForConditionalGeneration`` (transformers runs it through the
-modeling code the checkpoint carries: k3.convert.hf_code). Three formats:
+modeling code the checkpoint carries: k3.checkpoint.hf_code). Three formats:
 - ``k3``: the released K3 text-config keys (docs/architecture.md#layer-schedule): 1-indexed
   ``linear_attn_config.kda_layers`` / ``full_attn_layers``, ``gate_lower_bound``, ``use_full_rank_gate``,
   ``mla_use_output_gate``, ``routed_expert_hidden_size``, ``latent_moe_use_norm``, ``attn_res_block_size``,

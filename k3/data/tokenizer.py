@@ -29,7 +29,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from k3.convert.atomic import atomic_file, atomic_write_text
+from k3.fs import atomic_file, atomic_write_text
 
 # The cl100k_base pre-tokenizer regex: contractions, letter runs with one optional leading non-letter, numbers
 # of at most 3 digits, punctuation runs (with trailing newlines), newline runs, and whitespace that leaves the

@@ -145,7 +145,7 @@ def read_placement(path: str | os.PathLike) -> ExpertPlacement:
 
 def write_placement(path: str | os.PathLike, placement: ExpertPlacement) -> Path:
     """Write ``placement`` to ``path`` atomically (a reader sees the old file or the new one, whole)."""
-    from k3.convert.atomic import atomic_write_text
+    from k3.fs import atomic_write_text
 
     atomic_write_text(path, json.dumps(placement.to_json()) + "\n")
     return Path(path)

@@ -4,7 +4,7 @@ Design (the simplest correct one): every rank holds the whole model but the rout
 Attention, the router, the shared experts, the latent projections, embeddings and the LM head are replicated; which
 routed experts of each MoE layer a rank holds is an :class:`k3.distributed.placement.ExpertPlacement` (``k3 plan
 --placement FILE`` writes one from the expected expert loads, hot experts on several ranks; default contiguous
-blocks). Each rank loads only its own experts straight from the checkpoint (k3.convert.load.from_pretrained with
+blocks). Each rank loads only its own experts straight from the checkpoint (k3.checkpoint.load.from_pretrained with
 ``experts=``; packed MXFP4 banks too): host memory while loading stays near the rank's own share, and the
 checkpoint's SHA-256 checks are shared out (rank r checks every N-th shard from the r-th), every rank's outcome
 agreed before serving starts (a bad shard, or any load error on any rank, is one error naming the rank).
@@ -298,7 +298,7 @@ def follow(engine: Engine, group, on_outputs=None) -> int:
 
 def rank_experts(placement: ExpertPlacement, config, rank: int) -> dict[int, list[int]]:
     """``{decoder layer index: the experts rank ``rank`` holds}`` of ``config``'s MoE layers under ``placement``
-    (what k3.convert.load.from_pretrained's ``experts=`` takes)."""
+    (what k3.checkpoint.load.from_pretrained's ``experts=`` takes)."""
     return {idx: list(placement.layers[i][rank]) for i, idx in enumerate(config.moe_layers)}
 
 
@@ -310,7 +310,7 @@ def _build_rank(args, meshes: Meshes, build_engine) -> tuple:
     placement = read_placement(args.placement) if args.placement else None
     options = {}
     if args.ckpt is not None:
-        from k3.convert.checkpoint import read_config, resolve_checkpoint
+        from k3.checkpoint.format import read_config, resolve_checkpoint
 
         path = resolve_checkpoint(args.ckpt)
         config = read_config(path)

@@ -15,7 +15,7 @@ k3.distributed.context_parallel) and these differences:
   the histogram's bin.
   Auxiliary losses are averaged over ranks. ``qb_exact`` and QK-Clip are single-process only.
 * Checkpoints are torch.distributed.checkpoint directories (``checkpoints/step-N``, resharding on load: resume
-  with another dp / ep, or load on one process with :func:`k3.convert.dcp.load_into_single`), plus
+  with another dp / ep, or load on one process with :func:`k3.checkpoint.dcp.load_into_single`), plus
   ``config.json`` and ``tokenizer.json`` beside them. Rank 0 writes metrics and the loss / expert-load plots;
   greedy samples and the AttnRes plot are skipped.
 """
@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from k3.config.hf import to_hf_config
-from k3.convert.dcp import load as dcp_load
-from k3.convert.dcp import save as dcp_save
+from k3.checkpoint.dcp import load as dcp_load
+from k3.checkpoint.dcp import save as dcp_save
 from k3.distributed.context_parallel import ContextParallel
 from k3.distributed.expert_parallel import apply_expert_parallel, comm_stats
 from k3.distributed.fsdp import apply_fsdp, clip_grad_norm_, reduce_expert_grads
 from k3.distributed.mesh import ParallelDims, init_distributed
 from k3.train import plots
-from k3.train.checkpoint import publish_checkpoint
+from k3.checkpoint.run import publish_checkpoint
 from k3.data.batch import Batch
 from k3.train.trainer import Trainer, TrainConfig
 

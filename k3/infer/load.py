@@ -1,6 +1,6 @@
 """Load a checkpoint for inference: ``load_for_inference(ckpt, device, dtype) -> (model, tokenizer, path)``.
 
-The weights are streamed (k3.convert.load.from_pretrained, docs/architecture.md#checkpoints) straight into
+The weights are streamed (k3.checkpoint.load.from_pretrained, docs/architecture.md#checkpoints) straight into
 their dtype and device; the load time and memory (host RSS peak, GPU memory) are logged and can be printed.
 """
 
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from k3.convert.load import from_pretrained
-from k3.convert.checkpoint import read_config_json, resolve_checkpoint
+from k3.checkpoint.format import resolve_checkpoint
+from k3.checkpoint.load import from_pretrained
 from k3.data.tokenizer import Tokenizer
-from k3.quant.packed import read_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: the checkpoint's own dtype
@@ -89,7 +88,7 @@ def load_for_inference(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = "auto",
     stats: dict | None = None,
-    packed: str = "keep",
+    packed: str = "auto",
     experts: dict[int, list[int]] | None = None,
     checksum_part: tuple[int, int] = (0, 1),
 ):
@@ -97,16 +96,15 @@ def load_for_inference(
     ``(model in eval mode on device, Tokenizer, checkpoint path)``. One clear error for a missing checkpoint,
     a missing tokenizer or a tokenizer whose ids do not fit the model's vocabulary. ``dtype="auto"`` keeps the
     checkpoint's; ``stats`` (a dict) receives the load time and memory (see :func:`load_line`). Packed MXFP4
-    experts stay packed (``packed="keep"``: only the experts a batch selects are dequantised, k3.ops.moe.mxfp4) or
-    are dequantised once at load (``packed="dequantize"``). ``experts`` and ``checksum_part``: this process's part
-    of an expert-parallel model (k3.convert.load.from_pretrained)."""
+    experts stay packed (``packed="auto"``, or ``"keep"``, which refuses a checkpoint without them: only the
+    experts a batch selects are dequantised, k3.ops.moe.mxfp4) or are dequantised once at load
+    (``packed="dequantize"``). ``experts`` and ``checksum_part``: this process's part of an expert-parallel model
+    (k3.checkpoint.load.from_pretrained)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     tokenizer, path = load_tokenizer(ckpt)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    if packed == "keep" and read_quantization(read_config_json(path)) is None:
-        packed = "dequantize"  # nothing packed to keep (from_pretrained checks any other value)
     model = from_pretrained(
         path, dtype=dt, device=dev, packed=packed, experts=experts, checksum_part=checksum_part
     ).eval()

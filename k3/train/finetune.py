@@ -2,13 +2,13 @@
 
 ``--init-from`` names a checkpoint directory (k3's own, the K3 release layout, transformers' Kimi-Linear; packed
 MXFP4 experts are dequantised to the training dtype) or a k3 run directory (its latest checkpoint). The weights are
-read by :func:`k3.convert.load.from_pretrained` (streamed, checksummed), the model's config and the tokenizer are the
+read by :func:`k3.checkpoint.load.from_pretrained` (streamed, checksummed), the model's config and the tokenizer are the
 checkpoint's (no BPE is trained, and flags that would change either are refused: k3.train.config), and the
 optimizer starts fresh: a new run, not a resume.
 
 ``--lora RANK`` freezes the checkpoint's weights and trains low-rank adapters (k3.model.lora; why our own module
 and not peft: docs/decisions.md). The run's checkpoints hold the adapters and the name and fingerprint of their
-base (k3.convert.adapters); a resume reads the base again from ``--init-from``, refusing one that changed, and
+base (k3.checkpoint.adapters); a resume reads the base again from ``--init-from``, refusing one that changed, and
 ``k3 convert --merge-lora`` folds them into a checkpoint. The balancer (QB by default) keeps updating the router's
 bias under LoRA and under full fine-tuning, as in pretraining; a LoRA checkpoint saves the biases beside the
 adapters (docs/decisions.md).
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from k3.convert.adapters import base_fingerprint, check_base, read_adapters, write_adapters
-from k3.convert.checkpoint import resolve_checkpoint
-from k3.convert.load import from_pretrained
+from k3.checkpoint.adapters import base_fingerprint, check_base, read_adapters, write_adapters
+from k3.checkpoint.format import resolve_checkpoint
+from k3.checkpoint.load import from_pretrained
 from k3.data.tokenizer import Tokenizer
 from k3.infer.load import load_tokenizer
 from k3.model.lora import apply_lora, load_lora_state_dict, lora_targets
@@ -56,7 +56,7 @@ def init_tokenizer(path: str) -> Tokenizer:
 def init_model(ckpt: Path, tokenizer: Tokenizer, device: torch.device):
     """The checkpoint's model in fp32 (the training dtype: the weights are the optimizer's masters; autocast
     runs the GPU forward in bf16) on ``device``, checked against the tokenizer."""
-    model = from_pretrained(ckpt, dtype=torch.float32, device=device)
+    model = from_pretrained(ckpt, dtype=torch.float32, device=device, packed="dequantize")  # trained: high precision
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"--init-from {ckpt}: the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
@@ -71,7 +71,7 @@ def init_model(ckpt: Path, tokenizer: Tokenizer, device: torch.device):
 def adapt(model, cfg, base: Path, resume_from: Path | None):
     """Apply ``cfg``'s LoRA to ``model`` (the base read from ``base``); on resume, load the adapters of
     ``resume_from`` after checking they were trained on this base. Returns ``write(model, directory)``, which
-    writes a step's adapter files (for k3.train.checkpoint.save_checkpoint)."""
+    writes a step's adapter files (for k3.checkpoint.run.save_checkpoint)."""
     alpha = float(cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora)
     targets = lora_targets(model, cfg.lora_shared_experts)
     apply_lora(model, cfg.lora, alpha, targets)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from k3.convert.atomic import atomic_write_text
-from k3.train.checkpoint import load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from k3.fs import atomic_write_text
+from k3.checkpoint.run import load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from k3.train.config import check_resume_config
 
 log = logging.getLogger("k3.train")

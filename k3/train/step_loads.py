@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3.convert.atomic import atomic_file
+from k3.fs import atomic_file
 
 STEP_LOADS = "expert_loads_steps.npz"
 # micro-batches the trainer keeps per-step counts of (the most recent ones): 100 x K3's 92 MoE layers x 896

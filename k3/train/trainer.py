@@ -13,7 +13,7 @@ are lost. ``max_bad_steps`` bad steps in a row stop the run with a finite checkp
 saved.
 
 The run directory holds ``train_config.json``, ``metrics.jsonl``, ``tokenizer.json``, the plots, ``.lock``
-and ``checkpoints/`` (see :mod:`k3.train.checkpoint`). ``resume`` continues bitwise-identically: weights, router
+and ``checkpoints/`` (see :mod:`k3.checkpoint.run`). ``resume`` continues bitwise-identically: weights, router
 biases, optimizer state, RNG states and the data position are restored, and the schedule is a function of
 the step and ``schedule_steps``.
 
@@ -38,9 +38,9 @@ import torch
 from tqdm import tqdm
 
 from k3.config import get_preset
-from k3.convert.atomic import atomic_write_text, make_directory
-from k3.convert.checkpoint import write_pretrained
-from k3.convert.load import from_pretrained
+from k3.fs import atomic_write_text, make_directory
+from k3.checkpoint.format import write_pretrained
+from k3.checkpoint.load import from_pretrained
 from k3.data.sft import DEFAULT_NAME as DEFAULT_CHAT, chat_dataset, load_conversations, reply_prompts
 from k3.data.corpus import load_corpus, tokenizer_texts
 from k3.data.packing import PackedDataset
@@ -54,7 +54,7 @@ from k3.quant.fp8 import enable_fp8_experts
 from k3.quant.qat import RECIPES as QAT_RECIPES, enable_qat
 from k3.train import plots
 from k3.train.activation_checkpoint import apply_activation_checkpointing
-from k3.train.checkpoint import RunLock, clean_stray, resume_checkpoint
+from k3.checkpoint.run import RunLock, clean_stray, resume_checkpoint
 from k3.train.config import RESUME_MAY_CHANGE, TASKS, TrainConfig, check_resume_config
 from k3.train.finetune import adapt, init_checkpoint, init_model, init_tokenizer
 from k3.train.muon import K3Muon
@@ -265,7 +265,7 @@ class Trainer(TrainStep, RunState):
         )
         log.debug("data: train %r, validation %r", train, val)
         if ckpt is not None and not cfg.lora:
-            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
+            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device, packed="dequantize")
         elif self.init_from is not None:
             self.model = init_model(self.init_from, self.tokenizer, self.device)
         else:
@@ -305,7 +305,7 @@ class Trainer(TrainStep, RunState):
         if self.is_main:
             self.tokenizer.save(self.run_dir)
         if ckpt is not None:
-            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device)
+            self.model = from_pretrained(ckpt, dtype=torch.float32, device=self.device, packed="dequantize")
         else:
             model_cfg = with_vision(get_preset(cfg.preset)).replace(
                 vocab_size=self.tokenizer.vocab_size,

@@ -14,8 +14,8 @@ from k3.audit.report import FIGURES
 from k3.audit.router import all_to_all, distinct_ranks, simulate_routes, uniform_overflow, uniform_padding
 from k3.cli.main import main
 from k3.config import get_preset
+from k3.checkpoint.format import save_pretrained
 from k3.model.router_stats import drop_fraction, expert_loads
-from k3.convert.checkpoint import save_pretrained
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -17,7 +17,7 @@ from k3.infer.load import load_for_inference
 from k3.infer.sampling import SamplingParams
 from k3.model.decoder import K3ForCausalLM
 from k3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, train_bpe
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = "The assistant answers the user in a few words. Hello there, how are you today? " * 30

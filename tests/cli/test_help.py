@@ -70,7 +70,8 @@ def test_unknown_or_missing_command_is_one_usage_error(capsys):
 
 
 def test_flag_choices_equal_their_sources():
-    from k3.convert.checkpoint import DEFAULT_SHARD_BYTES
+    from k3.checkpoint.format import DEFAULT_SHARD_BYTES
+    from k3.checkpoint.load import PACKED_MODES
     from k3.infer.load import DTYPE_CHOICES
     from k3.infer.serving import DEFAULT_CHAT_MAX_TOKENS
     from k3.model.balance import BALANCE_METHODS, DEFAULT_GAMMA
@@ -78,6 +79,7 @@ def test_flag_choices_equal_their_sources():
     from k3.quant.qat import RECIPES
 
     assert generate.DTYPE_CHOICES == DTYPE_CHOICES
+    assert generate.PACKED_MODES == PACKED_MODES
     assert serve.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert config.MX_MODES == MODES
     assert config.BALANCE_METHODS == BALANCE_METHODS

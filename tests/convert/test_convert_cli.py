@@ -8,12 +8,12 @@ import shutil
 import pytest
 
 import k3
-import k3.convert.checkpoint as ckpt_module
+import k3.checkpoint.format as ckpt_module
 from k3.cli.main import main
-from k3.convert.destination import check_destination
+from k3.convert import check_destination
 from k3.infer.load import load_for_inference
 from tests.cli.test_generate_chat import ckpt  # noqa: F401  (a tiny checkpoint with its tokenizer)
-from tests.convert.test_checkpoint import assert_same
+from tests.checkpoint.test_checkpoint import assert_same
 
 
 def convert(src, dst, *extra):

@@ -39,7 +39,7 @@ def train_state(model, opt) -> dict:
 
 
 def save_on_ranks(rank, world, path):
-    from k3.convert.dcp import save
+    from k3.checkpoint.dcp import save
 
     meshes, model, opt = prepare(dp=4, ep=2)
     with torch.no_grad():  # a router-bias update, as the balancer would do (identical on every rank)
@@ -53,7 +53,7 @@ def save_on_ranks(rank, world, path):
 
 
 def load_on_ranks(rank, world, path):
-    from k3.convert.dcp import load
+    from k3.checkpoint.dcp import load
 
     meshes, model, opt = prepare(dp=2, ep=2, seed=1)  # other initial weights: everything must come from the file
     extra = load(path, model, opt)
@@ -109,7 +109,7 @@ def test_load_on_two_ranks_reshards_exactly(saved):
 
 
 def test_load_into_single_process_exactly(saved):
-    from k3.convert.dcp import load_into_single
+    from k3.checkpoint.dcp import load_into_single
 
     path, states = saved
     model = build_model(seed=2)
@@ -125,7 +125,7 @@ def test_load_into_single_process_exactly(saved):
 
 def single_resumed_step(path) -> dict:
     """single_step's computation, started from the checkpoint instead of the initial weights."""
-    from k3.convert.dcp import load_into_single
+    from k3.checkpoint.dcp import load_into_single
 
     model = build_model(seed=2)
     opt = make_optimizer(model)

@@ -15,9 +15,9 @@ import torch
 from k3.bench.live_server import bench_tokenizer, random_config
 from k3.cli.main import build_parser
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained
-from k3.convert.stream import read_header
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import from_pretrained
+from k3.checkpoint.stream import read_header
 from k3.distributed.placement import ExpertPlacement, contiguous, write_placement
 from k3.distributed.serve import rank_experts
 from k3.model.decoder import K3ForCausalLM

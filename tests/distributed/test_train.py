@@ -65,14 +65,14 @@ def single(tmp_path, name, steps=1, dp=2):
 
 
 def _weights(ckpt):
-    from k3.convert.load import from_pretrained
+    from k3.checkpoint.load import from_pretrained
 
     return from_pretrained(ckpt).state_dict()
 
 
 def dist_weights(run_dir):
     """The run's latest DCP checkpoint through from_pretrained (config.json + shards gathered in one process)."""
-    from k3.convert.checkpoint import latest_checkpoint
+    from k3.checkpoint.format import latest_checkpoint
 
     return _weights(latest_checkpoint(run_dir))
 

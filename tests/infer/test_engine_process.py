@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from k3.data.tokenizer import train_bpe
 from k3.infer.async_engine import AsyncEngine, EngineClosed, EngineError
 from k3.infer.engine import Engine

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from k3.data.tokenizer import train_bpe
 from k3.infer.generate import greedy_generate
 from k3.infer.load import load_for_inference

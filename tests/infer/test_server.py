@@ -34,7 +34,7 @@ from k3.infer.load import load_for_inference
 from k3.infer.server import create_app
 from k3.model.decoder import K3ForCausalLM
 from k3.data.tokenizer import train_bpe
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 
 MODEL, CONTEXT = "k3-test", 256
 LIMIT = 256 << 10  # the served app's body limit

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from k3.data.chat import TOOL_MARKERS, render_chat
 from k3.data.tokenizer import DEFAULT_SPECIAL_TOKENS, train_bpe
 from k3.infer.async_engine import AsyncEngine

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import k3
-import k3.convert.checkpoint as ckpt
+import k3.checkpoint.format as ckpt
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
@@ -17,7 +17,7 @@ from k3.model.moe import MoE
 from k3.quant import PackedExperts, enable_qat, fake_quantize, pack_expert_tensors, unpack_expert_tensors
 from k3.ops.mx import pack_fp4, quantize
 from k3.quant.packed import FORMAT, quantization_config
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.3.w2"
 
@@ -94,7 +94,7 @@ def test_export_import_forward_equals_qat_forward(tmp_path, mode):
     assert len(uint8) == 2 * 4 * 8 * 3 and all(".block_sparse_moe.experts." in k for k in uint8)
     assert not any(k.endswith(".experts.0.w1.weight") for k in files)
 
-    loaded = k3.from_pretrained(tmp_path / "ck")  # dequantised masters
+    loaded = k3.from_pretrained(tmp_path / "ck", packed="dequantize")  # dequantised masters
     assert all(isinstance(m.experts.w1, torch.nn.Parameter) for m in moe_layers(loaded))
     assert not torch.equal(loaded(ids()).logits, reference)
     enable_qat(model, activations=None, mode=mode)  # weight-only QAT == the plain loaded model
@@ -109,7 +109,7 @@ def test_export_import_forward_equals_qat_forward(tmp_path, mode):
 def test_keep_packed_inference(tmp_path):
     model = tiny_model()
     save_pretrained(model, tmp_path / "ck", quantize="mxfp4")
-    deq = k3.from_pretrained(tmp_path / "ck")
+    deq = k3.from_pretrained(tmp_path / "ck", packed="dequantize")
     kept = k3.from_pretrained(tmp_path / "ck", packed="keep")
     experts = [m.experts for m in moe_layers(kept)]
     assert all(isinstance(e, PackedExperts) for e in experts)
@@ -119,7 +119,7 @@ def test_keep_packed_inference(tmp_path):
     with pytest.raises(ValueError, match="packed"):
         enable_qat(kept)
     kept16 = k3.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16, packed="keep")
-    deq16 = k3.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16)
+    deq16 = k3.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16, packed="dequantize")
     assert kept16.model.layers[1].block_sparse_moe.experts.w1.dtype == torch.bfloat16
     assert torch.equal(kept16(ids()).logits, deq16(ids()).logits)
     save_pretrained(kept, tmp_path / "again")  # still packed: same tensors, same config
@@ -135,7 +135,7 @@ def test_release_style_prefix_and_cli(tmp_path):
     files = ckpt.read_tensors(tmp_path / "q")
     os.remove(tmp_path / "q" / ckpt.CHECKSUMS)
     save_file({"language_model." + k: v for k, v in files.items()}, tmp_path / "q" / "model.safetensors")
-    loaded = k3.from_pretrained(tmp_path / "q")
+    loaded = k3.from_pretrained(tmp_path / "q", packed="dequantize")
     enable_qat(model, activations=None)
     assert torch.equal(loaded(ids()).logits, model(ids()).logits)
     assert torch.equal(k3.from_pretrained(tmp_path / "q", packed="keep")(ids()).logits, loaded(ids()).logits)
@@ -166,23 +166,23 @@ def test_refusals(tmp_path):
         bad["quantization_config"][change[0]] = change[1]
         cfg_path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=message):
-            k3.from_pretrained(tmp_path / "q")
+            k3.from_pretrained(tmp_path / "q", packed="dequantize")
     bad = json.loads(json.dumps(good))
     bad["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16
     cfg_path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="group_size"):
-        k3.from_pretrained(tmp_path / "q")
+        k3.from_pretrained(tmp_path / "q", packed="dequantize")
     cfg_path.write_text(json.dumps(good))
     files = ckpt.read_tensors(tmp_path / "q")
     os.remove(tmp_path / "q" / ckpt.CHECKSUMS)
     half = {k: v for k, v in files.items() if k != EXPERT + ".weight_scale"}
     save_file(half, tmp_path / "q" / "model.safetensors")
     with pytest.raises(ValueError, match="without its weight_scale"):
-        k3.from_pretrained(tmp_path / "q")
+        k3.from_pretrained(tmp_path / "q", packed="dequantize")
     wrong = dict(files)
     wrong[EXPERT + ".weight_scale"] = torch.zeros(32, 2, dtype=torch.uint8)
     save_file(wrong, tmp_path / "q" / "model.safetensors")
     with pytest.raises(ValueError, match="do not match"):
-        k3.from_pretrained(tmp_path / "q")
+        k3.from_pretrained(tmp_path / "q", packed="dequantize")
     with pytest.raises(ValueError, match=r"w2_scale: experts have different shapes"):
         k3.from_pretrained(tmp_path / "q", packed="keep")

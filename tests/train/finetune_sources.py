@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from k3.data.tokenizer import train_bpe
 from k3.model.decoder import K3ForCausalLM
 from k3.train.trainer import TrainConfig

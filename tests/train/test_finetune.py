@@ -8,7 +8,7 @@ import torch
 import k3
 from k3.cli.main import main
 from k3.config.presets import with_vision
-from k3.convert.checkpoint import resolve_checkpoint
+from k3.checkpoint.format import resolve_checkpoint
 from k3.model.multimodal import K3ForConditionalGeneration
 from k3.train.trainer import Trainer
 from tests.helpers import KIMI_LINEAR_STYLE
@@ -42,7 +42,7 @@ def test_init_from_starts_at_the_source_model(tmp_path, layout):
     src, model, packed = _source(tmp_path, layout)
     trainer = Trainer(finetune_cfg(tmp_path / "ft", src), progress=False)
     got = logits(trainer.model, IDS)
-    loaded = k3.from_pretrained(resolve_checkpoint(src), dtype=torch.float32)  # a run: its latest checkpoint
+    loaded = k3.from_pretrained(resolve_checkpoint(src), dtype=torch.float32, packed="dequantize")  # a run: latest
     assert torch.equal(got, logits(loaded, IDS))
     if layout in ("checkpoint", "run"):
         assert torch.equal(got, logits(model, IDS))
@@ -50,7 +50,8 @@ def test_init_from_starts_at_the_source_model(tmp_path, layout):
         assert torch.allclose(got, logits(model, IDS), rtol=0, atol=1e-5)
     else:  # MXFP4 is lossy: near the unpacked model's, not equal
         assert (got - logits(model, IDS)).abs().max() < 0.1 * logits(model, IDS).abs().max()
-        assert all(p.dtype == torch.float32 for n, p in trainer.model.named_parameters() if ".experts." in n)
+        experts = [p for n, p in trainer.model.named_parameters() if ".experts." in n]
+        assert experts and all(p.dtype == torch.float32 for p in experts)  # dequantised to train, not kept packed
     assert trainer.tokenizer.hf.to_str() == tokenizer().hf.to_str() and trainer.step == 0
     assert not trainer.optimizer.state
     recorded = json.loads((tmp_path / "ft" / "train_config.json").read_text())

@@ -7,7 +7,7 @@ import torch
 
 import k3
 from k3.cli.main import main
-from k3.convert.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from k3.checkpoint.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from k3.model.lora import adapters
 from k3.train.trainer import Trainer
 from tests.train.finetune_sources import finetune_cfg, logits, tiny_model, tokenizer, write_checkpoint

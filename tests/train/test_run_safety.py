@@ -12,9 +12,9 @@ import torch
 import k3
 from k3.cli.main import main
 from tests.train.train_cli import cli_args
-from k3.convert.checkpoint import CHECKSUMS
-from k3.convert.checkpoint import latest_checkpoint
-from k3.train.checkpoint import STATE_FILE, resume_checkpoint
+from k3.checkpoint.format import CHECKSUMS
+from k3.checkpoint.format import latest_checkpoint
+from k3.checkpoint.run import STATE_FILE, resume_checkpoint
 from k3.train.trainer import Trainer, TrainingDiverged
 from tests.train.test_trainer import tiny_cfg
 
@@ -160,7 +160,7 @@ def test_trainer_state_is_plain_data_under_checksums(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with open(ckpt / STATE_FILE, "wb") as f:
         pickle.dump({"step": Boom()}, f)
-    from k3.convert.checkpoint import _sha256
+    from k3.checkpoint.format import _sha256
 
     sums = json.loads((ckpt / CHECKSUMS).read_text())
     sums["sha256"][STATE_FILE] = _sha256(ckpt / STATE_FILE)
@@ -230,7 +230,7 @@ def test_out_at_or_under_a_file_is_one_line(tmp_path, capsys):
 def test_a_full_disk_while_saving_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
     import errno
 
-    import k3.train.checkpoint as run_ckpt
+    import k3.checkpoint.run as run_ckpt
 
     real, calls = run_ckpt.torch.save, []
 

@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 import k3
-import k3.train.checkpoint as run_ckpt
+import k3.checkpoint.run as run_ckpt
 from k3.cli.main import main
 from tests.train.train_cli import cli_args
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.convert.checkpoint import latest_checkpoint, resolve_checkpoint
+from k3.checkpoint.format import latest_checkpoint, resolve_checkpoint
 from k3.train.trainer import TrainConfig, Trainer, TrainingDiverged
 
 

@@ -11,7 +11,7 @@ import torch
 
 from k3.config import get_preset
 from k3.config.presets import with_vision
-from k3.convert.load import from_pretrained
+from k3.checkpoint.load import from_pretrained
 from k3.infer.async_engine import AsyncEngine
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
@@ -21,7 +21,7 @@ from k3.data.vision import media_ids, task_tokenizer
 from k3.vision.media import expand_placeholders, merged_tokens
 from k3.vision.processor import ImageProcessor
 from k3.vision.task import make_example
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from tests.helpers import rel
 
 PAD, BEGIN, END = 500, 501, 502

@@ -117,7 +117,7 @@ def to_files(state: dict[str, Tensor], config: K3Config, layout: str = "k3") -> 
         if layout == "release" and name.startswith("vision_tower."):
             target = _rename(name, _TO_RELEASE)
             if target is None:
-                raise ValueError(f"{name}: no release name for this vision tensor (k3.convert.names.VISION_NAMES)")
+                raise ValueError(f"{name}: no release name for this vision tensor (k3.checkpoint.names.VISION_NAMES)")
             if name == _PATCH_EMBED:
                 p = config.vision.patch_size
                 t = t.reshape(t.shape[0], -1, p, p)

@@ -2,7 +2,7 @@
 
 Saving is atomic (``atomic_directory``) and records a SHA-256 per weight file in ``k3_checksums.json``. A
 config.json naming ``KimiK3ForCausalLM`` (K3's features in format ``k3``; k3.config.hf) or the multimodal release's
-``KimiK3ForConditionalGeneration`` also gets ``auto_map`` and the transformers code that runs it (k3.convert.hf_code,
+``KimiK3ForConditionalGeneration`` also gets ``auto_map`` and the transformers code that runs it (k3.checkpoint.hf_code,
 checksummed too), for ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (text only: images go
 through k3).
 ``quantize="mxfp4"`` packs the routed experts (compressed-tensors ``mxfp4-pack-quantized``, k3.quant.packed);
@@ -12,7 +12,7 @@ corrupted safetensors file (bad header, or a checksum mismatch when checksums ar
 ``k3_checksums.json`` or one that leaves a weight file out (verification is never skipped silently), non-finite
 values, shard names outside the directory, non-float tensors, missing / unexpected tensors and shape mismatches.
 
-Loading streams (k3.convert.load). Writing streams too: one shard at a time is gathered on the host.
+Loading streams (k3.checkpoint.load). Writing streams too: one shard at a time is gathered on the host.
 """
 
 from __future__ import annotations
@@ -32,18 +32,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from k3.checkpoint import hf_code
+from k3.checkpoint.names import to_files
 from k3.config import K3Config
 from k3.config.hf import KIMI_K3, KIMI_K3_RELEASE, from_hf_config, to_hf_config
-from k3.convert import hf_code
-from k3.convert.atomic import atomic_directory, normal_mode
-from k3.convert.names import to_files
+from k3.fs import atomic_directory, normal_mode
 from k3.quant.packed import pack_expert_tensors, quantization_config
 from k3.quant.qat import qat_settings
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CHECKSUMS = "k3_checksums.json"
-TRAINER_STATE = "trainer_state.pt"  # a training checkpoint's optimizer / data / RNG state (k3.train.checkpoint)
+TRAINER_STATE = "trainer_state.pt"  # a training checkpoint's optimizer / data / RNG state (k3.checkpoint.run)
 DEFAULT_SHARD_BYTES = 5 * 10**9
 # What a tokenizer needs beside config.json (k3.data.tokenizer reads tokenizer.json and tokenizer_config.json;
 # the others are the HF names a release ships), copied along by k3 convert so its output can be served.
@@ -55,7 +55,7 @@ TOKENIZER_FILES = (
     "tiktoken.model",
     "tokenizer.model",
 )
-log = logging.getLogger("k3.convert")
+log = logging.getLogger("k3.checkpoint")
 _DTYPE_NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",

@@ -1,4 +1,4 @@
-"""Streamed checkpoint loading (k3.convert.load.from_pretrained) and the multimodal release layout.
+"""Streamed checkpoint loading (k3.checkpoint.load.from_pretrained) and the multimodal release layout.
 
 The streamed loader must give the same tensors as reading the files whole (safetensors' own reader), keep host
 memory near the model's size, place tensors in their final dtype / device, and refuse a bad shard with one
@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import k3.convert.checkpoint as ckpt
+import k3.checkpoint.format as ckpt
 from k3.config import get_preset
 from k3.config.presets import with_vision
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained, load_eager
-from k3.convert.names import a_log_file_size
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import from_pretrained, load_eager
+from k3.checkpoint.names import a_log_file_size
 from k3.model.decoder import K3ForCausalLM
 from k3.model.multimodal import K3ForConditionalGeneration
 from k3.quant.packed import PackedExperts
@@ -74,7 +74,29 @@ def test_packed_experts_stay_packed_unless_asked(tmp_path):
     experts = kept.model.layers[1].block_sparse_moe.experts
     assert isinstance(experts, PackedExperts) and experts.w1_packed.dtype == torch.uint8
     assert experts.dtype_ref.dtype == torch.float32
-    assert_same(load_eager(tmp_path / "q"), from_pretrained(tmp_path / "q"))
+    assert_same(load_eager(tmp_path / "q"), from_pretrained(tmp_path / "q", packed="dequantize"))
+
+
+def test_auto_keeps_what_the_checkpoint_holds(tmp_path):
+    """``packed="auto"`` (the default): a packed checkpoint loads packed, as ``"keep"`` does (inference); a
+    high-precision one loads as ``"dequantize"`` does, where ``"keep"`` is refused."""
+    cfg = get_preset("tiny").replace(**{"moe.moe_intermediate_size": 64, "moe.latent_size": 64})
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    save_pretrained(model, tmp_path / "q", quantize="mxfp4")
+    save_pretrained(model, tmp_path / "hp")
+    auto = from_pretrained(tmp_path / "q")
+    assert isinstance(auto.model.layers[1].block_sparse_moe.experts, PackedExperts)
+    assert_same(from_pretrained(tmp_path / "q", packed="keep"), auto)
+    assert_same(from_pretrained(tmp_path / "q", packed="auto"), auto)
+    plain = from_pretrained(tmp_path / "hp")
+    assert not any(isinstance(m, PackedExperts) for m in plain.modules())
+    assert_same(from_pretrained(tmp_path / "hp", packed="dequantize"), plain)
+    assert_same(model, plain)
+    with pytest.raises(ValueError, match="no packed experts"):
+        from_pretrained(tmp_path / "hp", packed="keep")
+    with pytest.raises(ValueError, match="'auto', 'keep', 'dequantize'"):
+        from_pretrained(tmp_path / "hp", packed="packed")
 
 
 def test_release_layout_round_trip_is_bit_exact(tmp_path):
@@ -187,9 +209,9 @@ CHILD = textwrap.dedent("""
     import json, resource, sys, time
     import torch
     from safetensors.torch import load_file
-    from k3.convert.checkpoint import read_config
-    from k3.convert.load import from_pretrained
-    from k3.convert.names import map_tensor
+    from k3.checkpoint.format import read_config
+    from k3.checkpoint.load import from_pretrained
+    from k3.checkpoint.names import map_tensor
     device = sys.argv[2]
     if device == "cuda":
         torch.zeros(1, device=device)  # the CUDA context's host memory comes before the load

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import k3
-import k3.convert.checkpoint as ckpt
+import k3.checkpoint.format as ckpt
 from k3.config import get_preset
-from k3.convert import hf_code
+from k3.checkpoint import hf_code
 from k3.data.chat import render_chat
 from k3.infer.generate import greedy_generate
 from k3.model.decoder import K3ForCausalLM

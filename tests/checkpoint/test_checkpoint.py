@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import save_file
 
 import k3
-import k3.convert.checkpoint as ckpt
+import k3.checkpoint.format as ckpt
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.convert.checkpoint import save_pretrained
+from k3.checkpoint.format import save_pretrained
 from tests.helpers import KIMI_LINEAR_STYLE
 
 KIMI_LINEAR_R16 = {**KIMI_LINEAR_STYLE, "kda.forget_gate_rank": 16, "kda.output_gate_rank": 16}  # low-rank gates
@@ -231,7 +231,7 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch):
 
 
 def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
-    from k3.convert.atomic import atomic_file, atomic_write_text
+    from k3.fs import atomic_file, atomic_write_text
 
     target = tmp_path / "latest"
     atomic_write_text(target, "step-000001")
@@ -250,7 +250,7 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
     (the model is built on meta and every tensor comes from the load); one whose config has more layers than its
     tensors raises one ValueError instead of leaving uninitialised weights."""
     from k3.config.hf import to_hf_config
-    from k3.convert.dcp import save
+    from k3.checkpoint.dcp import save
     from k3.train.muon import K3Muon
     from k3.train.param_groups import param_groups_for
 
@@ -277,7 +277,7 @@ def test_dcp_checkpoint_loads_exactly_into_uninitialised_storage(tmp_path):
 def test_A_log_file_layout_and_round_trip(tmp_path, style):
     """Bounded gate (K3): A_log written 1-D, zero-padded to a multiple of 128 (the release's 96 -> [128]);
     softplus gate (Kimi-Linear): [1, 1, H, 1]. Both read back bit-exact."""
-    from k3.convert.names import a_log_file_size, from_files, to_files
+    from k3.checkpoint.names import a_log_file_size, from_files, to_files
 
     assert [a_log_file_size(h) for h in (1, 2, 96, 128, 129)] == [128, 128, 128, 128, 256]
     cfg = get_preset("tiny") if style == "k3" else get_preset("tiny").replace(**KIMI_LINEAR_R16)
@@ -349,7 +349,7 @@ def test_dcp_extra_is_read_as_plain_data_only(tmp_path):
     does not run; tensors and plain data load as saved."""
     import os
 
-    from k3.convert.dcp import EXTRA_FILE, read_extra
+    from k3.checkpoint.dcp import EXTRA_FILE, read_extra
 
     marker = tmp_path / "ran"
 

@@ -21,9 +21,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from k3.config.hf import to_hf_config
-from k3.convert.atomic import normal_mode
-from k3.convert.checkpoint import (
+from k3.checkpoint.format import (
     CHECKSUMS,
     add_checksums,
     read_checksums,
@@ -31,6 +29,8 @@ from k3.convert.checkpoint import (
     resolve_checkpoint,
     verify_checksum,
 )
+from k3.config.hf import to_hf_config
+from k3.fs import normal_mode
 from k3.model.lora import lora_state_dict
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -8,7 +8,7 @@ Layout of a checkpoint directory:
                                     read back with ``weights_only=True``: tensors and plain data only)
 
 Saving is atomic at the directory level: every rank writes into one temp directory beside the target, and after
-a barrier rank 0 swaps it in (k3.convert.atomic: fsync, then renameat2 exchange), so ``path`` is either the old
+a barrier rank 0 swaps it in (k3.fs: fsync, then renameat2 exchange), so ``path`` is either the old
 checkpoint or the complete new one. All ranks must see the same filesystem.
 
 Resharding: the state is described by global shapes, so a checkpoint saved with any (dp, ep) loads with any other
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from k3.convert.atomic import atomic_directory
+from k3.fs import atomic_directory
 
 EXTRA_FILE = "extra.pt"
 

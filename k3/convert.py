@@ -1,7 +1,9 @@
-"""Where ``k3 convert --to DIR`` may write, checked before anything is loaded.
+"""``k3 convert``: read any checkpoint k3 loads, optionally fold LoRA adapters into it, write it in a chosen format
+(optionally with the routed experts packed as MXFP4), atomically, with the source's tokenizer files.
 
-The output is written atomically (k3.convert.atomic.atomic_directory: built beside DIR, swapped in, the previous
-DIR removed), so these checks decide what a conversion may delete:
+:func:`convert` does it; what ``--to DIR`` may be is checked before anything is loaded, because the output is
+written atomically (k3.fs.atomic_directory: built beside DIR, swapped in, the previous DIR removed), so these
+checks decide what a conversion may delete:
 
 - refused outright: ``/``, the home directory, the current directory and any directory above one of them; a DIR
   that is, is inside or holds ``--from`` (symbolic links resolved); a symbolic link; an existing file, or a path
@@ -15,23 +17,35 @@ DIR removed), so these checks decide what a conversion may delete:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 
-from k3.convert import hf_code
-from k3.convert.checkpoint import (
+import torch
+
+from k3.checkpoint import hf_code
+from k3.checkpoint.adapters import check_base, read_adapters, resolve_adapters
+from k3.checkpoint.format import (
     CHECKSUMS,
+    DEFAULT_SHARD_BYTES,
     INDEX,
     SINGLE,
     TOKENIZER_FILES,
     TRAINER_STATE,
+    copy_tokenizer,
     read_checksums,
     read_config_json,
+    resolve_checkpoint,
+    write_pretrained,
 )
+from k3.checkpoint.load import from_pretrained
+from k3.fs import atomic_directory
+from k3.model.lora import apply_lora, load_lora_state_dict, merge_lora
 
 _FILES = {"config.json", SINGLE, INDEX, CHECKSUMS, TRAINER_STATE, *TOKENIZER_FILES, *hf_code.FILES}
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+log = logging.getLogger("k3.convert")
 
 
 def _foreign(directory: Path) -> list[str]:
@@ -107,3 +121,44 @@ def check_destination(source: str | os.PathLike, target: str | os.PathLike, forc
         check_replaceable(dst)
         if not force:
             raise ValueError(f"--to {target} already holds a checkpoint; pass --force to replace it")
+
+
+def convert(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    fmt: str = "k3",
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    quantize: str | None = None,
+    scale_mode: str | None = None,
+    adapters: str | os.PathLike | None = None,
+    force: bool = False,
+) -> dict:
+    """Convert checkpoint ``source`` (or a training run's latest) into ``target``, written atomically in ``fmt``
+    (k3.config.hf.FORMATS), ``dtype`` (None: the source's), ``quantize="mxfp4"`` packing the routed experts with
+    ``scale_mode``; ``adapters``: LoRA adapters (a ``--lora`` run or an adapter directory) folded into ``source``,
+    which must be the base they were trained on. Every check (destinations, adapters, base) runs before the model is
+    loaded. Returns ``{"checkpoint": the source read, "parameters": count, "adapters": the adapter directory read,
+    "lora": its adapter config}`` (the last two None without ``adapters``)."""
+    src = resolve_checkpoint(source)  # a run directory: its latest checkpoint
+    check_destination(source, target, force)  # --to kept apart from the directory given ...
+    if src != Path(source):
+        log.info("--from %s: its latest checkpoint, %s", source, src)
+        check_destination(src, target, force)  # ... and from the checkpoint read
+    meta = found = None
+    if adapters is not None:
+        found = resolve_adapters(adapters)
+        check_destination(found, target, force)  # --to never replaces the adapters it reads
+        meta, tensors = read_adapters(found)
+        check_base(meta, src, found)
+    model = from_pretrained(src, dtype=dtype, packed="dequantize")  # written again from high-precision weights
+    if meta is not None:
+        apply_lora(model, meta["rank"], meta["alpha"], meta["targets"])
+        load_lora_state_dict(model, tensors)
+        merge_lora(model)  # in fp32, stored in the base's dtype (or ``dtype``)
+    with atomic_directory(target, check_old=check_replaceable) as tmp:
+        write_pretrained(model, tmp, fmt, max_shard_bytes, quantize, scale_mode)
+        # the tokenizer beside the checkpoint, else the run directory's (as k3 generate and k3 serve find it)
+        copy_tokenizer(src if (src / "tokenizer.json").is_file() else source, tmp)
+    n = sum(p.numel() for p in model.parameters())
+    return {"checkpoint": src, "parameters": n, "adapters": found, "lora": meta}

@@ -1,4 +1,4 @@
-"""Loading part of the routed experts (k3.convert.load.from_pretrained ``experts=``, ``checksum_part=``), what an
+"""Loading part of the routed experts (k3.checkpoint.load.from_pretrained ``experts=``, ``checksum_part=``), what an
 expert-parallel rank does: the kept experts, in the order given, equal the same rows of a whole load (plain,
 packed kept or dequantised, read or staged, per-expert tensors or transformers' fused stacks), the rest of the
 model equals the whole load, the other experts' bytes are never placed, and a shard outside this process's
@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import k3.convert.checkpoint as ckpt
-import k3.convert.stream as stream
+import k3.checkpoint.format as ckpt
+import k3.checkpoint.stream as stream
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import from_pretrained
 from k3.model.decoder import K3ForCausalLM
 from k3.model.moe import keep_experts, moe_layers
-from tests.convert.test_streamed_load import assert_same
+from tests.checkpoint.test_streamed_load import assert_same
 
 EXPERTS = {1: [5, 0, 3], 2: [7], 3: [1, 2, 3, 4, 5, 6, 7, 0]}  # layer 4 keeps all 8 (not named)
 BANK = ("w1", "w2", "w3", "w1_packed", "w2_packed", "w3_packed", "w1_scale", "w2_scale", "w3_scale")
@@ -176,7 +176,7 @@ def test_a_distributed_training_checkpoint_is_cut_after_gathering(tmp_path):
     import json
 
     from k3.config.hf import to_hf_config
-    from k3.convert.dcp import save
+    from k3.checkpoint.dcp import save
     from k3.train.muon import K3Muon
     from k3.train.param_groups import param_groups_for
 

@@ -3,7 +3,7 @@
     RUN/checkpoints/step-000040/   config.json, model*.safetensors, k3_checksums.json (HF layout, router
                                    biases included as buffers), tokenizer.json, trainer_state.pt
                                    (a --lora run: adapter_model.safetensors, adapter_config.json and config.json
-                                   instead of the weights, k3.convert.adapters)
+                                   instead of the weights, k3.checkpoint.adapters)
     RUN/checkpoints/latest         the name of the newest complete step directory
     RUN/.lock                      held (``flock``) by the process training in RUN; holds its pid
 
@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3.convert.adapters import is_adapter_dir, verify_adapters
-from k3.convert.atomic import atomic_directory, atomic_write_text, make_directory
-from k3.convert.checkpoint import (
+from k3.checkpoint.adapters import is_adapter_dir, verify_adapters
+from k3.checkpoint.format import (
     TRAINER_STATE,
     add_checksums,
     expected_checksums,
@@ -40,8 +39,9 @@ from k3.convert.checkpoint import (
     verify_files,
     write_pretrained,
 )
+from k3.fs import atomic_directory, atomic_write_text, make_directory
 
-log = logging.getLogger("k3.train")
+log = logging.getLogger("k3.checkpoint")
 
 STATE_FILE = TRAINER_STATE
 LOCK_FILE = ".lock"

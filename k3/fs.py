@@ -1,10 +1,14 @@
-"""Atomic directory writes: build in a temp dir beside the target, fsync, then swap it in.
+"""Atomic writes, for every package that writes what a reader must never see half-written (checkpoints, run
+directories, results, tokenizers). It sits at the bottom of the layers, beside k3.config, so that writing a file
+imports no checkpoint code.
 
-A crash or exception before the swap leaves the previous target untouched (and at most a stray
-``.NAME.tmp-*`` directory, removed on exceptions). On Linux the swap is one ``renameat2(RENAME_EXCHANGE)``,
-so the target name never points at a half-written or missing directory; elsewhere it is two renames. A target
-that is a file or a symbolic link is refused rather than swapped, and ``check_old`` may refuse the directory
-about to be replaced (it is called just before the swap).
+Directories (:func:`atomic_directory`): built in a temp dir beside the target, fsynced, then swapped in. A crash or
+exception before the swap leaves the previous target untouched (and at most a stray ``.NAME.tmp-*`` directory,
+removed on exceptions). On Linux the swap is one ``renameat2(RENAME_EXCHANGE)``, so the target name never points
+at a half-written or missing directory; elsewhere it is two renames. A target that is a file or a symbolic link is
+refused rather than swapped, and ``check_old`` may refuse the directory about to be replaced (it is called just
+before the swap). Files (:func:`atomic_file`, :func:`atomic_write_text`): a temp file beside the target, fsynced,
+renamed over it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 The model is built on the meta device, every shard's header is read and checked against it first (names, shapes),
 then the model gets empty storage in its final dtype and device and the shards are read into it, several at once,
-each hashed on the bytes as they are read (k3.convert.stream): host memory while loading onto a GPU stays within
+each hashed on the bytes as they are read (k3.checkpoint.stream): host memory while loading onto a GPU stays within
 one shard + 1 GiB; onto the CPU, near the model itself. A bad shard (checksum, truncated, wrong shapes, non-finite
 values) fails with one error before the model is returned. Packed MXFP4 experts are dequantised
-(``packed="dequantize"``, on the weight's device) or kept packed for inference (``packed="keep"``). A process that
+(``packed="dequantize"``, on the weight's device) or kept packed for inference (``packed="keep"``); the default,
+``packed="auto"``, keeps what the checkpoint holds (packed when its config.json has a packed ``quantization_config``,
+else high precision), so training passes ``"dequantize"``. A process that
 serves part of the experts (expert parallelism) loads only those (``experts=``): the others are never held.
 ``load_eager`` is the plain all-in-memory loader, for comparisons.
 """
@@ -21,9 +23,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3.config import K3Config
-from k3.convert.adapters import is_adapter_dir, not_a_model
-from k3.convert.checkpoint import (
+from k3.checkpoint.adapters import is_adapter_dir, not_a_model
+from k3.checkpoint.format import (
     INDEX,
     SINGLE,
     _weight_files,
@@ -33,13 +34,15 @@ from k3.convert.checkpoint import (
     read_config_json,
     read_tensors,
 )
-from k3.convert.names import from_files, map_tensor, vision_layout
-from k3.convert.stream import E8M0, Entry, all_finite, default_workers, host_finite, load_shards, read_header
+from k3.checkpoint.names import from_files, map_tensor, vision_layout
+from k3.checkpoint.stream import E8M0, Entry, all_finite, default_workers, host_finite, load_shards, read_header
+from k3.config import K3Config
 from k3.model.moe import keep_experts, moe_layers
 from k3.quant.packed import PACKED, SCALE, map_packed_pairs, read_quantization, unpack_weight, use_packed_experts
 
-__all__ = ["LoadPlan", "default_workers", "from_pretrained", "load_eager", "plan_load", "read_header"]
-log = logging.getLogger("k3.convert")
+__all__ = ["PACKED_MODES", "LoadPlan", "default_workers", "from_pretrained", "load_eager", "plan_load", "read_header"]
+log = logging.getLogger("k3.checkpoint")
+PACKED_MODES = ("auto", "keep", "dequantize")  # from_pretrained's packed=, and k3 generate / chat / serve --packed
 
 
 def _from_dcp(directory: Path, config):
@@ -47,7 +50,7 @@ def _from_dcp(directory: Path, config):
     checks its own metadata; there are no checksum files to verify). The model is built on the meta device and
     given uninitialised CPU storage, which the load overwrites whole (DCP raises on any tensor the checkpoint
     lacks, and the model has no tensors outside its state dict): no random init is computed and thrown away."""
-    from k3.convert.dcp import load_into_single
+    from k3.checkpoint.dcp import load_into_single
     from k3.model.decoder import K3ForCausalLM
     from k3.model.multimodal import K3ForConditionalGeneration
 
@@ -279,7 +282,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     device: str | torch.device | dict = "cpu",
     verify: bool = True,
-    packed: str = "dequantize",
+    packed: str = "auto",
     workers: int | None = None,
     experts: dict[int, list[int]] | None = None,
     checksum_part: tuple[int, int] = (0, 1),
@@ -295,7 +298,9 @@ def from_pretrained(
     Packed MXFP4 experts (``quantization_config.format`` mxfp4-pack-quantized): ``packed="dequantize"`` turns
     them into high-precision weights (``dtype``, default the checkpoint's; for training and inference),
     ``packed="keep"`` keeps the bytes in memory (k3.quant.packed.PackedExperts, dequantised on the fly;
-    inference only). workers: shards read (and hashed) at once, default ``default_workers``; 1 reads them one
+    inference only; refused for a checkpoint without packed experts), ``packed="auto"`` (the default) keeps them
+    when the checkpoint has them and loads a high-precision checkpoint as it is: a model to train on is loaded
+    with ``"dequantize"``. workers: shards read (and hashed) at once, default ``default_workers``; 1 reads them one
     after another.
 
     experts: ``{decoder layer index: global expert ids}``: those MoE layers keep only these routed experts, in this
@@ -308,8 +313,8 @@ def from_pretrained(
 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be a positive number of shards read at once")
-    if packed not in ("dequantize", "keep"):
-        raise ValueError(f"packed={packed!r} must be 'dequantize' or 'keep'")
+    if packed not in PACKED_MODES:
+        raise ValueError(f"packed={packed!r} must be one of {', '.join(map(repr, PACKED_MODES))}")
     part, parts = checksum_part
     if not 0 <= part < parts:
         raise ValueError(f"checksum_part={checksum_part!r} must be (i, n) with 0 <= i < n")
@@ -327,12 +332,14 @@ def from_pretrained(
             )
         if isinstance(device, dict):
             raise ValueError("a device map is not supported for a distributed training checkpoint; give one device")
-        model = _from_dcp(directory, config)
+        model = _from_dcp(directory, config)  # packed="auto": a training checkpoint's experts are high-precision
         if experts:
             log.warning("%s: a distributed training checkpoint is gathered whole before its experts are cut", directory)
             _keep(model, experts)
         return model.cast(dtype or torch.float32).to(device)
     quantized = read_quantization(read_config_json(directory))
+    if packed == "auto":
+        packed = "dequantize" if quantized is None else "keep"
     if packed == "keep" and quantized is None:
         raise ValueError(
             f"packed='keep': {directory} has no packed experts (no quantization_config); write one "

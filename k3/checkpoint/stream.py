@@ -1,4 +1,4 @@
-"""Streamed, parallel reading of safetensors shards (k3.convert.load builds the model they fill).
+"""Streamed, parallel reading of safetensors shards (k3.checkpoint.load builds the model they fill).
 
 Every shard's header is parsed and checked first (:func:`read_header`); then :func:`load_shards` reads the shards
 ``workers`` at a time (default one per core, at most 8), each front to back with its SHA-256 computed on the same
@@ -8,7 +8,7 @@ into its final storage; onto a GPU the file goes through three reused pinned buf
 the way are read whole into host buffers, at most a shard's worth at once (``_Budget``). A bad shard (checksum,
 truncated, non-finite values) stops the other workers and fails with one error.
 
-What goes where is the caller's *placer* (k3.convert.load's): ``place.wanted(entry)`` (False: the tensor is not
+What goes where is the caller's *placer* (k3.checkpoint.load's): ``place.wanted(entry)`` (False: the tensor is not
 kept, its bytes are read only to be hashed, else skipped), ``place.direct(entry)`` (the destination its bytes land
 in unchanged, or None), ``place(path, entry, host_bytes)`` (place a tensor read whole), ``place.check_finite(path,
 name, tensor)``, ``place.verify`` and ``place.dest`` (the destination tensors). A shard that is not hashed and holds
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from k3.convert.checkpoint import CHECKSUMS, StreamHasher, _sha256
+from k3.checkpoint.format import CHECKSUMS, StreamHasher, _sha256
 
 _ST_DTYPES = {
     "F64": torch.float64,

@@ -95,7 +95,7 @@ class KimiK3ForCausalLM(PreTrainedModel, GenerationMixin):
         _refuse("from_pretrained", kwargs, _HUB_KWARGS)
         if config is None:
             config = cls.config_class.from_pretrained(path)
-        return cls(config, k3.from_pretrained(path, dtype=dtype, device=device)).eval()
+        return cls(config, k3.from_pretrained(path, dtype=dtype, device=device, packed="dequantize")).eval()
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Refused: k3.save_pretrained(model.k3_model, directory) writes a K3 checkpoint (it replaces the

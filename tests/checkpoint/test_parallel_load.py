@@ -1,4 +1,4 @@
-"""Parallel shard loading (k3.convert.stream): several shards read and hashed at once, and the staged path that
+"""Parallel shard loading (k3.checkpoint.stream): several shards read and hashed at once, and the staged path that
 copies to GPUs through reused host buffers.
 
 Whatever the number of workers and whichever path, the loaded tensors must be exactly the files' (tensors spanning
@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-import k3.convert.checkpoint as ckpt
-import k3.convert.stream as stream
+import k3.checkpoint.format as ckpt
+import k3.checkpoint.stream as stream
 from k3.config import get_preset
-from k3.convert.checkpoint import save_pretrained
-from k3.convert.load import from_pretrained, load_eager
+from k3.checkpoint.format import save_pretrained
+from k3.checkpoint.load import from_pretrained, load_eager
 from k3.model.decoder import K3ForCausalLM
 from k3.quant.packed import PackedExperts
-from tests.convert.test_streamed_load import assert_same, random_multimodal
+from tests.checkpoint.test_streamed_load import assert_same, random_multimodal
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_staged_path_gives_the_files_tensors(sharded, monkeypatch, chunk):
 def test_packed_pairs_across_shards_and_workers(packed, monkeypatch, path):
     if path == "staged":
         staged(monkeypatch, 1000)
-    assert_same(load_eager(packed), from_pretrained(packed, workers=4))
+    assert_same(load_eager(packed), from_pretrained(packed, packed="dequantize", workers=4))
     kept = from_pretrained(packed, packed="keep", workers=4)
     assert isinstance(kept.model.layers[1].block_sparse_moe.experts, PackedExperts)
     monkeypatch.undo()
@@ -142,7 +142,7 @@ def test_gpu_load_gives_the_files_tensors(sharded, packed, monkeypatch, chunk):
         assert_same(model, got.cpu())
         fp32 = from_pretrained(d, torch.float32, "cuda", workers=workers)
         assert_same(load_eager(d, dtype=torch.float32), fp32.cpu())
-    assert_same(load_eager(packed), from_pretrained(packed, device="cuda", workers=4).cpu())
+    assert_same(load_eager(packed), from_pretrained(packed, device="cuda", packed="dequantize", workers=4).cpu())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
