@@ -69,6 +69,7 @@ KERNELS: dict[str, Kernel] = {
         _nvrtc_kernel_why_not,
         no_triton="torch",  # off is kernel moe_mxfp4, whose own off is torch
     ),
+    "mla_decode": Kernel("triton", "torch", "MLA's absorbed decode attention over the latent cache, split-K"),
     "pdl": Kernel("on", "off", "programmatic dependent launch of the kernels above (compute capability >= 9)"),
 }
 

@@ -99,3 +99,25 @@ def test_masked_decode_equals_reference_latent_attention():
     want = latent_attention(q, kv, seq_ids=slots, lengths=lengths, cu_seqlens_q=cu, scale=0.3, v_dim=16)
     got = masked_decode(q, kv, slots, lengths, 0.3, 16)
     assert ((got - want).norm() / want.norm()).item() <= 1e-6
+
+
+def test_mla_decode_kernel_off_runs_the_masked_fallback(monkeypatch):
+    """With kernel ``mla_decode`` off (``K3_KERNELS=mla_decode=torch``) the fast latent attention of one-token
+    segments is the masked dense form, equal to the reference; no Triton import is needed for it."""
+    from k3.ops import backend
+    from k3.ops.mla import fast
+    from k3.ops.mla.reference import latent_attention
+    from k3.ops.segments import Segments
+    from tests.ops.kernel_switch import keep_kernel_plan
+
+    keep_kernel_plan(monkeypatch)
+    backend.set_kernels("mla_decode=torch", triton=True)
+    assert backend.kernel_choice("mla_decode") == "torch"
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(3, 12, 24, generator=g)
+    q = torch.randn(2, 4, 24, generator=g)
+    slots, lengths = torch.tensor([1, 2]), torch.tensor([12, 5])
+    cu = Segments.from_host(range(3))
+    want = latent_attention(q, kv, seq_ids=slots, lengths=lengths, cu_seqlens_q=cu, scale=0.5, v_dim=16)
+    got = fast.latent_attention(q, kv, seq_ids=slots, lengths=lengths, cu_seqlens_q=cu, scale=0.5, v_dim=16)
+    assert ((got - want).norm() / want.norm()).item() <= 1e-6

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from k3.ops import backend
 from k3.ops.segments import HostInts, Segments, as_segments, device_values, host_values
 
 log = logging.getLogger("k3.ops")
@@ -133,10 +134,13 @@ def latent_attention(
     max_length: int | None = None,
 ) -> Tensor:
     """Same contract as :func:`k3.ops.mla.reference.latent_attention`; one-token segments (decode) run the
-    Triton split-K kernel (reading nothing on the host), longer ones (chunked prefill on a cache) one SDPA call
-    each."""
+    Triton split-K kernel (kernel ``mla_decode``; reading nothing on the host), or with that kernel off masked
+    dense attention over the cache capacity (also graph-safe); longer ones (chunked prefill on a cache) one SDPA
+    call each."""
     if q.shape[0] == device_values(seq_ids).numel():
         seq_ids, lengths = device_values(seq_ids), device_values(lengths)
+        if backend.kernel_choice("mla_decode") != "triton":
+            return masked_decode(q, kv, seq_ids, lengths, scale, v_dim)
         from k3.ops.mla.triton_decode import mla_decode, supported
 
         if supported(v_dim, q.shape[-1] - v_dim):
