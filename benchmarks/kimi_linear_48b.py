@@ -18,6 +18,7 @@ and peer row. ``--smoke`` runs every phase on a tiny config (CPU works) to check
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -48,6 +49,13 @@ def sync(device: torch.device) -> None:
 def build(cfg, device: torch.device, seed: int = 0) -> K3ForCausalLM:
     """The model straight on ``device`` in bf16 (k3.bench.live_server.random_model)."""
     return random_model(cfg, device, torch.bfloat16, seed)
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """An exact, order-independent checksum of a tensor's bytes: the int64 sum of its 16-bit words. A float sum
+    depends on the reduction order, which follows the process's thread count, so two processes can disagree on
+    the same tensor."""
+    return int(t.contiguous().view(-1).view(torch.int16).sum(dtype=torch.int64))
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -81,7 +89,7 @@ def phase_checkpoint(rows, cfg, device, layers: int, shard_gb: float, workdir: P
             f"{largest / 1e9:.2f} GB), {write_s:.1f}s incl. SHA-256",
         }
     )
-    reference = {k: v.float().sum().item() for k, v in model.state_dict().items()}
+    reference = {k: fingerprint(v) for k, v in model.state_dict().items()}
     del model
     torch.cuda.empty_cache() if device.type == "cuda" else None
     drop_page_cache(path)
@@ -123,6 +131,8 @@ import json, resource, sys, threading, time
 import torch
 from k3.checkpoint.load import from_pretrained
 
+#FINGERPRINT#
+
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -152,7 +162,7 @@ out = {
     "rss_peak": max(peak[0], rss()),
     "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-    "sums": {k: v.float().sum().item() for k, v in model.state_dict().items()},
+    "sums": {k: fingerprint(v) for k, v in model.state_dict().items()},
 }
 print("RESULT " + json.dumps(out))
 """
@@ -160,10 +170,14 @@ print("RESULT " + json.dumps(out))
 
 def load_in_child(path: Path, device: torch.device) -> dict:
     """Stream-load ``path`` onto ``device`` in a fresh Python process (its peak RSS is the loader's alone):
-    seconds, host RSS before and at peak, GPU peak, and every tensor's sum."""
+    seconds, host RSS before and at peak, GPU peak, and every tensor's :func:`fingerprint`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1])] + sys.path)}
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), str(device)], capture_output=True, text=True, env=env, check=False
+        [sys.executable, "-c", _CHILD.replace("#FINGERPRINT#", inspect.getsource(fingerprint)), str(path), str(device)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode or line is None:
