@@ -114,6 +114,12 @@ def load_run(run_dir: Path, group_by: str | None = None, metric: str = "val_loss
         "seed": tc.get("seed"),
         "step": evals[-1]["step"],
         "data": tc.get("data"),
+        # a sweep's design: the size, learning rate and tokens per parameter of the run (k3.audit.scaling_design)
+        "width": summary.get("width", tc.get("overrides", {}).get("hidden_size")),
+        "layers": summary.get("layers", tc.get("overrides", {}).get("num_hidden_layers")),
+        "lr": tc.get("lr"),
+        "tokens_per_param": summary.get("tokens_per_param"),
+        "wall_s": summary.get("wall_s"),
     }
 
 

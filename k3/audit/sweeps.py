@@ -1,6 +1,11 @@
 """Scaling sweeps (``k3 scaling --sweep NAME``): K3-style models against a K2-like baseline at >= 4 sizes, trained
 with :func:`k3.audit.runs.run_one` (resumable, one shared tokenizer) into
-``OUT/runs/<label>-w<width>-l<layers>-s<seed>/``; :mod:`k3.audit.scaling` fits them."""
+``OUT/runs/<label>-w<width>-l<layers>-s<seed>/``; :mod:`k3.audit.scaling` fits them.
+
+A sweep with ``lrs`` trains every run at each of those learning rates (``...-l<layers>-lr<lr>-s<seed>/``), one
+with ``ratios`` at each of those tokens per activated parameter (``...-l<layers>-tpp<ratio>-s<seed>/``), at >= 2
+sizes: :mod:`k3.audit.scaling_design` then reports each arm's best rate per size and the multiplier at each
+choice (one shared rate, each arm at its own best rate, each ratio)."""
 
 from __future__ import annotations
 
@@ -65,6 +70,18 @@ class Sweep:
     extra_seeds: tuple[int, ...] = ()  # more seeds for the first extra_seed_sizes sizes (the noisy small end)
     extra_seed_sizes: int = 0
     data: str | None = None  # training and validation data when the command gives none (None: stdlib)
+    lrs: tuple[float, ...] = ()  # every run at each of these learning rates (empty: train['lr'] alone)
+    ratios: tuple[float, ...] = ()  # every run at each of these tokens per parameter (empty: tokens_per_param)
+
+
+def check_sweep(sweep: Sweep) -> None:
+    """ValueError for a sweep that cannot run as asked: ``lrs`` or ``ratios`` that are not >= 2 distinct positive
+    numbers (one value is the sweep's ``train['lr']`` or ``tokens_per_param``)."""
+    for field in ("lrs", "ratios"):
+        xs = getattr(sweep, field)
+        bad = [x for x in xs if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf]
+        if bad or len(set(xs)) != len(xs) or len(xs) == 1:
+            raise ValueError(f"sweep {sweep.name}: {field}={list(xs)!r} must be >= 2 distinct positive numbers")
 
 
 BASELINE = "no_kda_rope+no_attnres+no_latent+bias_sign+swiglu"  # K2-like: RoPE MLA, plain residual, SwiGLU,
@@ -99,6 +116,13 @@ CPU5 = Sweep(
         keep_checkpoints=1,
         lr=1e-2,
     ),
+)
+CPU5_512 = dataclasses.replace(
+    CPU5,
+    name="cpu5_512",
+    description="cpu5 in rows of 512 tokens, 4 x 512 a step (the same tokens a step, a quarter of the rows): "
+    "cpu5 and gpu5 differ in row length (128 vs 512) among other things",
+    train={**CPU5.train, "batch_size": 4, "seq_len": 512, "eval_rows": 128},  # 128 rows: cpu5's 65K tokens
 )
 
 SWEEPS: dict[str, Sweep] = {
@@ -141,13 +165,7 @@ SWEEPS: dict[str, Sweep] = {
         ),
     ),
     "cpu5": CPU5,
-    "cpu5_512": dataclasses.replace(
-        CPU5,
-        name="cpu5_512",
-        description="cpu5 in rows of 512 tokens, 4 x 512 a step (the same tokens a step, a quarter of the rows): "
-        "cpu5 and gpu5 differ in row length (128 vs 512) among other things",
-        train={**CPU5.train, "batch_size": 4, "seq_len": 512, "eval_rows": 128},  # 128 rows: cpu5's 65K tokens
-    ),
+    "cpu5_512": CPU5_512,
     "cpu5_16x512": dataclasses.replace(
         CPU5,
         name="cpu5_16x512",
@@ -155,6 +173,27 @@ SWEEPS: dict[str, Sweep] = {
         "tokens a step, a quarter of the steps; at least 50 steps)",
         min_steps=50,
         train={**CPU5.train, "seq_len": 512, "eval_rows": 128},
+    ),
+    "cpu5_512_lr": dataclasses.replace(
+        CPU5_512,
+        name="cpu5_512_lr",
+        description="cpu5_512's design at its smallest and middle sizes, every run at 3e-3, 1e-2, 3e-2 and 1e-1 "
+        "with one seed: each arm's best learning rate per size, and the multiplier at it against the one at the "
+        "shared 1e-2",
+        sizes=((32, 4), (64, 4)),
+        extra_seeds=(),
+        extra_seed_sizes=0,
+        lrs=(3e-3, 1e-2, 3e-2, 1e-1),
+    ),
+    "cpu5_512_tpp": dataclasses.replace(
+        CPU5_512,
+        name="cpu5_512_tpp",
+        description="cpu5_512 at 5 and at 20 tokens per activated parameter (4x the steps; the same 3.5M-token "
+        "pool, so a run's first steps are its twin's at 5) at the two smallest sizes, one seed, lr 1e-2",
+        sizes=((32, 4), (48, 4)),
+        ratios=(5.0, 20.0),
+        extra_seeds=(),
+        extra_seed_sizes=0,
     ),
     "gpu": Sweep(
         name="gpu",
@@ -221,7 +260,7 @@ def check_epochs(sweep: Sweep, plan: list, data: str | None, tok) -> None:
     ctx = sweep.train.get("seq_len", 512)
     rows = len(PackedDataset(load_corpus(data, "train"), tok, ctx, max_tokens=sweep.train.get("max_tokens")))
     over = sorted(
-        {(width, layers, steps) for _, _, _, width, layers, steps, _, _ in plan if steps * rows_per_step > rows}
+        {(width, layers, steps) for _, _, _, width, layers, steps, *_ in plan if steps * rows_per_step > rows}
     )
     if over:
         sizes = ", ".join(f"w{w} l{n}: {s * rows_per_step * ctx / 1e6:.1f}M" for w, n, s in over)
@@ -244,12 +283,10 @@ def run_sweep(
     """Train every (architecture, size, seed) of ``sweep`` into ``OUT/runs`` (resumable); returns summaries.
 
     ``jobs > 1`` trains that many runs side by side (:func:`k3.audit.runs.run_jobs`)."""
-    from k3.audit.ablate import make_variant, params_of, variant_config, variant_train_config
     from k3.audit.runs import check_jobs, ensure_tokenizer, run_job, run_jobs
-    from k3.config import get_preset
-    from k3.data.tokenizer import Tokenizer
 
     check_jobs(jobs)
+    check_sweep(sweep)
     data = pin_corpus(sweep.data if data is None else data)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,43 +294,7 @@ def run_sweep(
     tok_path = ensure_tokenizer(
         out, data, sweep.train.get("vocab_size", 8192), sweep.train.get("tokenizer_train_bytes", 4_000_000)
     )
-    tok = Tokenizer.load(tok_path)
-    plan = []
-    ctx = sweep.train.get("seq_len", 512)
-    for width, layers in sweep.sizes:  # validate everything before training anything
-        sized_ov = size_overrides(width, layers, sweep.head_dim)
-        base = get_preset(sweep.preset).replace(**sized_ov)
-        full_vocab = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
-        steps = sweep.train.get("steps")
-        if sweep.tokens_per_param:
-            per_step = sweep.train["batch_size"] * sweep.train.get("grad_accum", 1) * sweep.train["seq_len"]
-            n_k3 = params_of(full_vocab, ctx)["params_activated"]
-            steps = max(sweep.min_steps, math.ceil(sweep.tokens_per_param * n_k3 / per_step))
-        for label, vname in sweep.archs.items():
-            v = make_variant(vname, base)
-            params = params_of(variant_config(full_vocab, v), ctx)
-            small_end = (width, layers) in sweep.sizes[: sweep.extra_seed_sizes]
-            seeds = sweep.seeds + (sweep.extra_seeds if small_end else ())
-            plan += [(label, v, sized_ov, width, layers, steps, seed, params) for seed in seeds]
-    check_epochs(sweep, plan, data, tok)
-    work = []
-    for label, v, sized_ov, width, layers, steps, seed, params in plan:
-        run_dir = out / "runs" / f"{label}-w{width}-l{layers}-s{seed}"
-        train = {**sweep.train, "steps": steps}
-        if sweep.tokens_per_param and train.get("max_tokens") is None:  # tokenise only what the run reads
-            train["max_tokens"] = stream_tokens(steps, train["batch_size"] * train.get("grad_accum", 1), ctx)
-        train["eval_every"] = min(train.get("eval_every", 20), steps)
-        cfg = variant_train_config(sweep.preset, sized_ov, train, v, label, seed, run_dir, tok_path, data, device)
-        meta = {
-            "label": label,
-            "variant": v.name,
-            "width": width,
-            "layers": layers,
-            "seed": seed,
-            "balance": v.balance,
-            **params,
-        }
-        work.append((cfg, meta, sweep.run_plots))
+    work = plan_sweep(sweep, out, data, tok_path, device)
     if jobs > 1:  # longest first, so the pool does not end waiting on the largest size alone ...
         work.sort(key=lambda w: -w[0].steps)
         if warm_first:  # ... after the run that goes alone to fill the kernel caches: the shortest
@@ -301,13 +302,10 @@ def run_sweep(
 
     def done(i: int, s: dict) -> None:
         log.info(
-            "[%d/%d] %s w%d l%d seed %d: %sval loss %s",
+            "[%d/%d] %s: %sval loss %s",
             i + 1,
             len(work),
-            s["label"],
-            s["width"],
-            s["layers"],
-            s["seed"],
+            Path(work[i][0].out).name,
             "skipped, " if s.get("skipped") else "",
             s.get("val_loss"),
         )
@@ -320,3 +318,54 @@ def run_sweep(
         warm_first,
         [f"run {Path(cfg.out).name}" for cfg, _, _ in work],
     )
+
+
+def plan_sweep(sweep: Sweep, out: Path, data: str | None, tok_path: Path, device: str = "auto") -> list[tuple]:
+    """The ``(TrainConfig, meta, plots)`` job of every run of ``sweep`` (size x ratio x arm x rate x seed), in
+    that order, after checking them all (:func:`check_sweep`, :func:`check_epochs`): nothing is trained."""
+    from k3.audit.ablate import make_variant, params_of, variant_config, variant_train_config
+    from k3.config import get_preset
+    from k3.data.tokenizer import Tokenizer
+
+    check_sweep(sweep)
+    tok = Tokenizer.load(tok_path)
+    plan = []
+    ctx = sweep.train.get("seq_len", 512)
+    for width, layers in sweep.sizes:  # validate everything before training anything
+        sized_ov = size_overrides(width, layers, sweep.head_dim)
+        base = get_preset(sweep.preset).replace(**sized_ov)
+        full_vocab = base.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, bos_token_id=tok.bos_id)
+        n_k3 = params_of(full_vocab, ctx)["params_activated"]
+        per_step = sweep.train["batch_size"] * sweep.train.get("grad_accum", 1) * ctx
+        for ratio in sweep.ratios or (sweep.tokens_per_param,):
+            steps = max(sweep.min_steps, math.ceil(ratio * n_k3 / per_step)) if ratio else sweep.train.get("steps")
+            for label, vname in sweep.archs.items():
+                v = make_variant(vname, base)
+                params = params_of(variant_config(full_vocab, v), ctx)
+                small_end = (width, layers) in sweep.sizes[: sweep.extra_seed_sizes]
+                seeds = sweep.seeds + (sweep.extra_seeds if small_end else ())
+                for lr in sweep.lrs or (None,):
+                    tag = (f"-tpp{ratio:g}" if sweep.ratios else "") + (f"-lr{lr:g}" if sweep.lrs else "")
+                    plan += [(label, v, sized_ov, width, layers, steps, seed, params, lr, ratio, tag) for seed in seeds]
+    check_epochs(sweep, plan, data, tok)
+    work = []
+    for label, v, sized_ov, width, layers, steps, seed, params, lr, ratio, tag in plan:
+        run_dir = out / "runs" / f"{label}-w{width}-l{layers}{tag}-s{seed}"
+        train = {**sweep.train, "steps": steps, **({} if lr is None else {"lr": lr})}
+        if ratio and train.get("max_tokens") is None:  # tokenise only what the run reads
+            train["max_tokens"] = stream_tokens(steps, train["batch_size"] * train.get("grad_accum", 1), ctx)
+        train["eval_every"] = min(train.get("eval_every", 20), steps)
+        cfg = variant_train_config(sweep.preset, sized_ov, train, v, label, seed, run_dir, tok_path, data, device)
+        meta = {
+            "label": label,
+            "variant": v.name,
+            "width": width,
+            "layers": layers,
+            "seed": seed,
+            "lr": cfg.lr,
+            "tokens_per_param": ratio,
+            "balance": v.balance,
+            **params,
+        }
+        work.append((cfg, meta, sweep.run_plots))
+    return work

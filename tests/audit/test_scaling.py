@@ -17,7 +17,7 @@ from k3.audit.scaling import (
     load_run,
     write_outputs,
 )
-from k3.audit.sweeps import SWEEPS, get_sweep, run_sweep, size_overrides
+from k3.audit.sweeps import SWEEPS, check_sweep, get_sweep, run_sweep, size_overrides
 from k3.cli.main import main
 from k3.config import get_preset
 from k3.data.corpus import stdlib_corpus
@@ -160,7 +160,10 @@ def test_k2_like_baseline_and_the_gpu5_sweep():
 
 def test_sweep_definitions():
     for name, sweep in SWEEPS.items():
-        assert len(sweep.sizes) >= 4 and len(sweep.archs) >= 2 and "baseline" in sweep.archs
+        design = sweep.lrs or sweep.ratios  # a design sweep compares choices at >= 2 sizes; a scaling one fits >= 4
+        assert len(sweep.sizes) >= (2 if design else 4) and len(sweep.archs) >= 2 and "baseline" in sweep.archs
+        check_sweep(sweep)
+        assert not sweep.lrs or sweep.train["lr"] in sweep.lrs  # the shared rate is one of those tried
         for width, layers in sweep.sizes:
             base = get_preset(sweep.preset).replace(**size_overrides(width, layers, sweep.head_dim))
             for variant in sweep.archs.values():
