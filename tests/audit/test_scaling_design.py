@@ -12,7 +12,7 @@ import torch
 from k3.audit.scaling_design import analyse_design, is_design, write_design_outputs
 from k3.audit.sweeps import check_sweep, get_sweep, plan_sweep
 from k3.cli.main import main
-from k3.data.text import stdlib_corpus
+from k3.data.corpus import stdlib_corpus
 
 
 @pytest.fixture(autouse=True, scope="module")
