@@ -2,6 +2,7 @@
 
     python benchmarks/profile_engine.py [--preset small-1b] [--batches 1,8,64] [--prompt 256] [--output 128]
         [--profile 64] [--top 35] [--closed 64] [--rounds 3] [--no-warm-up] [--no-graphs] [--prefill 1,4,16]
+        [--budgets 4096,16384]
 
 For each batch B: B random prompts of ``--prompt`` tokens, greedy, ``--output`` tokens each with ignore_eos, run
 by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, and the captured graph step at B
@@ -10,7 +11,8 @@ by ``Engine.step`` to the end; output tokens/s, wall time per decode-only step, 
 the functions with the most own time. With ``--closed C``: C closed-loop clients first (each adds its next request
 when its last one finishes, ``--rounds`` each, as the serving benchmark's clients do): time to first token in
 engine steps and wall time, and the slowest steps with what they ran, so a stall (a compilation, an autotuner)
-shows with the pass that caused it. With ``--prefill N,...``: one packed prefill pass of N prompts of ``--prompt``
+shows with the pass that caused it; with ``--budgets``, once per step token budget, each on its own engine, so
+budgets compare in one process. With ``--prefill N,...``: one packed prefill pass of N prompts of ``--prompt``
 tokens each (``NxL``: of L tokens), its wall time, device time (CUDA events) and the kernels it launched
 (torch.profiler), so a pass whose host work exceeds its device work shows. Writes $K3_BENCH_OUT/profile_engine.txt
 when set.
@@ -172,6 +174,12 @@ def main() -> None:
         default="",
         help="prefill passes to time, comma-separated: N (prompts of --prompt tokens) or NxL (of L tokens)",
     )
+    p.add_argument(
+        "--budgets",
+        default="",
+        help="step token budgets (max_num_batched_tokens) to run the closed loop at, each on its own engine in this "
+        "process, comma-separated (default: the engine's)",
+    )
     a = p.parse_args()
     passes = [tuple(map(int, x.split("x"))) if "x" in x else (int(x), a.prompt) for x in a.prefill.split(",") if x]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -183,22 +191,34 @@ def main() -> None:
     tokenizer = bench_tokenizer()
     model = random_model(random_config(a.preset, tokenizer), a.device)
     batches = [int(b) for b in a.batches.split(",")]
-    engine = Engine(
-        model,
-        tokenizer,
-        max_batch=max(batches + [a.profile, a.closed] + [n for n, _ in passes]),
-        max_context=a.prompt + a.output + 64,
-        warm_up=False if a.no_warm_up else None,
-        cuda_graphs=False if a.no_graphs else None,
-    )
+    budgets = [int(b) for b in a.budgets.split(",") if b] or [None]
+
+    def build(budget):
+        return Engine(
+            model,
+            tokenizer,
+            max_batch=max(batches + [a.profile, a.closed] + [n for n, _ in passes]),
+            max_context=a.prompt + a.output + 64,
+            max_num_batched_tokens=budget,
+            warm_up=False if a.no_warm_up else None,
+            cuda_graphs=False if a.no_graphs else None,
+        )
+
     vocab, rng, lines = model.config.vocab_size, random.Random(0), []
-    for n, length in passes:
-        lines.append(prefill_pass(engine, n, length, vocab))
-        print(lines[-1], flush=True)
-    if a.closed:
-        for line in run_closed(engine, a.closed, a.rounds, a.prompt, a.output, vocab, rng):
-            lines.append(line)
-            print(line, flush=True)
+    for i, budget in enumerate(budgets):
+        engine = build(budget)
+        if i == 0:
+            for n, length in passes:
+                lines.append(prefill_pass(engine, n, length, vocab))
+                print(lines[-1], flush=True)
+        if a.closed:
+            lines.append(f"step budget {engine.max_num_batched_tokens} tokens:")
+            print(lines[-1], flush=True)
+            for line in run_closed(engine, a.closed, a.rounds, a.prompt, a.output, vocab, rng):
+                lines.append(line)
+                print(line, flush=True)
+        if i < len(budgets) - 1:
+            del engine
     run_batch(engine, max(batches), a.prompt, 8, vocab, rng)  # warm-up
     for b in batches:
         r = run_batch(engine, b, a.prompt, a.output, vocab, rng)
