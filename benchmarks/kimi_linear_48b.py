@@ -55,7 +55,9 @@ def fingerprint(t: torch.Tensor) -> int:
     """An exact, order-independent checksum of a tensor's bytes: the int64 sum of its 16-bit words. A float sum
     depends on the reduction order, which follows the process's thread count, so two processes can disagree on
     the same tensor."""
-    return int(t.contiguous().view(-1).view(torch.int16).sum(dtype=torch.int64))
+    flat = t.contiguous().view(-1)
+    words = flat.view(torch.int16) if flat.element_size() >= 2 else flat.to(torch.int16)  # bytes: their values
+    return int(words.sum(dtype=torch.int64))
 
 
 def drop_page_cache(directory: Path) -> None:

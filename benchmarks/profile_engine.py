@@ -115,8 +115,7 @@ def prefill_pass(engine, segments: int, prompt: int, vocab: int) -> str:
     cuda = engine.device.type == "cuda"
 
     def once() -> None:
-        for slot in slots:
-            engine.cache.reset(slot)
+        engine.cache.reset(slots)
         ids = torch.randint(vocab, (1, segments * prompt), device=engine.device)
         cu = torch.tensor([0] + [prompt] * segments).cumsum(0)
         with torch.no_grad():
@@ -144,8 +143,7 @@ def prefill_pass(engine, segments: int, prompt: int, vocab: int) -> str:
     events = prof.key_averages()
     kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    for slot in slots:
-        engine.cache.reset(slot)
+    engine.cache.reset(slots)
     dev = f", device {device:.1f} ms" if device is not None else ""
     head = (
         f"prefill pass {segments} x {prompt} tokens: launched in {1e3 * host:.1f} ms, done in {1e3 * wall:.1f} ms"

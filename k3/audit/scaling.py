@@ -335,6 +335,15 @@ def _log_y(ax) -> None:
     ax.tick_params(axis="y", which="minor", labelsize=7)
 
 
+def compute_loss_axes(ax, ylabel: str = "validation loss (nats/token)") -> None:
+    """Axes of loss against training compute: both logarithmic, plain-number loss ticks."""
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _log_y(ax)
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel(ylabel)
+
+
 def plot_scaling(result: dict, path: Path) -> None:
     has_mult = any(m["overlap"] for m in result["multipliers"].values())
     fig, axes = plt.subplots(1, 2 if has_mult else 1, figsize=(12 if has_mult else 6.5, 4.5))
@@ -363,11 +372,7 @@ def plot_scaling(result: dict, path: Path) -> None:
                 ax.fill_between(band["compute"], band["lo"], band["hi"], color=color, alpha=0.15, lw=0)
         else:
             ax.plot([], [], color=color, label=f"{label} (not fitted)")
-    ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    _log_y(ax)
-    ax.set_xlabel("training compute C (FLOPs)")
-    ax.set_ylabel("validation loss (nats/token)")
+    compute_loss_axes(ax)
     ax.set_title(f"L(C) per architecture; dashed beyond an arm's runs\n90% band: {_methods(result)}", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)

@@ -25,13 +25,12 @@ import math
 from pathlib import Path
 
 import matplotlib
-import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3.audit.scaling import _data_names, _fit_from, _log_y, analyse, compute_multiplier  # noqa: E402
+from k3.audit.scaling import _data_names, _fit_from, analyse, compute_loss_axes, compute_multiplier  # noqa: E402
 from k3.audit.stats import t_interval  # noqa: E402
 
 KEYS = ("width", "layers", "lr")
@@ -305,11 +304,7 @@ def plot_design(result: dict, path: Path) -> None:
                     marker="o",
                     label=f"{label}, {_ratio(ch['tokens_per_param'])} tok/param",
                 )
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        _log_y(ax)
-        ax.set_xlabel("training compute C (FLOPs)")
-        ax.set_ylabel("final validation loss (nats/token)")
+        compute_loss_axes(ax, "final validation loss (nats/token)")
         ax.set_title(f"runs at lr {result['shared_lr']:g}, by tokens per parameter\nno interval drawn", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)

@@ -152,24 +152,19 @@ class K3Cache:
                     layer.lengths[i] += 1
         self.advance(seq_ids, [1] * len(seq_ids))
 
-    def reset(self, slots: int | list[int]) -> None:
+    def reset(self, slots: list[int]) -> None:
         """Empty sequences ``slots`` (zero KDA and conv state, no MLA latents) for new requests: one in-place fill
         per state tensor for all of them (a fill per slot and tensor is host work a batch of admissions repeats)."""
-        slots = [slots] if isinstance(slots, int) else list(slots)
         if not slots:
             return
-        index = None
-        for layer in self.layers:
-            if isinstance(layer, KDAState):
-                if index is None:
-                    index = to_device(torch.tensor(slots, dtype=torch.int64), layer.recurrent.device)
+        kda = [layer for layer in self.layers if isinstance(layer, KDAState)]
+        if kda:
+            index = to_device(torch.tensor(slots, dtype=torch.int64), kda[0].recurrent.device)
+            for layer in kda:
                 for t in (layer.recurrent, *layer.conv):
                     t.index_fill_(0, index, 0)
-            else:
-                for slot in slots:
-                    layer.lengths[slot] = 0
         for slot in slots:
-            self.seq_lens[slot] = 0
+            self.release(slot)
 
     def release(self, slot: int) -> None:
         """Forget sequence ``slot``'s length (host bookkeeping only): its states are zeroed when the slot is
